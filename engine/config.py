@@ -1,0 +1,267 @@
+"""The typed configuration: one dataclass per group, registered with Hydra's ConfigStore, and the checks
+that run on the composed config before any process group or model exists.
+
+YAML under conf/ holds values only; every key a user can set is declared here with a one-line docstring.
+`validate(cfg, world_size)` raises `ConfigError` whose message names the key(s), the value, the rule and a fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "opo")
+GROUP_RELATIVE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo")
+POLICY_LOSSES = ("ppo", "gspo")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 60
+    """Number of RL steps (rollout + update) to run."""
+    seed: int = 1
+    """Seed for model init, data order and sampling."""
+    output_dir: str = ""
+    """Where metrics.jsonl and checkpoints go; empty = Hydra's run directory."""
+    save_freq: int = 0
+    """Save a checkpoint every N steps (0 = only at the end if save_at_end)."""
+    test_freq: int = 0
+    """Validate every N steps (0 = never)."""
+    resume: str = "off"
+    """`auto` (latest checkpoint in output_dir), `off`, or a checkpoint path."""
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Any of console, jsonl, tensorboard, wandb."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward micro-batch on each DP rank."""
+    progress_bar: bool = True
+    """Show a progress bar on the logging rank."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size of the training layout."""
+    pp: int = 1
+    """Pipeline-parallel size of the training layout."""
+    vpp: int = 1
+    """Virtual pipeline chunks per stage (interleaved 1F1B when > 1)."""
+    sp: bool = False
+    """Sequence parallelism inside TP groups."""
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "native"
+    """`native` (KV-cache engine on the rollout-layout weights) or `vllm`."""
+    tp: int = 1
+    """Tensor-parallel size of the rollout layout; must divide parallel.tp."""
+    n: int = 8
+    """Responses sampled per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 = off)."""
+    max_new_tokens: int = 8
+    """Most tokens generated per response."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks fix response lengths this way)."""
+    val_temperature: float = 0.0
+    """Temperature for validation rollouts (0 = greedy)."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM: fraction of GPU memory for weights + KV cache."""
+    max_num_seqs: int = 256
+    """vLLM / native: most sequences decoded at once."""
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Parquet files in the RLHF schema; empty = the embedded task."""
+    val_files: list[str] = field(default_factory=list)
+    """Parquet files for validation; empty = a held-out embedded set when training on it."""
+    batch_size: int = 16
+    """Prompts per step (global, across DP ranks)."""
+    max_prompt_len: int = 64
+    """Prompts longer than this many tokens are dropped (and counted)."""
+    bad_rows: str = "error"
+    """`error` or `skip` rows with a missing or malformed field."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch (seeded)."""
+    embedded_task: str = "copy"
+    """Embedded task when train_files is empty: `copy` or `target`."""
+    embedded_digits: int = 4
+    """Digits per embedded prompt (the response length the task asks for)."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    """Preset name, for logs."""
+    path: str = ""
+    """Local Hugging Face checkpoint directory; empty = random init from the fields below."""
+    tokenizer_path: str = ""
+    """Tokenizer directory; empty = model.path, or the embedded tokenizer for random init."""
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 64
+    """Model width."""
+    ffn_hidden_size: int = 192
+    """SwiGLU inner width."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int = 2
+    """Key/value heads (GQA groups)."""
+    head_dim: int = 0
+    """Per-head width; 0 = hidden_size / num_attention_heads."""
+    vocab_size: int = 0
+    """Vocabulary; 0 = the tokenizer's size."""
+    max_position_embeddings: int = 256
+    """Longest prompt + response."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    qkv_bias: bool = False
+    """Bias on the fused QKV projection (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm on queries and keys (Qwen3)."""
+    tie_embeddings: bool = False
+    """Output layer shares the input embedding."""
+    init_std: float = 0.02
+    """Std of the random init."""
+    dtype: str = "float32"
+    """Parameter dtype for compute: float32, bfloat16 or float16."""
+    recompute: bool = False
+    """Full activation recompute of every layer."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate of the actor."""
+    min_lr: float = 0.0
+    """Floor of the decay schedule."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up optimizer steps."""
+    lr_decay: str = "constant"
+    """`constant`, `linear` or `cosine` after warm-up."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global grad-norm clip (0 = off)."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state over DP ranks (megatron's distributed optimizer)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"
+    """Preset name, for logs."""
+    adv_estimator: str = "grpo"
+    """gae | grpo | rloo | reinforce_pp | reinforce_pp_baseline | remax | opo."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group std (false = Dr.GRPO)."""
+    gamma: float = 1.0
+    """Discount."""
+    lam: float = 1.0
+    """GAE lambda."""
+    policy_loss: str = "ppo"
+    """ppo | gspo."""
+    clip_ratio_low: float = 0.2
+    """Lower clip range of the ratio."""
+    clip_ratio_high: float = 0.2
+    """Upper clip range of the ratio (clip-higher when larger)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    kl_loss_coef: float = 0.0
+    """Coefficient of KL(actor || reference) as a loss term (0 = off)."""
+    kl_estimator: str = "k3"
+    """k1 | k2 | k3 | abs."""
+    kl_in_reward: bool = False
+    """Subtract a KL penalty from the token rewards."""
+    kl_reward_coef: float = 0.0
+    """Initial coefficient of the KL penalty in the reward."""
+    kl_ctrl: str = "fixed"
+    """fixed | adaptive controller for the KL-in-reward coefficient."""
+    kl_target: float = 0.1
+    """Adaptive controller's KL target."""
+    kl_horizon: int = 10000
+    """Adaptive controller's horizon."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    value_clip: float = 0.2
+    """Critic value clipping range."""
+    tis_cap: float = 0.0
+    """Truncated importance-sampling cap between rollout and training log-probs (0 = off)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal."""
+    overlong_buffer_len: int = 0
+    """DAPO: soft overlong penalty over the last N tokens (0 = off)."""
+    overlong_penalty: float = 1.0
+    """DAPO: penalty factor at max length."""
+    ppo_epochs: int = 1
+    """Passes over each step's batch."""
+    num_mini_batches: int = 1
+    """Optimizer steps per epoch."""
+
+
+@dataclass
+class RewardConfig:
+    fn: str = ""
+    """User reward `module:function` or `path/to/file.py:function`; empty = built-in by data_source."""
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "cpu"
+    """Preset name, for logs."""
+    device: str = "cpu"
+    """`cpu` (gloo) or `cuda` (NCCL, one GPU per rank)."""
+    timeout_s: float = 600.0
+    """Collective timeout; a dead rank makes the others fail after this long."""
+
+
+@dataclass
+class TrainConfig:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
+def register_configs() -> None:
+    """Register the schema so conf/train.yaml composes onto typed nodes (typos in keys fail at compose)."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+
+
+class ConfigError(ValueError):
+    """A configuration value or combination that cannot work; the message says which key and how to fix it."""
+
+
+def to_dataclass(cfg: DictConfig | TrainConfig) -> TrainConfig:
+    """The composed DictConfig as a plain TrainConfig object (typed attribute access everywhere else)."""
+    if isinstance(cfg, TrainConfig):
+        return cfg
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))

@@ -1,0 +1,177 @@
+"""Build megatron-core `GPTModel`s (Llama/Qwen style: RMSNorm, SwiGLU, RoPE, GQA, optional QKV bias and
+QK-norm, tied or untied embeddings) from `ModelConfig`, sharded by megatron itself over TP/PP/VPP.
+
+The actor and reference are plain GPTModels; the critic swaps the output layer for a scalar value head.
+This module builds modules only: it reads no checkpoint and wraps nothing in DDP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from engine.config import ModelConfig
+from engine.models.spec import RMSNorm, layer_spec
+from parallel.dims import ParallelDims
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Everything the rest of the engine needs to know about the architecture, resolved once."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    """The model's real vocabulary (logits beyond it are masked)."""
+    padded_vocab_size: int
+    """Rows of the embedding / output layer: vocab_size rounded up to a multiple of TP."""
+    max_position_embeddings: int
+    rope_theta: float
+    norm_eps: float
+    qkv_bias: bool
+    qk_norm: bool
+    tie_embeddings: bool
+    dtype: torch.dtype
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """Vocabulary rows after padding so every TP shard of the embedding has the same size."""
+    return -(-vocab_size // tp) * tp
+
+
+def resolve_shape(m: ModelConfig, vocab_size: int, tp: int) -> ModelShape:
+    """Fix the architecture from the model config and the tokenizer's (or checkpoint's) vocabulary."""
+    vocab = m.vocab_size or vocab_size
+    return ModelShape(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
+        vocab_size=vocab,
+        padded_vocab_size=padded_vocab(vocab, tp),
+        max_position_embeddings=m.max_position_embeddings,
+        rope_theta=m.rope_theta,
+        norm_eps=m.norm_eps,
+        qkv_bias=m.qkv_bias,
+        qk_norm=m.qk_norm,
+        tie_embeddings=m.tie_embeddings,
+        dtype=_DTYPES[m.dtype],
+    )
+
+
+def transformer_config(
+    shape: ModelShape, dims: ParallelDims, init_std: float, recompute: bool, on_cpu: bool
+) -> TransformerConfig:
+    """megatron's TransformerConfig for this architecture and layout (CPU-safe fusions when on_cpu)."""
+    half = shape.dtype != torch.float32
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_dim,
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+        sequence_parallel=dims.sp,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=init_std,
+        params_dtype=shape.dtype,
+        pipeline_dtype=shape.dtype,
+        bf16=shape.dtype == torch.bfloat16,
+        fp16=shape.dtype == torch.float16,
+        autocast_dtype=shape.dtype if half else None,
+        use_cpu_initialization=on_cpu,
+        perform_initialization=True,
+        bias_activation_fusion=not on_cpu,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=not on_cpu,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        batch_p2p_comm=not on_cpu,  # gloo pairs batched p2p wrongly under interleaved PP
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+        deallocate_pipeline_outputs=False,
+    )
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar value per token for the critic, in place of the vocabulary output layer.
+
+    Replicated across TP ranks (its input is identical on them), so its gradient needs no TP reduction;
+    under sequence parallelism the sequence-sharded input is gathered first.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden_sbh: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            hidden_sbh = gather_from_sequence_parallel_region(hidden_sbh, tensor_parallel_output_grad=False)
+        return hidden_sbh @ self.weight.t(), None  # (s, b, 1)
+
+
+def build_gpt_chunks(
+    shape: ModelShape,
+    dims: ParallelDims,
+    *,
+    init_std: float,
+    recompute: bool,
+    device: torch.device,
+    value_head: bool = False,
+) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage), parameters on `device`."""
+    config = transformer_config(shape, dims, init_std, recompute, on_cpu=device.type == "cpu")
+    spec = layer_spec(shape.qk_norm)
+    chunks = []
+    for vp_stage in range(dims.vpp):
+        vp = vp_stage if dims.vpp > 1 else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        block = TransformerBlockSubmodules(
+            layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp), layer_norm=RMSNorm
+        )
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=block,
+            vocab_size=shape.padded_vocab_size,
+            max_sequence_length=shape.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=shape.tie_embeddings and not value_head,
+            position_embedding_type="rope",
+            rotary_base=int(shape.rope_theta),
+            vp_stage=vp,
+        )
+        if value_head and post:
+            model.output_layer = ValueHead(shape.hidden_size, shape.dtype, dims.sp)
+        chunks.append(model.to(device))
+    return chunks

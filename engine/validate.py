@@ -1,0 +1,275 @@
+"""Checks on the composed configuration, run before any process group or model exists.
+
+Each check raises `ConfigError` naming the key(s), the value, the rule and a fix. The order follows the
+config groups so that the first message a user sees is about the first thing they would look at.
+"""
+
+from __future__ import annotations
+
+import os
+
+from engine.config import (
+    ADV_ESTIMATORS,
+    DTYPES,
+    GROUP_RELATIVE_ESTIMATORS,
+    KL_ESTIMATORS,
+    LOGGERS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    ConfigError,
+    TrainConfig,
+)
+from parallel.dims import ParallelDims
+
+
+def _fail(key: str, value: object, rule: str, fix: str) -> None:
+    raise ConfigError(f"{key}={value!r}: {rule}. Fix: {fix}")
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        _fail(key, value, f"unknown value; known: {', '.join(allowed)}", f"set {key} to one of them")
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        _fail(key, value, "must be > 0", f"set {key} to a positive value")
+
+
+def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
+    """Check every group and cross-group rule; return the validated training layout."""
+    dims = _validate_parallel(cfg, world_size)
+    _validate_model(cfg, dims)
+    _validate_algorithm(cfg)
+    _validate_rollout(cfg, dims)
+    _validate_batches(cfg, dims)
+    _validate_optim(cfg)
+    _validate_trainer(cfg)
+    return dims
+
+
+def _validate_parallel(cfg: TrainConfig, world_size: int) -> ParallelDims:
+    if cfg.cluster.device not in ("cpu", "cuda"):
+        _fail(
+            "cluster.device",
+            cfg.cluster.device,
+            "must be cpu or cuda",
+            "pick cluster=cpu or cluster=single_gpu",
+        )
+    if cfg.cluster.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            _fail("cluster.device", "cuda", "no CUDA device is visible", "use cluster=cpu on this machine")
+    try:
+        return ParallelDims(
+            world_size=world_size,
+            tp=cfg.parallel.tp,
+            pp=cfg.parallel.pp,
+            vpp=cfg.parallel.vpp,
+            sp=cfg.parallel.sp,
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
+    m = cfg.model
+    if m.path and not os.path.isdir(m.path):
+        _fail(
+            "model.path",
+            m.path,
+            "is not a directory",
+            "point model.path at a local Hugging Face checkpoint directory",
+        )
+    _one_of("model.dtype", m.dtype, DTYPES)
+    for key, value in (
+        ("model.num_layers", m.num_layers),
+        ("model.hidden_size", m.hidden_size),
+        ("model.num_attention_heads", m.num_attention_heads),
+        ("model.num_query_groups", m.num_query_groups),
+        ("model.ffn_hidden_size", m.ffn_hidden_size),
+    ):
+        _positive(key, value)
+    if m.path:
+        return  # the architecture comes from config.json; checked when it is read
+    if m.head_dim == 0 and m.hidden_size % m.num_attention_heads:
+        _fail(
+            "model.hidden_size",
+            m.hidden_size,
+            f"must be divisible by model.num_attention_heads={m.num_attention_heads}",
+            "set model.head_dim explicitly or change the sizes",
+        )
+    if m.num_attention_heads % m.num_query_groups:
+        _fail(
+            "model.num_query_groups",
+            m.num_query_groups,
+            f"must divide model.num_attention_heads={m.num_attention_heads}",
+            "use a divisor of the head count",
+        )
+    for key, value in (
+        ("model.num_attention_heads", m.num_attention_heads),
+        ("model.num_query_groups", m.num_query_groups),
+        ("model.ffn_hidden_size", m.ffn_hidden_size),
+    ):
+        if value % dims.tp:
+            _fail(
+                key,
+                value,
+                f"must be divisible by parallel.tp={dims.tp}",
+                "lower parallel.tp or change the model",
+            )
+    if m.num_layers % (dims.pp * dims.vpp):
+        _fail(
+            "model.num_layers",
+            m.num_layers,
+            f"must be divisible by parallel.pp * parallel.vpp = {dims.pp * dims.vpp}",
+            "change parallel.pp / parallel.vpp to divide the layer count",
+        )
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    if longest > m.max_position_embeddings:
+        _fail(
+            "data.max_prompt_len + rollout.max_new_tokens",
+            longest,
+            f"must be <= model.max_position_embeddings={m.max_position_embeddings}",
+            "shorten prompts/responses or raise model.max_position_embeddings",
+        )
+
+
+def _validate_algorithm(cfg: TrainConfig) -> None:
+    a = cfg.algorithm
+    _one_of("algorithm.adv_estimator", a.adv_estimator, ADV_ESTIMATORS)
+    _one_of("algorithm.policy_loss", a.policy_loss, POLICY_LOSSES)
+    _one_of("algorithm.loss_agg_mode", a.loss_agg_mode, LOSS_AGG_MODES)
+    _one_of("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
+    _one_of("algorithm.kl_ctrl", a.kl_ctrl, ("fixed", "adaptive"))
+    for key, value in (
+        ("algorithm.clip_ratio_low", a.clip_ratio_low),
+        ("algorithm.clip_ratio_high", a.clip_ratio_high),
+    ):
+        _positive(key, value)
+    if a.clip_ratio_c <= 1.0:
+        _fail(
+            "algorithm.clip_ratio_c",
+            a.clip_ratio_c,
+            "dual-clip bound must be > 1",
+            "use 3.0 (the usual value)",
+        )
+    if not 0.0 <= a.gamma <= 1.0 or not 0.0 <= a.lam <= 1.0:
+        _fail(
+            "algorithm.gamma/algorithm.lam",
+            (a.gamma, a.lam),
+            "must lie in [0, 1]",
+            "use gamma=1.0, lam=0.95 for PPO",
+        )
+    for key, value in (
+        ("algorithm.kl_loss_coef", a.kl_loss_coef),
+        ("algorithm.kl_reward_coef", a.kl_reward_coef),
+        ("algorithm.entropy_coef", a.entropy_coef),
+        ("algorithm.tis_cap", a.tis_cap),
+    ):
+        if value < 0:
+            _fail(key, value, "must be >= 0", f"set {key}=0 to turn it off")
+    _positive("algorithm.ppo_epochs", a.ppo_epochs)
+    _positive("algorithm.num_mini_batches", a.num_mini_batches)
+    if a.adv_estimator == "gae":
+        _fail(
+            "algorithm.adv_estimator",
+            "gae",
+            "PPO with a critic is not wired into the trainer yet",
+            "use a critic-free estimator (algorithm=grpo, rloo, reinforce_pp, ...) until the critic lands",
+        )
+
+
+def _validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
+    r = cfg.rollout
+    _one_of("rollout.backend", r.backend, ("native", "vllm"))
+    if r.backend == "vllm" and cfg.cluster.device != "cuda":
+        _fail(
+            "rollout.backend", "vllm", "vLLM needs cluster.device=cuda", "use rollout.backend=native on CPU"
+        )
+    if r.tp < 1 or dims.tp % r.tp:
+        divisors = [d for d in range(1, dims.tp + 1) if dims.tp % d == 0]
+        _fail("rollout.tp", r.tp, f"must divide parallel.tp={dims.tp}", f"use rollout.tp in {divisors}")
+    if r.n < 1:
+        _fail("rollout.n", r.n, "must be >= 1", "sample at least one response per prompt")
+    if cfg.algorithm.adv_estimator in GROUP_RELATIVE_ESTIMATORS and r.n < 2:
+        _fail(
+            "rollout.n",
+            r.n,
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses within a "
+            "group, so it needs at least 2 per prompt",
+            "set rollout.n=8 (or >= 2)",
+        )
+    _positive("rollout.temperature", r.temperature)
+    if not 0.0 < r.top_p <= 1.0:
+        _fail("rollout.top_p", r.top_p, "must lie in (0, 1]", "use 1.0 to turn nucleus sampling off")
+    if r.top_k < 0:
+        _fail("rollout.top_k", r.top_k, "must be >= 0", "use 0 to turn top-k off")
+    _positive("rollout.max_new_tokens", r.max_new_tokens)
+    if r.val_temperature < 0:
+        _fail("rollout.val_temperature", r.val_temperature, "must be >= 0", "use 0 for greedy validation")
+    if not 0.0 < r.gpu_memory_utilization < 1.0:
+        _fail("rollout.gpu_memory_utilization", r.gpu_memory_utilization, "must lie in (0, 1)", "use 0.5")
+
+
+def _validate_batches(cfg: TrainConfig, dims: ParallelDims) -> None:
+    b, mbs = cfg.data.batch_size, cfg.trainer.micro_batch_size
+    _positive("data.batch_size", b)
+    _positive("trainer.micro_batch_size", mbs)
+    _positive("data.max_prompt_len", cfg.data.max_prompt_len)
+    _one_of("data.bad_rows", cfg.data.bad_rows, ("error", "skip"))
+    _one_of("data.embedded_task", cfg.data.embedded_task, ("copy", "target"))
+    if b % dims.dp:
+        _fail(
+            "data.batch_size",
+            b,
+            f"must be divisible by the data-parallel size {dims.dp} (= world / (tp*pp))",
+            f"use a multiple of {dims.dp}",
+        )
+    prompts_per_rank = b // dims.dp
+    mini = cfg.algorithm.num_mini_batches
+    if prompts_per_rank % mini:
+        _fail(
+            "algorithm.num_mini_batches",
+            mini,
+            f"must divide the prompts per DP rank (data.batch_size / dp = {prompts_per_rank})",
+            "keep whole groups in each mini-batch: pick a divisor",
+        )
+    seqs_per_mini = prompts_per_rank // mini * cfg.rollout.n
+    if seqs_per_mini % mbs:
+        _fail(
+            "trainer.micro_batch_size",
+            mbs,
+            f"must divide the sequences per mini-batch per DP rank (batch_size/dp/num_mini_batches*rollout.n = {seqs_per_mini})",
+            f"use a divisor of {seqs_per_mini}",
+        )
+
+
+def _validate_optim(cfg: TrainConfig) -> None:
+    o = cfg.optim
+    _positive("optim.lr", o.lr)
+    if o.min_lr < 0 or o.min_lr > o.lr:
+        _fail("optim.min_lr", o.min_lr, f"must lie in [0, optim.lr={o.lr}]", "lower optim.min_lr")
+    _one_of("optim.lr_decay", o.lr_decay, ("constant", "linear", "cosine"))
+    if o.clip_grad < 0:
+        _fail("optim.clip_grad", o.clip_grad, "must be >= 0", "use 1.0, or 0 to turn clipping off")
+    if o.lr_warmup_steps < 0:
+        _fail("optim.lr_warmup_steps", o.lr_warmup_steps, "must be >= 0", "use 0 for no warm-up")
+
+
+def _validate_trainer(cfg: TrainConfig) -> None:
+    t = cfg.trainer
+    _positive("trainer.total_steps", t.total_steps)
+    for name in t.loggers:
+        _one_of("trainer.loggers", name, LOGGERS)
+    for key, value in (("trainer.save_freq", t.save_freq), ("trainer.test_freq", t.test_freq)):
+        if value < 0:
+            _fail(key, value, "must be >= 0", "use 0 to turn it off")
+    if t.resume not in ("auto", "off") and not os.path.isdir(t.resume):
+        _fail(
+            "trainer.resume",
+            t.resume,
+            "is neither auto, off nor an existing checkpoint directory",
+            "use trainer.resume=auto to continue from the latest checkpoint in trainer.output_dir",
+        )

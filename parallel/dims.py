@@ -1,0 +1,60 @@
+"""The validated training topology: how N ranks split into tensor, pipeline and data parallel axes.
+
+Pure arithmetic: no process groups are touched here, so the checks can run before any exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class ParallelAxis(str, Enum):
+    """Names of the mesh axes, used in messages and group dictionaries."""
+
+    TP = "tp"
+    PP = "pp"
+    DP = "dp"
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Training layout over `world_size` ranks; dp is derived as world_size / (tp * pp)."""
+
+    world_size: int
+    """Total number of ranks in the job."""
+    tp: int = 1
+    """Tensor-parallel size (`parallel.tp`)."""
+    pp: int = 1
+    """Pipeline-parallel size (`parallel.pp`)."""
+    vpp: int = 1
+    """Virtual pipeline chunks per stage (`parallel.vpp`); >1 selects the interleaved schedule."""
+    sp: bool = False
+    """Sequence parallelism inside TP groups (`parallel.sp`)."""
+
+    def __post_init__(self) -> None:
+        for key, value in (("parallel.tp", self.tp), ("parallel.pp", self.pp), ("parallel.vpp", self.vpp)):
+            if value < 1:
+                raise ValueError(f"{key}={value} must be >= 1")
+        if self.world_size < 1:
+            raise ValueError(f"world size {self.world_size} must be >= 1")
+        if self.world_size % (self.tp * self.pp) != 0:
+            raise ValueError(
+                f"parallel.tp * parallel.pp = {self.tp} * {self.pp} = {self.tp * self.pp} must divide the "
+                f"world size {self.world_size}; launch a multiple of {self.tp * self.pp} ranks "
+                f"(torchrun --nproc_per_node) or change parallel.tp / parallel.pp"
+            )
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError(f"parallel.vpp={self.vpp} needs parallel.pp > 1 (interleaving needs stages)")
+        if self.sp and self.tp == 1:
+            raise ValueError("parallel.sp=true needs parallel.tp > 1 (sequence parallelism splits inside TP)")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size."""
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one replica of the model."""
+        return self.tp * self.pp

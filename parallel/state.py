@@ -1,0 +1,146 @@
+"""Distributed start-up: torch.distributed from torchrun's environment (or one plain process), megatron's
+parallel_state, and the explicit process groups handed to the rest of the engine.
+
+Nothing outside `parallel/` reads megatron's global groups: callers get a `ProcessGroups` object.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parallel.dims import ParallelDims
+
+
+@dataclass
+class ProcessGroups:
+    """The groups of this rank, plus its coordinates; created once by `init_distributed`."""
+
+    dims: ParallelDims
+    """The validated training layout."""
+    device: torch.device
+    """Where this rank computes: `cuda:<local_rank>` or `cpu`."""
+    rank: int
+    """Global rank."""
+    tp: dist.ProcessGroup
+    """Tensor-parallel group of this rank."""
+    pp: dist.ProcessGroup
+    """Pipeline-parallel group of this rank."""
+    dp: dist.ProcessGroup
+    """Data-parallel group of this rank."""
+    mp: dist.ProcessGroup
+    """Model-parallel group (tp x pp) of this rank."""
+    world: dist.ProcessGroup
+    """All ranks."""
+
+    @property
+    def tp_rank(self) -> int:
+        return dist.get_rank(self.tp)
+
+    @property
+    def pp_rank(self) -> int:
+        return dist.get_rank(self.pp)
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank(self.dp)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.dims.pp - 1
+
+    @property
+    def pp_last_rank(self) -> int:
+        """Global rank of the last pipeline stage in this rank's PP group."""
+        return dist.get_global_rank(self.pp, self.dims.pp - 1)
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The one rank that prints and writes metrics: global rank 0."""
+        return self.rank == 0
+
+
+def world_size_from_env() -> int:
+    """World size torchrun (or SLURM through torchrun) announces; 1 for a plain process."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(
+    dims: ParallelDims, device_type: str = "cpu", timeout_s: float = 600.0, seed: int = 0
+) -> ProcessGroups:
+    """Start torch.distributed and megatron's parallel state for `dims`; return this rank's groups.
+
+    `device_type` is "cpu" (gloo, megatron CPU shims applied) or "cuda" (NCCL, one GPU per local rank).
+    A plain `python -m ...` process becomes a world of one on a free local port.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    if device_type == "cpu":
+        from parallel.cpu import install_cpu_shims
+
+        install_cpu_shims()
+        device = torch.device("cpu")
+        backend = "gloo"
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(
+                RANK="0",
+                WORLD_SIZE="1",
+                LOCAL_RANK="0",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(_free_port()),
+            )
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    if dist.get_world_size() != dims.world_size:
+        raise RuntimeError(
+            f"the job has {dist.get_world_size()} ranks but the layout was validated for {dims.world_size}"
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        create_gloo_process_groups=(backend == "gloo"),
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return ProcessGroups(
+        dims=dims,
+        device=device,
+        rank=dist.get_rank(),
+        tp=parallel_state.get_tensor_model_parallel_group(),
+        pp=parallel_state.get_pipeline_model_parallel_group(),
+        dp=parallel_state.get_data_parallel_group(),
+        mp=parallel_state.get_model_parallel_group(),
+        world=dist.group.WORLD,
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron's state and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
