@@ -1,0 +1,27 @@
+"""Run a script under torchrun on CPU (gloo) from a test; one launch costs ~10 s, so group checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def run_torchrun(script: str, nproc: int, args: list[str] | None = None, timeout: float = 600) -> str:
+    """Launch `script` on `nproc` local CPU ranks; fail the test with the ranks' output if any rank fails."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "--tee=3",
+        script,
+        *(args or []),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun {script} x{nproc} failed (rc={proc.returncode}):\n{out[-8000:]}")
+    return out
