@@ -339,7 +339,7 @@ class HybridLayout:
             raise ValueError(f"rank {rank} does not hold layer {layer} in the rollout layout")
         return self.stage_positions(stage)
 
-    def placement(self, rank: int, kind: PartitionKind, full_size: int) -> Placement:
+    def placement(self, rank: int, kind: PartitionKind | str, full_size: int) -> Placement:
         """Where `rank`'s training shard of a parameter goes inside the rollout shard of its micro-DP group.
 
         `full_size` is the size of the full tensor along the partition dim (dim 1 for row, else dim 0; for
@@ -347,6 +347,9 @@ class HybridLayout:
         full[i*n/t, (i+1)*n/t) (column_gated: gate and up rows of that range); rollout shard j likewise at
         width t_g. The blocks of the members at one stage tile the rollout shard exactly. QKV is `column`
         because megatron interleaves it per query group; that needs num_query_groups % parallel.tp == 0.
+
+        Use: allocate the rollout buffer with `rollout_size` along `dim`, copy the own shard's blocks, and
+        fill the rest from the other members (`micro_dp_groups`, `stage_positions`) with their placements.
         """
         kind = PartitionKind(kind)
         t, k = self.train.tp, self.tp_ratio
@@ -362,10 +365,8 @@ class HybridLayout:
                 f"a {kind.value} parameter of size {full_size} along its partition dim is not divisible by "
                 f"{num_halves}*parallel.tp = {num_halves * t}; pad it (vocab) or choose parallel.tp among its divisors"
             )
-        half_full, width = (
-            full_size // num_halves,
-            full_size // (num_halves * t),
-        )  # width: one half of a shard
+        half_full = full_size // num_halves  # rows of gate (or of the whole tensor when not gated)
+        width = half_full // t  # one half of a training shard
         blocks = tuple(
             SliceBlock(
                 src=range(h * width, (h + 1) * width),
@@ -381,7 +382,10 @@ class HybridLayout:
         if param.kind == PartitionKind.REPLICATED:
             return param.num_bytes
         if param.num_bytes % self.train.tp != 0:
-            raise ValueError(f"{param} is not divisible by parallel.tp={self.train.tp}")
+            raise ValueError(
+                f"a {param.kind.value} parameter of {param.num_bytes} bytes does not split over "
+                f"parallel.tp={self.train.tp}; give the full tensor's bytes (a multiple of the TP size)"
+            )
         return param.num_bytes // tp
 
     def rollout_weight_bytes(self, rank: int, params: Iterable[ParamSpec]) -> int:
@@ -394,13 +398,13 @@ class HybridLayout:
         """Bytes `rank` receives in the train -> rollout transition: its rollout shard minus what it already
         holds; equals (t*p - t_g*p_g) / (t_g*p_g*t*p) * M in HybridFlow's setting."""
         params = list(params)
-        own_pp = self.train.coords(rank).pp_rank
-        own = sum(self._shard_bytes(p, self.train.tp) for p in params if p.pp_rank == own_pp)
-        return self.rollout_weight_bytes(rank, params) - own
+        return self.rollout_weight_bytes(rank, params) - self._train_weight_bytes(rank, params)
 
     def naive_received_bytes(self, rank: int, params: Iterable[ParamSpec]) -> int:
         """Bytes `rank` receives when every rank gathers the full model (the baseline): M minus its shard."""
         params = list(params)
+        return sum(p.num_bytes for p in params) - self._train_weight_bytes(rank, params)
+
+    def _train_weight_bytes(self, rank: int, params: list[ParamSpec]) -> int:
         own_pp = self.train.coords(rank).pp_rank
-        own = sum(self._shard_bytes(p, self.train.tp) for p in params if p.pp_rank == own_pp)
-        return sum(p.num_bytes for p in params) - own
+        return sum(self._shard_bytes(p, self.train.tp) for p in params if p.pp_rank == own_pp)
