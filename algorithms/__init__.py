@@ -1,0 +1,116 @@
+"""The RL algorithm family as pure tensor functions: advantages, policy/value losses, KL, DAPO helpers.
+
+Everything here is a function of tensors: no torch.distributed, no config objects, no .item() in the
+hot paths except where noted. Shapes: `_b` (batch,), `_bt` (batch, resp_len), `_btv` (batch, resp_len,
+vocab). `mask_bt` is 1/True on response tokens that count, 0 on padding (bool or 0/1 of any dtype);
+padded positions may hold any finite garbage: every function ignores them and returns 0 there.
+Unknown names and mismatched shapes raise ValueError naming the argument.
+
+Advantages (algorithms/advantages.py). Names: gae, grpo, rloo, opo, reinforce_pp, reinforce_pp_baseline, remax.
+    get_advantage_estimator(name) -> fn; advantage_estimator_names() -> list[str]
+    fn(*, mask_bt, scores_b=None, group_index_b=None, token_rewards_bt=None, values_bt=None,
+       baseline_scores_b=None, gamma=1.0, lam=1.0, norm_by_std=True, whiten=True, eps=1e-6)
+       -> (advantages_bt, returns_bt), both (batch, resp_len), zero on padding; runs under no_grad.
+    Same signature for all; each uses what it needs and raises ValueError if that is None:
+        gae                    token_rewards_bt, values_bt; gamma, lam, whiten (advantage whitening)
+        grpo                   scores_b, group_index_b; norm_by_std (False = Dr.GRPO), eps
+        rloo, opo, reinforce_pp_baseline   scores_b, group_index_b
+        reinforce_pp           token_rewards_bt; gamma (always whitened)
+        remax                  scores_b, baseline_scores_b (score of the greedy response to the same prompt)
+    scores_b (batch,) float: one reward per response (with KL in the reward: the sum over valid tokens of
+    token_rewards_bt). group_index_b (batch,) int: prompt id per response; groups need not be adjacent,
+    but a group must be entirely in the call. A group of one has no baseline (advantage = its score).
+    returns_bt: critic target for gae (advantages + values, before whitening).
+    Whitening uses the statistics of the tensors passed: call on the whole batch, not per micro-batch.
+
+Losses (algorithms/losses.py). Policy loss names: ppo, gspo. Agg modes: LOSS_AGG_MODES =
+    ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm").
+    get_policy_loss(name) -> fn; policy_loss_names() -> list[str]
+    fn(log_probs_bt, old_log_probs_bt, advantages_bt, mask_bt, *, loss_agg_mode, global_normalizer,
+       clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, rollout_log_probs_bt=None, tis_cap=0.0)
+       -> (loss 0-dim, metrics {"clipfrac", "clipfrac_lower", "approx_kl"[, "tis_weight_mean"]})
+       (gspo's defaults are clip_ratio_low=3e-4, clip_ratio_high=4e-4; it ignores clip_ratio_c.)
+       tis_cap > 0: each token loss times detached min(exp(old - rollout), tis_cap); needs rollout_log_probs_bt.
+    loss_normalizer(mask_bt, loss_agg_mode, max_len=None) -> float: valid tokens (token-mean) or sequences
+       with >= 1 valid token (seq-mean-*), times max_len for seq-mean-token-sum-norm (required there: a
+       constant such as the rollout's max new tokens). Additive: global = SUM over DP ranks and micro-batches.
+    agg_loss(loss_mat_bt, mask_bt, loss_agg_mode, global_normalizer) -> 0-dim: (masked sum, or for
+       seq-mean-token-mean the sum of per-sequence token means) / global_normalizer. With the global
+       normaliser of the whole mini-batch, shard losses ADD UP to the full-batch loss for any split along
+       batch. (If the DP gradient reduction averages, multiply the loss by the DP size.)
+    value_loss(values_bt, old_values_bt, returns_bt, mask_bt, *, loss_agg_mode, global_normalizer,
+       value_clip=0.2) -> (0.5 * agg of clipped squared error, {"vf_clipfrac", "vpred_mean"}); value_clip 0 = off.
+    entropy_from_logits(logits_btv, chunk_size=1024) -> entropy_bt (..., vocab) -> (...), >= float32;
+       chunked, checkpointed under autograd; full vocab needed. Entropy bonus (by the caller):
+       loss = pg_loss - entropy_coef * agg_loss(entropy_bt, mask_bt, mode, global_normalizer).
+    Metrics are detached 0-dim tensors, means over this shard's valid tokens.
+
+KL (algorithms/kl.py). Estimator names: k1, k2, k3, abs (k3 = verl's low_var_kl, clamped to [-10, 10]).
+    get_kl_estimator(name) -> fn(log_probs_bt, ref_log_probs_bt, mask_bt) -> kl_bt (zero on padding)
+    kl_estimator_names() -> list[str]
+    KL loss term: kl_loss_coef * agg_loss(kl_bt, mask_bt, loss_agg_mode, global_normalizer).
+    scores_to_token_rewards(scores_b, mask_bt, *, kl_bt=None, kl_coef=0.0) -> token_rewards_bt: score on
+       the last valid token minus kl_coef * kl_bt on valid tokens (KL in the reward; also GAE's rewards).
+    make_kl_controller(kind, *, kl_coef, target=0.1, horizon=10000) -> FixedKLController |
+       AdaptiveKLController; kind in KL_CONTROLLERS = ("fixed", "adaptive"). Both have `.value` (the
+       current coefficient), `update(current_kl, n_steps)` (once per step; current_kl = mean over sequences
+       of the per-sequence token-mean KL, n_steps = number of sequences), state_dict()/load_state_dict().
+       current_kl = agg_loss(kl_bt, mask_bt, "seq-mean-token-mean", loss_normalizer(mask_bt, "seq-mean-token-mean")).
+
+DAPO (algorithms/dapo.py).
+    dynamic_sampling_keep_mask(scores_b, group_index_b) -> keep_b bool (batch,): False for groups whose
+       scores are all equal (singletons kept); the caller drops them and refills with new prompts.
+    overlong_penalty(response_lengths_b, *, max_len, buffer_len, penalty_factor=1.0) -> (batch,) <= 0, to
+       ADD to scores_b: 0 up to max_len - buffer_len, linear down to -penalty_factor at max_len.
+       buffer_len 0 = off; buffer_len > max_len raises ValueError.
+
+Registering a new one: @register_advantage(name), @register_policy_loss(name), @register_kl_estimator(name),
+with the same signature as the existing ones.
+"""
+
+from algorithms.advantages import advantage_estimator_names, get_advantage_estimator, register_advantage
+from algorithms.dapo import dynamic_sampling_keep_mask, overlong_penalty
+from algorithms.kl import (
+    KL_CONTROLLERS,
+    AdaptiveKLController,
+    FixedKLController,
+    get_kl_estimator,
+    kl_estimator_names,
+    make_kl_controller,
+    register_kl_estimator,
+    scores_to_token_rewards,
+)
+from algorithms.losses import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    entropy_from_logits,
+    get_policy_loss,
+    loss_normalizer,
+    policy_loss_names,
+    register_policy_loss,
+    value_loss,
+)
+
+__all__ = [
+    "KL_CONTROLLERS",
+    "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "advantage_estimator_names",
+    "agg_loss",
+    "dynamic_sampling_keep_mask",
+    "entropy_from_logits",
+    "get_advantage_estimator",
+    "get_kl_estimator",
+    "get_policy_loss",
+    "kl_estimator_names",
+    "loss_normalizer",
+    "make_kl_controller",
+    "overlong_penalty",
+    "policy_loss_names",
+    "register_advantage",
+    "register_kl_estimator",
+    "register_policy_loss",
+    "scores_to_token_rewards",
+    "value_loss",
+]
