@@ -1,0 +1,356 @@
+"""Prompts for RL: RLHF-schema parquet -> chat-templated token ids -> per-DP-rank batches.
+
+Schema of a row (the one verl and most RLHF datasets use):
+- `prompt`: list of chat messages `{"role": str, "content": str}`
+- `data_source`: str, picks the rule reward (`engine.rewards`)
+- `reward_model`: `{"ground_truth": str, "style": str}` (numbers are accepted and turned into strings)
+- `extra_info`: free dict, optional (the column may be missing; null reads as {})
+Prompts are tokenised with the tokenizer's own chat template, exactly as
+`tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)` does.
+
+This module knows nothing about process groups: the caller passes its DP rank and size, and every rank
+computes the same global batch from (seed, epoch, position), then takes its consecutive share.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+BAD_ROWS_MODES = ("error", "skip")
+_CHAT_TEMPLATE_CHUNK = 256  # rows per apply_chat_template call: batched is faster, chunks bound memory
+
+
+@dataclass
+class PromptRow:
+    """One validated, not yet tokenised row."""
+
+    messages: list[dict[str, str]]
+    data_source: str
+    ground_truth: str
+    extra_info: dict
+    index: int
+    """Position in the dataset (all files in order, before any filtering): stable across runs."""
+
+
+@dataclass
+class PromptRecord:
+    """One prompt ready for rollout."""
+
+    prompt_ids: list[int]
+    data_source: str
+    ground_truth: str
+    extra_info: dict = field(default_factory=dict)
+    index: int = 0
+    """Position in the dataset (all files in order, before any filtering): stable across runs."""
+
+
+class _BadRow(Exception):
+    def __init__(self, field_name: str, problem: str, fix: str):
+        super().__init__(field_name)
+        self.field_name, self.problem, self.fix = field_name, problem, fix
+
+
+_PROMPT_FIX = 'prompt must be a list of messages like [{"role": "user", "content": "..."}]'
+
+
+def _check_prompt(value: Any) -> list[dict[str, str]]:
+    if value is None:
+        raise _BadRow("prompt", "is missing (null)", _PROMPT_FIX)
+    if isinstance(value, str):
+        raise _BadRow("prompt", "is a plain string, not a list of chat messages", _PROMPT_FIX)
+    if not isinstance(value, Sequence) or len(value) == 0:
+        raise _BadRow("prompt", f"is {_describe(value)}, expected a non-empty list of messages", _PROMPT_FIX)
+    messages = []
+    for j, message in enumerate(value):
+        if not isinstance(message, Mapping):
+            raise _BadRow(f"prompt[{j}]", f"is {_describe(message)}, expected a dict", _PROMPT_FIX)
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise _BadRow(
+                    f"prompt[{j}].{key}", f"is {_describe(message.get(key))}, expected a string", _PROMPT_FIX
+                )
+        messages.append({"role": message["role"], "content": message["content"]})
+    return messages
+
+
+def _check_data_source(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        fix = 'set data_source to the dataset name that picks the reward, e.g. "openai/gsm8k"'
+        raise _BadRow("data_source", f"is {_describe(value)}, expected a non-empty string", fix)
+    return value
+
+
+def _check_ground_truth(value: Any) -> str:
+    fix = 'reward_model must be {"ground_truth": "<answer>", "style": "rule"}'
+    if not isinstance(value, Mapping):
+        raise _BadRow("reward_model", f"is {_describe(value)}, expected a dict", fix)
+    truth = value.get("ground_truth")
+    if isinstance(truth, str):
+        return truth
+    if isinstance(truth, (int, float, np.integer, np.floating)) and not isinstance(truth, bool):
+        return str(truth)
+    raise _BadRow("reward_model.ground_truth", f"is {_describe(truth)}, expected a string", fix)
+
+
+def _check_extra_info(value: Any) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _BadRow(
+            "extra_info", f"is {_describe(value)}, expected a dict or null", "store extra_info as a dict"
+        )
+    return dict(value)
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "missing (null)"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
+
+
+def _read_columns(path: str, where: str) -> dict[str, list]:
+    import pyarrow.parquet as pq
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{where}: file not found. Fix: pass existing parquet files, e.g. {where.split('[')[0]}=[/data/train.parquet]"
+        )
+    try:
+        names = pq.read_schema(path).names
+    except Exception as exc:  # pyarrow raises several types for unreadable files
+        raise ValueError(f"{where}: cannot read as parquet ({type(exc).__name__}: {exc})") from exc
+    missing = [name for name in REQUIRED_COLUMNS if name not in names]
+    if missing:
+        raise ValueError(
+            f"{where}: column(s) {missing} missing (all rows); found {names}. Fix: write the RLHF schema "
+            "(prompt, data_source, reward_model, optional extra_info)"
+        )
+    wanted = [*REQUIRED_COLUMNS, *(["extra_info"] if "extra_info" in names else [])]
+    table = pq.read_table(path, columns=wanted)
+    columns = {name: table.column(name).to_pylist() for name in wanted}
+    columns.setdefault("extra_info", [None] * table.num_rows)
+    return columns
+
+
+def read_prompt_rows(
+    files: Sequence[str], bad_rows: str = "error", files_key: str = "data.train_files"
+) -> tuple[list[PromptRow], dict[str, int]]:
+    """Read and validate the rows of `files` (parquet, RLHF schema), in order; no tokenisation.
+
+    Returns the valid rows and counts {"rows", "bad"}. A malformed row raises ValueError naming the file,
+    the row and the field (bad_rows="error"), or is skipped and counted (bad_rows="skip"). A missing file,
+    an empty file list or a missing required column always raises, naming `files_key`.
+    """
+    if bad_rows not in BAD_ROWS_MODES:
+        raise ValueError(f"bad_rows={bad_rows!r}: must be one of {list(BAD_ROWS_MODES)}")
+    if isinstance(files, str):
+        files = [files]
+    if not files:
+        raise ValueError(
+            f"{files_key} is empty: give at least one parquet file, e.g. {files_key}=[/data/train.parquet]"
+        )
+    rows: list[PromptRow] = []
+    counts = {"rows": 0, "bad": 0}
+    for file_i, path in enumerate(files):
+        where = f"{files_key}[{file_i}]={path}"
+        columns = _read_columns(str(path), where)
+        for row_i, (prompt, source, reward_model, extra) in enumerate(
+            zip(columns["prompt"], columns["data_source"], columns["reward_model"], columns["extra_info"])
+        ):
+            index = counts["rows"]
+            counts["rows"] += 1
+            try:
+                row = PromptRow(
+                    messages=_check_prompt(prompt),
+                    data_source=_check_data_source(source),
+                    ground_truth=_check_ground_truth(reward_model),
+                    extra_info=_check_extra_info(extra),
+                    index=index,
+                )
+            except _BadRow as bad:
+                if bad_rows == "skip":
+                    counts["bad"] += 1
+                    continue
+                raise ValueError(
+                    f"{where}: row {row_i}: field '{bad.field_name}' {bad.problem}. Fix: {bad.fix}; "
+                    "or load with bad_rows='skip' to skip and count such rows"
+                ) from None
+            rows.append(row)
+    return rows, counts
+
+
+def chat_prompt_ids(tokenizer, conversations: Sequence[list[dict[str, str]]]) -> list[list[int]]:
+    """Token ids of each conversation with the generation prompt, as transformers' apply_chat_template gives."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template. Fix: use a chat/instruct "
+            "checkpoint, or add a chat_template (chat_template.jinja) to the tokenizer directory"
+        )
+    out = tokenizer.apply_chat_template(list(conversations), add_generation_prompt=True, tokenize=True)
+    # transformers 5 returns a BatchEncoding (dict-like) by default, 4.x a plain list; accept both.
+    if isinstance(out, Mapping) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    ids = [list(map(int, seq.tolist() if hasattr(seq, "tolist") else seq)) for seq in out]
+    if len(ids) != len(conversations):
+        raise RuntimeError(
+            f"apply_chat_template returned {len(ids)} sequences for {len(conversations)} conversations"
+        )
+    return ids
+
+
+def load_prompt_dataset(
+    files: Sequence[str],
+    tokenizer,
+    max_prompt_len: int,
+    bad_rows: str = "error",
+    files_key: str = "data.train_files",
+) -> tuple[list[PromptRecord], dict[str, int]]:
+    """Read, validate and chat-template the prompts of `files`; drop prompts over `max_prompt_len` tokens.
+
+    Returns (records, counts) with counts {"rows", "kept", "too_long", "bad"}. Raises ValueError as
+    `read_prompt_rows` does, and when no prompt is left.
+    """
+    rows, counts = read_prompt_rows(files, bad_rows, files_key)
+    records: list[PromptRecord] = []
+    too_long, shortest = 0, None
+    for start in range(0, len(rows), _CHAT_TEMPLATE_CHUNK):
+        chunk = rows[start : start + _CHAT_TEMPLATE_CHUNK]
+        for row, ids in zip(chunk, chat_prompt_ids(tokenizer, [row.messages for row in chunk])):
+            shortest = len(ids) if shortest is None else min(shortest, len(ids))
+            if len(ids) > max_prompt_len:
+                too_long += 1
+                continue
+            records.append(PromptRecord(ids, row.data_source, row.ground_truth, row.extra_info, row.index))
+    counts = {"rows": counts["rows"], "kept": len(records), "too_long": too_long, "bad": counts["bad"]}
+    if not records:
+        hint = (
+            f"; the shortest prompt has {shortest} tokens: raise data.max_prompt_len (now {max_prompt_len})"
+            if too_long
+            else ""
+        )
+        raise ValueError(f"{files_key}: no prompt left after loading ({counts}){hint}")
+    return records, counts
+
+
+def load_tokenizer(path: str, key: str = "model.path"):
+    """Load a Hugging Face tokenizer from a local directory (never the network); set pad = eos if unset.
+
+    The eos id is `tokenizer.eos_token_id` (guaranteed set). Raises ValueError naming `key` and `path`.
+    """
+    if not path or not os.path.isdir(path):
+        raise ValueError(
+            f"{key}={path!r}: not a directory. Fix: point {key} at a local Hugging Face checkpoint directory"
+        )
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"{key}={path}: no tokenizer files (looked for {list(TOKENIZER_FILES)}). Fix: save the tokenizer there"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise ValueError(f"{key}={path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"{key}={path}: the tokenizer has no eos token. Fix: set eos_token in tokenizer_config.json"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+class PromptLoader:
+    """Endless, deterministic batches of prompts; each DP rank gets its consecutive share of the global batch.
+
+    Epoch e visits the records in the order of a permutation seeded by (seed, e) (identity if not
+    shuffling), batch_size at a time; the incomplete tail is dropped, then epoch e+1 starts. The state
+    (epoch, position) resumes exactly at the next batch.
+    """
+
+    def __init__(
+        self,
+        records: Sequence[PromptRecord],
+        batch_size: int,
+        seed: int,
+        dp_rank: int,
+        dp_size: int,
+        shuffle: bool = True,
+    ):
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+        if batch_size < 1 or batch_size % dp_size:
+            raise ValueError(
+                f"data.batch_size={batch_size} must be a positive multiple of the data-parallel size {dp_size} "
+                f"(dp = world / (tp * pp)); use e.g. data.batch_size={max(1, batch_size // dp_size) * dp_size}"
+            )
+        if len(records) < batch_size:
+            raise ValueError(
+                f"data.batch_size={batch_size} is larger than the dataset ({len(records)} prompts after "
+                "filtering by data.max_prompt_len); lower data.batch_size or add data"
+            )
+        self.records = list(records)
+        self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self._epoch, self._position = 0, 0
+        self._order = self._permutation(0)
+
+    @property
+    def epoch(self) -> int:
+        """Epoch (0-based) of the batch last returned (0 before the first)."""
+        return self._epoch
+
+    @property
+    def num_batches_per_epoch(self) -> int:
+        return len(self.records) // self.batch_size
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.records))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.records))
+
+    def next_global_batch(self) -> list[PromptRecord]:
+        """The next batch_size prompts, the same on every rank."""
+        if self._position >= self.num_batches_per_epoch:
+            self._epoch, self._position = self._epoch + 1, 0
+            self._order = self._permutation(self._epoch)
+        start = self._position * self.batch_size
+        self._position += 1
+        return [self.records[i] for i in self._order[start : start + self.batch_size]]
+
+    def next_batch(self) -> list[PromptRecord]:
+        """This DP rank's batch_size // dp_size consecutive prompts of the next global batch."""
+        per_rank = self.batch_size // self.dp_size
+        return self.next_global_batch()[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "seed": self.seed,
+            "num_records": len(self.records),
+            "batch_size": self.batch_size,
+        }
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        now = {"seed": self.seed, "num_records": len(self.records), "batch_size": self.batch_size}
+        changed = {
+            key: (state[key], value) for key, value in now.items() if key in state and state[key] != value
+        }
+        if changed:
+            raise ValueError(
+                f"cannot resume the prompt loader: (saved, now) differ for {changed}. Fix: resume with the same "
+                "trainer.seed, data.train_files, data.max_prompt_len and data.batch_size, or start a fresh run"
+            )
+        self._epoch, self._position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation(self._epoch)

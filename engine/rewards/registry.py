@@ -1,0 +1,82 @@
+"""Rule rewards registered by `data_source`: one entry per family, matched by exact name or prefix.
+
+A rule maps (solution_str, ground_truth) to a score; `oracle` formats a ground truth as the response the
+rule expects (used by `engine.reward_check` to show that a perfect answer scores 1.0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# A data_source matches a registered name exactly, or as a prefix followed by one of these
+# (so "gsm8k_train" and "math/level5" match, "mathematics" does not match "math").
+_PREFIX_SEPARATORS = "/_-:."
+
+
+@dataclass(frozen=True)
+class RuleReward:
+    name: str
+    sources: tuple[str, ...]
+    """Lower-case data_source names (or prefixes) this rule scores."""
+    score: Callable[[str, str], float]
+    """(solution_str, ground_truth) -> score."""
+    oracle: Callable[[str], str]
+    """ground_truth -> a response that scores 1.0."""
+
+
+_RULES: dict[str, RuleReward] = {}
+
+
+def register_rule(name: str, sources: tuple[str, ...], oracle: Callable[[str], str]):
+    """Decorator: register `score(solution_str, ground_truth) -> float` for `sources`."""
+
+    def wrap(score: Callable[[str, str], float]) -> Callable[[str, str], float]:
+        taken = {source for rule in _RULES.values() for source in rule.sources}
+        clash = taken & {source.lower() for source in sources}
+        if name in _RULES or clash:
+            raise ValueError(f"rule reward {name!r} clashes with an existing registration ({clash or name})")
+        _RULES[name] = RuleReward(name, tuple(source.lower() for source in sources), score, oracle)
+        return score
+
+    return wrap
+
+
+def known_sources() -> list[str]:
+    return sorted(source for rule in _RULES.values() for source in rule.sources)
+
+
+def find_rule(data_source: str) -> RuleReward | None:
+    """The rule for `data_source` (case-insensitive): exact name first, else the longest matching prefix."""
+    key = data_source.lower()
+    best, best_len = None, -1
+    for rule in _RULES.values():
+        for source in rule.sources:
+            exact = key == source
+            prefix = key.startswith(source) and key[len(source) : len(source) + 1] in tuple(
+                _PREFIX_SEPARATORS
+            )
+            if exact:
+                return rule
+            if prefix and len(source) > best_len:
+                best, best_len = rule, len(source)
+    return best
+
+
+def get_rule(data_source: str) -> RuleReward:
+    """Like `find_rule`, but an unknown data_source raises ValueError listing the known names."""
+    rule = find_rule(data_source)
+    if rule is None:
+        raise ValueError(
+            f"no built-in reward for data_source={data_source!r}; known (exact or as prefix): {known_sources()}. "
+            "Fix: set reward.fn=module:function or reward.fn=path/to/file.py:function with "
+            "fn(data_source, solution_str, ground_truth, extra_info) -> float"
+        )
+    return rule
+
+
+def rule_reward(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
+) -> float:
+    """The built-in reward: dispatch on data_source (the function used when reward.fn is empty)."""
+    return get_rule(data_source).score(solution_str, ground_truth)

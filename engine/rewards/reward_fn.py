@@ -1,0 +1,172 @@
+"""The reward function the trainer calls: the built-in rules, or the user's function named by `reward.fn`.
+
+A user function has verl's signature, so users bring theirs unchanged:
+    fn(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> float | dict
+(a dict must hold "score"; its other numeric keys are returned as extras for logging).
+`reward.fn` is `module:function` (imported from sys.path) or `path/to/file.py:function`.
+Every output is checked: one finite number per response; errors name the function and the response.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.rewards.registry import get_rule, rule_reward
+
+UserRewardFn = Callable[[str, str, str, dict], "float | dict"]
+BUILTIN_NAME = "the built-in rule rewards (reward.fn empty)"
+
+
+@dataclass
+class RewardResult:
+    scores: torch.Tensor
+    """(num_responses,) float32."""
+    extras: dict[str, torch.Tensor]
+    """Numeric keys (other than "score") that every dict output had, each (num_responses,) float32."""
+
+
+class RewardFn:
+    """Scores decoded responses with `fn`, checking every output."""
+
+    def __init__(self, fn: UserRewardFn, name: str, builtin: bool = False):
+        self.fn, self.name, self.builtin = fn, name, builtin
+
+    def check_data_sources(self, data_sources: Sequence[str]) -> None:
+        """Fail fast (before training) if the built-in rules cannot score some data_source; no-op for user fns."""
+        if self.builtin:
+            for data_source in sorted(set(data_sources)):
+                get_rule(data_source)
+
+    def __call__(
+        self,
+        data_sources: Sequence[str],
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        extra_infos: Sequence[dict] | None = None,
+    ) -> torch.Tensor:
+        """One float32 score per response, shape (num_responses,)."""
+        return self.score(data_sources, responses, ground_truths, extra_infos).scores
+
+    def score(
+        self,
+        data_sources: Sequence[str],
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        extra_infos: Sequence[dict] | None = None,
+    ) -> RewardResult:
+        """Scores and the numeric extras of dict outputs."""
+        if extra_infos is None:
+            extra_infos = [{} for _ in responses]
+        lengths = {len(data_sources), len(responses), len(ground_truths), len(extra_infos)}
+        if len(lengths) != 1:
+            raise ValueError(
+                f"reward inputs differ in length: {len(data_sources)} data_sources, {len(responses)} responses, "
+                f"{len(ground_truths)} ground_truths, {len(extra_infos)} extra_infos"
+            )
+        self.check_data_sources(data_sources)
+        scores, extras = [], []
+        for i, args in enumerate(zip(data_sources, responses, ground_truths, extra_infos)):
+            try:
+                out = self.fn(*args)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"{self.name} raised {type(exc).__name__} on response {i} (data_source={args[0]!r}): {exc}"
+                ) from exc
+            score, extra = self._check_output(out, i, args[0])
+            scores.append(score)
+            extras.append(extra)
+        common = set.intersection(*(set(extra) for extra in extras)) if extras else set()
+        return RewardResult(
+            scores=torch.tensor(scores, dtype=torch.float32),
+            extras={
+                key: torch.tensor([extra[key] for extra in extras], dtype=torch.float32)
+                for key in sorted(common)
+            },
+        )
+
+    def _check_output(self, out, i: int, data_source: str) -> tuple[float, dict[str, float]]:
+        where = f"{self.name} returned {{}} for response {i} (data_source={data_source!r})"
+        expected = "; expected a finite number or a dict with a finite 'score'"
+        extra = {}
+        if isinstance(out, Mapping):
+            if "score" not in out:
+                raise ValueError(where.format(f"a dict without 'score' (keys {sorted(out)})") + expected)
+            extra = {k: float(v) for k, v in out.items() if k != "score" and _as_number(v) is not None}
+            out = out["score"]
+        score = _as_number(out)
+        if score is None:
+            raise TypeError(where.format(f"{type(out).__name__} {str(out)[:40]!r}") + expected)
+        if not math.isfinite(score):
+            raise ValueError(where.format(f"{score}") + expected)
+        return score, extra
+
+
+def _as_number(value) -> float | None:
+    """A real number (bool, int, float, numpy scalar, one-element tensor) as float, else None."""
+    if isinstance(value, torch.Tensor):
+        return float(value.item()) if value.numel() == 1 else None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return None
+
+
+def load_user_fn(spec: str) -> UserRewardFn:
+    """Import the function named by `reward.fn` (`module:function` or `path/to/file.py:function`)."""
+    target, sep, fn_name = spec.strip().rpartition(":")
+    if not sep or not target or not fn_name:
+        raise ValueError(f"reward.fn={spec!r}: expected 'module:function' or 'path/to/file.py:function'")
+    if target.endswith(".py") or "/" in target or os.sep in target:
+        path = os.path.abspath(target)
+        if not os.path.isfile(path):
+            raise ValueError(f"reward.fn={spec!r}: file {path} not found")
+        # A stable, unique module name: two files called reward.py must not overwrite each other.
+        module_name = "engine_user_reward_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[module_name]
+            raise ValueError(
+                f"reward.fn={spec!r}: importing {path} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as exc:
+            raise ValueError(
+                f"reward.fn={spec!r}: cannot import module {target!r} ({type(exc).__name__}: {exc}). "
+                "Fix: put it on PYTHONPATH, or give a file: reward.fn=path/to/file.py:function"
+            ) from exc
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        names = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
+        raise ValueError(f"reward.fn={spec!r}: {target} has no function {fn_name!r}; its functions: {names}")
+    try:
+        inspect.signature(fn).bind("data_source", "solution_str", "ground_truth", {})
+    except TypeError as exc:
+        raise ValueError(
+            f"reward.fn={spec!r}: {fn_name} must accept (data_source, solution_str, ground_truth, extra_info): {exc}"
+        ) from exc
+    except ValueError:  # builtins without a signature: let the first call tell
+        pass
+    return fn
+
+
+def build_reward_fn(fn_spec: str = "") -> RewardFn:
+    """`reward.fn` -> RewardFn; empty means the built-in rules dispatched by data_source."""
+    if not fn_spec or not fn_spec.strip():
+        return RewardFn(rule_reward, BUILTIN_NAME, builtin=True)
+    return RewardFn(load_user_fn(fn_spec), f"reward.fn={fn_spec.strip()!r}")
