@@ -1,0 +1,238 @@
+"""engine.data: parquet validation, chat-templated ids, length filter, tokenizer loading, the DP prompt loader."""
+
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
+
+from engine.data import (
+    PromptLoader,
+    PromptRecord,
+    chat_prompt_ids,
+    load_prompt_dataset,
+    load_tokenizer,
+    read_prompt_rows,
+)
+from engine.tasks import build_embedded_tokenizer
+
+TEMPLATE_OVERHEAD = len("<bos>u:") - len("<bos>") + 1 + len("\na:")  # tokens the embedded template adds: 6
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return load_tokenizer(build_embedded_tokenizer(str(tmp_path_factory.mktemp("tok"))))
+
+
+def make_row(content="copy 12", source="embedded/copy", truth="12", extra=None):
+    return {
+        "prompt": [{"role": "user", "content": content}],
+        "data_source": source,
+        "reward_model": {"ground_truth": truth, "style": "rule"},
+        "extra_info": extra if extra is not None else {"index": 0},
+    }
+
+
+def write(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+    return str(path)
+
+
+def test_load_records_and_indices_across_files(tmp_path, tokenizer):
+    a = write(tmp_path / "a.parquet", [make_row(f"copy {i}", truth=str(i)) for i in range(3)])
+    b = write(tmp_path / "b.parquet", [make_row("copy 77", source="gsm8k", truth="77")])
+    records, counts = load_prompt_dataset([a, b], tokenizer, max_prompt_len=64)
+    assert counts == {"rows": 4, "kept": 4, "too_long": 0, "bad": 0}
+    assert [r.index for r in records] == [0, 1, 2, 3]
+    assert records[3].data_source == "gsm8k" and records[3].ground_truth == "77"
+    assert records[0].extra_info == {"index": 0}
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "copy 77"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert records[3].prompt_ids == expected
+
+
+def test_too_long_filtered_and_counted(tmp_path, tokenizer):
+    lengths = [2, 10, 4, 11, 3]
+    path = write(tmp_path / "x.parquet", [make_row("a" * n) for n in lengths])
+    records, counts = load_prompt_dataset([path], tokenizer, max_prompt_len=4 + TEMPLATE_OVERHEAD)
+    assert counts == {"rows": 5, "kept": 3, "too_long": 2, "bad": 0}
+    assert [r.index for r in records] == [0, 2, 4]  # indices stay the dataset positions
+    assert all(len(r.prompt_ids) == n + TEMPLATE_OVERHEAD for r, n in zip(records, [2, 4, 3]))
+    with pytest.raises(
+        ValueError, match=r"no prompt left.*shortest prompt has 8 tokens.*data.max_prompt_len"
+    ):
+        load_prompt_dataset([path], tokenizer, max_prompt_len=7)
+
+
+def _set(path_keys, value):
+    def mutate(row):
+        target = row
+        for key in path_keys[:-1]:
+            target = target[key]
+        target[path_keys[-1]] = value
+
+    return mutate
+
+
+MALFORMED = [
+    ("prompt null", _set(["prompt"], None), "prompt"),
+    ("prompt empty", _set(["prompt"], []), "prompt"),
+    ("content null", lambda row: row["prompt"][0].update(content=None), r"prompt\[0\].content"),
+    ("role null", lambda row: row["prompt"][0].update(role=None), r"prompt\[0\].role"),
+    ("data_source null", _set(["data_source"], None), "data_source"),
+    ("data_source empty", _set(["data_source"], ""), "data_source"),
+    ("reward_model null", _set(["reward_model"], None), "reward_model"),
+    ("ground_truth null", _set(["reward_model", "ground_truth"], None), r"reward_model.ground_truth"),
+]
+
+
+@pytest.mark.parametrize("case, mutate, field", MALFORMED, ids=[case[0] for case in MALFORMED])
+def test_malformed_row_names_file_row_field(tmp_path, tokenizer, case, mutate, field):
+    rows = [make_row() for _ in range(4)]
+    mutate(rows[2])
+    good = write(tmp_path / "good.parquet", [make_row()])
+    bad = write(tmp_path / "bad.parquet", rows)
+    with pytest.raises(ValueError, match=rf"data.train_files\[1\]={bad}: row 2: field '{field}'.*Fix:"):
+        load_prompt_dataset([good, bad], tokenizer, max_prompt_len=64)
+    records, counts = load_prompt_dataset([good, bad], tokenizer, max_prompt_len=64, bad_rows="skip")
+    assert counts == {"rows": 5, "kept": 4, "too_long": 0, "bad": 1}
+    assert [r.index for r in records] == [0, 1, 2, 4]
+
+
+def test_whole_column_problems(tmp_path):
+    as_string = [dict(make_row(), prompt="copy 12") for _ in range(2)]
+    with pytest.raises(ValueError, match=r"row 0: field 'prompt' is a plain string"):
+        read_prompt_rows([write(tmp_path / "s.parquet", as_string)])
+    extra_str = [dict(make_row(), extra_info="x") for _ in range(2)]
+    with pytest.raises(ValueError, match=r"row 0: field 'extra_info'"):
+        read_prompt_rows([write(tmp_path / "e.parquet", extra_str)])
+    no_source = [{k: v for k, v in make_row().items() if k != "data_source"}]
+    path = write(tmp_path / "n.parquet", no_source)
+    for mode in ("error", "skip"):  # a missing column is a schema mistake: never silently skip a file
+        with pytest.raises(ValueError, match=r"data.val_files\[0\]=.*\['data_source'\] missing"):
+            read_prompt_rows([path], bad_rows=mode, files_key="data.val_files")
+
+
+def test_optional_and_coerced_fields(tmp_path):
+    rows = [{k: v for k, v in make_row(truth=None).items() if k != "extra_info"} for _ in range(2)]
+    for i, row in enumerate(rows):
+        row["reward_model"]["ground_truth"] = 42 + i
+    parsed, counts = read_prompt_rows([write(tmp_path / "x.parquet", rows)])
+    assert [row.ground_truth for row in parsed] == ["42", "43"] and parsed[0].extra_info == {}
+
+
+def test_file_list_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"data.train_files is empty"):
+        read_prompt_rows([])
+    missing = str(tmp_path / "missing.parquet")
+    with pytest.raises(FileNotFoundError, match=rf"data.train_files\[0\]={missing}: file not found"):
+        read_prompt_rows([missing])
+    junk = tmp_path / "junk.parquet"
+    junk.write_text("not parquet")
+    with pytest.raises(ValueError, match=r"cannot read as parquet"):
+        read_prompt_rows([str(junk)])
+    with pytest.raises(ValueError, match=r"bad_rows='drop'"):
+        read_prompt_rows([missing], bad_rows="drop")
+
+
+class FakeTokenizer:
+    chat_template = "x"
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def apply_chat_template(self, conversations, add_generation_prompt, tokenize):
+        assert add_generation_prompt and tokenize
+        ids = [[7] * len(c) for c in conversations]
+        return {"dict": {"input_ids": ids}, "list": ids, "tensor": torch.tensor(ids)}[self.kind]
+
+
+@pytest.mark.parametrize("kind", ["dict", "list", "tensor"])
+def test_chat_prompt_ids_accepts_transformers_return_types(kind):
+    convs = [[{"role": "user", "content": "a"}] * 2, [{"role": "user", "content": "b"}] * 2]
+    assert chat_prompt_ids(FakeTokenizer(kind), convs) == [[7, 7], [7, 7]]
+
+
+def test_no_chat_template_is_a_clear_error():
+    tok = FakeTokenizer("list")
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="has no chat_template"):
+        chat_prompt_ids(tok, [[{"role": "user", "content": "a"}]])
+
+
+def test_load_tokenizer_errors_and_pad(tmp_path):
+    with pytest.raises(ValueError, match=r"model.path='.*nowhere': not a directory"):
+        load_tokenizer(str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match=r"model.tokenizer_path=.*no tokenizer files"):
+        load_tokenizer(str(tmp_path), key="model.tokenizer_path")
+    core = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<eos>": 1, "a": 2}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", unk_token="<unk>").save_pretrained(
+        tmp_path / "t"
+    )
+    tok = load_tokenizer(str(tmp_path / "t"))
+    assert tok.eos_token_id == 1 and tok.pad_token_id == 1
+
+
+def records(n):
+    return [PromptRecord([i], "s", str(i), {}, i) for i in range(n)]
+
+
+def indices(batch):
+    return [r.index for r in batch]
+
+
+def test_loader_deterministic_and_epochs():
+    a, b = PromptLoader(records(10), 4, seed=1, dp_rank=0, dp_size=1), PromptLoader(records(10), 4, 1, 0, 1)
+    batches = [indices(a.next_batch()) for _ in range(6)]
+    assert batches == [indices(b.next_batch()) for _ in range(6)]
+    assert batches != [
+        indices(b.next_batch()) for b in [PromptLoader(records(10), 4, 2, 0, 1)] for _ in range(6)
+    ]
+    epoch0, epoch1 = batches[0] + batches[1], batches[2] + batches[3]
+    assert len(set(epoch0)) == 8 and len(set(epoch1)) == 8  # 2 batches per epoch, tail of 2 dropped
+    assert epoch0 != epoch1  # a new permutation per epoch
+    assert a.epoch == 2 and a.num_batches_per_epoch == 2
+    plain = PromptLoader(records(10), 4, 1, 0, 1, shuffle=False)
+    assert [indices(plain.next_batch()) for _ in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]]
+
+
+def test_dp_ranks_take_consecutive_shares_of_the_global_batch():
+    whole = PromptLoader(records(20), 8, seed=5, dp_rank=0, dp_size=1)
+    ranks = [PromptLoader(records(20), 8, seed=5, dp_rank=r, dp_size=4) for r in range(4)]
+    for _ in range(5):  # crosses epoch boundaries (2 batches per epoch)
+        shares = [indices(loader.next_batch()) for loader in ranks]
+        assert all(len(share) == 2 for share in shares)
+        assert sum(shares, []) == indices(whole.next_batch())
+
+
+@pytest.mark.parametrize("stop_after", [1, 2, 3])  # mid-epoch, exactly at the boundary, just after it
+def test_resume_gives_exactly_the_next_batch(stop_after):
+    first = PromptLoader(records(10), 4, seed=3, dp_rank=1, dp_size=2)
+    for _ in range(stop_after):
+        first.next_batch()
+    resumed = PromptLoader(records(10), 4, seed=3, dp_rank=1, dp_size=2)
+    resumed.load_state_dict(dict(first.state_dict()))
+    assert [indices(resumed.next_batch()) for _ in range(4)] == [
+        indices(first.next_batch()) for _ in range(4)
+    ]
+
+
+def test_loader_errors():
+    with pytest.raises(
+        ValueError, match=r"data.batch_size=6 must be a positive multiple of the data-parallel size 4"
+    ):
+        PromptLoader(records(10), 6, 0, 0, 4)
+    with pytest.raises(ValueError, match=r"data.batch_size=16 is larger than the dataset \(10 prompts"):
+        PromptLoader(records(10), 16, 0, 0, 1)
+    state = PromptLoader(records(10), 4, 0, 0, 1).state_dict()
+    with pytest.raises(ValueError, match=r"cannot resume the prompt loader.*num_records"):
+        PromptLoader(records(12), 4, 0, 0, 1).load_state_dict(state)
+
+
+def test_files_as_single_string(tmp_path):
+    path = write(tmp_path / "x.parquet", [make_row()])
+    assert os.path.exists(path) and len(read_prompt_rows(path)[0]) == 1
