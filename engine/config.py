@@ -127,6 +127,8 @@ class ModelConfig:
     """Longest prompt + response."""
     rope_theta: float = 10000.0
     """RoPE base."""
+    rope_scaling_factor: float = 0.0
+    """Llama-3 ('llama3' type) RoPE frequency scaling factor, as in megatron's GPTModel; 0 = no scaling."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     qkv_bias: bool = False

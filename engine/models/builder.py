@@ -44,6 +44,8 @@ class ModelShape:
     qk_norm: bool
     tie_embeddings: bool
     dtype: torch.dtype
+    rope_scaling_factor: float = 0.0
+    """Llama-3 RoPE scaling factor (0 = none); low/high frequency factors 1/4, original context 8192."""
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -70,6 +72,7 @@ def resolve_shape(m: ModelConfig, vocab_size: int, tp: int) -> ModelShape:
         qk_norm=m.qk_norm,
         tie_embeddings=m.tie_embeddings,
         dtype=_DTYPES[m.dtype],
+        rope_scaling_factor=m.rope_scaling_factor,
     )
 
 
@@ -169,6 +172,8 @@ def build_gpt_chunks(
             share_embeddings_and_output_weights=shape.tie_embeddings and not value_head,
             position_embedding_type="rope",
             rotary_base=int(shape.rope_theta),
+            rope_scaling=shape.rope_scaling_factor > 0,
+            rope_scaling_factor=shape.rope_scaling_factor or 8.0,
             vp_stage=vp,
         )
         if value_head and post:
