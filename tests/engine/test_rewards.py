@@ -1,0 +1,255 @@
+"""engine.rewards (rules, dispatch, user functions, output checks) and the engine.reward_check CLI."""
+
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from engine.rewards import build_reward_fn, find_rule, rule_reward
+from engine.rewards.boxed_math import boxed_math_score, last_boxed
+from engine.rewards.embedded import positional_score
+from engine.rewards.gsm8k import extract_gsm8k_answer, gsm8k_score
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        ("48 + 24 = 72\n#### 72", "72", 1.0),
+        ("#### 1,000", "1000", 1.0),
+        ("#### $1,234.50.", "1234.5", 1.0),
+        ("so it is #### -5", "-5", 1.0),
+        ("#### $-5", "-5", 1.0),
+        ("#### 5", "-5", 0.0),
+        ("#### 3 first, then #### 4", "4", 1.0),  # the last #### counts
+        ("#### 4 and later #### 3", "4", 0.0),
+        ("the answer is 72", "72", 0.0),  # missing ####
+        ("#### the answer is 72", "72", 0.0),  # the number must follow ####
+        ("#### 72", "Natalia sold 48/2 = 24 clips.\n#### 72", 1.0),  # raw GSM8K answer as ground truth
+        ("#### 72", "1,072", 0.0),
+    ],
+)
+def test_gsm8k(response, truth, score):
+    assert gsm8k_score(response, truth) == score
+
+
+def test_gsm8k_extract_and_bad_ground_truth():
+    assert extract_gsm8k_answer("x #### -1,024.5 apples") == "-1024.5"
+    assert extract_gsm8k_answer("no marker") is None
+    with pytest.raises(ValueError, match="gsm8k ground truth 'seven' is not a number"):
+        gsm8k_score("#### 7", "seven")
+
+
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        (r"so \boxed{\frac{1}{2}}", r"\frac{1}{2}", 1.0),
+        (r"\boxed{\dfrac{1}{2}}.", r"\frac{1}{2}", 1.0),
+        (r"\boxed{x^{2} + \left( y \right)}", r"x^{2}+(y)", 1.0),
+        (r"\boxed{1} then \boxed{\{1,\!2\}}", r"\{1,2\}", 1.0),  # the last box, nested braces
+        (r"\boxed{3.}", "3", 1.0),
+        (r"\boxed 7", "7", 1.0),
+        (r"\boxed{2}", "3", 0.0),
+        ("the answer is 3", "3", 0.0),  # no box
+        (r"\boxed{\frac{1}{2}", r"\frac{1}{2}", 0.0),  # unbalanced
+        (r"$\boxed{5}$", r"\boxed{5}", 1.0),  # ground truth given boxed
+    ],
+)
+def test_boxed_math(response, truth, score):
+    assert boxed_math_score(response, truth) == score
+
+
+def test_last_boxed_nested():
+    assert last_boxed(r"a \boxed{\frac{a}{b^{2}}} b") == r"\frac{a}{b^{2}}"
+
+
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        ("123456", "123456", 1.0),
+        ("123000", "123456", 0.5),
+        (" 123456\n", "123456", 1.0),  # surrounding whitespace ignored
+        ("1234", "123456", 4 / 6),  # missing characters are wrong
+        ("12345678", "123456", 6 / 8),  # extra characters are wrong
+        ("", "123456", 0.0),
+        ("777777", "777777", 1.0),
+    ],
+)
+def test_embedded_partial_credit(response, truth, score):
+    assert positional_score(response, truth) == pytest.approx(score)
+
+
+def test_dispatch_by_data_source():
+    assert find_rule("openai/gsm8k").name == "gsm8k"
+    assert find_rule("GSM8K_train").name == "gsm8k"  # case-insensitive prefix
+    assert find_rule("HuggingFaceH4/MATH-500").name == "boxed_math"
+    assert find_rule("math/level5").name == "boxed_math"
+    assert find_rule("mathematics") is None  # a prefix must end at a separator
+    assert find_rule("embedded/copy").name == find_rule("embedded/target").name == "embedded"
+    assert rule_reward("embedded/target", "555", "555", {}) == 1.0
+    with pytest.raises(ValueError, match=r"data_source='my/data'; known .*'openai/gsm8k'.*reward.fn="):
+        rule_reward("my/data", "x", "y", {})
+
+
+def test_builtin_reward_fn_batch():
+    fn = build_reward_fn("")
+    scores = fn(
+        ["openai/gsm8k", "math", "embedded/copy"], ["#### 3", r"\boxed{2}", "1200"], ["3", "2", "1234"]
+    )
+    assert scores.dtype == torch.float32 and scores.tolist() == [1.0, 1.0, 0.5]
+    with pytest.raises(ValueError, match="unknown/src"):
+        fn.check_data_sources(["gsm8k", "unknown/src"])
+    with pytest.raises(ValueError, match="differ in length"):
+        fn(["gsm8k"], ["a", "b"], ["1"])
+
+
+USER_MODULE = """
+import math
+
+def score(data_source, solution_str, ground_truth, extra_info):
+    return float(solution_str == ground_truth) + extra_info.get("bonus", 0)
+
+def as_dict(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": 0.5, "acc": 1, "pred": solution_str}
+
+def nan(data_source, solution_str, ground_truth, extra_info):
+    return math.nan if solution_str == "bad" else 1.0
+
+def inf(data_source, solution_str, ground_truth, extra_info):
+    return math.inf
+
+def text(data_source, solution_str, ground_truth, extra_info):
+    return "1.0"
+
+def no_score(data_source, solution_str, ground_truth, extra_info):
+    return {"reward": 1.0}
+
+def boom(data_source, solution_str, ground_truth, extra_info):
+    raise KeyError("answer")
+
+def two_args(data_source, solution_str):
+    return 1.0
+"""
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(USER_MODULE)
+    return str(path)
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "pkg_reward_mod.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "pkg_reward_mod"
+    sys.modules.pop("pkg_reward_mod", None)
+
+
+def test_user_fn_from_file_and_module(user_file, user_module):
+    for spec in (f"{user_file}:score", f"{user_module}:score"):
+        fn = build_reward_fn(spec)
+        scores = fn(["anything", "x"], ["a", "b"], ["a", "c"], [{}, {"bonus": 0.25}])
+        assert scores.tolist() == [1.0, 0.25], spec
+        assert spec in fn.name
+    result = build_reward_fn(f"{user_file}:as_dict").score(["s"], ["r"], ["g"], [{}])
+    assert result.scores.tolist() == [0.5] and result.extras["acc"].tolist() == [1.0]
+    assert "pred" not in result.extras  # non-numeric extras are not returned
+
+
+@pytest.mark.parametrize(
+    "name, error, message",
+    [
+        ("nan", ValueError, r"returned nan for response 1"),
+        ("inf", ValueError, r"returned inf for response 0"),
+        ("text", TypeError, r"returned str '1.0' for response 0"),
+        ("no_score", ValueError, r"returned a dict without 'score' \(keys \['reward'\]\) for response 0"),
+        ("boom", RuntimeError, r"raised KeyError on response 0"),
+    ],
+)
+def test_user_fn_bad_outputs_name_the_function(user_file, name, error, message):
+    fn = build_reward_fn(f"{user_file}:{name}")
+    with pytest.raises(error, match=rf"reward.fn='.*my_reward.py:{name}' {message}"):
+        fn(["s", "s"], ["ok", "bad"], ["g", "g"], [{}, {}])
+
+
+def test_user_fn_loading_errors(tmp_path, user_file):
+    cases = [
+        ("no_colon", r"reward.fn='no_colon': expected 'module:function'"),
+        ("surely_missing_module_x:fn", r"reward.fn='surely_missing_module_x:fn': cannot import module"),
+        (f"{tmp_path}/absent.py:fn", r"reward.fn='.*absent.py:fn': file .* not found"),
+        (
+            f"{user_file}:absent",
+            r"reward.fn='.*my_reward.py:absent': .* has no function 'absent'; its functions: \['as_dict'",
+        ),
+        (
+            f"{user_file}:two_args",
+            r"two_args must accept \(data_source, solution_str, ground_truth, extra_info\)",
+        ),
+    ]
+    for spec, message in cases:
+        with pytest.raises(ValueError, match=message):
+            build_reward_fn(spec)
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('oops')\n")
+    with pytest.raises(ValueError, match=r"importing .*broken.py failed: RuntimeError: oops"):
+        build_reward_fn(f"{broken}:fn")
+
+
+def _gsm8k_parquet(path):
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+            "data_source": "openai/gsm8k",
+            "reward_model": {"ground_truth": str(a + b), "style": "rule"},
+            "extra_info": {"index": i},
+        }
+        for i, (a, b) in enumerate([(1000, 234), (2, 3), (4, 5)])
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+    return str(path)
+
+
+def test_reward_check_cli(tmp_path):
+    data = _gsm8k_parquet(tmp_path / "gsm.parquet")
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.reward_check", f"data.train_files=[{data}]", "reward_check.num_rows=2",
+         'reward_check.responses=["#### 5","no idea"]'],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    assert ["0", "openai/gsm8k", "oracle", "####", "1234", "1.0000"] in lines
+    assert ["1", "openai/gsm8k", "given", "####", "5", "1.0000"] in lines
+    assert ["1", "openai/gsm8k", "given", "no", "idea", "0.0000"] in lines
+    assert "row 0: What is 1000 + 234?" in proc.stdout
+    assert not any(line[:1] == ["2"] for line in lines)  # num_rows=2
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "engine.reward_check", f"data.train_files=[{data}]", "reward.fn=nowhere_mod:f"],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "reward.fn='nowhere_mod:f'" in bad.stderr
+
+
+def test_reward_check_in_process_with_tokenizer_and_user_fn(tmp_path, user_file, capsys):
+    from engine.reward_check import main
+    from engine.tasks import build_embedded_tokenizer, write_embedded_dataset
+
+    tok = build_embedded_tokenizer(str(tmp_path / "tok"))
+    data = write_embedded_dataset(str(tmp_path), "copy", num_rows=3, digits=4, seed=0)
+    args = [f"data.train_files={data}", f"model.tokenizer_path={tok}", "data.max_prompt_len=14"]
+    assert main([*args, f"reward.fn={user_file}:score"]) == 0
+    out = capsys.readouterr().out
+    assert "(15 tokens; longer than data.max_prompt_len, dropped)" in out
+    assert out.count("oracle") == 3 and "1.0000" in out
+    assert main([*args, f"reward.fn={user_file}:nan", 'reward_check.responses=["bad"]']) == 1
+    assert "ERROR ValueError: reward.fn=" in capsys.readouterr().out
+    assert main(["data.trainfiles=[x]"]) == 2
+    assert "bad argument 'data.trainfiles=[x]'" in capsys.readouterr().err
