@@ -1,7 +1,8 @@
 """The RL algorithm family as pure tensor functions: advantages, policy/value losses, KL, DAPO helpers.
 
-Everything here is a function of tensors: no torch.distributed, no config objects, no .item() in the
-hot paths except where noted. Shapes: `_b` (batch,), `_bt` (batch, resp_len), `_btv` (batch, resp_len,
+Everything here is a function of tensors: no torch.distributed, no config objects. The per-micro-batch
+functions (policy/value losses, agg_loss, KL estimators, entropy) never wait on the device; loss_normalizer
+(returns a float) and the group-based estimators (torch.unique) do, once per batch. Shapes: `_b` (batch,), `_bt` (batch, resp_len), `_btv` (batch, resp_len,
 vocab). `mask_bt` is 1/True on response tokens that count, 0 on padding (bool or 0/1 of any dtype);
 padded positions may hold any finite garbage: every function ignores them and returns 0 there.
 Unknown names and mismatched shapes raise ValueError naming the argument.

@@ -103,5 +103,12 @@ def test_schema_matches_engine_config_if_present():
         pytest.skip("engine.config has no AlgorithmConfig yet")
     import dataclasses
 
+    from omegaconf import OmegaConf
+
     fields = {f.name: f.default for f in dataclasses.fields(schema_cls)}
     assert fields == SCHEMA
+    for name in PRESETS:  # the typed merge rejects unknown keys and wrong types
+        merged = OmegaConf.merge(
+            OmegaConf.structured(schema_cls), OmegaConf.load(PRESET_DIR / f"{name}.yaml")
+        )
+        assert merged.name == name
