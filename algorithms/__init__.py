@@ -2,8 +2,8 @@
 
 Everything here is a function of tensors: no torch.distributed, no config objects. The per-micro-batch
 functions (policy/value losses, agg_loss, KL estimators, entropy) never wait on the device; loss_normalizer
-(returns a float) and the group-based estimators (torch.unique) do, once per batch. Shapes: `_b` (batch,), `_bt` (batch, resp_len), `_btv` (batch, resp_len,
-vocab). `mask_bt` is 1/True on response tokens that count, 0 on padding (bool or 0/1 of any dtype);
+(returns a float) and the group-based estimators (torch.unique) do, once per batch.
+Shapes: `_b` (batch,), `_bt` (batch, resp_len), `_btv` (batch, resp_len, vocab). `mask_bt` is 1/True on response tokens that count, 0 on padding (bool or 0/1 of any dtype);
 padded positions may hold any finite garbage: every function ignores them and returns 0 there.
 Unknown names and mismatched shapes raise ValueError naming the argument.
 
@@ -64,6 +64,24 @@ DAPO (algorithms/dapo.py).
     overlong_penalty(response_lengths_b, *, max_len, buffer_len, penalty_factor=1.0) -> (batch,) <= 0, to
        ADD to scores_b: 0 up to max_len - buffer_len, linear down to -penalty_factor at max_len.
        buffer_len 0 = off; buffer_len > max_len raises ValueError.
+
+Wiring from the `algorithm` config (c), one step; lp/old_lp/ref_lp/rollout_lp are (batch, resp_len) log-probs:
+    if c.overlong_buffer_len > 0: scores_b = scores_b + overlong_penalty(lengths_b, max_len=<rollout max
+        new tokens>, buffer_len=c.overlong_buffer_len, penalty_factor=c.overlong_penalty)
+    if c.dynamic_sampling: keep_b = dynamic_sampling_keep_mask(scores_b, group_index_b)  # refill, repeat
+    ctrl = make_kl_controller(c.kl_ctrl, kl_coef=c.kl_reward_coef, target=c.kl_target, horizon=c.kl_horizon)  # once
+    if c.kl_in_reward: kl_bt = get_kl_estimator(c.kl_estimator)(old_lp, ref_lp, mask_bt)
+        token_rewards_bt = scores_to_token_rewards(scores_b, mask_bt, kl_bt=kl_bt, kl_coef=ctrl.value)
+        scores_b = token_rewards_bt.sum(-1); ctrl.update(current_kl, n_steps=batch)
+    else: token_rewards_bt = scores_to_token_rewards(scores_b, mask_bt)
+    adv_bt, ret_bt = get_advantage_estimator(c.adv_estimator)(mask_bt=..., scores_b=..., group_index_b=...,
+        token_rewards_bt=..., values_bt=..., gamma=c.gamma, lam=c.lam, norm_by_std=c.norm_adv_by_std)
+    per mini-batch: norm = sum over DP ranks of loss_normalizer(mask of this rank's mini-batch, c.loss_agg_mode, max_len)
+    per micro-batch: pg, metrics = get_policy_loss(c.policy_loss)(lp, old_lp, adv_bt, mask_bt,
+        loss_agg_mode=c.loss_agg_mode, global_normalizer=norm, clip_ratio_low=c.clip_ratio_low,
+        clip_ratio_high=c.clip_ratio_high, clip_ratio_c=c.clip_ratio_c, rollout_log_probs_bt=rollout_lp, tis_cap=c.tis_cap)
+        loss = pg - c.entropy_coef * agg_loss(entropy_bt, ...) + c.kl_loss_coef * agg_loss(kl(lp, ref_lp), ...)
+        critic: value_loss(values_bt, old_values_bt, ret_bt, mask_bt, ..., value_clip=c.value_clip)
 
 Registering a new one: @register_advantage(name), @register_policy_loss(name), @register_kl_estimator(name),
 with the same signature as the existing ones.
