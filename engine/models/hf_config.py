@@ -1,0 +1,149 @@
+"""Read a Hugging Face checkpoint's config.json into `ModelConfig` field overrides.
+
+Supported: the Qwen2/Qwen2.5 (QKV bias), Qwen3 (QK-norm) and Llama (3.x RoPE scaling included) families,
+as causal LMs or with a token/sequence classification head (`score.weight`, a critic or reward model).
+Anything the engine's GPTModel cannot represent exactly (sliding-window attention, biases other than
+Qwen2's QKV bias, activations other than SiLU, other RoPE scalings) is refused with an error naming the
+key, rather than loaded into a model that silently computes something else.
+
+Reads JSON only: no transformers import, no weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+HF_CONFIG_FILE = "config.json"
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_HEADS = ("ForCausalLM", "ForTokenClassification", "ForSequenceClassification")
+
+# megatron's RotaryEmbedding._apply_scaling fixes everything of Llama-3 scaling but the factor.
+_MEGATRON_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face checkpoint the engine cannot load; the message names the file, key or tensor and a fix."""
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """The parsed config.json of the checkpoint directory `path`."""
+    if not os.path.isdir(path):
+        raise HFCheckpointError(
+            f"model.path={path!r} is not a directory; point it at a local Hugging Face checkpoint "
+            f"directory (with {HF_CONFIG_FILE} and *.safetensors)"
+        )
+    file = os.path.join(path, HF_CONFIG_FILE)
+    if not os.path.isfile(file):
+        raise HFCheckpointError(
+            f"{file} is missing; a Hugging Face checkpoint directory needs its {HF_CONFIG_FILE} "
+            f"(save the model with save_pretrained, or copy config.json next to the weights)"
+        )
+    with open(file) as f:
+        return json.load(f)
+
+
+def _model_type(cfg: dict[str, Any], file: str) -> str:
+    model_type = cfg.get("model_type")
+    architectures = cfg.get("architectures") or []
+    supported = [t[0].upper() + t[1:] + h for t in ("Qwen2", "Qwen3", "Llama") for h in SUPPORTED_HEADS]
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise HFCheckpointError(
+            f"{file}: model_type={model_type!r} (architectures={architectures}) is not supported; "
+            f"supported model_type values: {', '.join(SUPPORTED_MODEL_TYPES)} "
+            f"(architectures {', '.join(supported)})"
+        )
+    for arch in architectures:
+        if not any(arch.endswith(h) for h in SUPPORTED_HEADS):
+            raise HFCheckpointError(
+                f"{file}: architectures={architectures} has {arch!r}, whose head is not supported; "
+                f"supported architectures: {', '.join(supported)}"
+            )
+    return model_type
+
+
+def _refuse(file: str, key: str, value: Any, why: str) -> None:
+    raise HFCheckpointError(f"{file}: {key}={value!r} is not supported: {why}")
+
+
+def _rope(cfg: dict[str, Any], file: str) -> tuple[float, float]:
+    """(rope_theta, llama3 scaling factor or 0) from either config layout.
+
+    transformers >= 5 writes `rope_parameters` (theta inside); older configs have top-level `rope_theta`
+    and an optional `rope_scaling`.
+    """
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))  # 10000: HF's default
+    if theta != int(theta):
+        _refuse(file, "rope_theta", theta, "megatron's GPTModel takes an integer rotary base")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, 0.0
+    if rope_type != "llama3":
+        _refuse(file, "rope_type", rope_type, "only 'default' and 'llama3' RoPE are implemented")
+    for key, want in _MEGATRON_LLAMA3_ROPE.items():
+        if float(params.get(key, -1)) != want:
+            _refuse(
+                file,
+                f"rope {key}",
+                params.get(key),
+                f"megatron's Llama-3 RoPE scaling fixes {key}={want} (only the factor is configurable)",
+            )
+    return theta, float(params["factor"])
+
+
+def _check_unsupported(cfg: dict[str, Any], model_type: str, file: str) -> None:
+    if cfg.get("hidden_act", "silu") != "silu":
+        _refuse(file, "hidden_act", cfg["hidden_act"], "the engine's MLP is SwiGLU (silu)")
+    if cfg.get("use_sliding_window"):
+        _refuse(file, "use_sliding_window", True, "the engine's attention is full causal attention")
+    layer_types = set(cfg.get("layer_types") or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        _refuse(file, "layer_types", sorted(layer_types), "only full_attention layers are implemented")
+    if model_type != "qwen2" and cfg.get("attention_bias"):
+        _refuse(file, "attention_bias", True, "biases on q/k/v/o projections are Qwen2-only (q/k/v)")
+    if cfg.get("mlp_bias"):
+        _refuse(file, "mlp_bias", True, "the engine's MLP has no bias")
+
+
+def model_config_from_hf(path: str) -> dict[str, Any]:
+    """ModelConfig field overrides describing the checkpoint at `path` (config.json only).
+
+    Keys: num_layers, hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups, head_dim,
+    vocab_size, max_position_embeddings, rope_theta, rope_scaling_factor, norm_eps, qkv_bias, qk_norm,
+    tie_embeddings. The compute dtype is left to the caller (`model.dtype`).
+    """
+    cfg = read_hf_config(path)
+    file = os.path.join(path, HF_CONFIG_FILE)
+    model_type = _model_type(cfg, file)
+    _check_unsupported(cfg, model_type, file)
+    try:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        overrides = {
+            "num_layers": int(cfg["num_hidden_layers"]),
+            "hidden_size": hidden,
+            "ffn_hidden_size": int(cfg["intermediate_size"]),
+            "num_attention_heads": heads,
+            "num_query_groups": int(cfg.get("num_key_value_heads") or heads),  # absent = multi-head
+            "head_dim": int(cfg.get("head_dim") or hidden // heads),
+            "vocab_size": int(cfg["vocab_size"]),
+            "max_position_embeddings": int(cfg["max_position_embeddings"]),
+            "norm_eps": float(cfg["rms_norm_eps"]),
+        }
+    except KeyError as err:
+        raise HFCheckpointError(f"{file}: key {err.args[0]!r} is missing; the file looks truncated") from None
+    theta, factor = _rope(cfg, file)
+    overrides.update(
+        rope_theta=theta,
+        rope_scaling_factor=factor,
+        qkv_bias=model_type == "qwen2",  # Qwen2 modeling code hard-codes bias=True on q/k/v
+        qk_norm=model_type == "qwen3",
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+    return overrides
