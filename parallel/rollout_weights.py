@@ -80,3 +80,9 @@ class RolloutWeights:
     """This rank's position in the micro-DP group: which share of the prompts it generates."""
     micro_dp_size: int
     """Number of prompt shares per training DP replica."""
+    pp_size: int = 1
+    """Rollout PP size (`rollout.pp`); `params` holds only this stage's layers when > 1."""
+    pp_rank: int = 0
+    """This rank's rollout stage."""
+    pp_group: dist.ProcessGroup | None = None
+    """Rollout PP group (None when pp_size == 1)."""

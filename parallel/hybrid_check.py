@@ -1,0 +1,121 @@
+"""Checks of a weight transition against the full weights, and a CPU allocation counter; used by the
+3D-HybridEngine tests and `scripts/bench/reshard.py`. Nothing here runs in a training job.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from parallel.layout import HybridLayout, ParamSpec, PartitionKind
+from parallel.rollout_weights import RolloutWeights, partition_kind, split_layer_name
+
+
+def megatron_shard(full: torch.Tensor, kind: PartitionKind, tp: int, tp_rank: int) -> torch.Tensor:
+    """Megatron's TP shard `tp_rank` of a full tensor (the full fc1 is [gate; up], a shard [gate_j; up_j])."""
+    if kind == PartitionKind.REPLICATED or tp == 1:
+        return full
+    if kind == PartitionKind.ROW:
+        return full.chunk(tp, dim=1)[tp_rank]
+    if kind == PartitionKind.COLUMN_GATED:
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]])
+    return full.chunk(tp, dim=0)[tp_rank]
+
+
+def expected_rollout_names(
+    layout: HybridLayout, rank: int, full_names: list[str], num_layers: int, tie_embeddings: bool
+) -> set[str]:
+    """Names of the rollout shard of `rank`: its stage's layers, the embedding on the first stage (and on the
+    last when tied), the final norm and the untied output layer on the last stage."""
+    coords = layout.rollout_coords(rank)
+    first, last = coords.pp_rank == 0, coords.pp_rank == layout.rollout.pp - 1
+    layers = {i for r in layout.rollout_layers(rank, num_layers) for i in r}
+    names = set()
+    for name in full_names:
+        parts = split_layer_name(name)
+        if parts is not None:
+            keep = parts[0] in layers
+        elif name == "embedding.word_embeddings.weight":
+            keep = first or (last and tie_embeddings)
+        else:
+            keep = last
+        if keep:
+            names.add(name)
+    return names
+
+
+def verify_rollout(
+    weights: RolloutWeights,
+    full: dict[str, torch.Tensor],
+    layout: HybridLayout,
+    rank: int,
+    num_layers: int,
+    tie_embeddings: bool,
+) -> list[str]:
+    """Every mismatch between `weights` and the slices of the full weights (empty list = exact match)."""
+    errors = []
+    expected = expected_rollout_names(layout, rank, list(full), num_layers, tie_embeddings)
+    if set(weights.params) != expected:
+        errors.append(
+            f"names differ: missing {sorted(expected - set(weights.params))}, "
+            f"extra {sorted(set(weights.params) - expected)}"
+        )
+    for name in sorted(expected & set(weights.params)):
+        want = megatron_shard(full[name], partition_kind(name), weights.tp_size, weights.tp_rank)
+        got = weights.params[name]
+        if got.shape != want.shape or got.dtype != want.dtype:
+            errors.append(
+                f"{name}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}"
+            )
+        elif not torch.equal(got, want.to(got.device)):
+            errors.append(f"{name}: values differ (max abs {float((got - want).abs().max()):.3g})")
+    return errors
+
+
+def layer_param_specs(
+    full: dict[str, torch.Tensor], layout: HybridLayout, num_layers: int
+) -> list[ParamSpec]:
+    """`ParamSpec`s of the layer parameters of the full model, for `HybridLayout.received_bytes`."""
+    specs = []
+    for name, tensor in full.items():
+        parts = split_layer_name(name)
+        if parts is not None:
+            stage = layout.train.stage_of_layer(parts[0], num_layers)
+            specs.append(ParamSpec(tensor.numel() * tensor.element_size(), partition_kind(name), stage))
+    return specs
+
+
+def hybridflow_bytes(layout: HybridLayout, model_bytes: int) -> float:
+    """HybridFlow's per-rank communication (t*p - t_g*p_g) / (t_g*p_g*t*p) * M."""
+    t, p = layout.train.tp, layout.train.pp
+    tg, pg = layout.rollout.tp, layout.rollout.pp
+    return (t * p - tg * pg) / (tg * pg * t * p) * model_bytes
+
+
+class AllocationCounter(TorchDispatchMode):
+    """Sums the bytes of every new storage created by torch ops inside the context (views, in-place ops and
+    collectives writing into given tensors allocate nothing). A CPU stand-in for CUDA's memory statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided
+        }
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in inputs and storage.nbytes() > 0:
+                    inputs.add(storage.data_ptr())
+                    self.bytes += storage.nbytes()
+                    self.count += 1
+        return out

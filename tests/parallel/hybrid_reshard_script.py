@@ -1,0 +1,306 @@
+"""torchrun script of tests/parallel/test_hybrid_engine.py: every 3D-HybridEngine check for one world size
+(2 or 4 CPU ranks, gloo) in one launch, because a launch costs ~10 s.
+
+For each layout (t, p, vpp) -> (t_g, p_g) and tied/untied embeddings, on a tiny GPTModel with GQA, QKV bias
+and QK-norm: rollout tensors equal the slices of NaiveGather's full weights (torch.equal); received bytes
+equal the plan and HybridFlow's formula; the gathered part is freed by to_train (weak references die);
+training parameters are bit-identical and still in the engine's buffer after two round trips. Then a
+training step after a round trip (megatron DDP + optimizer, with and without the distributed optimizer)
+equals the step of a model that never resharded. Rank 0 prints `HYBRID_OK <json>` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from engine.config import ModelConfig, OptimConfig
+from engine.models.builder import build_gpt_chunks, resolve_shape
+from engine.models.logprobs import token_log_probs
+from engine.policy import MegatronRole
+from parallel.dims import ParallelDims
+from parallel.hybrid_check import hybridflow_bytes, layer_param_specs, verify_rollout
+from parallel.hybrid_engine import HybridEngine
+from parallel.layout import PartitionKind
+from parallel.naive_gather import NaiveGather
+from parallel.rollout_weights import global_param_names
+from parallel.state import init_distributed
+
+NUM_LAYERS = 8
+VOCAB = 96
+
+
+def model_config(tie: bool) -> ModelConfig:
+    return ModelConfig(
+        num_layers=NUM_LAYERS,
+        hidden_size=64,
+        ffn_hidden_size=96,
+        num_attention_heads=8,
+        num_query_groups=4,
+        vocab_size=VOCAB,
+        qkv_bias=True,
+        qk_norm=True,
+        tie_embeddings=tie,
+    )
+
+
+def setup(tp: int, pp: int, vpp: int = 1):
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    dims = ParallelDims(world_size=int(os.environ["WORLD_SIZE"]), tp=tp, pp=pp, vpp=vpp)
+    return init_distributed(dims, "cpu")
+
+
+def build(groups, tie: bool, seed: int = 0):
+    shape = resolve_shape(model_config(tie), VOCAB, groups.dims.tp)
+    torch.manual_seed(seed)
+    chunks = build_gpt_chunks(shape, groups.dims, init_std=0.02, recompute=False, device=groups.device)
+    return shape, chunks
+
+
+def expect(cond: bool, what: str) -> None:
+    if not cond:
+        raise AssertionError(f"rank {dist.get_rank()}: {what}")
+
+
+def snapshot(chunks) -> dict[str, torch.Tensor]:
+    return {f"{i}.{n}": p.detach().clone() for i, c in enumerate(chunks) for n, p in c.named_parameters()}
+
+
+def check_bytes(engine: HybridEngine, full: dict[str, torch.Tensor], rank: int) -> dict[str, int]:
+    """Measured bytes == plan == HybridLayout.received_bytes == HybridFlow's formula (sharded layer part)."""
+    layout, stats, cat = engine.layout, engine.last_stats, engine.plan.received_by_category
+    expect(stats["received_bytes"] == sum(cat.values()), f"measured {stats['received_bytes']} != plan {cat}")
+    specs = layer_param_specs(full, layout, NUM_LAYERS)
+    expected_layers = layout.received_bytes(rank, specs)
+    got_layers = cat["layer_sharded"] + cat["layer_replicated"]
+    expect(got_layers == expected_layers, f"layer bytes {got_layers} != layout's {expected_layers}")
+    sharded_m = sum(s.num_bytes for s in specs if s.kind != PartitionKind.REPLICATED)
+    formula = hybridflow_bytes(layout, sharded_m)
+    expect(
+        cat["layer_sharded"] == formula, f"sharded layer bytes {cat['layer_sharded']} != formula {formula}"
+    )
+    replicated_m = sum(s.num_bytes for s in specs if s.kind == PartitionKind.REPLICATED)
+    q, p = layout.pp_ratio, layout.train.pp
+    expect(cat["layer_replicated"] * p == (q - 1) * replicated_m, "replicated layer bytes != (q-1)/p * R")
+    return {"received": stats["received_bytes"], "formula_sharded": int(formula), **cat}
+
+
+def check_reshard(groups, rtp, rpp, tie, keep=False, bucket_bytes=None) -> dict:
+    """Two round trips on a freshly built model; returns figures for the summary."""
+    tp, pp, vpp = groups.dims.tp, groups.dims.pp, groups.dims.vpp
+    rank = groups.rank
+    _, chunks = build(groups, tie)
+    before = snapshot(chunks)
+    naive = NaiveGather(chunks, groups, NUM_LAYERS, tie)
+    full = dict(naive.to_rollout().params)
+    naive.to_train()
+    start = time.perf_counter()
+    engine = HybridEngine(chunks, groups, NUM_LAYERS, tie, rtp, rpp, keep, bucket_bytes)
+    build_s = time.perf_counter() - start
+    expect(engine.in_place, "plain megatron parameters must be re-pointed in place")
+    params = list(global_param_names(chunks, engine.layout.train.layers(groups.pp_rank, NUM_LAYERS)).values())
+    t_lo = engine._train_buf.data_ptr()
+    t_hi = t_lo + engine._train_buf.numel()
+    figures = {}
+    for _ in range(2):
+        weights = engine.to_rollout()
+        errors = verify_rollout(weights, full, engine.layout, rank, NUM_LAYERS, tie)
+        expect(not errors, f"({tp},{pp},vpp{vpp})->({rtp},{rpp}) tie={tie}: " + "; ".join(errors[:5]))
+        figures = check_bytes(engine, full, rank)
+        rollout_bytes = sum(t.numel() * t.element_size() for t in weights.params.values())
+        alive = engine.alive_bytes()
+        if not engine.plan.regroup:  # every rollout tensor is a view of T or of the receive buffer
+            expect(engine.last_stats["copied_bytes"] == 0, "no local copy expected without TP regrouping")
+            expect(
+                alive["gathered"] == engine.last_stats["received_bytes"], "receive buffer != bytes received"
+            )
+            storages = {
+                b.untyped_storage().data_ptr() for b in [engine._train_buf, *engine._recv] if b is not None
+            }
+            for name, t in weights.params.items():
+                expect(t.untyped_storage().data_ptr() in storages, f"{name} is not a view of T or G")
+        else:
+            expect(alive["regrouped"] == engine.plan.regroup_bytes, "regroup buffer size")
+        buffers = [b for b in [*engine._recv, engine._regroup_buf] if b is not None]
+        refs = [weakref.ref(b) for b in buffers]
+        del buffers
+        engine.to_train()
+        alive_after = engine.alive_bytes()
+        if keep:
+            expect(alive_after == alive, "keep_rollout_weights must keep the rollout buffers")
+            expect(len(weights.params) > 0, "keep_rollout_weights must keep the handed-out views")
+        else:
+            expect(
+                alive_after["gathered"] == 0 and alive_after["regrouped"] == 0, f"alive after: {alive_after}"
+            )
+            expect(len(weights.params) == 0, "to_train must drop the handed-out rollout views")
+            del weights  # no gc.collect(): the buffers must be freed by reference counting alone
+            expect(all(r() is None for r in refs), "a gathered buffer is still alive after to_train")
+        for i, c in enumerate(chunks):
+            for n, p in c.named_parameters():
+                expect(torch.equal(p, before[f"{i}.{n}"]), f"training parameter {n} changed")
+        for p in params:
+            expect(t_lo <= p.data_ptr() < t_hi, "a training parameter left the training buffer")
+    figures.update(
+        rollout_bytes=rollout_bytes,
+        train_bytes=alive["train"],
+        gathered_bytes=alive["gathered"],
+        regrouped_bytes=alive["regrouped"],
+        rounds=engine.last_stats["rounds"],
+        build_s=round(build_s, 3),
+    )
+    return figures
+
+
+def micro_batches(groups, num: int) -> list[dict]:
+    g = torch.Generator().manual_seed(100 + groups.dp_rank)
+    out = []
+    for _ in range(num):
+        tokens = torch.randint(0, VOCAB, (2, 16), generator=g)
+        out.append(
+            {
+                "tokens": tokens,
+                "positions": torch.arange(16).expand(2, 16),
+                "targets": tokens.roll(-1, dims=1),
+            }
+        )
+    return out
+
+
+def loss_fn(output, mb):
+    logp = token_log_probs(output, mb["targets"])
+    return -logp.sum() / logp.numel(), {}
+
+
+def check_training(groups, rtp, rpp, tie, distributed_optimizer: bool) -> dict:
+    """A training step after a round trip equals the step of a model that never resharded."""
+    pp = groups.dims.pp
+    shape, chunks_a = build(groups, tie)
+    _, chunks_b = build(groups, tie, seed=1)
+    for a, b in zip(chunks_a, chunks_b):
+        b.load_state_dict(a.state_dict())
+    optim = OptimConfig(lr=1e-2, distributed_optimizer=distributed_optimizer)
+    role_a = MegatronRole(chunks_a, groups, shape, optim)
+    role_b = MegatronRole(chunks_b, groups, shape, optim)
+    engine = HybridEngine(role_a.chunks, groups, NUM_LAYERS, tie, rtp, rpp)
+    expect(
+        engine.in_place != distributed_optimizer,
+        f"in_place={engine.in_place} with DO={distributed_optimizer}",
+    )
+
+    def full_weights():
+        naive = NaiveGather(role_a.chunks, groups, NUM_LAYERS, tie)
+        return dict(naive.to_rollout().params)
+
+    full = full_weights()
+    for _ in range(2):
+        errors = verify_rollout(engine.to_rollout(), full, engine.layout, groups.rank, NUM_LAYERS, tie)
+        expect(not errors, "before the step: " + "; ".join(errors[:5]))
+        engine.to_train()
+    batches = micro_batches(groups, 2 * pp)
+    norms = []
+    for role in (role_a, role_b):
+        role.run(batches, loss_fn, forward_only=False)
+        norms.append(role.optimizer_step().grad_norm)
+    expect(norms[0] == norms[1] and norms[0] > 0, f"grad norms differ: {norms}")
+    for ca, cb in zip(role_a.chunks, role_b.chunks):
+        for (n, pa), (_, pb) in zip(ca.named_parameters(), cb.named_parameters()):
+            expect(torch.equal(pa, pb), f"after the step {n} differs from the model that never resharded")
+    changed = full_weights()
+    expect(any(not torch.equal(changed[n], full[n]) for n in full), "the optimizer step changed nothing")
+    errors = verify_rollout(engine.to_rollout(), changed, engine.layout, groups.rank, NUM_LAYERS, tie)
+    expect(not errors, "after the step: " + "; ".join(errors[:5]))
+    engine.to_train()
+    return {"in_place": engine.in_place, "grad_norm": norms[0]}
+
+
+def check_invalid() -> list[str]:
+    """Invalid rollout layouts raise ValueError naming the key, before any collective."""
+    groups = setup(2, 1)
+    _, chunks = build(groups, False)
+    messages = []
+    for kwargs, key in (
+        ({"rollout_tp": 3}, "rollout.tp"),
+        ({"rollout_tp": 0}, "rollout.tp"),
+        ({"rollout_tp": 1, "rollout_pp": 2}, "rollout.pp"),
+    ):
+        try:
+            HybridEngine(chunks, groups, NUM_LAYERS, False, **kwargs)
+        except ValueError as e:
+            expect(key in str(e), f"{kwargs}: message does not name {key}: {e}")
+            messages.append(str(e))
+        else:
+            raise AssertionError(f"{kwargs} did not raise")
+    return messages
+
+
+# training layout (tp, pp, vpp) -> checks: ("reshard", rollout_tp, rollout_pp, tie, keep, bucket_bytes) or
+# ("train", rollout_tp, rollout_pp, tie, distributed_optimizer)
+CASES = {
+    2: {
+        (2, 1, 1): [
+            ("reshard", 1, 1, False, False, None),
+            ("reshard", 1, 1, True, True, 32768),
+            ("train", 1, 1, True, False),
+        ],
+        (1, 2, 1): [("reshard", 1, 1, True, False, None), ("reshard", 1, 2, True, False, None)],
+        (1, 2, 2): [("reshard", 1, 1, False, True, None), ("train", 1, 1, True, False)],
+    },
+    4: {
+        (2, 2, 1): [
+            ("reshard", 1, 1, False, False, None),
+            ("reshard", 1, 1, True, False, 32768),
+            ("reshard", 2, 1, False, False, None),
+            ("reshard", 1, 2, True, False, None),
+        ],
+        (2, 2, 2): [
+            ("reshard", 1, 1, True, False, None),
+            ("reshard", 2, 1, True, True, None),
+            ("train", 1, 1, True, False),
+        ],
+        (4, 1, 1): [("reshard", 2, 1, False, False, None), ("reshard", 1, 1, True, False, 65536)],
+        (2, 1, 1): [("reshard", 1, 1, True, False, None), ("train", 1, 1, False, True)],
+        (1, 4, 1): [("reshard", 1, 2, True, False, None)],
+        (1, 2, 1): [("train", 1, 1, True, True)],
+    },
+}
+
+
+def main() -> None:
+    world = int(os.environ["WORLD_SIZE"])
+    start = time.perf_counter()
+    summary = {"world": world, "reshard": {}, "training": {}}
+    for (tp, pp, vpp), checks in CASES[world].items():
+        groups = setup(tp, pp, vpp)
+        for what, rtp, rpp, tie, *rest in checks:
+            key = f"t{tp}p{pp}v{vpp}->t{rtp}p{rpp}{' tied' if tie else ''}"
+            if what == "reshard":
+                keep, bucket = rest
+                summary["reshard"][key + (" keep" if keep else "")] = check_reshard(
+                    groups, rtp, rpp, tie, keep, bucket
+                )
+            else:
+                (do,) = rest
+                summary["training"][key + (" distopt" if do else "")] = check_training(
+                    groups, rtp, rpp, tie, do
+                )
+    if world == 2:
+        summary["invalid"] = check_invalid()
+    summary["seconds"] = round(time.perf_counter() - start, 2)
+    if dist.get_rank() == 0:
+        print("HYBRID_OK " + json.dumps(summary), flush=True)
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
