@@ -90,7 +90,7 @@ def forward_logits(chunks: list[torch.nn.Module], tokens_bs: torch.Tensor, shape
         parts = [torch.empty_like(local) for _ in range(groups.dims.tp)]
         dist.all_gather(parts, local.contiguous(), group=groups.tp)
         local = torch.cat(parts, dim=-1)
-    return local[..., : shape.vocab_size]  # drop the padded vocabulary rows
+    return local[..., : shape.vocab_size].contiguous()  # drop the padded vocabulary rows
 
 
 def _hf_logits(path: str, tokens_bs: torch.Tensor) -> torch.Tensor:

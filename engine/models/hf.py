@@ -2,8 +2,8 @@
 
 - `model_config_from_hf(path)`: ModelConfig overrides from config.json (engine/models/hf_config.py).
 - `load_hf_weights(chunks, path, shape, groups)`: every rank copies only the slices its own shards hold,
-  from zero-copy memory-mapped views of the safetensors files, straight into its parameters, one parameter
-  at a time; single-file and sharded (`model.safetensors.index.json`) checkpoints.
+  from lazy memory-mapped views (safetensors `get_slice`), straight into its parameters, one parameter at
+  a time; single-file and sharded (`model.safetensors.index.json`) checkpoints.
 - `save_hf_checkpoint(...)`: one tensor at a time, TP shards are all-gathered in their stage and sent to
   global rank 0, which writes safetensors files of bounded size, the index, config.json and tokenizer files.
 
@@ -14,21 +14,22 @@ a critic (`ValueHead` output layer) takes `score.weight` when the checkpoint has
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import shutil
-import struct
 from collections.abc import Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.models.builder import ModelShape, ValueHead
 from engine.models.hf_config import HF_CONFIG_FILE, HFCheckpointError, model_config_from_hf
 from engine.models.hf_map import (
     TIED_OUTPUT_RULE,
+    VALUE_HEAD_BIAS,
     VALUE_HEAD_RULE,
     WeightRule,
     hf_from_shards,
@@ -62,56 +63,17 @@ TOKENIZER_FILES = (
 )
 
 
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-class _MappedFile:
-    """One safetensors file, memory-mapped; tensors are zero-copy views of the map.
-
-    Why not `safetensors.safe_open(...).get_slice`: safetensors 0.8 copies the whole tensor before slicing
-    it (measured with torch's profiler: a 16 MiB allocation for a half-rows slice of a 16 MiB tensor).
-    The format is a little-endian u64 header length, a JSON header, then raw little-endian data.
-    """
-
-    def __init__(self, file: str):
-        with open(file, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            self.header = json.loads(f.read(n))
-            self.header.pop("__metadata__", None)
-            # copy-on-write private map: writable for torch.frombuffer, never written, so never copied
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        self._data_start = 8 + n
-
-    def tensor(self, name: str) -> torch.Tensor:
-        info = self.header[name]
-        dtype = _DTYPES[info["dtype"]]
-        begin, end = info["data_offsets"]
-        count = (end - begin) // dtype.itemsize
-        flat = torch.frombuffer(self._map, dtype=dtype, count=count, offset=self._data_start + begin)
-        return flat.view(info["shape"])
-
-
 class HFCheckpoint:
-    """The tensors of a single-file or sharded safetensors checkpoint, as zero-copy memory-mapped views.
+    """The tensors of a single-file or sharded safetensors checkpoint, read lazily (a context manager).
 
-    Indexing a view reads only the pages it touches, so a rank that copies its slice into its parameter
-    never holds the full tensor in memory.
+    `tensor(name)` is a view of the memory-mapped file (safetensors' `get_slice`): indexing it and copying
+    the result reads only the pages that slice touches, so a rank never materialises a full tensor.
     """
 
     def __init__(self, path: str):
         self.path = path
-        self._files: dict[str, _MappedFile] = {}
+        self._stack = ExitStack()
+        self._open: dict[str, Any] = {}
         index = os.path.join(path, INDEX_FILE)
         single = os.path.join(path, SINGLE_FILE)
         if os.path.isfile(index):
@@ -120,12 +82,18 @@ class HFCheckpoint:
                 self.file_of: dict[str, str] = json.load(f)["weight_map"]
         elif os.path.isfile(single):
             self.source = single
-            self.file_of = dict.fromkeys(self._file(SINGLE_FILE, "").header, SINGLE_FILE)
+            self.file_of = dict.fromkeys(self._file(SINGLE_FILE, "").keys(), SINGLE_FILE)
         else:
             raise HFCheckpointError(
                 f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}; the engine reads safetensors only "
                 f"(re-save the model with save_pretrained(..., safe_serialization=True))"
             )
+
+    def __enter__(self) -> HFCheckpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
 
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
@@ -134,27 +102,27 @@ class HFCheckpoint:
         """The file holding tensor `name` (for messages)."""
         return os.path.join(self.path, self.file_of.get(name, "?"))
 
-    def _file(self, file: str, name: str) -> _MappedFile:
-        if file not in self._files:
+    def _file(self, file: str, name: str):
+        if file not in self._open:
             full = os.path.join(self.path, file)
             if not os.path.isfile(full):
                 raise HFCheckpointError(f"{full} is missing (it holds {name!r} according to {INDEX_FILE})")
-            self._files[file] = _MappedFile(full)
-        return self._files[file]
+            self._open[file] = self._stack.enter_context(safe_open(full, framework="pt"))
+        return self._open[file]
 
     def tensor(self, name: str) -> torch.Tensor:
-        """A zero-copy view of tensor `name`; slice it before copying to read only that part."""
+        """A lazy view of tensor `name`: slice it before copying to read only that part."""
         if name not in self.file_of:
             raise HFCheckpointError(
                 f"tensor {name!r} is missing from {self.source}; the checkpoint does not match its "
                 f"{HF_CONFIG_FILE} (check num_hidden_layers, tie_word_embeddings, model_type)"
             )
         file = self._file(self.file_of[name], name)
-        if name not in file.header:
+        if name not in file.keys():
             raise HFCheckpointError(
                 f"tensor {name!r} is missing from {self.where(name)} named by {INDEX_FILE}"
             )
-        return file.tensor(name)
+        return file.get_slice(name)[:]
 
 
 def check_tp_layout(shape: ModelShape, tp: int, source: str) -> None:
@@ -201,19 +169,29 @@ def load_hf_weights(
     """
     tp, tp_rank = groups.dims.tp, groups.tp_rank
     check_tp_layout(shape, tp, os.path.join(path, HF_CONFIG_FILE))
-    ckpt = HFCheckpoint(path)
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            rule, layer = _rule_for(chunk, name, shape)
-            names = hf_names(rule, layer)
-            if rule is VALUE_HEAD_RULE and names[0] not in ckpt:
-                continue  # a fresh critic head: keep the zero init
-            _check_shapes(ckpt, rule, names, name, param.shape, shape, tp)
+    with HFCheckpoint(path) as ckpt:
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                rule, layer = _rule_for(chunk, name, shape)
+                names = hf_names(rule, layer)
+                if rule is VALUE_HEAD_RULE:
+                    if names[0] not in ckpt:
+                        continue  # a fresh critic head: keep the zero init
+                    _check_zero_bias(ckpt)
+                _check_shapes(ckpt, rule, names, name, param.shape, shape, tp)
 
-            def read(i, index, names=names):
-                return ckpt.tensor(names[i])[index]
+                def read(i, index, names=names):
+                    return ckpt.tensor(names[i])[index]
 
-            param.copy_(shard_from_hf(rule, read, param.shape, shape, tp, tp_rank))
+                shard_from_hf(rule, read, param.data, shape, tp, tp_rank)
+
+
+def _check_zero_bias(ckpt: HFCheckpoint) -> None:
+    if VALUE_HEAD_BIAS in ckpt and ckpt.tensor(VALUE_HEAD_BIAS).any():
+        raise HFCheckpointError(
+            f"tensor {VALUE_HEAD_BIAS!r} in {ckpt.where(VALUE_HEAD_BIAS)} is nonzero, but the engine's value "
+            f"head has no bias; zero it (a constant shift of all values) or fold it into the reward model"
+        )
 
 
 def _check_shapes(ckpt: HFCheckpoint, rule, names, megatron_name, shard_shape, shape, tp) -> None:
@@ -227,10 +205,13 @@ def _check_shapes(ckpt: HFCheckpoint, rule, names, megatron_name, shard_shape, s
             )
 
 
-def _local_hf_tensors(chunks, shape: ModelShape, groups: ProcessGroups) -> Iterator[dict[str, torch.Tensor]]:
+def _local_hf_tensors(
+    chunks, shape: ModelShape, groups: ProcessGroups, head_bias: bool
+) -> Iterator[dict[str, torch.Tensor]]:
     """This stage's HF tensors, one Megatron parameter at a time (all TP ranks must iterate together).
 
-    Yields on every TP rank; only TP rank 0's dicts are complete (others get empty dicts).
+    Yields on every TP rank; only TP rank 0's dicts are complete (others get empty dicts). `head_bias`:
+    add a zero `score.bias` next to a value head (what *ForTokenClassification expects).
     """
     tp = groups.dims.tp
     for chunk in chunks:
@@ -245,7 +226,10 @@ def _local_hf_tensors(chunks, shape: ModelShape, groups: ProcessGroups) -> Itera
             else:
                 gathered = [shard]
             if groups.tp_rank == 0:
-                yield dict(zip(hf_names(rule, layer), hf_from_shards(rule, gathered, shape)))
+                named = dict(zip(hf_names(rule, layer), hf_from_shards(rule, gathered, shape)))
+                if rule is VALUE_HEAD_RULE and head_bias:
+                    named[VALUE_HEAD_BIAS] = shard.new_zeros(1)
+                yield named
             else:
                 yield {}
             del gathered
@@ -330,16 +314,17 @@ def save_hf_checkpoint(
     Only DP replica 0 takes part; global rank 0 writes safetensors files (<= `max_shard_bytes` each, with
     `model.safetensors.index.json` when more than one), `hf_config` as config.json, and the tokenizer
     files of `src_dir` if given. Tensors keep the parameters' dtype unless `dtype` is set. A critic's
-    value head is written as `score.weight`. Rank 0 holds at most one file's worth of tensors at a time.
+    value head is written as `score.weight` (plus a zero `score.bias` for *ForTokenClassification). Rank 0 holds at most one file's worth of tensors at a time.
     """
     rank0 = groups.rank == 0
+    head_bias = any(a.endswith("ForTokenClassification") for a in hf_config.get("architectures") or [])
     if rank0:
         os.makedirs(out_dir, exist_ok=True)
     if groups.dp_rank == 0:
         writer = _ShardWriter(out_dir, max_shard_bytes) if rank0 else None
         for stage in range(groups.dims.pp):
             if groups.pp_rank == stage:
-                local = _local_hf_tensors(chunks, shape, groups)
+                local = _local_hf_tensors(chunks, shape, groups, head_bias)
                 if rank0:
                     for named in local:
                         for name, t in named.items():

@@ -3,8 +3,8 @@
 Every piece of code that moves weights between the two worlds (HF load/save, the 3D-HybridEngine reshard,
 a vLLM weight loader) reads `WEIGHT_MAP` and the three functions below instead of re-deriving layouts:
 
-- `shard_from_hf(rule, read, ...)`: build one TP shard of a Megatron parameter from HF tensors, reading
-  only the slices it needs (`read` is e.g. a safetensors `get_slice` lookup);
+- `shard_from_hf(rule, read, out, ...)`: fill one TP shard of a Megatron parameter from HF tensors,
+  reading only the slices it needs (`read` slices e.g. a memory-mapped safetensors view);
 - `hf_pieces_of_shard(rule, shard, ...)`: cut one Megatron TP shard into its HF-named pieces (the q/k/v or
   gate/up parts of this rank), which is what a vLLM loader with per-shard `weight_loader`s wants;
 - `hf_from_shards(rule, shards, ...)`: the full HF tensors from all TP shards (export).
@@ -85,6 +85,8 @@ TIED_OUTPUT_RULE = WeightRule("output_layer.weight", ("model.embed_tokens.weight
 """The last stage's output layer when embeddings are tied (megatron keeps a synchronised copy at PP > 1)."""
 VALUE_HEAD_RULE = WeightRule("output_layer.weight", ("score.weight",), Split.REPLICATED)
 """The critic's `ValueHead` (1, hidden) <-> HF *ForTokenClassification `score.weight` (optional on load)."""
+VALUE_HEAD_BIAS = "score.bias"
+"""HF *ForTokenClassification heads have a bias the engine's ValueHead lacks: loaded only if zero, saved as zero."""
 
 _PATTERNS = [
     (re.compile("^" + re.escape(r.megatron).replace(r"\{layer\}", r"(\d+)") + "$"), r) for r in WEIGHT_MAP
@@ -120,41 +122,40 @@ def _rows(start: int, stop: int) -> tuple[slice, ...]:
 
 
 def shard_from_hf(
-    rule: WeightRule, read: Read, shard_shape: torch.Size, shape: ModelShape, tp: int, rank: int
-):
-    """TP shard `rank` of `tp` of the Megatron parameter (shape `shard_shape`), from its HF tensors.
+    rule: WeightRule, read: Read, out: torch.Tensor, shape: ModelShape, tp: int, rank: int
+) -> None:
+    """Fill `out` with TP shard `rank` of `tp` of the Megatron parameter, from its HF tensors.
 
-    Reads only the rows/columns this rank holds; vocabulary padding rows come back as zeros.
+    Reads only the rows/columns this rank holds and copies them straight into `out` (no temporaries:
+    with memory-mapped views nothing but `out` is ever allocated); vocabulary padding rows become zeros.
     """
     if rule.split is Split.REPLICATED:
-        return read(0, ())
-    if rule.split is Split.ROW:
-        n = shard_shape[1]
-        return read(0, (slice(None), slice(rank * n, (rank + 1) * n)))
-    if rule.split is Split.VOCAB:
-        n = shard_shape[0]
+        out.copy_(read(0, ()))
+    elif rule.split is Split.ROW:
+        n = out.shape[1]
+        out.copy_(read(0, (slice(None), slice(rank * n, (rank + 1) * n))))
+    elif rule.split is Split.VOCAB:
+        n = out.shape[0]
         start, stop = rank * n, min((rank + 1) * n, shape.vocab_size)
-        real = read(0, _rows(start, stop)) if stop > start else None
-        if real is not None and real.shape[0] == n:
-            return real
-        out = torch.zeros(shard_shape, dtype=real.dtype if real is not None else torch.float32)
-        if real is not None:
-            out[: real.shape[0]] = real
-        return out
-    if rule.split is Split.GATE_UP:
-        n = shard_shape[0] // 2
-        return torch.cat([read(i, _rows(rank * n, (rank + 1) * n)) for i in (0, 1)])
-    if rule.split is Split.QKV:
+        real = max(stop - start, 0)
+        if real:
+            out[:real].copy_(read(0, _rows(start, stop)))
+        out[real:].zero_()
+    elif rule.split is Split.GATE_UP:
+        n = out.shape[0] // 2
+        for i in (0, 1):  # [gate_r; up_r]
+            out[i * n : (i + 1) * n].copy_(read(i, _rows(rank * n, (rank + 1) * n)))
+    elif rule.split is Split.QKV:
         groups = shape.num_query_groups // tp
         q_rows, kv_rows = _qkv_rows(shape)
-        parts = [
-            read(i, _rows(rank * groups * rows, (rank + 1) * groups * rows))
-            for i, rows in enumerate((q_rows, kv_rows, kv_rows))
-        ]
-        # (groups*rows, ...) -> (groups, rows, ...), then [q_g; k_g; v_g] per group
-        per_group = [p.reshape(groups, -1, *p.shape[1:]) for p in parts]
-        return torch.cat(per_group, dim=1).reshape(shard_shape)
-    raise ValueError(f"unknown split {rule.split}")
+        grouped = out.view(groups, q_rows + 2 * kv_rows, *out.shape[1:])  # [q_g; k_g; v_g] per group
+        begin = 0
+        for i, rows in enumerate((q_rows, kv_rows, kv_rows)):
+            part = read(i, _rows(rank * groups * rows, (rank + 1) * groups * rows))
+            grouped[:, begin : begin + rows].copy_(part.view(groups, rows, *part.shape[1:]))
+            begin += rows
+    else:
+        raise ValueError(f"unknown split {rule.split}")
 
 
 def hf_pieces_of_shard(rule: WeightRule, shard: torch.Tensor, shape: ModelShape, tp: int):

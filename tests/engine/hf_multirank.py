@@ -1,0 +1,189 @@
+"""World size 4 (torchrun, gloo, CPU): HF <-> Megatron for every family and layout in one launch.
+
+    torchrun --nproc_per_node=4 tests/engine/hf_multirank.py ROOT   (ROOT made by hf_tiny.make_all)
+
+One process group; megatron's parallel state is rebuilt for each layout (TP, PP, VPP) in {(1,1,1),
+(2,1,1), (1,2,1), (2,2,1), (1,2,2)}, DP taking the remaining ranks. For each family the layouts are
+chained: layout k loads the checkpoint that layout k-1 saved (every other one sharded with an index), so
+the chain HF -> M(1,1) -> HF -> M(2,1) -> ... is checked at every hop against the original:
+- logits parity with transformers (float32, tol 1e-5) on the checkpoint being loaded;
+- every saved tensor torch.equal to the original (names, dtypes, config.json too).
+Then: the critic (value head from `score.weight`, vs transformers' token classification head, and a zero
+head from a causal-LM checkpoint), and the peak memory allocated while loading at TP=2.
+Rank 0 prints `RESULT {json}` lines that the pytest side reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine.models.builder import build_gpt_chunks
+from engine.models.hf import HFCheckpoint, load_hf_weights, save_hf_checkpoint
+from engine.models.hf_config import read_hf_config
+from engine.parity import (
+    ParityConfig,
+    build_and_load,
+    compare_logits,
+    hf_model_shape,
+    logits_on_rank0,
+    random_tokens,
+)
+from parallel.dims import ParallelDims
+from parallel.state import destroy_distributed, init_distributed
+
+START = time.perf_counter()  # after imports: elapsed_s times the checks
+WORLD = 4
+LAYOUTS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2))
+TOL = 5e-5  # float32 logits of magnitude ~6; TP=2 changes the summation order (measured <= 1e-5)
+PARITY = ParityConfig(batch=2, seq_len=16, tol=TOL, seed=0)
+
+
+def relayout(tp: int, pp: int, vpp: int = 1):
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    return init_distributed(ParallelDims(WORLD, tp=tp, pp=pp, vpp=vpp))
+
+
+def result(groups, **fields) -> None:
+    if groups.rank == 0:
+        fields["elapsed_s"] = round(time.perf_counter() - START, 2)
+        print("RESULT " + json.dumps(fields), flush=True)
+
+
+def assert_same_checkpoint(src: str, out: str) -> int:
+    """Every tensor of `src` is in `out`, bit-exact, and nothing else; returns the tensor count."""
+    with HFCheckpoint(src) as a, HFCheckpoint(out) as b:
+        assert set(a.file_of) == set(b.file_of), (sorted(set(a.file_of) ^ set(b.file_of)), out)
+        for name in a.file_of:
+            ta, tb = a.tensor(name), b.tensor(name)
+            assert ta.dtype == tb.dtype and torch.equal(ta, tb), (
+                f"{name} differs after the round trip to {out}"
+            )
+    assert read_hf_config(src) == read_hf_config(out)
+    return len(a.file_of)
+
+
+def chain(family: str, src: str, out_root: str) -> None:
+    prev = src
+    for k, (tp, pp, vpp) in enumerate(LAYOUTS):
+        groups = relayout(tp, pp, vpp)
+        chunks, shape = build_and_load(prev, groups)
+        report = compare_logits(chunks, shape, prev, groups, PARITY)
+        out = os.path.join(out_root, f"{family}_tp{tp}pp{pp}vpp{vpp}")
+        shard_bytes = 40_000 if k % 2 == 0 else 2 << 30  # small: several files + index.json
+        save_hf_checkpoint(
+            chunks, shape, groups, out, prev, read_hf_config(prev), max_shard_bytes=shard_bytes
+        )
+        num = assert_same_checkpoint(src, out) if groups.rank == 0 else 0
+        sharded = os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
+        result(
+            groups, kind="layout", family=family, loaded=prev, saved_sharded=sharded, tensors=num, **report
+        )
+        prev = out
+
+
+def critic(dirs: dict[str, str], out_root: str) -> None:
+    """Value head at TP2 x PP2: loaded from score.weight (vs transformers), zero from a causal LM."""
+    from transformers import AutoModelForTokenClassification
+
+    groups = relayout(2, 2)
+    chunks, shape = build_and_load(dirs["critic"], groups, value_head=True)
+    tokens = random_tokens(shape, PARITY, groups.device)
+    values = logits_on_rank0(chunks, tokens, shape, groups, width=1)  # (b, s, 1)
+    diff = None
+    if groups.rank == 0:
+        hf = AutoModelForTokenClassification.from_pretrained(dirs["critic"], dtype=torch.float32).eval()
+        with torch.no_grad():
+            diff = (values - hf(input_ids=tokens).logits).abs().max().item()
+        assert diff <= TOL, diff
+    out = os.path.join(out_root, "critic_tp2pp2")
+    save_hf_checkpoint(chunks, shape, groups, out, dirs["critic"], read_hf_config(dirs["critic"]))
+    num = assert_same_checkpoint(dirs["critic"], out) if groups.rank == 0 else 0
+    result(groups, kind="critic", max_abs_value_diff=diff, tol=TOL, tensors=num)
+
+    fresh, _ = build_and_load(dirs["qwen2"], groups, value_head=True)
+    if groups.is_last_stage:
+        head = fresh[-1].output_layer.weight
+        assert head.shape == (1, shape.hidden_size) and not head.any(), "value head must stay zero"
+    result(groups, kind="critic_fresh_head_zero", ok=True)
+
+
+class LargestNewTensor(TorchDispatchMode):
+    """Records the largest storage any torch op allocates (outputs sharing no input's storage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = pytree.tree_leaves((args, kwargs))
+        seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                if t.untyped_storage().data_ptr() not in seen:
+                    self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def rss_anon_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def load_memory(path: str) -> None:
+    """At TP=2: the largest tensor torch creates while loading, and the anonymous memory the load keeps."""
+    groups = relayout(2, 1)
+    shape = hf_model_shape(path, 2)
+    chunks = build_gpt_chunks(shape, groups.dims, init_std=0.02, recompute=False, device=groups.device)
+    biggest_shard = max(p.numel() * p.element_size() for c in chunks for p in c.parameters())
+    with HFCheckpoint(path) as ckpt:
+        full = ckpt.tensor("model.embed_tokens.weight")
+        biggest_full = full.numel() * full.element_size()
+        with LargestNewTensor() as naive:  # the instrument sees a materialised full tensor
+            full.clone()
+    assert naive.largest >= biggest_full, (naive.largest, biggest_full)
+    before = rss_anon_bytes()
+    with LargestNewTensor() as seen:
+        load_hf_weights(chunks, path, shape, groups)
+    kept = rss_anon_bytes() - before
+    bound = biggest_shard // 8
+    assert seen.largest <= bound, f"loading created a {seen.largest}-byte tensor > bound {bound}"
+    assert kept <= biggest_full // 2, f"loading kept {kept} bytes of anonymous memory"
+    per_rank = [None] * WORLD
+    dist.all_gather_object(per_rank, (seen.largest, kept))
+    result(
+        groups,
+        kind="memory",
+        largest_new_tensor_bytes_per_rank=[p[0] for p in per_rank],
+        rss_anon_growth_bytes_per_rank=[p[1] for p in per_rank],
+        bound_bytes=bound,
+        biggest_param_shard_bytes=biggest_shard,
+        biggest_full_tensor_bytes=biggest_full,
+        naive_full_clone_bytes=naive.largest,
+    )
+
+
+def main(root: str) -> None:
+    dirs = {name: os.path.join(root, name) for name in ("qwen2", "qwen3", "llama", "critic", "big")}
+    out_root = os.path.join(root, "out")
+    try:
+        for family in ("qwen2", "qwen3", "llama"):
+            chain(family, dirs[family], out_root)
+        critic(dirs, out_root)
+        load_memory(dirs["big"])
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,82 @@
+"""Tiny randomly initialised Hugging Face models of each supported family, saved to local directories.
+
+Shared by tests/engine/test_hf*.py and the torchrun scripts they launch. No network: configs are built
+in code. initializer_range=0.2 makes logits O(1), so a parity tolerance means something.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+# 4 layers so that PP=2 x VPP=2 has a layer per chunk; 4 heads / 2 KV heads (GQA) split over TP=2;
+# vocab 101 is odd, so TP=2 pads one row.
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=101,
+    max_position_embeddings=128,
+    initializer_range=0.2,
+)
+FAMILIES = ("qwen2", "qwen3", "llama")
+
+
+def _config(family: str, **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    kw = dict(_COMMON)
+    if family == "qwen2":  # QKV bias (built in), tied embeddings
+        cls, kw["tie_word_embeddings"] = Qwen2Config, True
+    elif family == "qwen3":  # QK-norm, head_dim != hidden / heads
+        cls, kw["head_dim"] = Qwen3Config, 32
+    elif family == "llama":  # untied, Llama-3.1 RoPE scaling
+        cls, kw["rope_parameters"], kw["tie_word_embeddings"] = LlamaConfig, LLAMA3_ROPE, False
+    else:
+        raise ValueError(family)
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def save_tiny(family: str, out_dir: str, seed: int = 0, head: str = "causal", **overrides) -> str:
+    """Save a random `family` model to `out_dir`; head is `causal` or `token` (num_labels=1: a critic)."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    torch.manual_seed(seed)
+    config = _config(family, **overrides)
+    if head == "token":
+        config.num_labels = 1
+        model = AutoModelForTokenClassification.from_config(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def make_all(root: str) -> dict[str, str]:
+    """Every model the multi-rank script needs, under `root`; returns name -> directory."""
+    dirs = {f: save_tiny(f, os.path.join(root, f), seed=i) for i, f in enumerate(FAMILIES)}
+    dirs["critic"] = save_tiny("qwen2", os.path.join(root, "critic"), seed=7, head="token")
+    # big enough to measure loading memory: embedding/lm_head 8 MiB each (vocab odd: padded at TP=2)
+    dirs["big"] = save_tiny(
+        "llama",
+        os.path.join(root, "big"),
+        seed=9,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        vocab_size=8191,
+        initializer_range=0.02,
+    )
+    return dirs
