@@ -9,7 +9,8 @@ the chain HF -> M(1,1) -> HF -> M(2,1) -> ... is checked at every hop against th
 - logits parity with transformers (float32, tol 1e-5) on the checkpoint being loaded;
 - every saved tensor torch.equal to the original (names, dtypes, config.json too).
 Then: the critic (value head from `score.weight`, vs transformers' token classification head, and a zero
-head from a causal-LM checkpoint), and the peak memory allocated while loading at TP=2.
+head from a causal-LM checkpoint), the largest tensor created while loading at TP=2, and the errors for
+weights that disagree with config.json; last the CLI (`engine.parity.main`), which prints its JSON line.
 Rank 0 prints `RESULT {json}` lines that the pytest side reads.
 """
 
@@ -27,7 +28,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.models.builder import build_gpt_chunks
-from engine.models.hf import HFCheckpoint, load_hf_weights, save_hf_checkpoint
+from engine.models.hf import HFCheckpoint, HFCheckpointError, load_hf_weights, save_hf_checkpoint
 from engine.models.hf_config import read_hf_config
 from engine.parity import (
     ParityConfig,
@@ -173,14 +174,45 @@ def load_memory(path: str) -> None:
     )
 
 
+def errors(dirs: dict[str, str]) -> None:
+    """Weights that disagree with config.json: the error names the tensor and the file (every rank)."""
+    groups = relayout(2, 1)
+    cases = {
+        "bad_shape": ("model.layers.0.mlp.gate_proj.weight", "(96, 64)", "(128, 64)"),
+        "missing_layer": ("model.layers.4.input_layernorm.weight", "missing", "num_hidden_layers"),
+    }
+    for case, needles in cases.items():
+        try:
+            build_and_load(dirs[case], groups)
+        except HFCheckpointError as err:
+            message = str(err)
+        else:
+            raise AssertionError(f"{case}: loading did not fail")
+        for needle in (*needles, os.path.join(dirs[case], "model.safetensors")):
+            assert needle in message, (case, needle, message)
+        result(groups, kind="error", case=case, message=message)
+
+
+def cli(path: str) -> None:
+    """Last: the user-facing `python -m engine.parity` entry at TP2 x PP2 (it tears the groups down)."""
+    from engine.parity import main as parity_main
+
+    parallel_state.destroy_model_parallel()
+    argv = [f"model.path={path}", "parallel.tp=2", "parallel.pp=2", f"parity.tol={TOL}"]
+    assert parity_main(argv) == 0
+
+
 def main(root: str) -> None:
-    dirs = {name: os.path.join(root, name) for name in ("qwen2", "qwen3", "llama", "critic", "big")}
+    names = ("qwen2", "qwen3", "llama", "critic", "big", "bad_shape", "missing_layer")
+    dirs = {name: os.path.join(root, name) for name in names}
     out_root = os.path.join(root, "out")
     try:
         for family in ("qwen2", "qwen3", "llama"):
             chain(family, dirs[family], out_root)
         critic(dirs, out_root)
         load_memory(dirs["big"])
+        errors(dirs)
+        cli(dirs["llama"])
     finally:
         destroy_distributed()
 

@@ -6,7 +6,9 @@ in code. initializer_range=0.2 makes logits O(1), so a parity tolerance means so
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import torch
 
@@ -79,4 +81,20 @@ def make_all(root: str) -> dict[str, str]:
         vocab_size=8191,
         initializer_range=0.02,
     )
+    dirs["bad_shape"] = with_config(dirs["llama"], os.path.join(root, "bad_shape"), intermediate_size=128)
+    dirs["missing_layer"] = with_config(
+        dirs["qwen2"], os.path.join(root, "missing_layer"), num_hidden_layers=6
+    )
     return dirs
+
+
+def with_config(src: str, out_dir: str, **changes) -> str:
+    """A copy of checkpoint `src` whose config.json disagrees with its weights (for error tests)."""
+    shutil.copytree(src, out_dir)
+    file = os.path.join(out_dir, "config.json")
+    with open(file) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(file, "w") as f:
+        json.dump(config, f)
+    return out_dir
