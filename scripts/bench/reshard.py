@@ -1,0 +1,285 @@
+"""Benchmark the train -> rollout weight transition: the 3D-HybridEngine against NaiveGather (every rank
+gathers the full model), on the same model and layout, in one run; prints one JSON object (rank 0).
+
+    torchrun --nproc_per_node=4 scripts/bench/reshard.py --preset qwen2_5_1_5b --tp 2 --pp 2 --rollout-tp 1
+    torchrun --nproc_per_node=4 scripts/bench/reshard.py --layers 8 --hidden 512 --ffn 1536 --heads 8 \
+        --groups 4 --vocab 8192 --tp 2 --pp 2 --rollout-tp 1 --verify        # CPU (gloo) when no GPU
+
+Per method: `to_rollout` and `to_train` seconds (median of --iters, CUDA-synchronised), bytes received per
+rank (measured from the tensors each method receives, and the formula), and memory: on GPU the peak of
+`torch.cuda.max_memory_allocated` above the training state during `to_rollout` and what is still held
+after it; on CPU the sum of bytes allocated by `to_rollout` (a dispatch-mode counter). `--verify` compares
+every rollout tensor with the slice of NaiveGather's full weights and exits non-zero on a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.config import ModelConfig, OptimConfig
+from engine.models.builder import build_gpt_chunks, resolve_shape
+from parallel import naive_gather
+from parallel.dims import ParallelDims
+from parallel.hybrid_check import AllocationCounter, hybridflow_bytes, verify_rollout
+from parallel.hybrid_engine import DEFAULT_BUCKET_BYTES, HybridEngine
+from parallel.layout import ParamSpec, PartitionKind
+from parallel.rollout_weights import partition_kind, split_layer_name
+from parallel.state import destroy_distributed, init_distributed, world_size_from_env
+
+PRESETS = {  # Qwen2.5 shapes (config.json of the Hugging Face checkpoints)
+    "qwen2_5_0_5b": dict(layers=24, hidden=896, ffn=4864, heads=14, groups=2, vocab=151936, tie=True),
+    "qwen2_5_1_5b": dict(layers=28, hidden=1536, ffn=8960, heads=12, groups=2, vocab=151936, tie=True),
+    "qwen2_5_7b": dict(layers=28, hidden=3584, ffn=18944, heads=28, groups=4, vocab=152064, tie=False),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="Qwen2.5 shape (QKV bias); overrides the shape")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--ffn", type=int, default=1536)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--groups", type=int, default=4, help="key/value heads (GQA)")
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--tie", action="store_true", help="tied embeddings (presets set their own)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--tp", type=int, default=1, help="parallel.tp")
+    ap.add_argument("--pp", type=int, default=1, help="parallel.pp")
+    ap.add_argument("--vpp", type=int, default=1, help="parallel.vpp")
+    ap.add_argument("--rollout-tp", type=int, default=1, help="rollout.tp")
+    ap.add_argument("--rollout-pp", type=int, default=1, help="rollout.pp")
+    ap.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20, help="regroup staging")
+    ap.add_argument("--iters", type=int, default=7, help="timed round trips per method (after one warm-up)")
+    ap.add_argument("--distopt", action="store_true", help="wrap in megatron DDP + distributed optimizer")
+    ap.add_argument("--verify", action="store_true", help="check every rollout tensor against full weights")
+    return ap.parse_args()
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    shape = dict(PRESETS[args.preset]) if args.preset else {}
+    get = lambda key: shape.get(key, getattr(args, key))  # noqa: E731
+    return ModelConfig(
+        name=args.preset or "custom",
+        num_layers=get("layers"),
+        hidden_size=get("hidden"),
+        ffn_hidden_size=get("ffn"),
+        num_attention_heads=get("heads"),
+        num_query_groups=get("groups"),
+        vocab_size=get("vocab"),
+        qkv_bias=True,
+        tie_embeddings=get("tie"),
+        dtype=args.dtype,
+    )
+
+
+class _CountingDist:
+    """`torch.distributed` as NaiveGather sees it, counting the bytes this rank receives."""
+
+    def __init__(self):
+        self.received = 0
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    def all_gather(self, parts, tensor, group=None, async_op=False):
+        self.received += (
+            sum(p.numel() * p.element_size() for p in parts) - tensor.numel() * tensor.element_size()
+        )
+        return dist.all_gather(parts, tensor, group=group, async_op=async_op)
+
+    def broadcast(self, tensor, src, group=None, async_op=False):
+        if dist.get_rank() != src:
+            self.received += tensor.numel() * tensor.element_size()
+        return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device):
+    dist.barrier()
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - start
+
+
+def time_round_trips(methods: dict, device: torch.device, iters: int, counter: _CountingDist) -> dict:
+    """Warm-up, then `iters` round trips per method, interleaved so that both see the same machine load."""
+    for method in methods.values():
+        method.to_rollout()
+        method.to_train()
+    up = {name: [] for name in methods}
+    down = {name: [] for name in methods}
+    received = {}
+    for _ in range(iters):
+        for name, method in methods.items():
+            counter.received = 0
+            weights, seconds = _timed(method.to_rollout, device)
+            up[name].append(seconds)
+            received[name] = counter.received if name == "naive" else method.last_stats["received_bytes"]
+            del weights
+            _, seconds = _timed(method.to_train, device)
+            down[name].append(seconds)
+    return {
+        name: {
+            "to_rollout_s": statistics.median(up[name]),
+            "to_train_s": statistics.median(down[name]),
+            "received_bytes": received[name],
+        }
+        for name in methods
+    }
+
+
+def measure_memory(method, device: torch.device):
+    """Memory of one `to_rollout`; returns the figures and the weights (call `method.to_train()` after)."""
+    memory: dict[str, int] = {}
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        weights = method.to_rollout()
+        _sync(device)
+        memory["peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - base
+        memory["held_bytes"] = torch.cuda.memory_allocated(device) - base
+    else:
+        with AllocationCounter() as alloc:
+            weights = method.to_rollout()
+        memory["allocated_bytes"] = alloc.bytes
+    return memory, weights
+
+
+def param_specs(full: dict[str, torch.Tensor], engine: HybridEngine, num_layers: int) -> list[ParamSpec]:
+    specs = []
+    for name, tensor in full.items():
+        parts = split_layer_name(name)
+        if parts is not None:
+            stage = engine.layout.train.stage_of_layer(parts[0], num_layers)
+        else:
+            stage = 0 if name.startswith("embedding.") else engine.layout.train.pp - 1
+        specs.append(ParamSpec(tensor.numel() * tensor.element_size(), partition_kind(name), stage))
+    return specs
+
+
+def main() -> int:
+    args = parse_args()
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    dims = ParallelDims(world_size=world_size_from_env(), tp=args.tp, pp=args.pp, vpp=args.vpp)
+    groups = init_distributed(dims, device_type)
+    try:
+        cfg = model_config(args)
+        shape = resolve_shape(cfg, cfg.vocab_size, dims.tp)
+        torch.manual_seed(0)
+        chunks = build_gpt_chunks(shape, dims, init_std=0.02, recompute=False, device=groups.device)
+        if args.distopt:
+            from engine.policy import MegatronRole
+
+            chunks = MegatronRole(chunks, groups, shape, OptimConfig(distributed_optimizer=True)).chunks
+        counter = _CountingDist()
+        naive_gather.dist = counter
+        naive = naive_gather.NaiveGather(chunks, groups, shape.num_layers, shape.tie_embeddings)
+        engine = HybridEngine(
+            chunks,
+            groups,
+            shape.num_layers,
+            shape.tie_embeddings,
+            args.rollout_tp,
+            args.rollout_pp,
+            bucket_bytes=int(args.bucket_mb * 2**20),
+        )
+        timing = time_round_trips({"naive": naive, "ours": engine}, groups.device, args.iters, counter)
+        memory, full = measure_memory(naive, groups.device)
+        naive_fig = {**timing["naive"], **memory}
+        full = dict(full.params)
+        memory, weights = measure_memory(engine, groups.device)
+        ours_fig = {**timing["ours"], **memory}
+        errors = []
+        if args.verify:
+            errors = verify_rollout(
+                weights, full, engine.layout, groups.rank, shape.num_layers, shape.tie_embeddings
+            )
+        specs = param_specs(full, engine, shape.num_layers)
+        model_bytes = sum(s.num_bytes for s in specs)
+        layer_bytes = sum(s.num_bytes for s, n in zip(specs, full) if split_layer_name(n) is not None)
+        sharded_layer_bytes = sum(
+            s.num_bytes
+            for s, n in zip(specs, full)
+            if split_layer_name(n) is not None and s.kind != PartitionKind.REPLICATED
+        )
+        ours_fig.update(
+            in_place=engine.in_place,
+            rounds=engine.last_stats["rounds"],
+            peak_buffer_bytes=engine.last_stats["peak_buffer_bytes"],
+            received_by_category=engine.plan.received_by_category,
+            layout_formula_bytes=engine.layout.received_bytes(groups.rank, specs),
+            hybridflow_formula_sharded_layer_bytes=hybridflow_bytes(engine.layout, sharded_layer_bytes),
+            alive_bytes=engine.alive_bytes(),
+            rollout_weight_bytes=sum(t.numel() * t.element_size() for t in weights.params.values()),
+        )
+        naive_fig["layout_formula_bytes"] = engine.layout.naive_received_bytes(groups.rank, specs)
+        del weights, full
+        engine.to_train()
+        naive.to_train()
+        per_rank: list = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, {"ours": ours_fig, "naive": naive_fig, "errors": errors[:5]})
+        result = {
+            "model": {
+                "name": cfg.name,
+                "layers": shape.num_layers,
+                "hidden": shape.hidden_size,
+                "ffn": shape.ffn_hidden_size,
+                "heads": shape.num_attention_heads,
+                "groups": shape.num_query_groups,
+                "vocab": shape.padded_vocab_size,
+                "tie": shape.tie_embeddings,
+                "dtype": args.dtype,
+                "model_bytes": model_bytes,
+                "layer_bytes": layer_bytes,
+            },
+            "layout": {
+                "world": dims.world_size,
+                "tp": dims.tp,
+                "pp": dims.pp,
+                "vpp": dims.vpp,
+                "dp": dims.dp,
+                "rollout_tp": args.rollout_tp,
+                "rollout_pp": args.rollout_pp,
+                "micro_dp": engine.layout.micro_dp_size,
+            },
+            "device": device_type,
+            "backend": dist.get_backend(),
+            "iters": args.iters,
+            "ours_rank0": per_rank[0]["ours"],
+            "naive_rank0": per_rank[0]["naive"],
+            "ours_max_received_bytes": max(r["ours"]["received_bytes"] for r in per_rank),
+            "naive_max_received_bytes": max(r["naive"]["received_bytes"] for r in per_rank),
+            "ours_max_to_rollout_s": max(r["ours"]["to_rollout_s"] for r in per_rank),
+            "naive_max_to_rollout_s": max(r["naive"]["to_rollout_s"] for r in per_rank),
+            "verify": ("failed" if any(r["errors"] for r in per_rank) else "passed")
+            if args.verify
+            else "skipped",
+        }
+        bad = {i: r["errors"] for i, r in enumerate(per_rank) if r["errors"]}
+        if groups.is_logging_rank:
+            print(json.dumps(result), flush=True)
+            if bad:
+                print(f"VERIFY FAILED on ranks {sorted(bad)}: {bad}", file=sys.stderr, flush=True)
+        return 1 if bad else 0
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
