@@ -35,7 +35,9 @@ class ParallelDims:
     def __post_init__(self) -> None:
         for key, value in (("parallel.tp", self.tp), ("parallel.pp", self.pp), ("parallel.vpp", self.vpp)):
             if value < 1:
-                raise ValueError(f"{key}={value} must be >= 1")
+                raise ValueError(
+                    f"{key}={value} must be >= 1. Fix: use {key}=1 for no parallelism on that axis"
+                )
         if self.world_size < 1:
             raise ValueError(f"world size {self.world_size} must be >= 1")
         if self.world_size % (self.tp * self.pp) != 0:
@@ -45,9 +47,13 @@ class ParallelDims:
                 f"(torchrun --nproc_per_node) or change parallel.tp / parallel.pp"
             )
         if self.vpp > 1 and self.pp == 1:
-            raise ValueError(f"parallel.vpp={self.vpp} needs parallel.pp > 1 (interleaving needs stages)")
+            raise ValueError(
+                f"parallel.vpp={self.vpp} needs parallel.pp > 1 (interleaving needs stages). Fix: set parallel.pp >= 2 or parallel.vpp=1"
+            )
         if self.sp and self.tp == 1:
-            raise ValueError("parallel.sp=true needs parallel.tp > 1 (sequence parallelism splits inside TP)")
+            raise ValueError(
+                "parallel.sp=true needs parallel.tp > 1 (sequence parallelism splits inside TP). Fix: set parallel.tp >= 2 or parallel.sp=false"
+            )
 
     @property
     def dp(self) -> int:

@@ -1,0 +1,128 @@
+"""Step metrics: phase timers, and the loggers (console line, metrics.jsonl, tensorboard, wandb, progress bar).
+
+Only the logging rank (global rank 0) writes; every key of the user-facing contract is produced by the
+trainer, this module only formats and writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+
+import torch
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase of a step (`timing/<phase>`), device-synchronised on GPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"timing/{k}": v for k, v in self.seconds.items()}
+
+
+class MetricsLogger:
+    """Writes one record per step to the configured sinks; a no-op on non-logging ranks."""
+
+    def __init__(
+        self, output_dir: str, loggers: list[str], enabled: bool, total_steps: int, progress_bar: bool
+    ):
+        self.enabled = enabled
+        self.loggers = set(loggers)
+        self._jsonl = None
+        self._tb = None
+        self._wandb = None
+        self._bar = None
+        if not enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        if "jsonl" in self.loggers:
+            self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", buffering=1)
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        if "wandb" in self.loggers:
+            import wandb
+
+            self._wandb = wandb.init(dir=output_dir)
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, desc="rl steps", dynamic_ncols=True, leave=True)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        if self._jsonl:
+            self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
+        if self._wandb:
+            self._wandb.log(record, step=step)
+        if "console" in self.loggers:
+            line = _console_line(record)
+            if self._bar is not None:
+                self._bar.write(line)
+            else:
+                print(line, flush=True)
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb:
+            self._tb.close()
+        if self._wandb:
+            self._wandb.finish()
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+_CONSOLE_KEYS = (
+    ("reward/mean", "reward", "{:.3f}"),
+    ("response_length/mean", "len", "{:.1f}"),
+    ("actor/pg_clipfrac", "clip", "{:.3f}"),
+    ("actor/entropy", "ent", "{:.3f}"),
+    ("actor/grad_norm", "gnorm", "{:.3f}"),
+    ("val/reward_mean", "val", "{:.3f}"),
+    ("timing/step", "s/step", "{:.2f}"),
+    ("perf/tokens_per_s_per_gpu", "tok/s/gpu", "{:.0f}"),
+)
+
+
+def _console_line(record: dict) -> str:
+    parts = [f"step {record['step']:>4}"]
+    for key, short, fmt in _CONSOLE_KEYS:
+        if key in record and isinstance(record[key], (int, float)):
+            parts.append(f"{short} {fmt.format(record[key])}")
+    return " | ".join(parts)

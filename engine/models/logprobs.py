@@ -1,0 +1,41 @@
+"""Per-token log-probs and entropy from vocab-parallel logits (each TP rank holds a slice of the vocabulary).
+
+Logits are divided by the rollout temperature first, so the training forward scores tokens under the same
+distribution the rollout sampled from. Vocabulary rows added for TP padding get a huge negative logit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+_MASKED = -1e30
+
+
+def mask_padded_vocab(logits_local: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
+    """Logits of padded vocabulary rows (ids >= vocab_size) set to a huge negative number."""
+    shard = logits_local.shape[-1]
+    start = tp_rank * shard
+    if start + shard <= vocab_size:
+        return logits_local
+    col = torch.arange(start, start + shard, device=logits_local.device)
+    return logits_local.masked_fill(col >= vocab_size, _MASKED)
+
+
+def token_log_probs(logits_local: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) for vocab-parallel fp32 logits (..., vocab/tp); differentiable, TP-reduced by megatron."""
+    return -vocab_parallel_cross_entropy(logits_local.contiguous(), targets.contiguous())
+
+
+def token_entropy(logits_local: torch.Tensor, tp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Entropy of softmax over the full (TP-split) vocabulary, per position; differentiable."""
+    m = logits_local.detach().max(dim=-1, keepdim=True).values
+    if dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+    shifted = logits_local - m
+    e = shifted.exp()
+    sum_e = reduce_from_tensor_model_parallel_region(e.sum(-1))
+    sum_e_x = reduce_from_tensor_model_parallel_region((e * shifted).sum(-1))
+    return sum_e.log() - sum_e_x / sum_e

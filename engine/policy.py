@@ -1,0 +1,171 @@
+"""A megatron model role (actor, reference, critic): chunks wrapped in megatron DDP with an optimizer and LR
+schedule (when trainable), and one call that runs micro-batches through megatron's forward/backward schedule.
+
+Loss normalisation is the caller's: each micro-batch loss is (sum over its tokens) / (global normaliser of the
+mini-batch across all DP ranks and micro-batches), and gradients are SUMMED over micro-batches and DP ranks
+(megatron's `calculate_per_token_loss` mode with a zero token count, so megatron adds no scaling of its own).
+That makes the update identical however the mini-batch is split (tests/engine/test_policy.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from engine.config import OptimConfig
+from engine.models.builder import ModelShape
+from engine.models.logprobs import mask_padded_vocab
+from parallel.state import ProcessGroups
+
+# loss_fn(output_local (b, s, vocab/tp) float32 logits or (b, s, 1) values, micro_batch) -> (loss, metrics)
+LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class StepStats:
+    """Result of one optimizer step."""
+
+    grad_norm: float
+    lr: float
+    skipped: bool
+
+
+class MegatronRole:
+    """One model role on this rank; `run` executes micro-batches, `optimizer_step` applies the update."""
+
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        groups: ProcessGroups,
+        shape: ModelShape,
+        optim: OptimConfig | None,
+        total_optimizer_steps: int = 1,
+        is_critic: bool = False,
+    ):
+        self.groups, self.shape, self.is_critic = groups, shape, is_critic
+        config = chunks[0].config
+        self.config = config
+        half = shape.dtype != torch.float32
+        if half:
+            chunks = [Float16Module(config, c) for c in chunks]
+        self.trainable = optim is not None
+        if not self.trainable:
+            for c in chunks:
+                c.eval()
+                c.requires_grad_(False)
+            self.chunks, self.optimizer, self.scheduler = chunks, None, None
+            return
+        config.calculate_per_token_loss = True
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=optim.distributed_optimizer,
+        )
+        self.chunks = [
+            DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=(i > 0))
+            for i, c in enumerate(chunks)
+        ]
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = (
+            [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
+        )
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=optim.lr,
+                min_lr=optim.min_lr,
+                weight_decay=optim.weight_decay,
+                adam_beta1=optim.adam_beta1,
+                adam_beta2=optim.adam_beta2,
+                adam_eps=optim.adam_eps,
+                clip_grad=optim.clip_grad,
+                bf16=shape.dtype == torch.bfloat16,
+                fp16=shape.dtype == torch.float16,
+                params_dtype=shape.dtype,
+                use_distributed_optimizer=optim.distributed_optimizer,
+            ),
+            self.chunks,
+        )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if optim.lr_warmup_steps else optim.lr,
+            max_lr=optim.lr,
+            min_lr=optim.min_lr,
+            lr_warmup_steps=optim.lr_warmup_steps,
+            lr_decay_steps=max(total_optimizer_steps, optim.lr_warmup_steps + 1),
+            lr_decay_style=optim.lr_decay,
+            start_wd=optim.weight_decay,
+            end_wd=optim.weight_decay,
+            wd_incr_steps=max(total_optimizer_steps, 1),
+            wd_incr_style="constant",
+        )
+
+    def run(
+        self, micro_batches: list[dict], loss_fn: LossFn, *, forward_only: bool, temperature: float = 1.0
+    ) -> list[dict]:
+        """Run `micro_batches` (each: `tokens`, `positions` (b, s) plus whatever loss_fn reads; all the same
+        shape) through the schedule; returns loss_fn's metric dicts on the last PP stage ([] elsewhere)."""
+        if not forward_only:
+            for c in self.chunks:
+                c.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        b, s = micro_batches[0]["tokens"].shape
+        tp_rank = self.groups.tp_rank
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            out = model(mb["tokens"], mb["positions"], None)
+
+            def loss_func(output):
+                output = output.float()
+                if not self.is_critic:
+                    output = mask_padded_vocab(output / temperature, self.shape.vocab_size, tp_rank)
+                loss, metrics = loss_fn(output, mb)
+                return loss, torch.zeros((), dtype=torch.int, device=loss.device), metrics
+
+            return out, loss_func
+
+        iters = [iter(micro_batches) for _ in self.chunks]
+        context = torch.no_grad() if forward_only else torch.enable_grad()
+        with context:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iters if len(iters) > 1 else iters[0],
+                model=self.chunks,
+                num_microbatches=len(micro_batches),
+                seq_length=s,
+                micro_batch_size=b,
+                forward_only=forward_only,
+            )
+
+    def optimizer_step(self) -> StepStats:
+        """Apply the accumulated gradients (clip, Adam), then advance the LR schedule by one step."""
+        ok, grad_norm, _ = self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if ok:
+            self.scheduler.step(increment=1)
+        return StepStats(grad_norm=float(grad_norm or 0.0), lr=float(lr), skipped=not ok)
+
+    def broadcast_from_last_stage(
+        self, tensor: torch.Tensor | None, shape: tuple, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Share a tensor computed on the last PP stage with the other stages of this rank's PP group."""
+        g = self.groups
+        if g.dims.pp == 1:
+            return tensor
+        if not g.is_last_stage:
+            tensor = torch.empty(shape, dtype=dtype, device=g.device)
+        dist.broadcast(tensor.contiguous(), src=g.pp_last_rank, group=g.pp)
+        return tensor

@@ -1,0 +1,79 @@
+"""The per-micro-batch functions the trainer hands to `MegatronRole.run`: log-probs only (old/ref
+forward), and the actor's policy loss (+ KL loss, entropy bonus) built from algorithms/.
+
+Each returns metric SUMS weighted by valid tokens plus `tokens`, so the trainer can average exactly over
+micro-batches and DP ranks; `pg_loss` is the micro-batch's share of the mini-batch loss (summed, not averaged).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from algorithms import agg_loss, get_kl_estimator, get_policy_loss
+from engine.config import AlgorithmConfig
+from engine.models.logprobs import token_entropy, token_log_probs
+
+ACTOR_METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss")
+
+
+def response_log_probs(logits_local: torch.Tensor, mb: dict) -> torch.Tensor:
+    """(b, T) log-probs of the response tokens from vocab-parallel logits (b, s, vocab/tp)."""
+    logp_bs = token_log_probs(logits_local[:, :-1], mb["tokens"][:, 1:])  # (b, s-1)
+    return logp_bs.gather(1, mb["response_index"])
+
+
+def log_prob_fn(logits_local: torch.Tensor, mb: dict):
+    """Forward-only: log-probs of the response tokens."""
+    logp = response_log_probs(logits_local, mb)
+    return torch.zeros((), device=logp.device), {"log_probs": logp.detach()}
+
+
+def make_actor_loss(alg: AlgorithmConfig, normalizer: float, tp_group: dist.ProcessGroup, kl_ref: bool):
+    """Loss for one micro-batch of an actor mini-batch whose global normaliser is `normalizer`."""
+    policy_loss = get_policy_loss(alg.policy_loss)
+    kl_fn = get_kl_estimator(alg.kl_estimator) if kl_ref else None
+    clip = {} if alg.policy_loss == "gspo" else {"clip_ratio_c": alg.clip_ratio_c}
+
+    def loss_fn(logits_local: torch.Tensor, mb: dict):
+        mask = mb["response_mask"]
+        logp = response_log_probs(logits_local, mb)
+        old = mb.get(
+            "old_log_probs", logp.detach()
+        )  # on-policy single pass: old == current, no extra forward
+        loss, m = policy_loss(
+            logp,
+            old,
+            mb["advantages"],
+            mask,
+            loss_agg_mode=alg.loss_agg_mode,
+            global_normalizer=normalizer,
+            clip_ratio_low=alg.clip_ratio_low,
+            clip_ratio_high=alg.clip_ratio_high,
+            rollout_log_probs_bt=mb.get("rollout_log_probs") if alg.tis_cap > 0 else None,
+            tis_cap=alg.tis_cap,
+            **clip,
+        )
+        with torch.set_grad_enabled(alg.entropy_coef > 0 and torch.is_grad_enabled()):
+            ent_bs = token_entropy(logits_local[:, :-1], tp_group)
+            ent = ent_bs.gather(1, mb["response_index"])
+        if alg.entropy_coef > 0:
+            loss = loss - alg.entropy_coef * agg_loss(ent, mask, alg.loss_agg_mode, normalizer)
+        kl_mean = torch.zeros((), device=logp.device)
+        if kl_fn is not None and alg.kl_loss_coef > 0:
+            kl = kl_fn(logp, mb["ref_log_probs"], mask)
+            loss = loss + alg.kl_loss_coef * agg_loss(kl, mask, alg.loss_agg_mode, normalizer)
+            kl_mean = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
+        tokens = mask.sum()
+        metrics = {
+            "pg_loss": loss.detach(),  # already this micro-batch's share of the mini-batch loss: summed, not averaged
+            "pg_clipfrac": m["clipfrac"] * tokens,
+            "pg_clipfrac_lower": m.get("clipfrac_lower", torch.zeros(())) * tokens,
+            "ppo_kl": m["approx_kl"] * tokens,
+            "entropy": (ent.detach() * mask).sum(),
+            "kl_loss": kl_mean * tokens,
+            "tokens": tokens,
+        }
+        return loss, metrics
+
+    return loss_fn

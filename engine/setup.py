@@ -1,0 +1,140 @@
+"""Build everything one rank needs for a run from the validated config: tokenizer, data, model roles,
+weight transition, rollout engine, reward function, metrics logger. No training logic lives here."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import TrainConfig
+from engine.data import PromptLoader, PromptRecord, load_prompt_dataset, load_tokenizer
+from engine.metrics import MetricsLogger
+from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape
+from engine.policy import MegatronRole
+from engine.rewards import build_reward_fn
+from engine.rollout.native import NativeRollout
+from engine.tasks.embedded import build_embedded_tokenizer, write_embedded_dataset
+from parallel.naive_gather import NaiveGather
+from parallel.state import ProcessGroups
+
+EMBEDDED_TRAIN_ROWS = 4096
+EMBEDDED_VAL_ROWS = 64
+
+
+@dataclass
+class Components:
+    """What the trainer sequences; built once per rank by `build_components`."""
+
+    cfg: TrainConfig
+    groups: ProcessGroups
+    output_dir: str
+    tokenizer: object
+    shape: ModelShape
+    actor: MegatronRole
+    reference: MegatronRole | None
+    weight_sync: object
+    rollout: NativeRollout
+    reward_fn: object
+    loader: PromptLoader
+    val_batches: list[list[PromptRecord]]
+    logger: MetricsLogger
+    rollout_weights: object = None
+
+
+def _data_files(cfg: TrainConfig, output_dir: str) -> tuple[str, list[str], list[str]]:
+    """Tokenizer dir, train files and val files; the embedded task writes its own into output_dir."""
+    d = cfg.data
+    if d.train_files:
+        tok = cfg.model.tokenizer_path or cfg.model.path
+        if not tok:
+            raise ValueError(
+                "data.train_files is set but no tokenizer: set model.path or model.tokenizer_path"
+            )
+        return tok, list(d.train_files), list(d.val_files)
+    root = os.path.join(output_dir, "embedded")
+    tok = cfg.model.tokenizer_path or build_embedded_tokenizer(os.path.join(root, "tokenizer"))
+    seed = cfg.trainer.seed
+    train = write_embedded_dataset(root, d.embedded_task, EMBEDDED_TRAIN_ROWS, d.embedded_digits, seed)
+    val = write_embedded_dataset(
+        root, d.embedded_task, EMBEDDED_VAL_ROWS, d.embedded_digits, seed + 1, split="val"
+    )
+    return tok, [train], list(d.val_files) or [val]
+
+
+def _val_batches(
+    records: list[PromptRecord], groups: ProcessGroups, per_rank: int
+) -> list[list[PromptRecord]]:
+    """This DP rank's validation prompts (an equal share per rank; the remainder is dropped), in batches."""
+    dp, rank = groups.dims.dp, groups.dp_rank
+    usable = len(records) // dp * dp
+    mine = records[rank:usable:dp]
+    return [mine[i : i + per_rank] for i in range(0, len(mine), per_rank)]
+
+
+def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -> Components:
+    dims = groups.dims
+    tok_dir, train_files, val_files = _data_files(cfg, output_dir)
+    tokenizer = load_tokenizer(tok_dir, key="model.tokenizer_path")
+    records, counts = load_prompt_dataset(train_files, tokenizer, cfg.data.max_prompt_len, cfg.data.bad_rows)
+    if groups.is_logging_rank and (counts["too_long"] or counts["bad"]):
+        print(
+            f"data: kept {counts['kept']} of {counts['rows']} prompts "
+            f"({counts['too_long']} over data.max_prompt_len, {counts['bad']} bad rows skipped)",
+            flush=True,
+        )
+    loader = PromptLoader(
+        records, cfg.data.batch_size, cfg.trainer.seed, groups.dp_rank, dims.dp, cfg.data.shuffle
+    )
+    val_records = (
+        load_prompt_dataset(
+            val_files, tokenizer, cfg.data.max_prompt_len, cfg.data.bad_rows, "data.val_files"
+        )[0]
+        if val_files
+        else []
+    )
+    shape = resolve_shape(cfg.model, len(tokenizer), dims.tp)
+    if cfg.model.path:
+        raise NotImplementedError("model.path: loading Hugging Face checkpoints lands with the HF issue")
+
+    torch.manual_seed(cfg.trainer.seed)
+    build = dict(init_std=cfg.model.init_std, recompute=cfg.model.recompute, device=groups.device)
+    actor_chunks = build_gpt_chunks(shape, dims, **build)
+    alg = cfg.algorithm
+    reference = None
+    if alg.kl_loss_coef > 0 or alg.kl_in_reward:
+        ref_chunks = build_gpt_chunks(shape, dims, **build)
+        for ref, act in zip(ref_chunks, actor_chunks):
+            ref.load_state_dict(act.state_dict())
+        reference = MegatronRole(ref_chunks, groups, shape, None)
+    steps = cfg.trainer.total_steps * alg.ppo_epochs * alg.num_mini_batches
+    actor = MegatronRole(actor_chunks, groups, shape, cfg.optim, total_optimizer_steps=steps)
+    if cfg.rollout.tp != 1:
+        raise NotImplementedError("rollout.tp > 1 needs the 3D-HybridEngine")
+    weight_sync = NaiveGather(actor.chunks, groups, shape.num_layers, shape.tie_embeddings)
+    rollout = NativeRollout(shape, groups.device, cfg.rollout.max_num_seqs, tokenizer.pad_token_id)
+    reward_fn = build_reward_fn(cfg.reward.fn)
+    reward_fn.check_data_sources([r.data_source for r in records])
+    logger = MetricsLogger(
+        output_dir,
+        list(cfg.trainer.loggers),
+        groups.is_logging_rank,
+        cfg.trainer.total_steps,
+        cfg.trainer.progress_bar,
+    )
+    return Components(
+        cfg=cfg,
+        groups=groups,
+        output_dir=output_dir,
+        tokenizer=tokenizer,
+        shape=shape,
+        actor=actor,
+        reference=reference,
+        weight_sync=weight_sync,
+        rollout=rollout,
+        reward_fn=reward_fn,
+        loader=loader,
+        val_batches=_val_batches(val_records, groups, cfg.data.batch_size // dims.dp),
+        logger=logger,
+    )

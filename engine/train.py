@@ -1,0 +1,62 @@
+"""Entry point: `python -m engine.train [algorithm=grpo] [model=tiny] [cluster=cpu] [key=value ...]`.
+
+Compose the config, validate it (before any process group exists), start the distributed state, build the
+components, train, and tear down in `finally`. Under torchrun every rank runs this same file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import hydra
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from engine.config import register_configs, to_dataclass
+from engine.validate import validate
+from parallel.state import destroy_distributed, init_distributed, world_size_from_env
+
+register_configs()
+
+
+def _output_dir(configured: str) -> str:
+    """trainer.output_dir, else Hydra's run dir, decided on rank 0 and shared (clocks differ across ranks)."""
+    chosen = [configured or HydraConfig.get().runtime.output_dir]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
+
+
+@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+def main(raw: DictConfig) -> None:
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lines list every parameter bucket
+    cfg = to_dataclass(raw)
+    dims = validate(cfg, world_size_from_env())
+    groups = init_distributed(dims, cfg.cluster.device, cfg.cluster.timeout_s, cfg.trainer.seed)
+    try:
+        from engine.setup import build_components
+        from engine.trainer import Trainer
+
+        output_dir = _output_dir(cfg.trainer.output_dir)
+        Trainer(build_components(cfg, groups, output_dir)).fit()
+    finally:
+        destroy_distributed()
+
+
+def _quiet_hydra_on_other_ranks() -> None:
+    """Only rank 0 creates Hydra's run directory and log file; other ranks would race to make their own."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        sys.argv += [
+            "hydra.output_subdir=null",
+            "hydra/job_logging=disabled",
+            "hydra/hydra_logging=disabled",
+            "hydra.run.dir=.",
+        ]
+
+
+if __name__ == "__main__":
+    _quiet_hydra_on_other_ranks()
+    main()
