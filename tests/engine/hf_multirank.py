@@ -1,6 +1,6 @@
 """World size 4 (torchrun, gloo, CPU): HF <-> Megatron for every family and layout in one launch.
 
-    torchrun --nproc_per_node=4 tests/engine/hf_multirank.py ROOT   (ROOT made by hf_tiny.make_all)
+    torchrun --nproc_per_node=4 tests/engine/hf_multirank.py ROOT [cpu|cuda]   (ROOT: hf_tiny.make_all)
 
 One process group; megatron's parallel state is rebuilt for each layout (TP, PP, VPP) in {(1,1,1),
 (2,1,1), (1,2,1), (2,2,1), (1,2,2)}, DP taking the remaining ranks. For each family the layouts are
@@ -9,13 +9,14 @@ the chain HF -> M(1,1) -> HF -> M(2,1) -> ... is checked at every hop against th
 - logits parity with transformers (float32, tol 1e-5) on the checkpoint being loaded;
 - every saved tensor torch.equal to the original (names, dtypes, config.json too).
 Then: the critic (value head from `score.weight`, vs transformers' token classification head, and a zero
-head from a causal-LM checkpoint), the largest tensor created while loading at TP=2, and the errors for
+head from a causal-LM checkpoint), a bfloat16 model's round trip, the largest tensor created while loading at TP=2, and the errors for
 weights that disagree with config.json; last the CLI (`engine.parity.main`), which prints its JSON line.
 Rank 0 prints `RESULT {json}` lines that the pytest side reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -43,6 +44,7 @@ from parallel.state import destroy_distributed, init_distributed
 
 START = time.perf_counter()  # after imports: elapsed_s times the checks
 WORLD = 4
+DEVICE = sys.argv[2] if len(sys.argv) > 2 else "cpu"  # cuda: the same checks on 4 GPUs with NCCL
 LAYOUTS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2))
 TOL = 5e-5  # float32 logits of magnitude ~6; TP=2 changes the summation order (measured <= 1e-5)
 PARITY = ParityConfig(batch=2, seq_len=16, tol=TOL, seed=0)
@@ -51,7 +53,7 @@ PARITY = ParityConfig(batch=2, seq_len=16, tol=TOL, seed=0)
 def relayout(tp: int, pp: int, vpp: int = 1):
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    return init_distributed(ParallelDims(WORLD, tp=tp, pp=pp, vpp=vpp))
+    return init_distributed(ParallelDims(WORLD, tp=tp, pp=pp, vpp=vpp), DEVICE)
 
 
 def result(groups, **fields) -> None:
@@ -94,15 +96,16 @@ def chain(family: str, src: str, out_root: str) -> None:
 
 def critic(dirs: dict[str, str], out_root: str) -> None:
     """Value head at TP2 x PP2: loaded from score.weight (vs transformers), zero from a causal LM."""
-    from transformers import AutoModelForTokenClassification
-
     groups = relayout(2, 2)
     chunks, shape = build_and_load(dirs["critic"], groups, value_head=True)
     tokens = random_tokens(shape, PARITY, groups.device)
     values = logits_on_rank0(chunks, tokens, shape, groups, width=1)  # (b, s, 1)
     diff = None
     if groups.rank == 0:
-        hf = AutoModelForTokenClassification.from_pretrained(dirs["critic"], dtype=torch.float32).eval()
+        from transformers import AutoModelForTokenClassification
+
+        hf = AutoModelForTokenClassification.from_pretrained(dirs["critic"], dtype=torch.float32)
+        hf = hf.to(groups.device).eval()
         with torch.no_grad():
             diff = (values - hf(input_ids=tokens).logits).abs().max().item()
         assert diff <= TOL, diff
@@ -116,6 +119,22 @@ def critic(dirs: dict[str, str], out_root: str) -> None:
         head = fresh[-1].output_layer.weight
         assert head.shape == (1, shape.hidden_size) and not head.any(), "value head must stay zero"
     result(groups, kind="critic_fresh_head_zero", ok=True)
+
+
+def bf16_round_trip(src: str, out_root: str) -> None:
+    """A bfloat16 model at TP2 x PP2 from a float32 checkpoint saves exactly the bf16-rounded tensors."""
+    groups = relayout(2, 2)
+    shape = dataclasses.replace(hf_model_shape(src, 2), dtype=torch.bfloat16)
+    chunks = build_gpt_chunks(shape, groups.dims, init_std=0.02, recompute=False, device=groups.device)
+    load_hf_weights(chunks, src, shape, groups)
+    out = os.path.join(out_root, "bf16_tp2pp2")
+    save_hf_checkpoint(chunks, shape, groups, out, src, read_hf_config(src))
+    if groups.rank == 0:
+        with HFCheckpoint(src) as a, HFCheckpoint(out) as b:
+            assert set(a.file_of) == set(b.file_of)
+            for name in a.file_of:
+                assert torch.equal(a.tensor(name).to(torch.bfloat16), b.tensor(name)), name
+    result(groups, kind="bf16_round_trip", ok=True)
 
 
 class LargestNewTensor(TorchDispatchMode):
@@ -198,7 +217,13 @@ def cli(path: str) -> None:
     from engine.parity import main as parity_main
 
     parallel_state.destroy_model_parallel()
-    argv = [f"model.path={path}", "parallel.tp=2", "parallel.pp=2", f"parity.tol={TOL}"]
+    argv = [
+        f"model.path={path}",
+        "parallel.tp=2",
+        "parallel.pp=2",
+        f"parity.tol={TOL}",
+        f"cluster.device={DEVICE}",
+    ]
     assert parity_main(argv) == 0
 
 
@@ -210,6 +235,7 @@ def main(root: str) -> None:
         for family in ("qwen2", "qwen3", "llama"):
             chain(family, dirs[family], out_root)
         critic(dirs, out_root)
+        bf16_round_trip(dirs["llama"], out_root)
         load_memory(dirs["big"])
         errors(dirs)
         cli(dirs["llama"])

@@ -65,6 +65,7 @@ def test_world4_parity_round_trip_memory_errors(tiny):
     (critic,) = [r for r in results if r["kind"] == "critic"]
     assert critic["max_abs_value_diff"] <= TOL
     assert [r for r in results if r["kind"] == "critic_fresh_head_zero"]
+    assert [r for r in results if r["kind"] == "bf16_round_trip"]
     (memory,) = [r for r in results if r["kind"] == "memory"]
     # loading at TP=2 creates no tensor larger than 1/8 of a shard (measured: none at all), while a
     # materialised full tensor is visible to the same instrument
