@@ -8,7 +8,8 @@ import sys
 
 
 def run_torchrun(script: str, nproc: int, args: list[str] | None = None, timeout: float = 600) -> str:
-    """Launch `script` on `nproc` local CPU ranks; fail the test with the ranks' output if any rank fails."""
+    """Launch `script` (a path, or "-m" with the module first in `args`) on `nproc` local CPU ranks;
+    fail the test with the ranks' output if any rank fails."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     cmd = [
         sys.executable,
