@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.models.builder import ModelShape, ValueHead
-from engine.models.hf_config import HF_CONFIG_FILE, HFCheckpointError, model_config_from_hf
+from engine.models.hf_config import HF_CONFIG_FILE, HFCheckpointError, model_config_from_hf, read_hf_config
 from engine.models.hf_map import (
     TIED_OUTPUT_RULE,
     VALUE_HEAD_BIAS,
@@ -45,6 +45,7 @@ __all__ = [
     "check_tp_layout",
     "load_hf_weights",
     "model_config_from_hf",
+    "read_hf_config",
     "save_hf_checkpoint",
 ]
 
@@ -164,8 +165,10 @@ def load_hf_weights(
 ) -> None:
     """Fill this rank's chunks with its TP/PP shards of the HF checkpoint at `path`.
 
-    Reads per parameter only the slices that rank holds; never holds more than one parameter's shard
-    besides the model. A critic's value head loads `score.weight` if present, else keeps its init.
+    Copies per parameter only the slices that rank holds, straight from the memory-mapped file into the
+    parameter (nothing else is allocated). A critic's value head loads `score.weight` if present, else
+    keeps its init. Call it before wrapping the chunks (DDP) and before building the optimizer, whose
+    fp32 main copies are taken from the parameters.
     """
     tp, tp_rank = groups.dims.tp, groups.tp_rank
     check_tp_layout(shape, tp, os.path.join(path, HF_CONFIG_FILE))
