@@ -66,7 +66,9 @@ def hf_model_shape(path: str, tp: int) -> ModelShape:
     return shape
 
 
-def forward_logits(chunks: list[torch.nn.Module], tokens_bs: torch.Tensor, shape: ModelShape, groups) -> Any:
+def forward_logits(
+    chunks: list[torch.nn.Module], tokens_bs: torch.Tensor, shape: ModelShape, groups: ProcessGroups
+) -> torch.Tensor | None:
     """Logits (b, s, vocab) of `tokens_bs` on the last-stage ranks (TP-gathered), None on the others
     (values (b, s, 1) for a critic's value head).
 

@@ -158,7 +158,9 @@ def shard_from_hf(
         raise ValueError(f"unknown split {rule.split}")
 
 
-def hf_pieces_of_shard(rule: WeightRule, shard: torch.Tensor, shape: ModelShape, tp: int):
+def hf_pieces_of_shard(
+    rule: WeightRule, shard: torch.Tensor, shape: ModelShape, tp: int
+) -> tuple[torch.Tensor, ...]:
     """Cut one Megatron TP shard into this rank's parts of the HF tensors (same order as `rule.hf`).
 
     VOCAB shards keep their padding rows (the caller knows which rank holds the real vocabulary end).

@@ -20,7 +20,7 @@ from distributed import run_torchrun
 from safetensors.torch import save_file
 
 from engine.config import ModelConfig, TrainConfig, register_configs, to_dataclass
-from engine.models.builder import ValueHead
+from engine.models.builder import ValueHead, resolve_shape
 from engine.models.hf import HFCheckpoint, HFCheckpointError, load_hf_weights, model_config_from_hf
 from engine.models.hf_map import (
     WEIGHT_MAP,
@@ -79,13 +79,12 @@ def test_world4_parity_round_trip_memory_errors(tiny):
 # --- the weight map: pure tensor math, no processes ---
 
 
-def _shape(**kw):
+def _shape(tp: int):
+    """8 heads in 4 query groups of head_dim 3, vocab 11 (padded at TP 2 and 4)."""
     m = ModelConfig(
         num_layers=2, hidden_size=8, ffn_hidden_size=12, num_attention_heads=8, num_query_groups=4, head_dim=3
     )
-    from engine.models.builder import resolve_shape
-
-    return resolve_shape(m, 11, kw.get("tp", 1))
+    return resolve_shape(m, 11, tp)
 
 
 def _megatron_reference(rule, full, shape, tp, rank):
