@@ -45,7 +45,7 @@ from parallel.layout import HybridLayout, RolloutLayout, TrainLayout
 from parallel.rollout_weights import RolloutWeights, global_param_names
 from parallel.state import ProcessGroups
 
-DEFAULT_BUCKET_BYTES = 512 * 2**20
+DEFAULT_BUCKET_BYTES = 128 * 2**20
 
 
 def _view(buf: torch.Tensor, slot: Slot, start: int = 0) -> torch.Tensor:
@@ -103,6 +103,17 @@ class HybridEngine:
         if not self.local:
             raise ValueError("HybridEngine: the model chunks have no parameters")
         self.device = next(iter(self.local.values())).device
+        has_output = "output_layer.weight" in self.local
+        if groups.is_last_stage and not tie_embeddings and not has_output:
+            raise ValueError(
+                "tie_embeddings=False but the last stage has no output_layer.weight: pass the "
+                "model's model.tie_embeddings"
+            )
+        if tie_embeddings and dims.pp == 1 and has_output:
+            raise ValueError(
+                "tie_embeddings=True but the model has its own output_layer.weight: pass the "
+                "model's model.tie_embeddings"
+            )
         rank = groups.rank
         self.tp_group = _new_groups(self.layout.rollout_tp_groups(), rank)
         self.pp_group = _new_groups(self.layout.rollout_pp_groups(), rank)
@@ -230,10 +241,14 @@ class HybridEngine:
             self._regroup_buf = torch.empty(plan.regroup_bytes, dtype=torch.uint8, device=self.device)
         params = {t.name: self._assemble(t, None)[0] for t in plan.tensors if t.round == -1}
         received = sent = 0
+        live = copied + plan.regroup_bytes + sum(b.numel() for b in self._recv if b is not None)
+        peak = live
         for r in range(plan.num_rounds):
             recv_buf = self._recv[r]
             if recv_buf is None:
                 recv_buf = torch.empty(plan.recv_bytes[r], dtype=torch.uint8, device=self.device)
+                peak = max(peak, live + recv_buf.numel())
+                live += 0 if plan.regroup else recv_buf.numel()
             got, put = self._exchange(r, send_buf, recv_buf)
             received, sent = received + got, sent + put
             for tensor in plan.tensors:
@@ -261,6 +276,7 @@ class HybridEngine:
             "sent_bytes": sent,
             "copied_bytes": copied,
             "rounds": plan.num_rounds,
+            "peak_buffer_bytes": peak,
             "seconds": time.perf_counter() - start,
         }
         return self._weights

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+import warnings
 import weakref
 
 import torch
@@ -222,6 +223,26 @@ def check_training(groups, rtp, rpp, tie, distributed_optimizer: bool) -> dict:
     return {"in_place": engine.in_place, "grad_norm": norms[0]}
 
 
+def check_repointed_after_build() -> bool:
+    """Parameters re-pointed after the engine was built (as megatron DDP with the distributed optimizer
+    would) are detected: the engine warns, switches to sending a copy, and stays exact."""
+    groups = setup(2, 1)
+    _, chunks = build(groups, False)
+    naive = NaiveGather(chunks, groups, NUM_LAYERS, False)
+    full = dict(naive.to_rollout().params)
+    engine = HybridEngine(chunks, groups, NUM_LAYERS, False, 1)
+    param = next(chunks[0].parameters())
+    param.data = param.data.clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        weights = engine.to_rollout()
+    expect(not engine.in_place and any("re-pointed" in str(w.message) for w in caught), "no fallback")
+    errors = verify_rollout(weights, full, engine.layout, groups.rank, NUM_LAYERS, False)
+    expect(not errors, "after the fallback: " + "; ".join(errors[:5]))
+    engine.to_train()
+    return engine.in_place
+
+
 def check_invalid() -> list[str]:
     """Invalid rollout layouts raise ValueError naming the key, before any collective."""
     groups = setup(2, 1)
@@ -231,9 +252,10 @@ def check_invalid() -> list[str]:
         ({"rollout_tp": 3}, "rollout.tp"),
         ({"rollout_tp": 0}, "rollout.tp"),
         ({"rollout_tp": 1, "rollout_pp": 2}, "rollout.pp"),
+        ({"rollout_tp": 1, "tie_embeddings": True}, "tie_embeddings"),
     ):
         try:
-            HybridEngine(chunks, groups, NUM_LAYERS, False, **kwargs)
+            HybridEngine(chunks, groups, NUM_LAYERS, **{"tie_embeddings": False, **kwargs})
         except ValueError as e:
             expect(key in str(e), f"{kwargs}: message does not name {key}: {e}")
             messages.append(str(e))
@@ -294,6 +316,7 @@ def main() -> None:
                 )
     if world == 2:
         summary["invalid"] = check_invalid()
+        summary["in_place_after_repoint"] = check_repointed_after_build()
     summary["seconds"] = round(time.perf_counter() - start, 2)
     if dist.get_rank() == 0:
         print("HYBRID_OK " + json.dumps(summary), flush=True)
