@@ -291,6 +291,7 @@ CASES = {
         (4, 1, 1): [("reshard", 2, 1, False, False, None), ("reshard", 1, 1, True, False, 65536)],
         (2, 1, 1): [("reshard", 1, 1, True, False, None), ("train", 1, 1, False, True)],
         (1, 4, 1): [("reshard", 1, 2, True, False, None)],
+        (1, 4, 2): [("reshard", 1, 2, False, False, None)],
         (1, 2, 1): [("train", 1, 1, True, True)],
     },
 }
