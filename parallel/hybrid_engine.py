@@ -81,6 +81,10 @@ class HybridEngine:
     `chunks` are this rank's model chunks (one per virtual stage; DDP/Float16 wrappers allowed), `groups` the
     training groups. Construct it after megatron DDP and the optimizer (so that parameters live where they
     will stay) and call it on every rank in the same order: the constructor creates process groups.
+    `rollout_tp` / `rollout_pp` are `rollout.tp` / `rollout.pp` (ValueError naming the key unless they divide
+    `parallel.tp` / `parallel.pp`); `keep_rollout_weights` keeps the gathered part between transitions;
+    `bucket_bytes` bounds, per sender, the staging of a regrouping transition (None: one exchange).
+    Rollout tensors are read-only views: some share memory with the training parameters.
     """
 
     def __init__(
