@@ -61,6 +61,10 @@ class RolloutConfig:
     """`native` (KV-cache engine on the rollout-layout weights) or `vllm`."""
     tp: int = 1
     """Tensor-parallel size of the rollout layout; must divide parallel.tp."""
+    weight_sync: str = "hybrid"
+    """`hybrid` (3D-HybridEngine, in place) or `naive` (every rank gathers the full model; a baseline)."""
+    keep_rollout_weights: bool = False
+    """Keep the gathered rollout weights between steps (faster transitions, more memory)."""
     n: int = 8
     """Responses sampled per prompt."""
     temperature: float = 1.0

@@ -4,18 +4,21 @@ weight transition, rollout engine, reward function, metrics logger. No training 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from engine.config import TrainConfig
+from engine.config import ModelConfig, TrainConfig
 from engine.data import PromptLoader, PromptRecord, load_prompt_dataset, load_tokenizer
 from engine.metrics import MetricsLogger
 from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape
+from engine.models.hf import check_tp_layout, load_hf_weights
+from engine.models.hf_config import model_config_from_hf
 from engine.policy import MegatronRole
 from engine.rewards import build_reward_fn
 from engine.rollout.native import NativeRollout
 from engine.tasks.embedded import build_embedded_tokenizer, write_embedded_dataset
+from parallel.hybrid_engine import HybridEngine
 from parallel.naive_gather import NaiveGather
 from parallel.state import ProcessGroups
 
@@ -73,6 +76,28 @@ def _val_batches(
     return [mine[i : i + per_rank] for i in range(0, len(mine), per_rank)]
 
 
+def model_shape(model: ModelConfig, tokenizer_vocab: int, tp: int) -> ModelShape:
+    """The architecture: from `model.path`'s config.json when set (dtype and recompute stay the config's),
+    else from the model config with the tokenizer's vocabulary."""
+    if not model.path:
+        return resolve_shape(model, tokenizer_vocab, tp)
+    overrides = model_config_from_hf(model.path)
+    shape = resolve_shape(replace(model, **overrides), overrides["vocab_size"], tp)
+    check_tp_layout(shape, tp, f"{model.path}/config.json")
+    return shape
+
+
+def build_policy_chunks(cfg: TrainConfig, shape: ModelShape, groups: ProcessGroups) -> list:
+    """Actor/reference chunks: loaded from `model.path`, or seeded random init (same on every DP replica)."""
+    torch.manual_seed(cfg.trainer.seed)
+    chunks = build_gpt_chunks(
+        shape, groups.dims, init_std=cfg.model.init_std, recompute=cfg.model.recompute, device=groups.device
+    )
+    if cfg.model.path:
+        load_hf_weights(chunks, cfg.model.path, shape, groups)
+    return chunks
+
+
 def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -> Components:
     dims = groups.dims
     tok_dir, train_files, val_files = _data_files(cfg, output_dir)
@@ -94,25 +119,29 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
         if val_files
         else []
     )
-    shape = resolve_shape(cfg.model, len(tokenizer), dims.tp)
-    if cfg.model.path:
-        raise NotImplementedError("model.path: loading Hugging Face checkpoints lands with the HF issue")
-
-    torch.manual_seed(cfg.trainer.seed)
-    build = dict(init_std=cfg.model.init_std, recompute=cfg.model.recompute, device=groups.device)
-    actor_chunks = build_gpt_chunks(shape, dims, **build)
+    shape = model_shape(cfg.model, len(tokenizer), dims.tp)
+    actor_chunks = build_policy_chunks(cfg, shape, groups)
     alg = cfg.algorithm
     reference = None
     if alg.kl_loss_coef > 0 or alg.kl_in_reward:
-        ref_chunks = build_gpt_chunks(shape, dims, **build)
-        for ref, act in zip(ref_chunks, actor_chunks):
-            ref.load_state_dict(act.state_dict())
+        ref_chunks = build_policy_chunks(cfg, shape, groups)
+        if not cfg.model.path:  # random init: the reference starts as a copy of the actor
+            for ref, act in zip(ref_chunks, actor_chunks):
+                ref.load_state_dict(act.state_dict())
         reference = MegatronRole(ref_chunks, groups, shape, None)
     steps = cfg.trainer.total_steps * alg.ppo_epochs * alg.num_mini_batches
     actor = MegatronRole(actor_chunks, groups, shape, cfg.optim, total_optimizer_steps=steps)
-    if cfg.rollout.tp != 1:
-        raise NotImplementedError("rollout.tp > 1 needs the 3D-HybridEngine")
-    weight_sync = NaiveGather(actor.chunks, groups, shape.num_layers, shape.tie_embeddings)
+    if cfg.rollout.weight_sync == "naive":
+        weight_sync = NaiveGather(actor.chunks, groups, shape.num_layers, shape.tie_embeddings)
+    else:
+        weight_sync = HybridEngine(
+            actor.chunks,
+            groups,
+            shape.num_layers,
+            shape.tie_embeddings,
+            rollout_tp=cfg.rollout.tp,
+            keep_rollout_weights=cfg.rollout.keep_rollout_weights,
+        )
     rollout = NativeRollout(shape, groups.device, cfg.rollout.max_num_seqs, tokenizer.pad_token_id)
     reward_fn = build_reward_fn(cfg.reward.fn)
     reward_fn.check_data_sources([r.data_source for r in records])

@@ -184,6 +184,14 @@ def _validate_algorithm(cfg: TrainConfig) -> None:
 def _validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
     r = cfg.rollout
     _one_of("rollout.backend", r.backend, ("native", "vllm"))
+    _one_of("rollout.weight_sync", r.weight_sync, ("hybrid", "naive"))
+    if r.weight_sync == "naive" and r.tp != 1:
+        _fail(
+            "rollout.weight_sync",
+            "naive",
+            "the naive baseline gathers full weights: rollout at TP=1 only",
+            "use rollout.weight_sync=hybrid for rollout.tp > 1",
+        )
     if r.backend == "vllm" and cfg.cluster.device != "cuda":
         _fail(
             "rollout.backend", "vllm", "vLLM needs cluster.device=cuda", "use rollout.backend=native on CPU"
