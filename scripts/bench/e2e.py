@@ -1,0 +1,150 @@
+"""One GRPO step, end to end, ours versus TRL's GRPOTrainer on the same GPU, model, batch and lengths.
+
+Ours: `python -m engine.train` under torchrun on the embedded copy task stretched to `--prompt-len` prompt
+tokens, random-init weights of a conf/model preset, responses fixed at `--response-len` tokens (EOS ignored),
+beta 0 (no reference), one PPO iteration. Steps after the first are timed (median). Prints one JSON object:
+per-phase seconds, tokens/s/GPU (prompt + response tokens / step time / GPUs), MFU of the actor update,
+peak memory, and the TRL baseline when `--baseline trl` (needs trl installed; one GPU).
+
+    python scripts/bench/e2e.py --preset qwen2_5_0_5b --gpus 1 --baseline trl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from presets import num_params  # noqa: E402
+
+PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16 spec; ../shared/notes: ~790e12 measured for large GEMMs
+PROMPT_OVERHEAD = 11  # "<bos>u:copy " + "\na:" around the digits in the embedded chat template
+
+
+def run_ours(args, out_dir: str) -> dict:
+    overrides = [
+        f"model={args.preset}",
+        f"cluster={args.cluster}",
+        "algorithm=grpo",
+        "algorithm.kl_loss_coef=0",
+        f"data.embedded_digits={args.prompt_len - PROMPT_OVERHEAD}",
+        f"data.max_prompt_len={args.prompt_len + 8}",
+        f"data.batch_size={args.prompts}",
+        f"rollout.n={args.n}",
+        f"rollout.max_new_tokens={args.response_len}",
+        "rollout.ignore_eos=true",
+        f"rollout.backend={args.backend}",
+        f"rollout.tp={args.rollout_tp}",
+        f"parallel.tp={args.tp}",
+        f"parallel.pp={args.pp}",
+        f"trainer.micro_batch_size={args.micro_batch}",
+        f"trainer.total_steps={args.steps}",
+        "trainer.test_freq=0",
+        "trainer.loggers=[jsonl]",
+        "trainer.progress_bar=false",
+        f"trainer.output_dir={out_dir}",
+        *args.extra,
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.gpus}",
+        "-m",
+        "engine.train",
+        *overrides,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"system": "ours", "error": (proc.stdout + proc.stderr)[-4000:]}
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    steady = rows[1:] or rows
+    med = {
+        k: statistics.median(r[k] for r in steady)
+        for k in steady[0]
+        if isinstance(steady[0][k], (int, float))
+    }
+    rows_trained = args.prompts * args.n
+    tokens = rows_trained * (args.prompt_len + args.response_len)
+    update_flops = 6 * num_params(args.preset) * tokens
+    return {
+        "system": "ours",
+        "backend": args.backend,
+        "step_s": med["timing/step"],
+        "step_s_all": [r["timing/step"] for r in rows],
+        "tokens_per_s_per_gpu": med["perf/tokens_per_s_per_gpu"],
+        "timing": {k.removeprefix("timing/"): v for k, v in med.items() if k.startswith("timing/")},
+        "mfu_update_actor": update_flops / med["timing/update_actor"] / (PEAK_BF16_FLOPS * args.gpus),
+        "peak_memory_gb": med.get("perf/max_memory_allocated_gb"),
+    }
+
+
+def run_trl(args) -> dict:
+    cmd = [
+        sys.executable,
+        os.path.join(os.path.dirname(__file__), "trl_grpo.py"),
+        "--preset",
+        args.preset,
+        "--prompts",
+        str(args.prompts),
+        "--n",
+        str(args.n),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--response-len",
+        str(args.response_len),
+        "--steps",
+        str(args.steps),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"system": "trl_grpo", "error": (proc.stdout + proc.stderr)[-4000:]}
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen2_5_0_5b")
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--cluster", default="single_gpu")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--rollout-tp", type=int, default=1)
+    ap.add_argument("--backend", default="native")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--response-len", type=int, default=512)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--baseline", default="none", choices=["none", "trl"])
+    ap.add_argument("extra", nargs="*", help="more key=value overrides for engine.train")
+    args = ap.parse_args()
+    result = {
+        "preset": args.preset,
+        "gpus": args.gpus,
+        "prompts": args.prompts,
+        "n": args.n,
+        "prompt_len": args.prompt_len,
+        "response_len": args.response_len,
+    }
+    result["ours"] = run_ours(args, tempfile.mkdtemp(prefix="e2e-"))
+    if args.baseline == "trl":
+        result["baseline"] = run_trl(args)
+        if "error" not in result["baseline"] and "error" not in result["ours"]:
+            result["speedup"] = (
+                result["ours"]["tokens_per_s_per_gpu"] / result["baseline"]["tokens_per_s_per_gpu"]
+            )
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
