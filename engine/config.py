@@ -240,7 +240,7 @@ class ClusterConfig:
     device: str = "cpu"
     """`cpu` (gloo) or `cuda` (NCCL, one GPU per rank)."""
     timeout_s: float = 600.0
-    """Collective timeout; a dead rank makes the others fail after this long."""
+    """Seconds a collective (default and megatron groups) waits; a dead or stuck rank fails the others after it."""
 
 
 @dataclass

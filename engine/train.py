@@ -7,7 +7,6 @@ components, train, and tear down in `finally`. Under torchrun every rank runs th
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import hydra
@@ -17,6 +16,7 @@ from omegaconf import DictConfig
 
 from engine.config import register_configs, to_dataclass
 from engine.validate import validate
+from parallel.launch import explain_rank_failures, read_launch_env
 from parallel.state import destroy_distributed, init_distributed, world_size_from_env
 
 register_configs()
@@ -40,15 +40,16 @@ def main(raw: DictConfig) -> None:
         from engine.setup import build_components
         from engine.trainer import Trainer
 
-        output_dir = _output_dir(cfg.trainer.output_dir)
-        Trainer(build_components(cfg, groups, output_dir)).fit()
+        with explain_rank_failures(groups.rank, dims.world_size, cfg.cluster.timeout_s):
+            output_dir = _output_dir(cfg.trainer.output_dir)
+            Trainer(build_components(cfg, groups, output_dir)).fit()
     finally:
         destroy_distributed()
 
 
 def _quiet_hydra_on_other_ranks() -> None:
     """Only rank 0 creates Hydra's run directory and log file; other ranks would race to make their own."""
-    if int(os.environ.get("RANK", "0")) != 0:
+    if read_launch_env().rank != 0:
         sys.argv += [
             "hydra.output_subdir=null",
             "hydra/job_logging=disabled",

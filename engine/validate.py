@@ -56,6 +56,7 @@ def _validate_parallel(cfg: TrainConfig, world_size: int) -> ParallelDims:
             "must be cpu or cuda",
             "pick cluster=cpu or cluster=single_gpu",
         )
+    _positive("cluster.timeout_s", cfg.cluster.timeout_s)
     if cfg.cluster.device == "cuda":
         import torch
 

@@ -1,5 +1,6 @@
-"""Distributed start-up: torch.distributed from torchrun's environment (or one plain process), megatron's
-parallel_state, and the explicit process groups handed to the rest of the engine.
+"""Distributed start-up: torch.distributed from the launcher's environment (torchrun, SLURM srun or one plain
+process; see `parallel/launch.py`), megatron's parallel_state, and the explicit process groups handed to the
+rest of the engine.
 
 Nothing outside `parallel/` reads megatron's global groups: callers get a `ProcessGroups` object.
 """
@@ -7,14 +8,13 @@ Nothing outside `parallel/` reads megatron's global groups: callers get a `Proce
 from __future__ import annotations
 
 import datetime
-import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from parallel.dims import ParallelDims
+from parallel.launch import cuda_device_index, export_launch_env, read_launch_env
 
 
 @dataclass
@@ -70,14 +70,8 @@ class ProcessGroups:
 
 
 def world_size_from_env() -> int:
-    """World size torchrun (or SLURM through torchrun) announces; 1 for a plain process."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """World size torchrun or SLURM srun announces; 1 for a plain process. Raises `LaunchError` if inconsistent."""
+    return read_launch_env().world_size
 
 
 def init_distributed(
@@ -86,10 +80,12 @@ def init_distributed(
     """Start torch.distributed and megatron's parallel state for `dims`; return this rank's groups.
 
     `device_type` is "cpu" (gloo, megatron CPU shims applied) or "cuda" (NCCL, one GPU per local rank).
-    A plain `python -m ...` process becomes a world of one on a free local port.
+    A plain `python -m ...` process becomes a world of one on a free local port. `timeout_s` bounds every
+    collective of the default group and of megatron's groups: a rank that died makes the others fail after it.
     """
     from megatron.core import parallel_state, tensor_parallel
 
+    launch = read_launch_env()
     if device_type == "cpu":
         from parallel.cpu import install_cpu_shims
 
@@ -97,21 +93,20 @@ def init_distributed(
         device = torch.device("cpu")
         backend = "gloo"
     else:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        gpu = cuda_device_index(launch.local_rank, torch.cuda.device_count())
+        torch.cuda.set_device(gpu)
+        device = torch.device("cuda", gpu)
         backend = "nccl"
 
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(
-                RANK="0",
-                WORLD_SIZE="1",
-                LOCAL_RANK="0",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(_free_port()),
-            )
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        # env:// reads these variables; so do libraries that look for RANK / LOCAL_RANK themselves.
+        launch = export_launch_env(launch)
+        dist.init_process_group(
+            backend=backend,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
     if dist.get_world_size() != dims.world_size:
         raise RuntimeError(
             f"the job has {dist.get_world_size()} ranks but the layout was validated for {dims.world_size}"
@@ -120,7 +115,7 @@ def init_distributed(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
-        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        distributed_timeout_minutes=timeout_s / 60,  # megatron makes a timedelta of it: keep seconds exact
         create_gloo_process_groups=(backend == "gloo"),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
