@@ -97,6 +97,7 @@ class MegatronRole:
                 use_distributed_optimizer=optim.distributed_optimizer,
             ),
             self.chunks,
+            use_gloo_process_groups=groups.device.type == "cpu",  # NCCL runs create no gloo groups
         )
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
