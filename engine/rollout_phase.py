@@ -21,7 +21,7 @@ def rollout_replica(
     engine: RolloutEngine, weights: RolloutWeights, prompts: list[list[int]], sampling: SamplingParams
 ) -> RolloutOutput:
     """Generate `sampling.n` responses for each of this replica's prompts; identical result on every rank of
-    the replica (rows in prompt order, samples of a prompt adjacent)."""
+    the replica (rows in prompt order, samples of a prompt adjacent), as CPU tensors."""
     start, end = _share_bounds(len(prompts), weights.micro_dp_size, weights.micro_dp_rank)
     share = prompts[start:end]
     if share:
@@ -29,9 +29,9 @@ def rollout_replica(
     else:
         empty = torch.zeros(0, sampling.max_new_tokens)
         out = RolloutOutput(empty.long(), empty, empty, [])
-    if weights.micro_dp_size == 1:
-        return out
     local = (out.response_ids.cpu(), out.response_mask.cpu(), out.log_probs.cpu(), out.finish_reasons)
+    if weights.micro_dp_size == 1:  # the experience lives on the CPU; micro-batches go to the device
+        return RolloutOutput(*local)
     gathered: list = [None] * weights.micro_dp_size
     dist.all_gather_object(gathered, local, group=weights.micro_dp_group)
     return RolloutOutput(
