@@ -1,8 +1,13 @@
 """The one interface every rollout backend implements, and its inputs and outputs.
 
-Prompts go in as lists of token ids (no padding: each backend pads its own way). Responses come back
-right-padded with `pad_id`, one row per (prompt, sample) with the n samples of a prompt adjacent:
-row i belongs to prompt i // n.
+Padding contract:
+- in: prompts are lists of token ids, unpadded and of any lengths (each backend pads its own way: the native
+  engine left-pads inside a batch, vLLM pads nothing);
+- out: one row per (prompt, sample), the n samples of a prompt adjacent (row i belongs to prompt i // n),
+  `max_new_tokens` columns, right-padded with the engine's `pad_id` (log-prob 0, mask 0 on padding). Output
+  tensors are on the CPU whatever device generated them.
+
+Backends: engine/rollout/native.py (`rollout.backend=native`), engine/rollout/vllm_backend.py (`vllm`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ class SamplingParams:
     ignore_eos: bool = False
     """Keep going past stop tokens (fixed-length benchmarks)."""
     seed: int = 0
-    """Seed of the sampler; same seed and inputs give the same responses."""
+    """Seed of the sampler; same seed and inputs give the same responses (on the same backend and device)."""
 
 
 @dataclass
@@ -51,14 +56,45 @@ class RolloutOutput:
 
 
 class RolloutEngine:
-    """Generates responses; implementations: engine/rollout/native.py, engine/rollout/vllm_backend.py."""
+    """Generates responses; implementations: engine/rollout/native.py, engine/rollout/vllm_backend.py.
+
+    Call `set_weights` after every train -> rollout weight transition, then `generate` (the weights must stay
+    valid until it returns); `release` frees what the engine holds between rollouts (KV cache, graphs).
+    """
+
+    def set_weights(self, weights) -> None:
+        raise NotImplementedError
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         raise NotImplementedError
 
+    def release(self) -> None:
+        """Free memory held between rollouts (no-op by default)."""
+
+
+def check_sampling(sampling: SamplingParams) -> None:
+    """Refuse sampling parameters no backend can honour, naming the field and the fix."""
+    rules = (
+        ("n", sampling.n >= 1, "must be >= 1"),
+        ("max_new_tokens", sampling.max_new_tokens >= 1, "must be >= 1"),
+        ("temperature", sampling.temperature >= 0.0, "must be >= 0 (0 = greedy)"),
+        ("top_p", 0.0 < sampling.top_p <= 1.0, "must lie in (0, 1] (1 = off)"),
+        ("top_k", sampling.top_k >= 0, "must be >= 0 (0 = off)"),
+    )
+    for name, ok, rule in rules:
+        if not ok:
+            raise ValueError(f"SamplingParams.{name}={getattr(sampling, name)!r} {rule} (rollout.{name})")
+
 
 def check_prompts(prompts: list[list[int]], max_len: int, vocab_size: int) -> None:
-    """Empty, overlong or out-of-vocabulary prompts are errors naming the prompt index and the fix."""
+    """Empty, overlong or out-of-vocabulary prompts are errors naming the prompt index and the fix.
+
+    `max_len` is the longest prompt that fits: max_position_embeddings - max_new_tokens."""
+    if max_len < 1:
+        raise ValueError(
+            f"rollout.max_new_tokens leaves no room for a prompt within model.max_position_embeddings "
+            f"({max_len} tokens left); lower rollout.max_new_tokens"
+        )
     for i, ids in enumerate(prompts):
         if len(ids) == 0:
             raise ValueError(f"prompt {i} is empty; drop it from the batch (the data loader filters them)")

@@ -1,203 +1,340 @@
-"""The native rollout engine: batched KV-cache decoding that runs directly on the rollout-layout weights
+"""The native rollout engine: batched KV-cache generation that runs directly on the rollout-layout weights
 handed over by the weight transition (no copy into another model), tensor-parallel over the rollout TP group.
 
-It re-implements the forward of megatron's GPTModel (our layer spec) as plain functions of the weight
-tensors, because the rollout layout's TP size differs from the training modules'. Parity with the training
-forward is a test (tests/engine/test_rollout_native.py), not an assumption.
+How a `generate` call runs (the forward itself is engine/rollout/model.py):
+- rows = prompts x n, sorted by prompt length (longest first) so that a chunk pads little; a chunk is as
+  many rows as the KV cache budget holds (`slots`, engine/rollout/kv_cache.py) and at most `max_num_seqs`;
+- prefill: each distinct prompt of the chunk once (left-padded, at most `prefill_tokens` tokens per forward),
+  its K/V copied to the cache rows of its n samples; only the last position's logits are computed;
+- decode: one token for every row per step at a common cache position (left padding aligns the prompts'
+  ends); a finished row is masked at once, and the batch is compacted (live rows' K/V moved to the front,
+  one copy of the live part) only when enough rows finished: a quarter of the batch in eager mode, one batch
+  bucket down with CUDA graphs, so that finishing costs O(log) copies of the cache, not one per finish;
+- on CUDA the decode step is replayed from a CUDA graph per batch bucket (engine/rollout/cuda_graphs.py) and
+  the host checks for finished rows every `check_every` steps only; on CPU every step, inside
+  `parallel.cpu.no_shim_overhead()` (the megatron CPU shims' TorchFunctionMode costs a Python call per op).
 
-Layout of one batch: prompts left-padded to a common length; position ids count real tokens only; the
-attention mask hides left padding. Finished rows are dropped from the batch (their KV cache rows with them)
-so they stop costing compute.
+Every TP rank of the group draws the same tokens: they see bitwise-identical logits (all-gathered) and
+use the same seed. Same inputs, seed and engine settings give the same responses; a different chunking
+(`max_num_seqs`, KV budget) changes batch shapes, hence the random stream and floating-point reductions.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from engine.models.builder import ModelShape
-from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts
+from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts, check_sampling
+from engine.rollout.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for
+from engine.rollout.kv_cache import KVCachePool, compact_rows
+from engine.rollout.model import RolloutModel, rope_tables
 from engine.rollout.sampler import sample_tokens
+from parallel.cpu import no_shim_overhead
 from parallel.rollout_weights import RolloutWeights
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+@dataclass
+class _Rows:
+    """Per-slot decode state (preallocated, `slots` long; the CUDA graphs read the first `bucket` entries)."""
+
+    tokens: torch.Tensor
+    """(slots,) int64: the token each slot feeds to the next decode step."""
+    pad: torch.Tensor
+    """(slots,) int64: left-padding positions of the slot's prompt."""
+    row_of: torch.Tensor
+    """(slots,) int64: output row of the slot (the scratch row for filler slots)."""
+    alive: torch.Tensor
+    """(slots,) bool: still generating."""
+    cur: torch.Tensor
+    """(1,) int64: cache position of the next decode step."""
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+@dataclass
+class _Outputs:
+    """Step-major outputs of one generate call, plus a scratch row (index `rows`) for filler slots."""
+
+    ids: torch.Tensor
+    """(max_new_tokens, rows + 1) int64."""
+    log_probs: torch.Tensor
+    """(max_new_tokens, rows + 1) float32."""
+    mask: torch.Tensor
+    """(max_new_tokens, rows + 1) bool."""
+    stopped: torch.Tensor
+    """(rows + 1,) bool: a stop token was generated."""
 
 
 class NativeRollout(RolloutEngine):
-    """KV-cache generation on `RolloutWeights`; call `set_weights` after each train -> rollout transition."""
+    """KV-cache generation on `RolloutWeights`; call `set_weights` after each train -> rollout transition.
 
-    def __init__(self, shape: ModelShape, device: torch.device, max_num_seqs: int = 256, pad_id: int = 0):
-        self.shape = shape
-        self.device = device
-        self.max_num_seqs = max_num_seqs
-        self.pad_id = pad_id
-        hd = shape.head_dim
-        inv_freq = 1.0 / (
-            shape.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd)
-        )
-        self.inv_freq = inv_freq  # (head_dim / 2,)
+    `max_num_seqs`: most sequences decoded at once (`rollout.max_num_seqs`); `pad_id` pads the responses.
+    `kv_cache_budget_bytes`: KV cache memory (None: `kv_cache_memory_fraction` of the free GPU memory on CUDA,
+    1 GiB at most on CPU); it bounds the sequences decoded at once, larger batches are chunked.
+    `cuda_graphs` (None: on CUDA), `keep_cache` (None: on CPU only; on CUDA the cache and graphs are freed
+    after each call so that training gets the memory back), `prefill_tokens` (tokens per prefill forward),
+    `check_every` (decode steps between host checks for finished rows; None: 1 on CPU, 8 on CUDA).
+    """
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        device: torch.device,
+        max_num_seqs: int = 256,
+        pad_id: int = 0,
+        *,
+        kv_cache_budget_bytes: int | None = None,
+        kv_cache_memory_fraction: float = 0.5,
+        cuda_graphs: bool | None = None,
+        keep_cache: bool | None = None,
+        prefill_tokens: int = 8192,
+        check_every: int | None = None,
+    ):
+        device = torch.device(device)
+        on_cuda = device.type == "cuda"
+        if max_num_seqs < 1:
+            raise ValueError(f"rollout.max_num_seqs={max_num_seqs} must be >= 1")
+        if cuda_graphs and not on_cuda:
+            raise ValueError("cuda_graphs=True needs a CUDA device; leave it None (auto) on CPU")
+        self.shape, self.device, self.max_num_seqs, self.pad_id = shape, device, max_num_seqs, pad_id
+        self.kv_cache_budget_bytes = kv_cache_budget_bytes
+        self.kv_cache_memory_fraction = kv_cache_memory_fraction
+        self.use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
+        self.keep_cache = (not on_cuda) if keep_cache is None else keep_cache
+        self.prefill_tokens = prefill_tokens
+        self.check_every = check_every or (8 if on_cuda else 1)
+        self.seq_align = 64 if on_cuda else 8
         self.weights: RolloutWeights | None = None
+        self.model: RolloutModel | None = None
+        self.pool: KVCachePool | None = None
+        self.graphs = DecodeGraphs(device) if self.use_graphs else None
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rows: _Rows | None = None
+        self._rows_version = 0
+        self.last_stats: dict[str, int] = {}
 
+    # ---- weights and memory ----------------------------------------------------------------------
     def set_weights(self, weights: RolloutWeights) -> None:
+        embed = weights.params.get("embedding.word_embeddings.weight")
+        if embed is None:
+            raise KeyError("rollout weights lack 'embedding.word_embeddings.weight' (empty after to_train?)")
+        if embed.device != self.device:
+            raise ValueError(f"rollout weights are on {embed.device} but the engine runs on {self.device}")
+        if self._rope is None or self._rope[0].dtype != embed.dtype:
+            self._rope = rope_tables(self.shape, self.device, embed.dtype)
         self.weights = weights
-        s, t = self.shape, weights.tp_size
-        self.heads = s.num_attention_heads // t
-        self.groups = s.num_query_groups // t
-        self.vocab_shard = s.padded_vocab_size // t
-
-    # ---- collectives over the rollout TP group -------------------------------------------------
-    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weights.tp_size > 1:
-            dist.all_reduce(x, group=self.weights.tp_group)
-        return x
-
-    def _gather_vocab(self, logits_local: torch.Tensor) -> torch.Tensor:
-        if self.weights.tp_size == 1:
-            return logits_local
-        parts = [torch.empty_like(logits_local) for _ in range(self.weights.tp_size)]
-        dist.all_gather(parts, logits_local.contiguous(), group=self.weights.tp_group)
-        return torch.cat(parts, dim=-1)
-
-    # ---- the model ---------------------------------------------------------------------------
-    def _embed(self, ids_bs: torch.Tensor) -> torch.Tensor:
-        table = self.weights.params["embedding.word_embeddings.weight"]
-        start = self.weights.tp_rank * self.vocab_shard
-        local = ids_bs - start
-        outside = (local < 0) | (local >= self.vocab_shard)
-        x = F.embedding(local.clamp(0, self.vocab_shard - 1), table)
-        x = x.masked_fill(outside.unsqueeze(-1), 0.0)
-        return self._all_reduce(x)  # (b, s, hidden)
-
-    def _rope(self, x: torch.Tensor, pos_bs: torch.Tensor) -> torch.Tensor:
-        freqs = pos_bs.unsqueeze(-1).float() * self.inv_freq  # (b, s, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # (b, s, 1, hd)
-        return (x.float() * emb.cos() + _rotate_half(x.float()) * emb.sin()).to(x.dtype)
-
-    def _attention(self, i: int, x, pos_bs, cache_k, cache_v, start: int, key_mask_bk):
-        p, s = self.weights.params, self.shape
-        pre = f"decoder.layers.{i}.self_attention."
-        b, n = x.shape[:2]
-        hd, per_group = s.head_dim, self.heads // self.groups
-        qkv = F.linear(x, p[pre + "linear_qkv.weight"], p.get(pre + "linear_qkv.bias"))
-        qkv = qkv.view(b, n, self.groups, (per_group + 2) * hd)
-        q, k, v = qkv.split([per_group * hd, hd, hd], dim=-1)
-        q = q.reshape(b, n, self.heads, hd)
-        if s.qk_norm:
-            q = _rms_norm(q, p[pre + "q_layernorm.weight"], s.norm_eps)
-            k = _rms_norm(k, p[pre + "k_layernorm.weight"], s.norm_eps)
-        q, k = self._rope(q, pos_bs), self._rope(k, pos_bs)
-        cache_k[i][:, :, start : start + n] = k.transpose(1, 2)
-        cache_v[i][:, :, start : start + n] = v.transpose(1, 2)
-        keys, values = cache_k[i][:, :, : start + n], cache_v[i][:, :, : start + n]  # (b, groups, keys, hd)
-        causal = torch.ones(n, start + n, dtype=torch.bool, device=x.device).tril(start)
-        mask = causal.unsqueeze(0) & key_mask_bk[:, None, : start + n]  # (b, n, keys)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=mask.unsqueeze(1), enable_gqa=self.heads != self.groups
-        )  # (b, heads, n, hd)
-        out = out.transpose(1, 2).reshape(b, n, self.heads * hd)
-        return self._all_reduce(F.linear(out, p[pre + "linear_proj.weight"]))
-
-    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        p = self.weights.params
-        pre = f"decoder.layers.{i}.mlp."
-        gate, up = F.linear(x, p[pre + "linear_fc1.weight"]).chunk(2, dim=-1)
-        return self._all_reduce(F.linear(F.silu(gate) * up, p[pre + "linear_fc2.weight"]))
-
-    def forward(self, ids_bs, pos_bs, cache_k, cache_v, start: int, key_mask_bk) -> torch.Tensor:
-        """Logits (b, s, padded_vocab) for `ids_bs` at cache offset `start`, caches updated in place."""
-        p, s = self.weights.params, self.shape
-        x = self._embed(ids_bs)
-        for i in range(s.num_layers):
-            pre = f"decoder.layers.{i}."
-            x = x + self._attention(
-                i,
-                _rms_norm(x, p[pre + "input_layernorm.weight"], s.norm_eps),
-                pos_bs,
-                cache_k,
-                cache_v,
-                start,
-                key_mask_bk,
+        self.model = RolloutModel(self.shape, weights, self._rope)
+        m = self.model
+        if self.pool is None or self.pool.dtype != m.dtype or self.pool.groups != m.groups:
+            self.pool = KVCachePool(
+                self.shape.num_layers,
+                m.groups,
+                m.head_dim,
+                m.dtype,
+                self.device,
+                self.kv_cache_budget_bytes,
+                self.kv_cache_memory_fraction,
             )
-            x = x + self._mlp(i, _rms_norm(x, p[pre + "pre_mlp_layernorm.weight"], s.norm_eps))
-        x = _rms_norm(x, p["decoder.final_layernorm.weight"], s.norm_eps)
-        out_w = p.get("output_layer.weight", p["embedding.word_embeddings.weight"])
-        logits = self._gather_vocab(F.linear(x, out_w)).float()
-        if s.padded_vocab_size > s.vocab_size:
-            logits[..., s.vocab_size :] = float("-inf")
-        return logits
 
-    # ---- generation --------------------------------------------------------------------------
+    def release(self) -> None:
+        """Free the KV cache, the decode state and the CUDA graphs."""
+        if self.graphs is not None:
+            self.graphs.clear()
+        if self.pool is not None:
+            self.pool.release()
+        self._rows = None
+
+    def _rows_state(self, slots: int) -> _Rows:
+        if self._rows is None or self._rows.tokens.numel() != slots:
+            dev, long = self.device, torch.long
+            self._rows = _Rows(
+                tokens=torch.full((slots,), self.pad_id, dtype=long, device=dev),
+                pad=torch.zeros(slots, dtype=long, device=dev),
+                row_of=torch.zeros(slots, dtype=long, device=dev),
+                alive=torch.zeros(slots, dtype=torch.bool, device=dev),
+                cur=torch.zeros(1, dtype=long, device=dev),
+            )
+            self._rows_version += 1
+        return self._rows
+
+    # ---- generation ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
-        if self.weights is None:
+        if self.model is None:
             raise RuntimeError("NativeRollout.generate called before set_weights()")
-        check_prompts(
-            prompts, self.shape.max_position_embeddings - sampling.max_new_tokens, self.shape.vocab_size
+        check_sampling(sampling)
+        new = sampling.max_new_tokens
+        check_prompts(prompts, self.shape.max_position_embeddings - new, self.shape.vocab_size)
+        num_rows = len(prompts) * sampling.n
+        if num_rows == 0:
+            empty = torch.zeros(0, new)
+            return RolloutOutput(empty.long(), empty, empty, [])
+        longest = max(len(p) for p in prompts)
+        # cache length rounded up (fewer distinct graph keys), never past the RoPE table
+        seq_len = min(
+            -(-(longest + new) // self.seq_align) * self.seq_align, self.shape.max_position_embeddings
         )
-        rows = [ids for ids in prompts for _ in range(sampling.n)]
-        gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        outs = [
-            self._generate_batch(rows[i : i + self.max_num_seqs], sampling, gen)
-            for i in range(0, len(rows), self.max_num_seqs)
-        ]
-        return RolloutOutput(
-            response_ids=torch.cat([o.response_ids for o in outs]),
-            response_mask=torch.cat([o.response_mask for o in outs]),
-            log_probs=torch.cat([o.log_probs for o in outs]),
-            finish_reasons=[r for o in outs for r in o.finish_reasons],
-        )
+        slots = min(self.max_num_seqs, num_rows, self._budget_slots(seq_len))
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        rows = [(p * sampling.n + j, p) for p in order for j in range(sampling.n)]
+        self.last_stats = {
+            "slots": slots,
+            "seq_len": seq_len,
+            "chunks": 0,
+            "compactions": 0,
+            "decode_steps": 0,
+        }
+        with torch.inference_mode(), no_shim_overhead():
+            out = _Outputs(
+                ids=torch.full((new, num_rows + 1), self.pad_id, dtype=torch.long, device=self.device),
+                log_probs=torch.zeros(new, num_rows + 1, device=self.device),
+                mask=torch.zeros(new, num_rows + 1, dtype=torch.bool, device=self.device),
+                stopped=torch.zeros(num_rows + 1, dtype=torch.bool, device=self.device),
+            )
+            gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
+            stops = None
+            if sampling.stop_token_ids and not sampling.ignore_eos:
+                stops = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=self.device)
+            for start in range(0, num_rows, slots):
+                self._generate_chunk(
+                    rows[start : start + slots], prompts, sampling, gen, stops, out, slots, seq_len
+                )
+            result = RolloutOutput(
+                response_ids=out.ids[:, :num_rows].t().cpu(),
+                response_mask=out.mask[:, :num_rows].t().float().cpu(),
+                log_probs=out.log_probs[:, :num_rows].t().cpu(),
+                finish_reasons=["stop" if s else "length" for s in out.stopped[:num_rows].tolist()],
+            )
+        if self.graphs is not None:
+            self.last_stats["graphs"] = self.graphs.num_graphs
+        if not self.keep_cache:
+            self.release()
+        return result
 
-    @torch.no_grad()
-    def _generate_batch(
-        self, rows: list[list[int]], sampling: SamplingParams, gen: torch.Generator
-    ) -> RolloutOutput:
-        s, dev = self.shape, self.device
-        b, plen, new = len(rows), max(len(r) for r in rows), sampling.max_new_tokens
-        ids = torch.full((b, plen), self.pad_id, dtype=torch.long, device=dev)
-        key_mask = torch.zeros(b, plen + new, dtype=torch.bool, device=dev)
-        for r, toks in enumerate(rows):
-            ids[r, plen - len(toks) :] = torch.tensor(toks, device=dev)
-            key_mask[r, plen - len(toks) : plen] = True
-        pos = (key_mask[:, :plen].long().cumsum(-1) - 1).clamp(min=0)
-        dtype = self.weights.params["embedding.word_embeddings.weight"].dtype
-        cache_shape = (b, self.groups, plen + new, s.head_dim)
-        cache_k = [torch.empty(cache_shape, dtype=dtype, device=dev) for _ in range(s.num_layers)]
-        cache_v = [torch.empty(cache_shape, dtype=dtype, device=dev) for _ in range(s.num_layers)]
+    def _budget_slots(self, seq_len: int) -> int:
+        slots = self.pool.max_slots(seq_len)
+        if slots < 1:
+            raise ValueError(
+                f"the KV cache budget ({self.pool.budget_bytes()} bytes) cannot hold one sequence of {seq_len} "
+                f"positions ({self.pool.bytes_per_sequence(seq_len)} bytes); raise kv_cache_budget_bytes "
+                "(or kv_cache_memory_fraction on CUDA), or lower data.max_prompt_len / rollout.max_new_tokens"
+            )
+        return slots
 
-        out_ids = torch.full((b, new), self.pad_id, dtype=torch.long, device=dev)
-        out_lp = torch.zeros(b, new, dtype=torch.float32, device=dev)
-        out_mask = torch.zeros(b, new, dtype=torch.float32, device=dev)
-        finished = torch.zeros(b, dtype=torch.bool, device=dev)
-        stops = torch.tensor(sampling.stop_token_ids or [-1], device=dev)
-        alive = torch.arange(b, device=dev)  # original row of each batch entry still decoding
-        logits = self.forward(ids, pos, cache_k, cache_v, 0, key_mask)[:, -1]
-        next_pos = pos[:, -1] + 1
-        for step in range(new):
-            tokens, logp = sample_tokens(logits, sampling, gen)
-            out_ids[alive, step], out_lp[alive, step], out_mask[alive, step] = tokens, logp, 1.0
-            key_mask[alive, plen + step] = True
-            if not sampling.ignore_eos:
-                finished[alive] = torch.isin(tokens, stops)
-            if step == new - 1:
+    def _prefill(self, chunk, prompts, caches) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Prefill the chunk's distinct prompts into the cache rows of their samples; returns the logits of
+        each row (rows, vocab), each row's padding (rows,) and the padded prompt length."""
+        dev = self.device
+        uniq: list[int] = []
+        row_prompt: list[int] = []
+        first_row: list[int] = []
+        for r, (_, p) in enumerate(chunk):
+            if not uniq or uniq[-1] != p:
+                uniq.append(p)
+                first_row.append(r)
+            row_prompt.append(len(uniq) - 1)
+        first_row.append(len(chunk))
+        plen = max(len(prompts[p]) for p in uniq)
+        ids = torch.full((len(uniq), plen), self.pad_id, dtype=torch.long)
+        for u, p in enumerate(uniq):
+            ids[u, plen - len(prompts[p]) :] = torch.tensor(prompts[p])
+        ids = ids.to(dev)
+        pad_u = torch.tensor([plen - len(prompts[p]) for p in uniq], device=dev)
+        row_prompt_t = torch.tensor(row_prompt, device=dev)
+        cache_k, cache_v = caches
+        logits_u = torch.empty(len(uniq), self.shape.vocab_size, device=dev)
+        per = max(1, self.prefill_tokens // plen)
+        for a in range(0, len(uniq), per):
+            b = min(len(uniq), a + per)
+            r0, r1 = first_row[a], first_row[b]
+            logits_u[a:b] = self.model.prefill(
+                ids[a:b],
+                pad_u[a:b],
+                [k[r0:r1] for k in cache_k],
+                [v[r0:r1] for v in cache_v],
+                row_prompt_t[r0:r1] - a,
+            )
+        return logits_u[row_prompt_t], pad_u[row_prompt_t], plen
+
+    def _generate_chunk(self, chunk, prompts, sampling, gen, stops, out: _Outputs, slots, seq_len) -> None:
+        self.last_stats["chunks"] += 1
+        caches = self.pool.views(slots, seq_len)
+        st = self._rows_state(slots)
+        logits, pad_r, plen = self._prefill(chunk, prompts, caches)
+        n = len(chunk)
+        buckets = batch_buckets(slots) if self.graphs is not None else None
+        width = bucket_for(n, buckets) if buckets else n
+        scratch = out.stopped.numel() - 1
+        st.tokens[:width].fill_(self.pad_id)
+        st.pad[:n], st.pad[n:width] = pad_r, 0
+        st.row_of[:n] = torch.tensor([r for r, _ in chunk], device=self.device)
+        st.row_of[n:width] = scratch
+        st.alive[:n], st.alive[n:width] = True, False
+        if self.graphs is not None:
+            ptrs = tuple(t.data_ptr() for t in self.weights.params.values())
+            self.graphs.invalidate_unless((ptrs, self.pool.version, slots, seq_len, self._rows_version))
+        cur = plen
+        for step in range(sampling.max_new_tokens):
+            self._record(step, logits, sampling, gen, stops, out, st)
+            if step == sampling.max_new_tokens - 1:
                 break
-            keep = ~finished[alive]
-            if not bool(keep.all()):
-                if not bool(keep.any()):
+            if stops is not None and (step + 1) % self.check_every == 0:
+                live = int(st.alive[:width].sum())
+                if live == 0:
                     break
-                alive, tokens, next_pos = alive[keep], tokens[keep], next_pos[keep]
-                cache_k = [c[keep] for c in cache_k]
-                cache_v = [c[keep] for c in cache_v]
-            logits = self.forward(
-                tokens[:, None], next_pos[:, None], cache_k, cache_v, plen + step, key_mask[alive]
-            )[:, -1]
-            next_pos = next_pos + 1
-        reasons = ["stop" if f else "length" for f in finished.tolist()]
-        return RolloutOutput(out_ids, out_mask, out_lp, reasons)
+                width = self._maybe_compact(live, width, cur, caches, st, buckets, scratch)
+            st.cur.fill_(cur)
+            logits = self._decode(width, cur, caches, st, seq_len)
+            self.last_stats["decode_steps"] += 1
+            cur += 1
+
+    def _record(self, step, logits, sampling, gen, stops, out: _Outputs, st: _Rows) -> None:
+        """Sample from `logits` (one row per slot), store the tokens of live slots, retire stopped ones."""
+        tokens, logp = sample_tokens(logits, sampling, gen)
+        width = logits.shape[0]
+        alive, where = st.alive[:width], st.row_of[:width]
+        out.ids[step].index_put_((where,), torch.where(alive, tokens, self.pad_id))
+        out.log_probs[step].index_put_((where,), torch.where(alive, logp, 0.0))
+        out.mask[step].index_put_((where,), alive)
+        if stops is not None:
+            hit = alive & torch.isin(tokens, stops)
+            out.stopped.index_put_((where,), out.stopped[where] | hit)
+            alive &= ~hit
+        st.tokens[:width] = torch.where(alive, tokens, self.pad_id)
+
+    def _maybe_compact(self, live, width, cur, caches, st: _Rows, buckets, scratch) -> int:
+        """Move the live slots to the front when enough finished; returns the new batch width."""
+        if buckets:
+            target = bucket_for(live, buckets)
+            if target >= width:
+                return width
+        else:
+            if live * 4 > width * 3:
+                return width
+            target = live
+        keep = st.alive[:width].nonzero().squeeze(1)
+        compact_rows(*caches, keep, cur)
+        for buf in (st.tokens, st.pad, st.row_of):
+            buf[:live] = buf[keep]
+        st.alive[:live] = True
+        st.alive[live:target], st.row_of[live:target], st.pad[live:target] = False, scratch, 0
+        st.tokens[live:target] = self.pad_id
+        self.last_stats["compactions"] += 1
+        return target
+
+    def _decode(self, width: int, cur: int, caches, st: _Rows, seq_len: int) -> torch.Tensor:
+        cache_k, cache_v = caches
+
+        def step(b: int, num_keys: int = seq_len) -> torch.Tensor:
+            return self.model.decode(
+                st.tokens[:b],
+                st.pad[:b],
+                st.cur,
+                [k[:b] for k in cache_k],
+                [v[:b] for v in cache_v],
+                num_keys,
+            )
+
+        if self.graphs is None:
+            return step(width, cur + 1)
+        # warm-up and capture write K/V at the last cache position, which no step reads before writing it
+        return self.graphs.run(width, step, lambda: st.cur.fill_(seq_len - 1), lambda: st.cur.fill_(cur))

@@ -1,4 +1,9 @@
-"""Token sampling from full-vocabulary logits: temperature, top-k, top-p, greedy; seeded."""
+"""Token sampling from full-vocabulary logits: greedy, temperature, top-k, top-p; seeded by a torch.Generator.
+
+The returned log-prob is always that of the drawn token under softmax(logits / temperature) over the FULL
+vocabulary (temperature 1 when greedy): what the actor's training forward computes for the same token, so
+the two can be compared and used for importance weights. Top-k/top-p only restrict which tokens are drawn.
+"""
 
 from __future__ import annotations
 
@@ -7,32 +12,33 @@ import torch
 from engine.rollout.base import SamplingParams
 
 
+def _drop_beyond_top_p(sorted_bk: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Logits sorted descending (b, k) -> the same with every token past the smallest prefix whose
+    probability mass reaches `top_p` set to -inf (the most likely token always stays)."""
+    probs = sorted_bk.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs
+    return sorted_bk.masked_fill(mass_before >= top_p, float("-inf"))
+
+
 def sample_tokens(
     logits_bv: torch.Tensor, sampling: SamplingParams, gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row; return (tokens (b,), log-prob of each under softmax(logits / T)).
-
-    The returned log-prob ignores top-k/top-p truncation on purpose: it is what the actor's training
-    forward computes for the same token, so the two can be compared and used for importance weights.
-    """
+    """Draw one token per row of `logits_bv` (b, vocab); return (tokens (b,) int64, log-probs (b,) float32)."""
     logits = logits_bv.float()
     if sampling.temperature == 0.0:
         tokens = logits.argmax(-1)
-        return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
-    scaled = logits / sampling.temperature
-    logp_full = torch.log_softmax(scaled, -1)
-    filtered = scaled
-    if sampling.top_k > 0 and sampling.top_k < filtered.shape[-1]:
-        kth = torch.topk(filtered, sampling.top_k, dim=-1).values[:, -1:]
-        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits, order = filtered.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = (
-            cum - sorted_logits.softmax(-1) >= sampling.top_p
-        )  # keep the smallest set reaching top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        filtered = filtered.masked_fill(drop, float("-inf"))
-    probs = filtered.softmax(-1)
-    tokens = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-    return tokens, logp_full.gather(-1, tokens[:, None]).squeeze(-1)
+        logp = logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+        return tokens, logp
+    scaled = logits / sampling.temperature if sampling.temperature != 1.0 else logits
+    lse = torch.logsumexp(scaled, -1)  # (b,)
+    top_k = sampling.top_k if 0 < sampling.top_k < scaled.shape[-1] else 0
+    if top_k or sampling.top_p < 1.0:
+        # restrict to a sorted candidate set: the k best (topk sorts them), else the whole sorted vocabulary
+        values, index = scaled.topk(top_k, dim=-1) if top_k else scaled.sort(dim=-1, descending=True)
+        if sampling.top_p < 1.0:
+            values = _drop_beyond_top_p(values, sampling.top_p)
+        choice = torch.multinomial(values.softmax(-1), 1, generator=gen)  # (b, 1)
+        tokens = index.gather(-1, choice).squeeze(-1)
+    else:
+        tokens = torch.multinomial((scaled - lse[:, None]).exp_(), 1, generator=gen).squeeze(-1)
+    return tokens, scaled.gather(-1, tokens[:, None]).squeeze(-1) - lse

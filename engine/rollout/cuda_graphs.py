@@ -1,0 +1,97 @@
+"""CUDA graphs of the native engine's decode step, one per batch-size bucket.
+
+A graph records the kernels of one `RolloutModel.decode` call on static tensors: the token, padding and
+position buffers, the KV cache views and the weights. Replaying it costs one launch instead of a few hundred
+(decode at small batch is launch-bound). It is valid only while every one of those tensors keeps its address,
+so the set of graphs is keyed by the weights' data pointers and the KV buffer's version, and dropped as soon
+as either changes (after a weight transition that moved the weights, or a cache re-allocation).
+
+Buckets: 1, 2, 4, then powers of two and 1.5x powers of two up to the engine's slot count (plus the slot
+count itself): at most 1.5x padding rows, ~2 log2(slots) graphs, captured lazily on first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def batch_buckets(slots: int) -> list[int]:
+    """Sorted batch sizes a graph is captured for, the largest being `slots`."""
+    sizes = {1, 2, 4}
+    p = 4
+    while p < slots:
+        sizes.update((p, p * 3 // 2, p * 2))
+        p *= 2
+    return sorted({s for s in sizes if s < slots} | {slots})
+
+
+def bucket_for(width: int, buckets: list[int]) -> int:
+    """The smallest bucket holding `width` rows."""
+    for b in buckets:
+        if b >= width:
+            return b
+    raise ValueError(f"{width} rows exceed the largest bucket {buckets[-1]}")
+
+
+class DecodeGraphs:
+    """Captured decode steps keyed by bucket; `run(bucket, step)` replays (capturing first if needed).
+
+    `step(bucket)` must compute the decode step for the first `bucket` rows of the static buffers and return
+    the logits; `prepare_capture()` / `finish_capture()` bracket the warm-up and capture (the engine points the
+    position buffer at a cache position no real step reads before writing).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._key: tuple | None = None
+        self._pool = None
+
+    def invalidate_unless(self, key: tuple) -> None:
+        """Drop every graph unless they were captured under `key` (weights' pointers, cache version, ...)."""
+        if key != self._key:
+            self.clear()
+            self._key = key
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._pool = None
+        self._key = None
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def run(
+        self,
+        bucket: int,
+        step: Callable[[int], torch.Tensor],
+        prepare_capture: Callable[[], None],
+        finish_capture: Callable[[], None],
+    ) -> torch.Tensor:
+        if bucket not in self._graphs:
+            prepare_capture()
+            try:
+                self._graphs[bucket] = self._capture(bucket, step)
+            finally:
+                finish_capture()
+        graph, out = self._graphs[bucket]
+        graph.replay()
+        return out
+
+    def _capture(self, bucket: int, step: Callable[[int], torch.Tensor]):
+        # warm up on a side stream (initialises cuBLAS/NCCL state outside the capture), then capture
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step(bucket)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = step(bucket)
+        return graph, out

@@ -1,0 +1,257 @@
+"""The actor's forward as plain functions of this rank's rollout-layout weight shards, for the native engine.
+
+It re-implements megatron's GPTModel with our layer spec (engine/models/spec.py: RMSNorm in float32, fused
+QKV interleaved per query group, optional QKV bias and QK-norm, RoPE with megatron's cos/sin rounding and
+Llama-3 scaling, SDPA core attention, SwiGLU [gate; up], tied or untied output layer) because the rollout
+TP size differs from the training modules'. Parity with the training forward is tested
+(tests/engine/test_rollout_native.py), not assumed. Nothing here allocates per-sequence state: the KV cache
+and the batch bookkeeping belong to engine/rollout/native.py.
+
+Two entry points:
+- `prefill`: left-padded prompts (u, s) -> logits of the last position, K/V written into cache rows;
+- `decode`: one token per cache row at one common cache position `cur` (a 1-element tensor, so that the step
+  can be captured in a CUDA graph), attending over the first `num_keys` cache positions.
+
+GQA in decode: the query heads of a KV group are folded into the query-length axis, (b, groups, heads per
+group, dim) against (b, groups, keys, dim), so every SDPA kernel that takes a mask runs it without copying
+K/V per head. Prefill repeats K/V per head instead (a transient of the size of q) so that its mask stays
+(u, 1, s, s) instead of growing with the heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from engine.models.builder import ModelShape
+from parallel.rollout_weights import RolloutWeights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """engine.models.spec.RMSNorm as a function: normalise in float32, scale in the input dtype."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """megatron RotaryEmbedding._apply_scaling (low/high frequency factors 1/4, original context 8192)."""
+    low_wavelen, high_wavelen, old_len = 8192 / 1.0, 8192 / 4.0, 8192
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - 1.0) / (4.0 - 1.0)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(
+    shape: ModelShape, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (max_position_embeddings, head_dim) in `dtype`, rounded as megatron rounds them:
+    frequencies in float32 on the compute device, cos/sin cast to the activation dtype."""
+    hd = shape.head_dim
+    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
+    if shape.rope_scaling_factor > 0:
+        inv_freq = _llama3_scaled(inv_freq, shape.rope_scaling_factor)
+    seq = torch.arange(shape.max_position_embeddings, dtype=torch.float32, device=device)
+    freqs = torch.outer(seq, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (positions, head_dim)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+@dataclass
+class _Layer:
+    """One transformer layer's shards (names: decoder.layers.{i}.*)."""
+
+    input_norm: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    proj_w: torch.Tensor
+    mlp_norm: torch.Tensor
+    fc1_w: torch.Tensor
+    fc2_w: torch.Tensor
+
+
+def _required(params: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in params:
+        raise KeyError(
+            f"rollout weights lack {name!r}: the weight transition must run (to_rollout) before generate, "
+            "and its weights must stay alive until generate returns"
+        )
+    return params[name]
+
+
+class RolloutModel:
+    """The forward of one rollout-TP rank; its collectives run over `weights.tp_group`."""
+
+    def __init__(self, shape: ModelShape, weights: RolloutWeights, rope: tuple[torch.Tensor, torch.Tensor]):
+        if weights.pp_size != 1:
+            raise ValueError(
+                f"rollout.pp={weights.pp_size}: the native rollout engine runs whole models (rollout.pp=1); "
+                "set rollout.pp=1"
+            )
+        t, s = weights.tp_size, shape
+        for key, value in (
+            ("num_attention_heads", s.num_attention_heads),
+            ("num_query_groups", s.num_query_groups),
+        ):
+            if value % t:
+                raise ValueError(
+                    f"model.{key}={value} is not divisible by rollout.tp={t}; pick a rollout.tp dividing it"
+                )
+        self.shape, self.tp_size, self.tp_group = s, t, weights.tp_group
+        self.heads, self.groups = s.num_attention_heads // t, s.num_query_groups // t
+        self.per_group, self.head_dim = self.heads // self.groups, s.head_dim
+        self.vocab_shard = s.padded_vocab_size // t
+        self.vocab_start = weights.tp_rank * self.vocab_shard
+        p = weights.params
+        self.embed_w = _required(p, "embedding.word_embeddings.weight")
+        if tuple(self.embed_w.shape) != (self.vocab_shard, s.hidden_size):
+            raise ValueError(
+                f"embedding shard has shape {tuple(self.embed_w.shape)}, expected ({self.vocab_shard}, "
+                f"{s.hidden_size}) for rollout.tp={t}: the weights do not match the model shape"
+            )
+        self.final_norm = _required(p, "decoder.final_layernorm.weight")
+        self.out_w = p["output_layer.weight"] if "output_layer.weight" in p else self.embed_w
+        self.layers = [self._layer(p, i) for i in range(s.num_layers)]
+        self.dtype = self.embed_w.dtype
+        self.cos, self.sin = rope
+
+    @staticmethod
+    def _layer(p: dict[str, torch.Tensor], i: int) -> _Layer:
+        pre = f"decoder.layers.{i}."
+        att = pre + "self_attention."
+        return _Layer(
+            input_norm=_required(p, pre + "input_layernorm.weight"),
+            qkv_w=_required(p, att + "linear_qkv.weight"),
+            qkv_b=p.get(att + "linear_qkv.bias"),
+            q_norm=p.get(att + "q_layernorm.weight"),
+            k_norm=p.get(att + "k_layernorm.weight"),
+            proj_w=_required(p, att + "linear_proj.weight"),
+            mlp_norm=_required(p, pre + "pre_mlp_layernorm.weight"),
+            fc1_w=_required(p, pre + "mlp.linear_fc1.weight"),
+            fc2_w=_required(p, pre + "mlp.linear_fc2.weight"),
+        )
+
+    # ---- pieces ---------------------------------------------------------------------------------
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """(...,) token ids -> (..., hidden): vocab-parallel lookup, summed over the TP group."""
+        if self.tp_size == 1:
+            return F.embedding(ids, self.embed_w)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_shard)
+        x = F.embedding(local.clamp(0, self.vocab_shard - 1), self.embed_w)
+        return self._all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
+
+    def logits(self, x_bh: torch.Tensor) -> torch.Tensor:
+        """(b, hidden) final hidden states -> (b, vocab_size) float32 logits over the real vocabulary."""
+        local = F.linear(rms_norm(x_bh, self.final_norm, self.shape.norm_eps), self.out_w)  # (b, vocab/tp)
+        if self.tp_size > 1:
+            b = local.shape[0]
+            parts = local.new_empty(self.tp_size, b, self.vocab_shard)
+            dist.all_gather_into_tensor(parts, local.contiguous(), group=self.tp_group)
+            local = parts.permute(1, 0, 2).reshape(b, self.tp_size * self.vocab_shard)
+        return local[:, : self.shape.vocab_size].float()
+
+    def _qkv(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """h (b, s, hidden) -> q (b, s, heads, dim), k and v (b, s, groups, dim); QK-norm and RoPE applied."""
+        b, n = h.shape[:2]
+        hd, s = self.head_dim, self.shape
+        qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(b, n, self.groups, (self.per_group + 2) * hd)
+        q, k, v = qkv.split([self.per_group * hd, hd, hd], dim=-1)
+        q = q.reshape(b, n, self.heads, hd)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, s.norm_eps)
+            k = rms_norm(k, layer.k_norm, s.norm_eps)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k, v
+
+    def _out_and_mlp(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x = x + self._all_reduce(F.linear(attn, layer.proj_w))
+        gate, up = F.linear(rms_norm(x, layer.mlp_norm, self.shape.norm_eps), layer.fc1_w).chunk(2, dim=-1)
+        return x + self._all_reduce(F.linear(F.silu(gate) * up, layer.fc2_w))
+
+    # ---- entry points ---------------------------------------------------------------------------
+    def prefill(
+        self,
+        ids_us: torch.Tensor,
+        pad_u: torch.Tensor,
+        cache_k: list[torch.Tensor],
+        cache_v: list[torch.Tensor],
+        row_prompt: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run left-padded prompts `ids_us` (u, s) with `pad_u` leading pad tokens each; write their K/V at
+        cache positions [0, s) of the cache rows (`cache_k[l]` (rows, groups, >= s, dim), row r holding prompt
+        `row_prompt[r]`); return the logits of the last position, (u, vocab_size) float32.
+
+        Pad positions attend to themselves only, so their K/V stay finite (a fully masked row would be NaN
+        and poison the real rows through 0 * NaN in the value sum); real tokens never attend to them.
+        """
+        u, n = ids_us.shape
+        dev = ids_us.device
+        ar = torch.arange(n, device=dev)
+        pos = (ar - pad_u[:, None]).clamp(min=0)  # (u, s): positions count real tokens only
+        mask = (ar[None, None, :] >= pad_u[:, None, None]) & (ar[None, :, None] >= ar[None, None, :])
+        mask = (mask | torch.eye(n, dtype=torch.bool, device=dev)).unsqueeze(1)  # (u, 1, queries, keys)
+        cos, sin = self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)  # (u, s, 1, dim)
+        x = self.embed(ids_us)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, self.shape.norm_eps), cos, sin)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # (u, groups, s, dim)
+            cache_k[i][:, :, :n] = k[row_prompt]
+            cache_v[i][:, :, :n] = v[row_prompt]
+            if self.per_group > 1:
+                k, v = k.repeat_interleave(self.per_group, dim=1), v.repeat_interleave(self.per_group, dim=1)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k, v, attn_mask=mask
+            )  # (u, heads, s, dim)
+            x = self._out_and_mlp(layer, x, out.transpose(1, 2).reshape(u, n, self.heads * self.head_dim))
+        return self.logits(x[:, -1])
+
+    def decode(
+        self,
+        tokens_b: torch.Tensor,
+        pad_b: torch.Tensor,
+        cur: torch.Tensor,
+        cache_k: list[torch.Tensor],
+        cache_v: list[torch.Tensor],
+        num_keys: int,
+    ) -> torch.Tensor:
+        """One decode step: token `tokens_b[r]` sits at cache position `cur` (a (1,) int64 tensor, the same for
+        every row) of row r, whose first `pad_b[r]` positions are padding; K/V are written there and the row
+        attends over cache positions [pad_b[r], cur] within the first `num_keys`. Returns (b, vocab_size)
+        float32 logits. No host synchronisation and static shapes: capturable in a CUDA graph."""
+        b = tokens_b.shape[0]
+        hd = self.head_dim
+        pos = cur - pad_b  # (b,)
+        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # (b, 1, 1, dim)
+        ar = torch.arange(num_keys, device=tokens_b.device)
+        mask = ((ar >= pad_b[:, None]) & (ar <= cur))[:, None, None]  # (b, 1, 1, keys)
+        x = self.embed(tokens_b[:, None])  # (b, 1, hidden)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, self.shape.norm_eps), cos, sin)
+            cache_k[i].index_copy_(2, cur, k.transpose(1, 2))
+            cache_v[i].index_copy_(2, cur, v.transpose(1, 2))
+            q = q.view(b, self.groups, self.per_group, hd)  # heads of a group are consecutive
+            out = F.scaled_dot_product_attention(
+                q, cache_k[i][:, :, :num_keys], cache_v[i][:, :, :num_keys], attn_mask=mask
+            )  # (b, groups, heads per group, dim)
+            x = self._out_and_mlp(layer, x, out.reshape(b, 1, self.heads * hd))
+        return self.logits(x[:, 0])
