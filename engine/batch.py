@@ -1,4 +1,6 @@
-"""One step's experience on a training DP replica, and how it is cut into micro-batches.
+"""One step's experience on a training DP replica: the scored responses of a rollout (`Responses`, which
+dynamic sampling filters and concatenates by prompt group) and the training-side layout (`Experience`).
+Micro-batches are cut by engine/dynamic_batch.py.
 
 Sequences are laid out right-padded from position 0: [prompt, response, pad...], so a causal mask alone is
 exact for every valid token (no attention mask, no position shifts). Response-aligned tensors (b, T) index
@@ -27,9 +29,10 @@ class Experience:
     rollout_log_probs: torch.Tensor
     """(rows, T) float32, from the rollout engine."""
     group_index: torch.Tensor
-    """(rows,) int64: global prompt id of each row (GRPO groups)."""
+    """(rows,) int64: prompt group of each row, unique within the step (GRPO groups)."""
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Per-row or response-aligned tensors added by later phases (scores, advantages, old/ref log-probs)."""
+    """Per-row or response-aligned tensors added by later phases (scores, advantages, old/ref log-probs,
+    values)."""
 
     @property
     def num_rows(self) -> int:
@@ -66,24 +69,73 @@ def build_experience(
     return Experience(tokens, prompt_lens, response_ids, response_mask, rollout_log_probs, group)
 
 
-def micro_batches(
-    exp: Experience, rows: torch.Tensor, size: int, keys: tuple[str, ...], device: torch.device
-) -> list[dict]:
-    """Dicts of `size` rows each (from the row indices `rows`) with tokens, positions, the response index,
-    the response mask and the named per-row/response-aligned tensors, all on `device`."""
-    out = []
-    index_bt = exp.response_index()
-    for start in range(0, len(rows), size):
-        sel = rows[start : start + size]
-        tokens = exp.tokens[sel]
-        mb = {
-            "tokens": tokens.to(device),
-            "positions": torch.arange(tokens.shape[1]).expand_as(tokens).to(device),
-            "response_index": index_bt[sel].to(device),
-            "response_mask": exp.response_mask[sel].to(device),
-            "rows": sel,
-        }
-        for key in keys:
-            mb[key] = exp.tensors[key][sel].to(device)
-        out.append(mb)
-    return out
+@dataclass
+class Responses:
+    """Scored rollout of some prompts: `n` rows per prompt, adjacent; response tensors right-padded."""
+
+    records: list
+    """PromptRecord per prompt (group)."""
+    n: int
+    """Rows per prompt."""
+    response_ids: torch.Tensor
+    """(rows, T) int64."""
+    response_mask: torch.Tensor
+    """(rows, T) float32."""
+    log_probs: torch.Tensor
+    """(rows, T) float32, from the rollout engine."""
+    finished: torch.Tensor
+    """(rows,) float32: 1 where the response ended with a stop token."""
+    scores: torch.Tensor
+    """(rows,) float32: the reward function's score."""
+    overlong_penalty: torch.Tensor | None = None
+    """(rows,) <= 0, DAPO's overlong shaping (None = off)."""
+    baseline_scores: torch.Tensor | None = None
+    """(rows,) ReMax: shaped score of the greedy response to the row's prompt."""
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.records)
+
+    def shaped_scores(self) -> torch.Tensor:
+        """(rows,) what the advantages see: score + overlong penalty."""
+        return self.scores if self.overlong_penalty is None else self.scores + self.overlong_penalty
+
+    def select(self, groups: list[int]) -> Responses:
+        """The given prompt groups, in that order."""
+        rows = torch.tensor([g * self.n + j for g in groups for j in range(self.n)], dtype=torch.long)
+        pick = {f: getattr(self, f) for f in _ROW_FIELDS}
+        return Responses(
+            records=[self.records[g] for g in groups],
+            n=self.n,
+            **{f: None if t is None else t[rows] for f, t in pick.items()},
+        )
+
+    @staticmethod
+    def concat(parts: list[Responses]) -> Responses:
+        """Groups of all parts in order; response tensors padded to the widest part."""
+        width = max(p.response_ids.shape[1] for p in parts)
+
+        def cat(field_name: str) -> torch.Tensor | None:
+            tensors = [getattr(p, field_name) for p in parts]
+            if any(t is None for t in tensors):
+                return None
+            if tensors[0].dim() == 2:
+                tensors = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors]
+            return torch.cat(tensors)
+
+        return Responses(
+            records=[r for p in parts for r in p.records],
+            n=parts[0].n,
+            **{f: cat(f) for f in _ROW_FIELDS},
+        )
+
+
+_ROW_FIELDS = (
+    "response_ids",
+    "response_mask",
+    "log_probs",
+    "finished",
+    "scores",
+    "overlong_penalty",
+    "baseline_scores",
+)

@@ -38,7 +38,10 @@ class TrainerConfig:
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     """Any of console, jsonl, tensorboard, wandb."""
     micro_batch_size: int = 8
-    """Sequences per forward/backward micro-batch on each DP rank."""
+    """Sequences per forward/backward micro-batch on each DP rank (when max_tokens_per_micro_batch is 0)."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of a micro-batch (0 = off): rows sorted by length are packed under it, each micro-batch
+    padded only to its own longest row; replaces micro_batch_size. Must fit the longest sequence."""
     progress_bar: bool = True
     """Show a progress bar on the logging rank."""
 
@@ -182,9 +185,9 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = True
     """GRPO: divide by the group std (false = Dr.GRPO)."""
     gamma: float = 1.0
-    """Discount."""
+    """Discount (gae, reinforce_pp)."""
     lam: float = 1.0
-    """GAE lambda."""
+    """GAE lambda (gae)."""
     policy_loss: str = "ppo"
     """ppo | gspo."""
     clip_ratio_low: float = 0.2
@@ -198,11 +201,11 @@ class AlgorithmConfig:
     kl_loss_coef: float = 0.0
     """Coefficient of KL(actor || reference) as a loss term (0 = off)."""
     kl_estimator: str = "k3"
-    """k1 | k2 | k3 | abs."""
+    """k1 | k2 | k3 | abs, for both the KL loss and the KL in the reward."""
     kl_in_reward: bool = False
-    """Subtract a KL penalty from the token rewards."""
+    """Subtract kl_reward_coef * KL(actor || reference) from every response token's reward."""
     kl_reward_coef: float = 0.0
-    """Initial coefficient of the KL penalty in the reward."""
+    """Initial coefficient of the KL penalty in the reward (needs kl_in_reward)."""
     kl_ctrl: str = "fixed"
     """fixed | adaptive controller for the KL-in-reward coefficient."""
     kl_target: float = 0.1
@@ -212,19 +215,35 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
     value_clip: float = 0.2
-    """Critic value clipping range."""
+    """Critic value clipping range (gae; 0 = off)."""
     tis_cap: float = 0.0
     """Truncated importance-sampling cap between rollout and training log-probs (0 = off)."""
     dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal."""
+    """DAPO: drop groups whose rewards are all equal and refill the batch with more prompts."""
+    max_sampling_rounds: int = 4
+    """Dynamic sampling: most rollout rounds per step (the first included); when hit, the batch is completed
+    with dropped groups (logged as dynamic_sampling/filler_groups)."""
     overlong_buffer_len: int = 0
-    """DAPO: soft overlong penalty over the last N tokens (0 = off)."""
+    """DAPO: soft overlong penalty over the last N of rollout.max_new_tokens tokens (0 = off; <= max_new_tokens)."""
     overlong_penalty: float = 1.0
     """DAPO: penalty factor at max length."""
     ppo_epochs: int = 1
-    """Passes over each step's batch."""
+    """Passes over each step's batch (actor and critic)."""
     num_mini_batches: int = 1
-    """Optimizer steps per epoch."""
+    """Optimizer steps per epoch (actor and critic)."""
+
+
+@dataclass
+class CriticConfig:
+    """The value model of PPO (algorithm.adv_estimator=gae): same architecture and layout as the actor with a
+    scalar value head; other optimizer settings (betas, decay, clipping) are optim's."""
+
+    path: str = ""
+    """Hugging Face checkpoint of the critic's backbone (+ score.weight if present); empty = model.path."""
+    lr: float = 1e-3
+    """Peak learning rate of the critic (critics often use ~10x the actor's optim.lr)."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up optimizer steps of the critic."""
 
 
 @dataclass
@@ -249,6 +268,8 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    peak_tflops: float = 989.0
+    """Peak dense TFLOP/s of one accelerator, for perf/mfu/actor (989 = H100/H200 bf16); unused on CPU."""
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -260,6 +281,7 @@ def register_configs() -> None:
     """Register the schema so conf/train.yaml composes onto typed nodes (typos in keys fail at compose)."""
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
 
 
 class ConfigError(ValueError):

@@ -1,5 +1,6 @@
 """The per-micro-batch functions the trainer hands to `MegatronRole.run`: log-probs only (old/ref
-forward), and the actor's policy loss (+ KL loss, entropy bonus) built from algorithms/.
+forward), the actor's policy loss (+ KL loss, entropy bonus), the critic's values and value loss, built
+from algorithms/.
 
 Each returns metric SUMS weighted by valid tokens plus `tokens`, so the trainer can average exactly over
 micro-batches and DP ranks; `pg_loss` is the micro-batch's share of the mini-batch loss (summed, not averaged).
@@ -10,11 +11,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from algorithms import agg_loss, get_kl_estimator, get_policy_loss
+from algorithms import agg_loss, get_kl_estimator, get_policy_loss, value_loss
 from engine.config import AlgorithmConfig
 from engine.models.logprobs import token_entropy, token_log_probs
 
-ACTOR_METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss")
+# the first name is the loss (summed over micro-batches), the others are sums weighted by valid tokens
+ACTOR_METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "rollout_kl")
+CRITIC_METRICS = ("vf_loss", "vf_clipfrac", "vpred_mean")
 
 
 def response_log_probs(logits_local: torch.Tensor, mb: dict) -> torch.Tensor:
@@ -65,6 +68,7 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, tp_group: dist.Proc
             loss = loss + alg.kl_loss_coef * agg_loss(kl, mask, alg.loss_agg_mode, normalizer)
             kl_mean = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
         tokens = mask.sum()
+        rollout_gap = (mb["rollout_log_probs"] - logp.detach()) * mask  # k1 KL(rollout || training forward)
         metrics = {
             "pg_loss": loss.detach(),  # already this micro-batch's share of the mini-batch loss: summed, not averaged
             "pg_clipfrac": m["clipfrac"] * tokens,
@@ -72,6 +76,45 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, tp_group: dist.Proc
             "ppo_kl": m["approx_kl"] * tokens,
             "entropy": (ent.detach() * mask).sum(),
             "kl_loss": kl_mean * tokens,
+            "rollout_kl": rollout_gap.sum(),
+            "tokens": tokens,
+        }
+        return loss, metrics
+
+    return loss_fn
+
+
+def response_values(values_local: torch.Tensor, mb: dict) -> torch.Tensor:
+    """(b, T) value of the state before each response token: the critic output (b, s, 1) at position
+    prompt_len + j - 1, the same position whose logits give token j's log-prob."""
+    return values_local[..., 0].gather(1, mb["response_index"])
+
+
+def value_fn(values_local: torch.Tensor, mb: dict):
+    """Forward-only: the critic's values of the response tokens."""
+    values = response_values(values_local, mb)
+    return torch.zeros((), device=values.device), {"values": values.detach()}
+
+
+def make_critic_loss(alg: AlgorithmConfig, normalizer: float):
+    """Clipped value loss for one micro-batch of a critic mini-batch whose global normaliser is `normalizer`."""
+
+    def loss_fn(values_local: torch.Tensor, mb: dict):
+        mask = mb["response_mask"]
+        loss, m = value_loss(
+            response_values(values_local, mb),
+            mb["values"],
+            mb["returns"],
+            mask,
+            loss_agg_mode=alg.loss_agg_mode,
+            global_normalizer=normalizer,
+            value_clip=alg.value_clip,
+        )
+        tokens = mask.sum()
+        metrics = {
+            "vf_loss": loss.detach(),
+            "vf_clipfrac": m["vf_clipfrac"] * tokens,
+            "vpred_mean": m["vpred_mean"] * tokens,
             "tokens": tokens,
         }
         return loss, metrics

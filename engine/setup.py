@@ -44,6 +44,8 @@ class Components:
     val_batches: list[list[PromptRecord]]
     logger: MetricsLogger
     rollout_weights: object = None
+    critic: MegatronRole | None = None
+    """The value model; built only for algorithm.adv_estimator=gae."""
 
 
 def _data_files(cfg: TrainConfig, output_dir: str) -> tuple[str, list[str], list[str]]:
@@ -98,6 +100,44 @@ def build_policy_chunks(cfg: TrainConfig, shape: ModelShape, groups: ProcessGrou
     return chunks
 
 
+def build_critic(
+    cfg: TrainConfig, actor_shape: ModelShape, vocab_size: int, groups: ProcessGroups, total_steps: int
+) -> MegatronRole:
+    """The critic: the actor's architecture and layout with a zero-initialised scalar value head; backbone
+    (and `score.weight` if present) from critic.path, else model.path, else the actor's seeded random init."""
+    path = cfg.critic.path or cfg.model.path
+    shape = actor_shape
+    if path != cfg.model.path:
+        shape = model_shape(replace(cfg.model, path=path), vocab_size, groups.dims.tp)
+        if shape.vocab_size < vocab_size:
+            raise ValueError(
+                f"critic.path={path!r} has a vocabulary of {shape.vocab_size} tokens, fewer than the "
+                f"tokenizer's {vocab_size}: point critic.path at a model of the actor's family"
+            )
+    torch.manual_seed(cfg.trainer.seed)
+    chunks = build_gpt_chunks(
+        shape,
+        groups.dims,
+        init_std=cfg.model.init_std,
+        recompute=cfg.model.recompute,
+        device=groups.device,
+        value_head=True,
+    )
+    if path:
+        load_hf_weights(chunks, path, shape, groups)
+    c = cfg.critic
+    optim = replace(cfg.optim, lr=c.lr, min_lr=min(cfg.optim.min_lr, c.lr), lr_warmup_steps=c.lr_warmup_steps)
+    return MegatronRole(chunks, groups, shape, optim, total_optimizer_steps=total_steps, is_critic=True)
+
+
+def _variable_shapes(roles: list[MegatronRole | None], cfg: TrainConfig, pp: int) -> None:
+    """Token-budget micro-batches differ in shape: with PP, let the stages exchange shapes first."""
+    if cfg.trainer.max_tokens_per_micro_batch and pp > 1:
+        for role in roles:
+            if role is not None:
+                role.config.variable_seq_lengths = True
+
+
 def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -> Components:
     dims = groups.dims
     tok_dir, train_files, val_files = _data_files(cfg, output_dir)
@@ -131,6 +171,8 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
         reference = MegatronRole(ref_chunks, groups, shape, None)
     steps = cfg.trainer.total_steps * alg.ppo_epochs * alg.num_mini_batches
     actor = MegatronRole(actor_chunks, groups, shape, cfg.optim, total_optimizer_steps=steps)
+    critic = build_critic(cfg, shape, len(tokenizer), groups, steps) if alg.adv_estimator == "gae" else None
+    _variable_shapes([actor, reference, critic], cfg, dims.pp)
     if cfg.rollout.weight_sync == "naive":
         weight_sync = NaiveGather(actor.chunks, groups, shape.num_layers, shape.tie_embeddings)
     else:
@@ -166,4 +208,5 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
         loader=loader,
         val_batches=_val_batches(val_records, groups, cfg.data.batch_size // dims.dp),
         logger=logger,
+        critic=critic,
     )

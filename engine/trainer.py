@@ -1,7 +1,15 @@
-"""The RL loop: for each step, rollout -> reward -> (old/ref log-probs) -> advantages -> actor update -> metrics.
+"""The RL loop: for each step, rollout -> reward -> (old/ref log-probs, values) -> advantages -> critic and
+actor updates -> metrics.
 
 Phases and their `timing/<phase>` names follow DESIGN.md's data flow. Model roles, the weight transition, the
-rollout engine, data and rewards are built by engine/setup.py; this module only sequences them.
+rollout engine, data and rewards are built by engine/setup.py; the per-phase logic lives in
+engine/advantage_phase.py, engine/update_phase.py, engine/dynamic_sampling.py and engine/dynamic_batch.py;
+this module sequences them and gathers the step's metrics.
+
+The old-log-prob forward runs only when the actor takes more than one optimizer step per batch
+(ppo_epochs > 1 or num_mini_batches > 1): with a single on-policy step the old log-probs equal the current
+ones, so the ratio is 1 by construction (actor/ppo_kl = 0, actor/pg_clipfrac = 0) and
+actor/rollout_kl reports the rollout-vs-training gap instead.
 """
 
 from __future__ import annotations
@@ -11,13 +19,25 @@ import time
 import torch
 import torch.distributed as dist
 
-from algorithms import get_advantage_estimator, loss_normalizer
-from engine.batch import Experience, build_experience, micro_batches
+from algorithms import make_kl_controller, overlong_penalty
+from engine.advantage_phase import compute_advantages
+from engine.batch import Experience, Responses, build_experience
+from engine.dynamic_batch import MicroBatcher
+from engine.dynamic_sampling import GroupSelector
 from engine.metrics import PhaseTimer
-from engine.role_losses import ACTOR_METRICS, log_prob_fn, make_actor_loss
-from engine.rollout.base import SamplingParams
+from engine.perf import mfu, train_flops
+from engine.role_losses import (
+    ACTOR_METRICS,
+    CRITIC_METRICS,
+    log_prob_fn,
+    make_actor_loss,
+    make_critic_loss,
+    value_fn,
+)
+from engine.rollout.base import RolloutOutput, SamplingParams
 from engine.rollout_phase import rollout_replica
 from engine.setup import Components
+from engine.update_phase import forward_rows, run_updates
 
 
 class Trainer:
@@ -27,16 +47,29 @@ class Trainer:
         self.c = c
         self.cfg = c.cfg
         self.step = 0
-        alg = self.cfg.algorithm
+        alg, g = self.cfg.algorithm, c.groups
         self.needs_old_forward = alg.ppo_epochs > 1 or alg.num_mini_batches > 1
         self.kl_ref = c.reference is not None
+        self.kl_ctrl = make_kl_controller(
+            alg.kl_ctrl, kl_coef=alg.kl_reward_coef, target=alg.kl_target, horizon=alg.kl_horizon
+        )
+        self.batcher = MicroBatcher(
+            self.cfg.trainer.micro_batch_size,
+            self.cfg.trainer.max_tokens_per_micro_batch,
+            seq_multiple=g.dims.tp if g.dims.sp else 1,
+            device=g.device,
+        )
+        self.last_experience: Experience | None = None
+        """The latest step's experience on this rank (for inspection and tests)."""
 
-    # ---- phases ---------------------------------------------------------------------------
-    def _sampling(self, greedy: bool, seed: int) -> SamplingParams:
+    # ---- rollout and reward -----------------------------------------------------------------
+    def _sampling(self, greedy: bool, seed: int, temperature: float | None = None) -> SamplingParams:
         r, tok = self.cfg.rollout, self.c.tokenizer
+        if temperature is None:
+            temperature = r.val_temperature if greedy else r.temperature
         return SamplingParams(
             n=1 if greedy else r.n,
-            temperature=r.val_temperature if greedy else r.temperature,
+            temperature=temperature,
             top_p=1.0 if greedy else r.top_p,
             top_k=0 if greedy else r.top_k,
             max_new_tokens=r.max_new_tokens,
@@ -45,165 +78,255 @@ class Trainer:
             seed=seed,
         )
 
-    def _rollout_seed(self) -> int:
+    def _rollout_seed(self, round_index: int) -> int:
         g = self.c.groups
         weights = self.c.rollout_weights
         return (
-            self.cfg.trainer.seed * 1_000_003 + self.step * 7919 + g.dp_rank * 104_729 + weights.micro_dp_rank
+            self.cfg.trainer.seed * 1_000_003
+            + self.step * 7919
+            + round_index * 15_485_863
+            + g.dp_rank * 104_729
+            + weights.micro_dp_rank
         ) % (2**62)
 
-    def _generate(self, records, timer: PhaseTimer, greedy: bool = False) -> Experience:
+    def _rollout(self, records, timer: PhaseTimer, kinds: tuple[str, ...], round_index: int = 0):
+        """One train -> rollout -> train transition and a rollout per kind: "sample" (rollout.n sampled
+        responses), "greedy" (one at temperature 0: ReMax's baseline), "val" (one at rollout.val_temperature)."""
         c = self.c
         prompts = [r.prompt_ids for r in records]
         with timer.phase("reshard"):
             c.rollout_weights = c.weight_sync.to_rollout()
             c.rollout.set_weights(c.rollout_weights)
+        seed = self._rollout_seed(round_index)
+        params = {
+            "sample": self._sampling(False, seed),
+            "greedy": self._sampling(True, seed, temperature=0.0),
+            "val": self._sampling(True, seed),
+        }
         with timer.phase("gen"):
-            out = rollout_replica(
-                c.rollout, c.rollout_weights, prompts, self._sampling(greedy, self._rollout_seed())
-            )
+            outs = [rollout_replica(c.rollout, c.rollout_weights, prompts, params[k]) for k in kinds]
         with timer.phase("reshard"):
             c.weight_sync.to_train()
             c.rollout_weights = None
-        n = 1 if greedy else self.cfg.rollout.n
-        exp = build_experience(
-            prompts,
-            out.response_ids,
-            out.response_mask,
-            out.log_probs,
-            [r.index for r in records],
-            n,
-            c.tokenizer.pad_token_id,
-            seq_multiple=c.groups.dims.tp if c.groups.dims.sp else 1,
-        )
-        exp.tensors["rollout_log_probs"] = out.log_probs
-        exp.tensors["finished"] = torch.tensor([r == "stop" for r in out.finish_reasons], dtype=torch.float32)
-        return exp
+        return outs
 
-    def _score(self, exp: Experience, records, n: int) -> None:
-        tok = self.c.tokenizer
+    def _score(self, out: RolloutOutput, records, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Reward-function scores (rows,) and the overlong penalty (rows,) or None."""
+        tok, alg = self.c.tokenizer, self.cfg.algorithm
+        lengths = out.response_mask.sum(-1)
         texts = [
-            tok.decode(
-                exp.response_ids[r, : int(exp.response_mask[r].sum())].tolist(), skip_special_tokens=True
-            )
-            for r in range(exp.num_rows)
+            tok.decode(out.response_ids[r, : int(lengths[r])].tolist(), skip_special_tokens=True)
+            for r in range(out.response_ids.shape[0])
         ]
-        rec = [records[r // n] for r in range(exp.num_rows)]
-        exp.tensors["scores"] = self.c.reward_fn(
+        rec = [records[r // n] for r in range(len(texts))]
+        scores = self.c.reward_fn(
             [x.data_source for x in rec], texts, [x.ground_truth for x in rec], [x.extra_info for x in rec]
         )
+        penalty = None
+        if alg.overlong_buffer_len > 0:
+            penalty = overlong_penalty(
+                lengths,
+                max_len=self.cfg.rollout.max_new_tokens,
+                buffer_len=alg.overlong_buffer_len,
+                penalty_factor=alg.overlong_penalty,
+            ).to(scores.dtype)
+        return scores, penalty
 
-    def _forward_log_probs(self, role, exp: Experience) -> torch.Tensor:
-        rows = torch.arange(exp.num_rows)
-        mbs = micro_batches(exp, rows, self.cfg.trainer.micro_batch_size, (), self.c.groups.device)
-        outs = role.run(mbs, log_prob_fn, forward_only=True, temperature=self.cfg.rollout.temperature)
-        local = torch.cat([o["log_probs"] for o in outs]).cpu() if outs else None
-        shape = tuple(exp.response_ids.shape)
-        result = role.broadcast_from_last_stage(
-            None if local is None else local.to(self.c.groups.device), shape, torch.float32
+    def _responses(self, records, timer: PhaseTimer, round_index: int) -> Responses:
+        """Roll out and score one batch of prompts (with ReMax's greedy baseline when needed)."""
+        n = self.cfg.rollout.n
+        remax = self.cfg.algorithm.adv_estimator == "remax"
+        outs = self._rollout(records, timer, ("sample", "greedy") if remax else ("sample",), round_index)
+        with timer.phase("reward"):
+            scores, penalty = self._score(outs[0], records, n)
+            baseline = None
+            if remax:
+                greedy, greedy_penalty = self._score(outs[1], records, 1)
+                if greedy_penalty is not None:
+                    greedy = greedy + greedy_penalty
+                baseline = greedy.repeat_interleave(n)
+        out = outs[0]
+        return Responses(
+            records=list(records),
+            n=n,
+            response_ids=out.response_ids,
+            response_mask=out.response_mask,
+            log_probs=out.log_probs,
+            finished=torch.tensor([r == "stop" for r in out.finish_reasons], dtype=torch.float32),
+            scores=scores,
+            overlong_penalty=penalty,
+            baseline_scores=baseline,
         )
-        return result.cpu()
 
-    def _advantages(self, exp: Experience) -> None:
-        alg = self.cfg.algorithm
-        estimator = get_advantage_estimator(alg.adv_estimator)
-        adv, _ = estimator(
-            mask_bt=exp.response_mask,
-            scores_b=exp.tensors["scores"],
-            group_index_b=exp.group_index,
-            token_rewards_bt=None,
-            gamma=alg.gamma,
-            lam=alg.lam,
-            norm_by_std=alg.norm_adv_by_std,
+    def _collect(self, timer: PhaseTimer) -> tuple[Responses, dict[str, float]]:
+        """This replica's responses for the step; with dynamic sampling, further rounds while any replica
+        lacks informative groups (every rank draws every global batch, so loaders stay in step)."""
+        alg, g = self.cfg.algorithm, self.c.groups
+        if not alg.dynamic_sampling:
+            return self._responses(self.c.loader.next_batch(), timer, 0), {}
+        selector = GroupSelector(self.cfg.data.batch_size // g.dims.dp)
+        rounds = 0
+        while True:
+            records = self.c.loader.next_batch()
+            selector.add(self._responses(records if selector.missing else [], timer, rounds))
+            rounds += 1
+            missing = torch.tensor(float(selector.missing), device=g.device)
+            dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=g.world)
+            if float(missing) == 0 or rounds >= alg.max_sampling_rounds:
+                break
+        responses, counts = selector.finish()
+        totals = torch.tensor([float(counts[k]) for k in ("generated", "dropped", "filler")], device=g.device)
+        dist.all_reduce(totals, group=g.dp)
+        generated, dropped, filler = totals.tolist()
+        return responses, {
+            "dynamic_sampling/rounds": float(rounds),
+            "dynamic_sampling/generated_groups": generated,
+            "dynamic_sampling/dropped_groups": dropped,
+            "dynamic_sampling/filler_groups": filler,
+        }
+
+    def _experience(self, resp: Responses) -> Experience:
+        g = self.c.groups
+        first_group = g.dp_rank * resp.num_groups  # group ids unique over replicas and refill rounds
+        exp = build_experience(
+            [r.prompt_ids for r in resp.records],
+            resp.response_ids,
+            resp.response_mask,
+            resp.log_probs,
+            list(range(first_group, first_group + resp.num_groups)),
+            resp.n,
+            self.c.tokenizer.pad_token_id,
+            seq_multiple=g.dims.tp if g.dims.sp else 1,
         )
-        exp.tensors["advantages"] = adv
+        exp.tensors.update(rollout_log_probs=resp.log_probs, finished=resp.finished, scores=resp.scores)
+        if resp.overlong_penalty is not None:
+            exp.tensors["overlong_penalty"] = resp.overlong_penalty
+        if resp.baseline_scores is not None:
+            exp.tensors["baseline_scores"] = resp.baseline_scores
+        return exp
+
+    # ---- advantages and updates -----------------------------------------------------------------
+    def _advantages(self, exp: Experience) -> dict[str, float]:
+        alg, g = self.cfg.algorithm, self.c.groups
+        kl_coef = self.kl_ctrl.value
+        exp.tensors.update(compute_advantages(exp, alg, kl_coef))
+        mask = exp.response_mask.bool()
+        mean, std, lo, hi = self._stats(exp.tensors["advantages"][mask])
+        out = {"actor/adv_mean": mean, "actor/adv_std": std, "actor/adv_min": lo, "actor/adv_max": hi}
+        if alg.kl_in_reward:
+            kl_seq = exp.tensors["kl_seq"]
+            moments = torch.tensor([float(kl_seq.double().sum()), float(kl_seq.numel())], device=g.device)
+            dist.all_reduce(moments, group=g.dp)
+            current_kl = float(moments[0]) / max(float(moments[1]), 1.0)
+            self.kl_ctrl.update(current_kl, n_steps=int(moments[1]))
+            out["actor/reward_kl_penalty"] = current_kl
+            out["actor/reward_kl_coef"] = kl_coef
+        return out
 
     def _update_actor(self, exp: Experience) -> dict[str, float]:
-        c, alg, g = self.c, self.cfg.algorithm, self.c.groups
+        alg = self.cfg.algorithm
         keys = ["advantages", "rollout_log_probs"]
         if self.needs_old_forward:
             keys.append("old_log_probs")
         if self.kl_ref:
             keys.append("ref_log_probs")
-        sums = torch.zeros(len(ACTOR_METRICS) + 1, dtype=torch.float64)
-        grad_norms, lrs = [], []
-        rows_per_mini = exp.num_rows // alg.num_mini_batches
-        gen = torch.Generator().manual_seed(self.cfg.trainer.seed + self.step)
-        for _ in range(alg.ppo_epochs):
-            order = torch.randperm(alg.num_mini_batches, generator=gen)  # whole groups stay together
-            for mini in order.tolist():
-                rows = torch.arange(mini * rows_per_mini, (mini + 1) * rows_per_mini)
-                norm = torch.tensor(
-                    loss_normalizer(
-                        exp.response_mask[rows], alg.loss_agg_mode, max_len=self.cfg.rollout.max_new_tokens
-                    ),
-                    dtype=torch.float64,
-                    device=g.device,
-                )
-                dist.all_reduce(norm, group=g.dp)
-                loss_fn = make_actor_loss(alg, float(norm), g.tp, self.kl_ref)
-                mbs = micro_batches(exp, rows, self.cfg.trainer.micro_batch_size, tuple(keys), g.device)
-                outs = c.actor.run(mbs, loss_fn, forward_only=False, temperature=self.cfg.rollout.temperature)
-                for o in outs:
-                    sums += torch.tensor(
-                        [float(o[k]) for k in ACTOR_METRICS] + [float(o["tokens"])], dtype=torch.float64
-                    )
-                stats = c.actor.optimizer_step()
-                grad_norms.append(stats.grad_norm)
-                lrs.append(stats.lr)
-        # metrics live on the last PP stage, once per TP group: sum them onto every rank
-        if not (g.is_last_stage and g.tp_rank == 0):
-            sums.zero_()
-        sums = sums.to(g.device)
-        dist.all_reduce(sums)
-        sums = sums.cpu()
-        tokens = max(float(sums[-1]), 1.0)
-        num_updates = alg.ppo_epochs * alg.num_mini_batches
-        out = {f"actor/{k}": float(sums[i]) / tokens for i, k in enumerate(ACTOR_METRICS)}
-        out["actor/pg_loss"] = float(sums[0]) / num_updates
-        out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["actor/lr"] = lrs[-1]
-        return out
+        tp_group = self.c.groups.tp
+        out = run_updates(
+            self.c.actor,
+            exp,
+            alg=alg,
+            make_loss=lambda norm: make_actor_loss(alg, norm, tp_group, self.kl_ref),
+            metric_names=ACTOR_METRICS,
+            keys=tuple(keys),
+            batcher=self.batcher,
+            max_len=self.cfg.rollout.max_new_tokens,
+            seed=self.cfg.trainer.seed + self.step,
+            temperature=self.cfg.rollout.temperature,
+        )
+        return {f"actor/{k}": v for k, v in out.items()}
+
+    def _update_critic(self, exp: Experience) -> dict[str, float]:
+        alg = self.cfg.algorithm
+        out = run_updates(
+            self.c.critic,
+            exp,
+            alg=alg,
+            make_loss=lambda norm: make_critic_loss(alg, norm),
+            metric_names=CRITIC_METRICS,
+            keys=("values", "returns"),
+            batcher=self.batcher,
+            max_len=self.cfg.rollout.max_new_tokens,
+            seed=self.cfg.trainer.seed + self.step,
+        )
+        metrics = {f"critic/{k}": v for k, v in out.items()}
+        mask = exp.response_mask.bool()
+        metrics["critic/returns_mean"] = self._stats(exp.tensors["returns"][mask])[0]
+        metrics["critic/values_mean"] = self._stats(exp.tensors["values"][mask])[0]
+        return metrics
 
     # ---- one step -------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        c, g, n = self.c, self.c.groups, self.cfg.rollout.n
+        c, g, T = self.c, self.c.groups, self.cfg.rollout.temperature
         timer = PhaseTimer(g.device)
         if g.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(g.device)
         start = time.perf_counter()
-        records = c.loader.next_batch()
-        exp = self._generate(records, timer)
-        with timer.phase("reward"):
-            self._score(exp, records, n)
+        responses, sampling_metrics = self._collect(timer)
+        exp = self._experience(responses)
         if self.needs_old_forward:
             with timer.phase("old_log_prob"):
-                exp.tensors["old_log_probs"] = self._forward_log_probs(c.actor, exp)
+                exp.tensors["old_log_probs"] = forward_rows(
+                    c.actor, exp, log_prob_fn, "log_probs", self.batcher, T
+                )
         if self.kl_ref:
             with timer.phase("ref"):
-                exp.tensors["ref_log_probs"] = self._forward_log_probs(c.reference, exp)
+                exp.tensors["ref_log_probs"] = forward_rows(
+                    c.reference, exp, log_prob_fn, "log_probs", self.batcher, T
+                )
+        if c.critic is not None:
+            with timer.phase("values"):
+                exp.tensors["values"] = forward_rows(c.critic, exp, value_fn, "values", self.batcher)
         with timer.phase("adv"):
-            self._advantages(exp)
+            adv_metrics = self._advantages(exp)
+        critic_metrics = {}
+        if c.critic is not None:
+            with timer.phase("update_critic"):
+                critic_metrics = self._update_critic(exp)
         with timer.phase("update_actor"):
             actor_metrics = self._update_actor(exp)
         timer.seconds["step"] = time.perf_counter() - start
         self.step += 1
-        metrics = {**self._rollout_metrics(exp), **actor_metrics, **timer.as_metrics()}
-        metrics.update(self._perf_metrics(exp, timer.seconds["step"]))
+        self.last_experience = exp
+        metrics = {
+            **self._rollout_metrics(exp),
+            **sampling_metrics,
+            **adv_metrics,
+            **critic_metrics,
+            **actor_metrics,
+            **timer.as_metrics(),
+        }
+        metrics.update(self._perf_metrics(exp, timer.seconds))
         metrics["data/epoch"] = c.loader.epoch
         return metrics
 
-    def _replica_stats(self, values: torch.Tensor) -> tuple[float, float, float, float]:
-        """Mean, std, min, max of per-row values over all DP replicas (each replica counted once)."""
+    # ---- metrics ------------------------------------------------------------------------------
+    def _stats(self, values: torch.Tensor) -> tuple[float, float, float, float]:
+        """Mean, std, min, max of `values` (any shape, possibly empty on some replica) over all DP replicas
+        (each replica counted once)."""
         g = self.c.groups
-        v = values.double()
+        v = values.double().flatten()
         moments = torch.tensor(
-            [v.sum(), (v * v).sum(), float(v.numel())], dtype=torch.float64, device=g.device
+            [float(v.sum()), float((v * v).sum()), float(v.numel())], dtype=torch.float64, device=g.device
         )
-        ext = torch.tensor([-v.min(), v.max()], dtype=torch.float64, device=g.device)
+        ext = torch.tensor(
+            [float(-v.min()) if v.numel() else -torch.inf, float(v.max()) if v.numel() else -torch.inf],
+            dtype=torch.float64,
+            device=g.device,
+        )
         dist.all_reduce(moments, group=g.dp)
         dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=g.dp)
         total, sq, count = moments.tolist()
+        count = max(count, 1.0)
         mean = total / count
         return mean, max(sq / count - mean * mean, 0.0) ** 0.5, -float(ext[0]), float(ext[1])
 
@@ -213,26 +336,31 @@ class Trainer:
             ("reward", exp.tensors["scores"]),
             ("response_length", exp.response_mask.sum(-1)),
         ):
-            mean, std, lo, hi = self._replica_stats(values)
+            mean, std, lo, hi = self._stats(values)
             out.update({f"{name}/mean": mean, f"{name}/std": std, f"{name}/min": lo, f"{name}/max": hi})
-        out["response_length/clip_ratio"] = self._replica_stats(1.0 - exp.tensors["finished"])[0]
-        out["rollout/logprob_mean"] = float(
-            (exp.tensors["rollout_log_probs"] * exp.response_mask).sum()
-            / exp.response_mask.sum().clamp(min=1)
-        )
+        out["response_length/clip_ratio"] = self._stats(1.0 - exp.tensors["finished"])[0]
+        if "overlong_penalty" in exp.tensors:
+            out["reward/overlong_penalty_mean"] = self._stats(exp.tensors["overlong_penalty"])[0]
+        mask = exp.response_mask.bool()
+        out["rollout/logprob_mean"] = self._stats(exp.tensors["rollout_log_probs"][mask])[0]
         return out
 
-    def _perf_metrics(self, exp: Experience, step_s: float) -> dict[str, float]:
-        g = self.c.groups
-        tokens = torch.tensor(
-            float(exp.prompt_lens.sum() + exp.response_mask.sum()), dtype=torch.float64, device=g.device
-        )
-        dist.all_reduce(tokens, group=g.dp)
+    def _perf_metrics(self, exp: Experience, seconds: dict[str, float]) -> dict[str, float]:
+        g, c = self.c.groups, self.c
+        seq_lens = exp.prompt_lens + exp.response_mask.sum(-1).long()
+        flops = train_flops(c.shape, seq_lens) * self.cfg.algorithm.ppo_epochs
+        sums = torch.tensor([float(seq_lens.sum()), flops], dtype=torch.float64, device=g.device)
+        dist.all_reduce(sums, group=g.dp)
+        tokens, flops = sums.tolist()
+        world = g.dims.world_size
         out = {
-            "perf/total_tokens": float(tokens),
-            "perf/tokens_per_s_per_gpu": float(tokens) / step_s / g.dims.world_size,
+            "perf/total_tokens": tokens,
+            "perf/tokens_per_s_per_gpu": tokens / seconds["step"] / world,
+            "perf/mfu/actor": 0.0,
         }
         if g.device.type == "cuda":
+            peak = self.cfg.cluster.peak_tflops
+            out["perf/mfu/actor"] = mfu(flops, seconds["update_actor"], world, peak)
             out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(g.device) / 2**30
         return out
 
@@ -242,10 +370,9 @@ class Trainer:
         timer = PhaseTimer(c.groups.device)
         scores = []
         for records in c.val_batches:
-            exp = self._generate(records, timer, greedy=True)
-            self._score(exp, records, 1)
-            scores.append(exp.tensors["scores"])
-        mean, std, _, _ = self._replica_stats(torch.cat(scores))
+            (out,) = self._rollout(records, timer, ("val",))
+            scores.append(self._score(out, records, 1)[0])
+        mean, std, _, _ = self._stats(torch.cat(scores))
         return {"val/reward_mean": mean, "val/reward_std": std, "timing/testing": sum(timer.seconds.values())}
 
     def fit(self) -> None:

@@ -173,12 +173,63 @@ def _validate_algorithm(cfg: TrainConfig) -> None:
             _fail(key, value, "must be >= 0", f"set {key}=0 to turn it off")
     _positive("algorithm.ppo_epochs", a.ppo_epochs)
     _positive("algorithm.num_mini_batches", a.num_mini_batches)
-    if a.adv_estimator == "gae":
+    _positive("algorithm.max_sampling_rounds", a.max_sampling_rounds)
+    _validate_kl_in_reward(cfg)
+    if a.value_clip < 0:
+        _fail("algorithm.value_clip", a.value_clip, "must be >= 0", "use 0.2, or 0 to turn clipping off")
+    if a.overlong_buffer_len < 0 or a.overlong_buffer_len > cfg.rollout.max_new_tokens:
         _fail(
-            "algorithm.adv_estimator",
-            "gae",
-            "PPO with a critic is not wired into the trainer yet",
-            "use a critic-free estimator (algorithm=grpo, rloo, reinforce_pp, ...) until the critic lands",
+            "algorithm.overlong_buffer_len",
+            a.overlong_buffer_len,
+            f"the overlong penalty ramps over the last overlong_buffer_len of rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens} tokens, so it must lie in [0, rollout.max_new_tokens]",
+            f"set algorithm.overlong_buffer_len<={cfg.rollout.max_new_tokens} (e.g. a quarter of "
+            "rollout.max_new_tokens; the dapo preset's 4096 assumes 16k-token responses), raise "
+            "rollout.max_new_tokens, or use 0 to turn overlong shaping off",
+        )
+    if a.overlong_penalty < 0:
+        _fail("algorithm.overlong_penalty", a.overlong_penalty, "must be >= 0", "use 1.0 (DAPO)")
+    if cfg.critic.lr <= 0 or cfg.critic.lr_warmup_steps < 0:
+        _fail(
+            "critic.lr/critic.lr_warmup_steps",
+            (cfg.critic.lr, cfg.critic.lr_warmup_steps),
+            "the critic's lr must be > 0 and its warm-up >= 0",
+            "use e.g. critic.lr=1e-5 critic.lr_warmup_steps=0",
+        )
+    if cfg.critic.path and not os.path.isdir(cfg.critic.path):
+        _fail(
+            "critic.path",
+            cfg.critic.path,
+            "is not a directory",
+            "point critic.path at a local Hugging Face checkpoint directory, or leave it empty for model.path",
+        )
+
+
+def _validate_kl_in_reward(cfg: TrainConfig) -> None:
+    a = cfg.algorithm
+    if not a.kl_in_reward:
+        if a.kl_reward_coef > 0:
+            _fail(
+                "algorithm.kl_reward_coef",
+                a.kl_reward_coef,
+                "has no effect while algorithm.kl_in_reward=false",
+                "set algorithm.kl_in_reward=true, or algorithm.kl_reward_coef=0",
+            )
+        return
+    if a.kl_reward_coef <= 0:
+        _fail(
+            "algorithm.kl_reward_coef",
+            a.kl_reward_coef,
+            "algorithm.kl_in_reward=true needs a positive starting coefficient (the adaptive controller "
+            "only multiplies it)",
+            "set algorithm.kl_reward_coef=0.001, or algorithm.kl_in_reward=false",
+        )
+    if a.kl_ctrl == "adaptive" and (a.kl_target <= 0 or a.kl_horizon <= 0):
+        _fail(
+            "algorithm.kl_target/algorithm.kl_horizon",
+            (a.kl_target, a.kl_horizon),
+            "the adaptive KL controller needs both > 0",
+            "use algorithm.kl_target=0.1 algorithm.kl_horizon=10000",
         )
 
 
@@ -246,12 +297,41 @@ def _validate_batches(cfg: TrainConfig, dims: ParallelDims) -> None:
             "keep whole groups in each mini-batch: pick a divisor",
         )
     seqs_per_mini = prompts_per_rank // mini * cfg.rollout.n
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    if budget:
+        _validate_token_budget(cfg, dims)
+        return  # micro_batch_size is not used
     if seqs_per_mini % mbs:
         _fail(
             "trainer.micro_batch_size",
             mbs,
             f"must divide the sequences per mini-batch per DP rank (batch_size/dp/num_mini_batches*rollout.n = {seqs_per_mini})",
             f"use a divisor of {seqs_per_mini}",
+        )
+
+
+def _validate_token_budget(cfg: TrainConfig, dims: ParallelDims) -> None:
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    if budget < 0:
+        _fail("trainer.max_tokens_per_micro_batch", budget, "must be >= 0", "use 0 to turn it off")
+    multiple = dims.tp if dims.sp else 1
+    # +1: the target slot of the last token (as engine/batch.py lays sequences out)
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens + 1
+    longest = -(-longest // multiple) * multiple
+    if budget < longest:
+        _fail(
+            "trainer.max_tokens_per_micro_batch",
+            budget,
+            f"must fit the longest sequence, data.max_prompt_len + rollout.max_new_tokens + 1 = {longest} tokens",
+            f"set it to at least {longest} (a few times more packs several rows per micro-batch)",
+        )
+    if dims.vpp > 1:
+        _fail(
+            "trainer.max_tokens_per_micro_batch",
+            budget,
+            f"token-budget micro-batches vary in number and shape, which the interleaved pipeline schedule "
+            f"(parallel.vpp={dims.vpp}) does not support",
+            "set parallel.vpp=1, or trainer.max_tokens_per_micro_batch=0",
         )
 
 
@@ -265,6 +345,7 @@ def _validate_optim(cfg: TrainConfig) -> None:
         _fail("optim.clip_grad", o.clip_grad, "must be >= 0", "use 1.0, or 0 to turn clipping off")
     if o.lr_warmup_steps < 0:
         _fail("optim.lr_warmup_steps", o.lr_warmup_steps, "must be >= 0", "use 0 for no warm-up")
+    _positive("cluster.peak_tflops", cfg.cluster.peak_tflops)
 
 
 def _validate_trainer(cfg: TrainConfig) -> None:

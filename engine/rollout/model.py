@@ -164,9 +164,9 @@ class RolloutModel:
         local = F.linear(rms_norm(x_bh, self.final_norm, self.shape.norm_eps), self.out_w)  # (b, vocab/tp)
         if self.tp_size > 1:
             b = local.shape[0]
-            parts = local.new_empty(self.tp_size, b, self.vocab_shard)
+            parts = local.new_empty(self.tp_size * b, self.vocab_shard)  # gloo wants rank-major rows
             dist.all_gather_into_tensor(parts, local.contiguous(), group=self.tp_group)
-            local = parts.permute(1, 0, 2).reshape(b, self.tp_size * self.vocab_shard)
+            local = parts.view(self.tp_size, b, self.vocab_shard).permute(1, 0, 2).reshape(b, -1)
         return local[:, : self.shape.vocab_size].float()
 
     def _qkv(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

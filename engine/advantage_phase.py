@@ -1,0 +1,63 @@
+"""From one replica's scored experience to advantages and returns, following the wiring recipe of
+algorithms/__init__.py: overlong shaping (already in the scores), KL in the reward, the estimator call.
+
+Pure tensor code on one replica's rows (no communication, no config beyond `AlgorithmConfig`): the
+trainer reduces `kl_seq_b` over DP for the KL controller. Whole prompt groups are always on one replica,
+so group-relative estimators see complete groups; whitening (gae, reinforce_pp*) uses this replica's
+tokens, as verl does per worker batch.
+
+Which policy log-probs the KL in the reward uses: the old-log-prob forward when it runs; otherwise
+(ppo_epochs == 1 and num_mini_batches == 1, where that forward is skipped) the rollout engine's log-probs
+of the same weights, which differ from the training forward by numerics only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from algorithms import get_advantage_estimator, get_kl_estimator, scores_to_token_rewards
+from engine.batch import Experience
+from engine.config import AlgorithmConfig
+
+
+def policy_log_probs(exp: Experience) -> torch.Tensor:
+    """(rows, T) the actor's log-probs before the update: old-log-prob forward, else the rollout's."""
+    if "old_log_probs" in exp.tensors:
+        return exp.tensors["old_log_probs"]
+    return exp.tensors["rollout_log_probs"]
+
+
+@torch.no_grad()
+def compute_advantages(exp: Experience, alg: AlgorithmConfig, kl_coef: float) -> dict[str, torch.Tensor]:
+    """Tensors to add to `exp.tensors`: advantages, returns, token_rewards (rows, T); with KL in the reward
+    also kl (rows, T) and kl_seq (rows,), each row's token-mean KL (what the KL controller reads).
+
+    Reads exp.tensors: scores, overlong_penalty (optional), baseline_scores (remax), values (gae),
+    ref_log_probs and old_log_probs/rollout_log_probs (KL in the reward).
+    """
+    mask = exp.response_mask
+    scores_b = exp.tensors["scores"]
+    if "overlong_penalty" in exp.tensors:
+        scores_b = scores_b + exp.tensors["overlong_penalty"]
+    out: dict[str, torch.Tensor] = {}
+    kl_bt = None
+    if alg.kl_in_reward:
+        kl_bt = get_kl_estimator(alg.kl_estimator)(policy_log_probs(exp), exp.tensors["ref_log_probs"], mask)
+        out["kl"] = kl_bt
+        out["kl_seq"] = kl_bt.sum(-1) / mask.sum(-1).clamp(min=1)
+    token_rewards_bt = scores_to_token_rewards(scores_b, mask, kl_bt=kl_bt, kl_coef=kl_coef)
+    # outcome estimators take one reward per response: with KL in the reward, the KL-shaped sum
+    seq_rewards_b = scores_b if kl_bt is None else token_rewards_bt.sum(-1)
+    advantages_bt, returns_bt = get_advantage_estimator(alg.adv_estimator)(
+        mask_bt=mask,
+        scores_b=seq_rewards_b,
+        group_index_b=exp.group_index,
+        token_rewards_bt=token_rewards_bt,
+        values_bt=exp.tensors.get("values"),
+        baseline_scores_b=exp.tensors.get("baseline_scores"),
+        gamma=alg.gamma,
+        lam=alg.lam,
+        norm_by_std=alg.norm_adv_by_std,
+    )
+    out.update(advantages=advantages_bt, returns=returns_bt, token_rewards=token_rewards_bt)
+    return out

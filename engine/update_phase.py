@@ -1,0 +1,91 @@
+"""The PPO update of one trainable role (actor or critic): epochs x mini-batches x micro-batches through
+`MegatronRole.run`, one optimizer step per mini-batch, and the metric sums reduced onto every rank.
+
+Mini-batches are contiguous row ranges, so the n responses of a prompt stay together; their order is
+shuffled per epoch with a seed shared by all ranks. Each mini-batch's loss normaliser is summed over DP
+first (the contract of engine/policy.py), so the update does not depend on how rows are split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from algorithms import loss_normalizer
+from engine.batch import Experience
+from engine.config import AlgorithmConfig
+from engine.dynamic_batch import MicroBatcher
+from engine.policy import LossFn, MegatronRole
+
+
+def run_updates(
+    role: MegatronRole,
+    exp: Experience,
+    *,
+    alg: AlgorithmConfig,
+    make_loss: Callable[[float], LossFn],
+    metric_names: tuple[str, ...],
+    keys: tuple[str, ...],
+    batcher: MicroBatcher,
+    max_len: int,
+    seed: int,
+    temperature: float = 1.0,
+) -> dict[str, float]:
+    """Run the updates; returns {metric_names[0]: mean loss per optimizer step, other names: means over
+    valid tokens of all updates, "grad_norm": mean, "lr": last}, identical on every rank."""
+    g = role.groups
+    sums = torch.zeros(len(metric_names) + 1, dtype=torch.float64)
+    grad_norms, lrs = [], []
+    rows_per_mini = exp.num_rows // alg.num_mini_batches
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(alg.ppo_epochs):
+        for mini in torch.randperm(alg.num_mini_batches, generator=gen).tolist():
+            rows = torch.arange(mini * rows_per_mini, (mini + 1) * rows_per_mini)
+            norm = torch.tensor(
+                loss_normalizer(exp.response_mask[rows], alg.loss_agg_mode, max_len=max_len),
+                dtype=torch.float64,
+                device=g.device,
+            )
+            dist.all_reduce(norm, group=g.dp)
+            outs = role.run(
+                batcher(exp, rows, keys), make_loss(float(norm)), forward_only=False, temperature=temperature
+            )
+            for o in outs:
+                sums += torch.tensor(
+                    [float(o[k]) for k in metric_names] + [float(o["tokens"])], dtype=torch.float64
+                )
+            stats = role.optimizer_step()
+            grad_norms.append(stats.grad_norm)
+            lrs.append(stats.lr)
+    # metrics live on the last PP stage, once per TP group: sum them onto every rank
+    if not (g.is_last_stage and g.tp_rank == 0):
+        sums.zero_()
+    sums = sums.to(g.device)
+    dist.all_reduce(sums, group=g.world)
+    sums = sums.cpu()
+    tokens = max(float(sums[-1]), 1.0)
+    out = {name: float(sums[i]) / tokens for i, name in enumerate(metric_names)}
+    out[metric_names[0]] = float(sums[0]) / (alg.ppo_epochs * alg.num_mini_batches)
+    out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    out["lr"] = lrs[-1]
+    return out
+
+
+def forward_rows(
+    role: MegatronRole, exp: Experience, fn: LossFn, key: str, batcher: MicroBatcher, temperature: float = 1.0
+) -> torch.Tensor:
+    """Forward-only pass over all rows: `fn`'s (b, T) output `key`, reassembled in row order (rows, T) on
+    every PP stage, on CPU."""
+    g = role.groups
+    mbs = batcher(exp, torch.arange(exp.num_rows))
+    outs = role.run(mbs, fn, forward_only=True, temperature=temperature)
+    shape = tuple(exp.response_ids.shape)
+    local = None
+    if outs:
+        local = torch.zeros(shape, dtype=torch.float32)
+        for mb, o in zip(mbs, outs):
+            local[mb["rows"]] = o[key].float().cpu()
+        local = local.to(g.device)
+    return role.broadcast_from_last_stage(local, shape, torch.float32).cpu()
