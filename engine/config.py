@@ -260,6 +260,8 @@ class ClusterConfig:
     """`cpu` (gloo) or `cuda` (NCCL, one GPU per rank)."""
     timeout_s: float = 600.0
     """Seconds a collective (default and megatron groups) waits; a dead or stuck rank fails the others after it."""
+    peak_tflops: float = 989.0
+    """Peak dense TFLOP/s of one accelerator, for perf/mfu/actor (989 = H100/H200 bf16); unused on CPU."""
 
 
 @dataclass
@@ -268,11 +270,10 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    peak_tflops: float = 989.0
-    """Peak dense TFLOP/s of one accelerator, for perf/mfu/actor (989 = H100/H200 bf16); unused on CPU."""
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
@@ -281,7 +282,6 @@ def register_configs() -> None:
     """Register the schema so conf/train.yaml composes onto typed nodes (typos in keys fail at compose)."""
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
-    critic: CriticConfig = field(default_factory=CriticConfig)
 
 
 class ConfigError(ValueError):
