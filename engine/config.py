@@ -30,11 +30,19 @@ class TrainerConfig:
     output_dir: str = ""
     """Where metrics.jsonl and checkpoints go; empty = Hydra's run directory."""
     save_freq: int = 0
-    """Save a checkpoint every N steps (0 = only at the end if save_at_end)."""
+    """Save a checkpoint every N steps and after the last step (0 = never)."""
+    max_checkpoints: int = 2
+    """Keep the newest N checkpoints in output_dir/checkpoints (0 = keep all)."""
     test_freq: int = 0
     """Validate every N steps (0 = never)."""
     resume: str = "off"
-    """`auto` (latest checkpoint in output_dir), `off`, or a checkpoint path."""
+    """`auto` (latest checkpoint in output_dir, else start fresh), `off`, or a checkpoint path."""
+    export_hf: bool = False
+    """After the last step, write the actor as a Hugging Face checkpoint to output_dir/hf_actor."""
+    offload_reference: bool = False
+    """Keep the reference policy's weights in host memory except while it computes log-probs."""
+    offload_optimizer: bool = False
+    """Keep the actor's optimizer state in host memory except during its update."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     """Any of console, jsonl, tensorboard, wandb."""
     micro_batch_size: int = 8

@@ -353,9 +353,20 @@ def _validate_trainer(cfg: TrainConfig) -> None:
     _positive("trainer.total_steps", t.total_steps)
     for name in t.loggers:
         _one_of("trainer.loggers", name, LOGGERS)
-    for key, value in (("trainer.save_freq", t.save_freq), ("trainer.test_freq", t.test_freq)):
+    for key, value in (
+        ("trainer.save_freq", t.save_freq),
+        ("trainer.test_freq", t.test_freq),
+        ("trainer.max_checkpoints", t.max_checkpoints),
+    ):
         if value < 0:
             _fail(key, value, "must be >= 0", "use 0 to turn it off")
+    if t.resume == "auto" and not t.output_dir:
+        _fail(
+            "trainer.resume",
+            "auto",
+            "looks for checkpoints in trainer.output_dir, which is empty (Hydra's run dir is new every run)",
+            "set trainer.output_dir to the run's directory",
+        )
     if t.resume not in ("auto", "off") and not os.path.isdir(t.resume):
         _fail(
             "trainer.resume",

@@ -1,0 +1,563 @@
+"""Checkpoints of a training run: save every `trainer.save_freq` steps (and after the last step), resume with
+`trainer.resume` (`auto` | `off` | a path), keep the last `trainer.max_checkpoints`.
+
+On disk, under `<trainer.output_dir>/checkpoints/`:
+    global_step_<N>/rank_<r>.pt   what rank r needs to continue: its shards of every trainable role (parameters
+                                  by global name, optimizer state, LR schedule), data position, RNG states, the
+                                  step and the trainer's extra state (e.g. a KL controller)
+    global_step_<N>/meta.json     step, layout, the resolved model config, what an HF export needs
+    latest                        one line: the name of the newest complete checkpoint
+A save is atomic: every rank writes into `global_step_<N>.tmp-<random>/`, the ranks agree that all writes
+succeeded, then rank 0 renames the directory and replaces `latest` (written to a temporary file and
+`os.replace`d). A crash or a failing rank mid-save leaves `latest` and the checkpoint it names untouched;
+leftover temporary directories are never read and are removed by the next successful save.
+
+What this module must not do: reshard. A checkpoint resumes only under the layout it was saved with (tp, pp,
+vpp, dp, world size, distributed optimizer); anything else is refused with a message pointing at the way to
+change layout: export to Hugging Face (`python -m engine.export`) and start a new run from it (`model.path`).
+Multi-node runs need `trainer.output_dir` on a filesystem every rank sees (rank 0 renames what all wrote).
+The reference policy is not saved: it is rebuilt from `model.path` (or the seeded init) exactly as at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engine.config import ModelConfig
+from engine.models.builder import ModelShape
+from engine.offload import all_onloaded
+from engine.policy import MegatronRole
+from parallel.layout import TrainLayout
+from parallel.rollout_weights import global_param_names
+from parallel.state import ProcessGroups
+
+FORMAT_VERSION = 1
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
+META_FILE = "meta.json"
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_STALE_DIR = re.compile(r"^global_step_\d+\.(tmp|old)-[0-9a-f]+$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or resumed; the message names the path, the cause and a fix."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"global_step_{step}"
+
+
+def rank_file(path: str, rank: int) -> str:
+    return os.path.join(path, f"rank_{rank}.pt")
+
+
+# ---- layout ------------------------------------------------------------------------------------------
+def run_layout(groups: ProcessGroups, distributed_optimizer: bool) -> dict[str, Any]:
+    """What must be equal for a per-rank checkpoint to resume: the shard layout of parameters and optimizer."""
+    d = groups.dims
+    return {
+        "world_size": d.world_size,
+        "tp": d.tp,
+        "pp": d.pp,
+        "vpp": d.vpp,
+        "dp": d.dp,
+        "distributed_optimizer": bool(distributed_optimizer),
+    }
+
+
+def _describe(layout: Mapping[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in layout.items())
+
+
+def check_layout(saved: Mapping[str, Any], now: Mapping[str, Any], path: str) -> None:
+    """Raise CheckpointError if the checkpoint at `path` was saved under another layout than this run's."""
+    differ = [k for k in now if saved.get(k) != now[k]]
+    if not differ:
+        return
+    world = saved.get("world_size", "?")
+    raise CheckpointError(
+        f"cannot resume from {path}: it was saved with {_describe(saved)}, this run has {_describe(now)} "
+        f"(differs in {', '.join(differ)}). A checkpoint holds per-rank shards and is not resharded across "
+        f"layouts. Fix: resume with the saved parallel.tp/pp/vpp, optim.distributed_optimizer and "
+        f"{world} ranks; or, to change layout, export it to Hugging Face (torchrun --nproc_per_node={world} "
+        f"-m engine.export {path} OUT_DIR) and start a new run with model.path=OUT_DIR (the optimizer state "
+        f"and data position start fresh)"
+    )
+
+
+def shape_fields(shape: ModelShape) -> dict[str, Any]:
+    """ModelShape as JSON-friendly values (dtype by name)."""
+    out = dataclasses.asdict(shape)
+    out["dtype"] = str(shape.dtype).removeprefix("torch.")
+    return out
+
+
+def resolved_model_config(model: ModelConfig, shape: ModelShape) -> ModelConfig:
+    """The model config with every architecture field as built (from model.path's config.json and the
+    tokenizer's vocabulary too): enough to rebuild the same chunks without the source checkpoint."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    arch = {k: v for k, v in shape_fields(shape).items() if k in fields}
+    return dataclasses.replace(model, **arch)
+
+
+def check_shape(saved: Mapping[str, Any], shape: ModelShape, path: str) -> None:
+    now = shape_fields(shape)
+    differ = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+    if differ:
+        raise CheckpointError(
+            f"cannot resume from {path}: the model differs from the checkpoint's ((saved, now): {differ}). "
+            f"Fix: resume with the same model.* settings (and model.path) as the run that saved it"
+        )
+
+
+# ---- per-rank state ----------------------------------------------------------------------------------
+def cpu_copy(obj: Any) -> Any:
+    """`obj` with every tensor copied to host memory (nested dicts, lists, tuples); the copy owns its bytes,
+    so it neither aliases the live state nor drags a whole shared buffer into the file."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, Mapping):
+        return {k: cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_copy(v) for v in obj)
+    return obj
+
+
+def layer_ranges(groups: ProcessGroups, num_layers: int) -> list[range]:
+    """Global layer indices of this rank's chunks (one range per virtual stage)."""
+    d = groups.dims
+    return TrainLayout(tp=d.tp, pp=d.pp, dp=d.dp, vpp=d.vpp).layers(groups.pp_rank, num_layers)
+
+
+def _layer_ranges(role: MegatronRole) -> list[range]:
+    return layer_ranges(role.groups, role.shape.num_layers)
+
+
+def _sub_optimizers(role: MegatronRole) -> list:
+    opt = role.optimizer
+    return list(getattr(opt, "chained_optimizers", [opt]))
+
+
+def _is_distributed(sub) -> bool:
+    return hasattr(sub, "get_parameter_state_dp_reshardable")
+
+
+def role_state_dict(role: MegatronRole) -> dict[str, Any]:
+    """A trainable role's state on this rank: parameters by global name, optimizer, LR schedule (host copies).
+
+    Optimizer: megatron's `state_dict()` per sub-optimizer; the distributed optimizer keeps the parameter
+    state (fp32 main shard, Adam moments) outside it, so its per-rank shard is added from
+    `get_parameter_state_dp_reshardable()` (no communication; the layout check guarantees the same shards).
+    """
+    model = global_param_names(role.chunks, _layer_ranges(role))
+    optimizers = []
+    for sub in _sub_optimizers(role):
+        entry = {"common": sub.state_dict()}
+        if _is_distributed(sub):
+            entry["param_state"] = sub.get_parameter_state_dp_reshardable()
+        optimizers.append(entry)
+    return cpu_copy({"model": model, "optimizer": optimizers, "scheduler": role.scheduler.state_dict()})
+
+
+@torch.no_grad()
+def load_params(params: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor], where: str) -> None:
+    """Copy saved tensors (global name -> tensor) INTO the live parameters: in place (`copy_`), never
+    replaced, because the 3D-HybridEngine and megatron's buffers hold views of them."""
+    if params.keys() != saved.keys():
+        missing, extra = sorted(params.keys() - saved.keys()), sorted(saved.keys() - params.keys())
+        raise CheckpointError(
+            f"{where}: parameter names differ from this model's (missing {missing[:5]}, unexpected "
+            f"{extra[:5]}); Fix: resume with the model settings of the run that saved it"
+        )
+    for name, param in params.items():
+        src = saved[name]
+        if src.shape != param.shape or src.dtype != param.dtype:
+            raise CheckpointError(
+                f"{where}: {name} is {tuple(src.shape)} {src.dtype} in the checkpoint but "
+                f"{tuple(param.shape)} {param.dtype} in this model; Fix: resume with the same model.*"
+            )
+        param.data.copy_(src)
+
+
+def _mark_unpadded(param_state: dict) -> dict:
+    """megatron 0.16's `get_parameter_state_dp_reshardable` omits the `padding` flag that its inverse
+    `load_parameter_state_from_dp_reshardable` filters on; every entry it returns is a real parameter."""
+    for key, by_dtype in param_state.items():
+        if isinstance(key, int):  # buffer index -> {dtype: [bucket: [per-parameter dict]]}
+            for buckets in by_dtype.values():
+                for bucket in buckets:
+                    for entry in bucket:
+                        entry.setdefault("padding", False)
+    return param_state
+
+
+def _unshare_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter its own state tensors. megatron 0.16's DistributedOptimizer.load_state_dict (torch
+    Adam, no Apex/TE) sets ONE `step` tensor for all parameters; torch's foreach Adam then increments it once
+    per parameter per step, and the bias correction drifts from the uninterrupted run's."""
+    seen: set[int] = set()
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                if id(value) in seen:
+                    state[key] = value.clone()
+                seen.add(id(value))
+
+
+@torch.no_grad()
+def load_role_state(role: MegatronRole, state: Mapping[str, Any], where: str) -> None:
+    """Load a saved role state into the live role (parameters in place, see `load_params`), then its
+    optimizer and LR schedule."""
+    load_params(global_param_names(role.chunks, _layer_ranges(role)), state["model"], where)
+    subs = _sub_optimizers(role)
+    if len(subs) != len(state["optimizer"]):
+        raise CheckpointError(
+            f"{where}: {len(state['optimizer'])} optimizer states for {len(subs)} optimizers"
+        )
+    for sub, entry in zip(subs, state["optimizer"]):
+        sub.load_state_dict(entry["common"])
+        if _is_distributed(sub):
+            sub.load_parameter_state_from_dp_reshardable(_mark_unpadded(entry["param_state"]))
+        _unshare_state(sub.optimizer)
+    try:
+        role.scheduler.load_state_dict(state["scheduler"])
+    except AssertionError as err:
+        raise CheckpointError(
+            f"{where}: the LR schedule differs from the checkpoint's ({err}). Fix: resume with the same "
+            f"optim.*, trainer.total_steps, algorithm.ppo_epochs and algorithm.num_mini_batches"
+        ) from None
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """Every random generator a step might draw from: Python, NumPy, torch (CPU and this rank's GPU), and
+    megatron's model-parallel RNG tracker."""
+    from megatron.core import tensor_parallel
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return cpu_copy(state)
+
+
+def set_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["tracker"]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+# ---- atomic save ---------------------------------------------------------------------------------------
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_rank_file(path: str, state: Mapping[str, Any]) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_text_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _failed_ranks(ok: bool, groups: ProcessGroups) -> list[int]:
+    """Every rank learns which ranks failed (a collective: all ranks call it)."""
+    flags = torch.zeros(groups.dims.world_size, dtype=torch.int32, device=groups.device)
+    flags[groups.rank] = 0 if ok else 1
+    dist.all_reduce(flags, group=groups.world)
+    return [r for r, f in enumerate(flags.tolist()) if f]
+
+
+def save_checkpoint(
+    root: str,
+    step: int,
+    state: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    groups: ProcessGroups,
+    max_checkpoints: int,
+) -> str:
+    """Write this rank's `state` (and rank 0's `meta`) as `root/global_step_<step>`, atomically; point
+    `latest` at it and prune to `max_checkpoints` (0 = keep all). Collective over all ranks; returns the
+    path. Raises CheckpointError on every rank if any rank failed; `latest` then still names the previous one.
+    """
+    name = step_dir_name(step)
+    box = [f"{name}.tmp-{secrets.token_hex(6)}" if groups.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=groups.world, device=groups.device)
+    tmp = os.path.join(root, box[0])
+    error: BaseException | None = None
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        _write_rank_file(rank_file(tmp, groups.rank), state)
+        if groups.rank == 0:
+            with open(os.path.join(tmp, META_FILE), "w") as f:
+                json.dump({**meta, "step": step, "format": FORMAT_VERSION}, f, indent=2)
+    except Exception as err:  # every rank must reach the agreement below, whatever failed
+        error = err
+    failed = _failed_ranks(error is None, groups)
+    final = os.path.join(root, name)
+    if not failed:  # all wrote: rank 0 publishes, and everyone learns whether that worked
+        if groups.rank == 0:
+            try:
+                _publish(root, tmp, final)
+            except Exception as err:
+                error = err
+        failed = _failed_ranks(error is None, groups)
+    if failed:
+        if groups.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"saving checkpoint {final} failed on rank(s) {failed}"
+            + (f" (here: {type(error).__name__}: {error})" if error else "")
+            + f"; {os.path.join(root, LATEST_FILE)} still names the previous checkpoint"
+        ) from error
+    if groups.rank == 0:
+        prune_checkpoints(root, max_checkpoints, keep=name)
+    dist.barrier(group=groups.world)
+    return final
+
+
+def _publish(root: str, tmp: str, final: str) -> None:
+    """Rename the complete temporary directory to its final name, then point `latest` at it."""
+    old = None
+    if os.path.exists(final):  # the same step saved before (a resumed run passing it again)
+        old = f"{final}.old-{secrets.token_hex(6)}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _write_text_atomic(os.path.join(root, LATEST_FILE), os.path.basename(final) + "\n")
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def complete_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, path) of the complete checkpoints under `root` (named global_step_<N>, with meta.json), by step."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for entry in os.listdir(root):
+        match = _STEP_DIR.match(entry)
+        if match and os.path.isfile(os.path.join(root, entry, META_FILE)):
+            found.append((int(match.group(1)), os.path.join(root, entry)))
+    return sorted(found)
+
+
+def prune_checkpoints(root: str, max_checkpoints: int, keep: str) -> None:
+    """Remove leftover temporary directories and all but the `max_checkpoints` newest complete checkpoints
+    (0 = keep all); `keep` (the one just saved, which `latest` names) always stays."""
+    for entry in os.listdir(root):
+        if _STALE_DIR.match(entry):
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+    if max_checkpoints <= 0:
+        return
+    others = [p for _, p in complete_checkpoints(root) if os.path.basename(p) != keep]
+    for path in others[: max(len(others) - (max_checkpoints - 1), 0)]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- finding and reading ---------------------------------------------------------------------------------
+def latest_checkpoint(root: str) -> str | None:
+    """The checkpoint `root/latest` names; if that file is missing or names nothing complete (a crash
+    between the rename and its update), the highest-numbered complete checkpoint; None if there is none."""
+    latest = os.path.join(root, LATEST_FILE)
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            path = os.path.join(root, f.read().strip())
+        if os.path.isfile(os.path.join(path, META_FILE)):
+            return path
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def find_checkpoint(resume: str, output_dir: str) -> str | None:
+    """The checkpoint directory `trainer.resume` asks for: None for `off`, or for `auto` when output_dir
+    has none; a path may name a checkpoint, a checkpoints directory or a run's output_dir."""
+    if resume == "off":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(os.path.join(output_dir, CHECKPOINTS_DIR))
+    if os.path.isfile(os.path.join(resume, META_FILE)):
+        return resume
+    for root in (resume, os.path.join(resume, CHECKPOINTS_DIR)):
+        if os.path.isfile(os.path.join(root, LATEST_FILE)):
+            found = latest_checkpoint(root)
+            if found:
+                return found
+    raise CheckpointError(
+        f"trainer.resume={resume!r}: not a checkpoint (no {META_FILE}) and no {LATEST_FILE} file in it or in "
+        f"its {CHECKPOINTS_DIR}/. Fix: point it at a global_step_<N> directory, or use trainer.resume=auto"
+    )
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    file = os.path.join(path, META_FILE)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{path} is not a checkpoint: {META_FILE} is missing")
+    with open(file) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{file}: checkpoint format {meta.get('format')!r}, this engine reads {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def read_rank_state(path: str, rank: int, mmap: bool = False) -> dict[str, Any]:
+    """This rank's saved state (host tensors); `mmap` reads tensors lazily from the file."""
+    file = rank_file(path, rank)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{file} is missing: the checkpoint is incomplete or was saved by fewer ranks")
+    return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def tokenizer_dir_of(c) -> str:
+    """The tokenizer directory of components `c` (absolute; empty if unknown), copied into HF exports."""
+    tok = c.cfg.model.tokenizer_path or c.cfg.model.path or getattr(c.tokenizer, "name_or_path", "")
+    return os.path.abspath(tok) if tok and os.path.isdir(tok) else ""
+
+
+# ---- the run-level saver the trainer calls -----------------------------------------------------------------
+class Checkpointer:
+    """Saves and resumes a run built by engine/setup.py: every trainable role (actor, and critic when the
+    components have one), the data position, RNG states, the step and `stateful` objects of the trainer
+    (anything with state_dict/load_state_dict, e.g. a KL controller)."""
+
+    def __init__(self, c, stateful: Mapping[str, Any] | None = None):
+        self.c = c
+        self.t = c.cfg.trainer
+        self.groups: ProcessGroups = c.groups
+        self.root = os.path.join(c.output_dir, CHECKPOINTS_DIR)
+        self.roles: dict[str, MegatronRole] = {
+            name: role
+            for name in ("actor", "critic")
+            if (role := getattr(c, name, None)) is not None and role.trainable
+        }
+        self.stateful = dict(stateful or {})
+        self.layout = run_layout(self.groups, c.cfg.optim.distributed_optimizer)
+        self.saved_step: int | None = None
+
+    def _say(self, text: str) -> None:
+        if self.groups.is_logging_rank:
+            print(f"checkpoint: {text}", flush=True)
+
+    def resume(self) -> int:
+        """Load the checkpoint `trainer.resume` names (if any) into the live components; the step to
+        continue from (0 = a fresh start)."""
+        path = find_checkpoint(self.t.resume, self.c.output_dir)
+        if path is None:
+            if self.t.resume == "auto":
+                self._say(f"trainer.resume=auto: no checkpoint in {self.root}; starting fresh")
+            return 0
+        meta = read_meta(path)
+        check_layout(meta["layout"], self.layout, path)
+        check_shape(meta["shape"], self.c.shape, path)
+        state = read_rank_state(path, self.groups.rank)
+        where = rank_file(path, self.groups.rank)
+        for name, role in self.roles.items():
+            if name not in state["roles"]:
+                raise CheckpointError(f"{where} has no {name} state (it holds {sorted(state['roles'])})")
+            with all_onloaded(role):
+                load_role_state(role, state["roles"][name], where)
+        self.c.loader.load_state_dict(state["loader"])
+        for name, obj in self.stateful.items():
+            obj.load_state_dict(state["extra"][name])
+        set_rng_state(state["rng"], self.groups.device)
+        self.saved_step = state["step"]
+        self._say(f"resumed from {path} at step {state['step']}")
+        return state["step"]
+
+    def _meta(self) -> dict[str, Any]:
+        c = self.c
+        tok = c.tokenizer
+        source = None
+        if c.cfg.model.path:
+            from engine.models.hf_config import read_hf_config
+
+            source = read_hf_config(c.cfg.model.path)
+        return {
+            "layout": self.layout,
+            "roles": sorted(self.roles),
+            "shape": shape_fields(c.shape),
+            "model": dataclasses.asdict(resolved_model_config(c.cfg.model, c.shape)),
+            "source_hf_config": source,
+            "tokenizer_dir": tokenizer_dir_of(c),
+            "special_token_ids": {
+                key: getattr(tok, key, None) for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+            },
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+
+    def save(self, step: int) -> str:
+        """Save the run's state at `step` (collective over all ranks)."""
+        roles = {}
+        for name, role in self.roles.items():
+            with all_onloaded(role):
+                roles[name] = role_state_dict(role)
+        state = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "rank": self.groups.rank,
+            "roles": roles,
+            "loader": dict(self.c.loader.state_dict()),
+            "rng": rng_state(self.groups.device),
+            "extra": {name: cpu_copy(obj.state_dict()) for name, obj in self.stateful.items()},
+        }
+        meta = self._meta() if self.groups.rank == 0 else {}
+        path = save_checkpoint(self.root, step, state, meta, self.groups, self.t.max_checkpoints)
+        self.saved_step = step
+        return path
+
+    def after_step(self, step: int) -> dict[str, float]:
+        """Save when `step` is a multiple of trainer.save_freq; returns `timing/save_checkpoint` if it did."""
+        if not self.t.save_freq or step % self.t.save_freq:
+            return {}
+        start = time.perf_counter()
+        self.save(step)
+        return {"timing/save_checkpoint": time.perf_counter() - start}
+
+    def finish(self, step: int) -> None:
+        """After the last step: save it (when trainer.save_freq > 0 and not saved yet), export the actor to
+        Hugging Face format when trainer.export_hf."""
+        if self.t.save_freq and self.saved_step != step:
+            self._say(f"saved {self.save(step)}")
+        if self.t.export_hf:
+            from engine.export import export_actor  # engine.export reads checkpoints through this module
+
+            out = os.path.join(self.c.output_dir, "hf_actor")
+            export_actor(self.c, out)
+            self._say(f"exported the actor at step {step} to {out} (Hugging Face format)")
