@@ -1,0 +1,216 @@
+"""The native rollout engine (engine/rollout/native.py, model.py, sampler.py, kv_cache.py) at rollout TP=1.
+
+World size: none. Every test runs in the pytest process without a process group: the rollout weights are
+cut from tiny random Hugging Face checkpoints (tests/engine/hf_tiny.py) with the project's weight map
+(`shard_from_hf`), so the engine sees exactly the layout a weight transition hands it. The parity with the
+megatron training forward and rollout TP=2 are checked in tests/engine/test_rollout_tp.py (2 gloo ranks).
+
+Tolerances (float32): log-probs within 1e-4 of transformers' (measured ~1e-6); greedy tokens exact.
+"""
+
+from __future__ import annotations
+
+import hf_tiny
+import pytest
+import torch
+
+from engine.models.hf import HFCheckpoint
+from engine.models.hf_map import WEIGHT_MAP, Split, hf_names, shard_from_hf
+from engine.parity import hf_model_shape
+from engine.rollout.base import SamplingParams
+from engine.rollout.native import NativeRollout
+from parallel.rollout_weights import RolloutWeights
+
+CPU = torch.device("cpu")
+LOGP_TOL = 1e-4
+PROMPT_LENS = (1, 4, 9, 13, 6, 2)
+FAMILIES = ("qwen2", "llama", "qwen3")  # tied + QKV bias; untied + Llama-3 RoPE; QK-norm
+
+
+def rollout_weights_from_hf(path: str) -> tuple:
+    """(shape, RolloutWeights at TP=1) with every tensor in megatron's layout, read through WEIGHT_MAP."""
+    shape = hf_model_shape(path, 1)
+    params = {}
+    with HFCheckpoint(path) as ckpt:
+        for rule in WEIGHT_MAP:
+            for layer in range(shape.num_layers) if "{layer}" in rule.megatron else [None]:
+                names = hf_names(rule, layer)
+                if names[0] not in ckpt:  # no lm_head when tied, no bias / QK-norm for some families
+                    continue
+                hf = [ckpt.tensor(n) for n in names]
+                rows = shape.padded_vocab_size if rule.split is Split.VOCAB else sum(t.shape[0] for t in hf)
+                out = torch.empty(rows, *hf[0].shape[1:])
+                shard_from_hf(rule, lambda i, index, hf=hf: hf[i][index], out, shape, 1, 0)
+                params[rule.megatron.format(layer=layer)] = out
+    return shape, RolloutWeights(params, 1, 0, None, None, 0, 1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    """family -> (shape, weights, transformers model)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("rollout_hf")
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        path = hf_tiny.save_tiny(family, str(root / family), seed=i)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        hf.generation_config.eos_token_id = None  # the engine stops only at SamplingParams.stop_token_ids
+        out[family] = (*rollout_weights_from_hf(path), hf)
+    return out
+
+
+def engine_for(tiny, family: str, **kw) -> NativeRollout:
+    shape, weights, _ = tiny[family]
+    engine = NativeRollout(shape, CPU, pad_id=kw.pop("pad_id", 0), **kw)
+    engine.set_weights(weights)
+    return engine
+
+
+def random_prompts(vocab: int, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def hf_greedy(hf, prompt: list[int], new: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy generation: (tokens, log-prob of each under log_softmax of its step's logits)."""
+    with torch.no_grad():
+        res = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = res.sequences[0, len(prompt) :]
+    logits = torch.stack(res.logits, 1)[0].float()  # (new, vocab)
+    return tokens.tolist(), logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def hf_log_probs(hf, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    """Teacher-forced log-probs of `response` under softmax(logits / temperature)."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + response])).logits[0].float()
+    logits = logits[len(prompt) - 1 : -1] / temperature
+    return logits.log_softmax(-1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+# ---- parity with transformers ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_transformers_token_for_token(tiny, family):
+    """Left-padded prompts of different lengths, chunked (3 sequences at once) and sorted by length."""
+    hf = tiny[family][2]
+    engine = engine_for(tiny, family, max_num_seqs=3)
+    prompts = random_prompts(tiny[family][0].vocab_size)
+    new = 12
+    out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new))
+    assert engine.last_stats["chunks"] == 2
+    for i, prompt in enumerate(prompts):
+        ref_tokens, ref_logp = hf_greedy(hf, prompt, new)
+        assert out.response_ids[i].tolist() == ref_tokens, (family, i)
+        torch.testing.assert_close(out.log_probs[i], ref_logp, atol=LOGP_TOL, rtol=0)
+    assert out.response_mask.eq(1).all() and out.finish_reasons == ["length"] * len(prompts)
+
+
+@pytest.mark.parametrize("family", ("qwen2", "llama"))
+def test_sampled_log_probs_are_full_vocab_at_the_temperature(tiny, family):
+    """top-k restricts the draws; the log-prob is still under softmax(logits / T) over the whole vocabulary."""
+    hf = tiny[family][2]
+    engine = engine_for(tiny, family)
+    prompts = random_prompts(tiny[family][0].vocab_size, lens=(3, 7))
+    sampling = SamplingParams(n=2, temperature=0.7, top_k=5, max_new_tokens=10, seed=3)
+    out = engine.generate(prompts, sampling)
+    for row in range(out.response_ids.shape[0]):
+        response = out.response_ids[row].tolist()
+        ref = hf_log_probs(hf, prompts[row // 2], response, sampling.temperature)
+        torch.testing.assert_close(out.log_probs[row], ref, atol=LOGP_TOL, rtol=0)
+
+
+# ---- sampling: seeds, n, stops, lengths ------------------------------------------------------------
+
+
+def test_n_samples_reproducible_under_a_seed_and_seed_dependent(tiny):
+    engine = engine_for(tiny, "qwen2")
+    prompts = random_prompts(tiny["qwen2"][0].vocab_size, lens=(5, 8))
+    sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=11)
+    a, b = engine.generate(prompts, sampling), engine.generate(prompts, sampling)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.log_probs, b.log_probs)
+    c = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=12))
+    assert not torch.equal(a.response_ids, c.response_ids)
+    assert a.response_ids.shape == (8, 8)
+    for p in range(2):  # the n samples of a prompt are adjacent and differ
+        assert len({tuple(r) for r in a.response_ids[p * 4 : p * 4 + 4].tolist()}) > 1
+
+
+def test_stop_tokens_truncate_and_compaction_keeps_rows_right(tiny):
+    """Greedy rows must equal the no-stop run cut after their first stop token, whatever the compactions."""
+    prompts = random_prompts(tiny["llama"][0].vocab_size, lens=tuple(range(1, 17)), seed=5)
+    new, pad = 24, 100
+    engine = engine_for(tiny, "llama", pad_id=pad)
+    free = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new))
+    counts = torch.bincount(free.response_ids.flatten())
+    stop = int(counts.argmax())  # the most frequent token: most rows stop, at different steps
+    out = engine.generate(
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=new, stop_token_ids=(stop,))
+    )
+    assert engine.last_stats["compactions"] >= 1
+    stopped = 0
+    for i in range(len(prompts)):
+        ref = free.response_ids[i].tolist()
+        length = ref.index(stop) + 1 if stop in ref else new
+        stopped += stop in ref
+        assert out.response_ids[i, :length].tolist() == ref[:length]
+        assert out.response_ids[i, length:].eq(pad).all() and out.log_probs[i, length:].eq(0).all()
+        assert out.response_mask[i].sum() == length and out.response_mask[i, :length].eq(1).all()
+        torch.testing.assert_close(out.log_probs[i, :length], free.log_probs[i, :length], atol=1e-6, rtol=0)
+        assert out.finish_reasons[i] == ("stop" if stop in ref else "length")
+    assert stopped >= len(prompts) // 2
+    ignored = engine.generate(
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=new, stop_token_ids=(stop,), ignore_eos=True)
+    )
+    assert torch.equal(ignored.response_ids, free.response_ids) and set(ignored.finish_reasons) == {"length"}
+
+
+def test_small_kv_budget_chunks_instead_of_growing(tiny):
+    shape = tiny["qwen2"][0]
+    prompts = random_prompts(shape.vocab_size)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
+    ref = engine_for(tiny, "qwen2").generate(prompts, greedy)
+    engine = engine_for(tiny, "qwen2")
+    per_seq = engine.pool.bytes_per_sequence(24)  # longest prompt 13 + 10 new, rounded up to 8
+    engine = engine_for(tiny, "qwen2", kv_cache_budget_bytes=2 * per_seq)
+    out = engine.generate(prompts, greedy)
+    assert engine.last_stats["slots"] == 2 and engine.last_stats["chunks"] == 3
+    assert engine.pool.allocated_bytes() == 2 * per_seq
+    assert torch.equal(out.response_ids, ref.response_ids)
+
+
+def test_errors_name_the_problem(tiny):
+    shape = tiny["qwen2"][0]
+    engine = engine_for(tiny, "qwen2")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([[1, 2], []], greedy)
+    too_long = [1] * (shape.max_position_embeddings - 7)
+    with pytest.raises(ValueError, match="prompt 0 has 121 tokens.*rollout.max_new_tokens"):
+        engine.generate([too_long], greedy)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([[shape.vocab_size]], greedy)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate([[1]], SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="no room for a prompt"):
+        engine.generate([[1]], SamplingParams(max_new_tokens=shape.max_position_embeddings))
+    with pytest.raises(RuntimeError, match="before set_weights"):
+        NativeRollout(shape, CPU).generate([[1]], greedy)
+    with pytest.raises(ValueError, match="kv_cache_budget_bytes"):
+        engine_for(tiny, "qwen2", kv_cache_budget_bytes=16).generate([[1, 2]], greedy)
+    weights = tiny["qwen2"][1]
+    with pytest.raises(ValueError, match="rollout.pp=1"):
+        NativeRollout(shape, CPU).set_weights(
+            RolloutWeights(weights.params, 1, 0, None, None, 0, 1, pp_size=2)
+        )
+    empty = engine.generate([], greedy)
+    assert empty.response_ids.shape == (0, 8) and empty.finish_reasons == []

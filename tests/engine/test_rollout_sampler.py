@@ -1,0 +1,114 @@
+"""Pure pieces of the rollout engines, no model: the sampler on hand-made logits, CUDA-graph batch buckets, the
+KV cache pool and its compaction. World size: none."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.rollout.base import SamplingParams, check_sampling
+from engine.rollout.cuda_graphs import batch_buckets, bucket_for
+from engine.rollout.kv_cache import KVCachePool, compact_rows
+from engine.rollout.sampler import sample_tokens
+
+# probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625 at temperature 1
+PROBS = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
+ROWS = 4000
+
+
+def draw(sampling: SamplingParams, probs=PROBS, seed: int = 0):
+    logits = probs.log().expand(ROWS, -1).contiguous()
+    return sample_tokens(logits, sampling, torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(
+    "top_k, top_p, support",
+    [
+        (0, 1.0, {0, 1, 2, 3, 4}),
+        (2, 1.0, {0, 1}),
+        (1, 1.0, {0}),
+        (0, 0.5, {0}),  # token 0 alone reaches 0.5
+        (0, 0.7, {0, 1}),
+        (0, 0.8, {0, 1, 2}),
+        (3, 0.6, {0, 1}),  # top-k first, then the nucleus of what is left
+        (10, 1.0, {0, 1, 2, 3, 4}),  # k beyond the vocabulary is off
+    ],
+)
+def test_top_k_top_p_restrict_the_support_and_keep_full_vocab_log_probs(top_k, top_p, support):
+    tokens, logp = draw(SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p))
+    assert set(tokens.tolist()) == support
+    torch.testing.assert_close(logp, PROBS.log()[tokens], atol=1e-6, rtol=0)
+    # renormalised frequencies inside the support
+    kept = PROBS[sorted(support)] / PROBS[sorted(support)].sum()
+    freq = torch.bincount(tokens, minlength=5)[sorted(support)].float() / ROWS
+    assert (freq - kept).abs().max() < 0.03
+
+
+def test_temperature_scales_the_distribution_and_the_log_probs():
+    t = 0.5
+    tokens, logp = draw(SamplingParams(temperature=t))
+    sharpened = (PROBS.log() / t).log_softmax(-1)
+    torch.testing.assert_close(logp, sharpened[tokens], atol=1e-6, rtol=0)
+    freq = torch.bincount(tokens, minlength=5).float() / ROWS
+    assert (freq - sharpened.exp()).abs().max() < 0.03
+
+
+def test_greedy_takes_the_argmax_with_temperature_one_log_probs():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, -1.0, 2.5]])
+    tokens, logp = sample_tokens(logits, SamplingParams(temperature=0.0), torch.Generator())
+    assert tokens.tolist() == [1, 2]
+    torch.testing.assert_close(logp, logits.log_softmax(-1)[[0, 1], [1, 2]])
+
+
+def test_seeded_draws_repeat_and_differ_across_seeds():
+    sampling = SamplingParams(temperature=1.0, top_p=0.9)
+    a, b, c = draw(sampling, seed=1)[0], draw(sampling, seed=1)[0], draw(sampling, seed=2)[0]
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("n", 0), ("max_new_tokens", 0), ("temperature", -1.0), ("top_p", 1.5), ("top_k", -1)]
+)
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}=.*rollout.{field}"):
+        check_sampling(SamplingParams(**{field: value}))
+
+
+def test_graph_buckets_cover_every_width_with_at_most_half_padding():
+    for slots in (1, 3, 7, 64, 100, 512):
+        buckets = batch_buckets(slots)
+        assert buckets[-1] == slots and buckets == sorted(set(buckets))
+        assert len(buckets) <= 2 * math.log2(slots) + 3
+        for width in range(1, slots + 1):
+            b = bucket_for(width, buckets)
+            assert width <= b <= max(4, math.ceil(1.5 * width), width)
+    with pytest.raises(ValueError, match="exceed"):
+        bucket_for(9, batch_buckets(8))
+
+
+def test_kv_pool_budget_views_growth_and_compaction():
+    pool = KVCachePool(num_layers=2, groups=3, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
+    per_seq = pool.bytes_per_sequence(10)
+    assert per_seq == 2 * 2 * 3 * 10 * 4 * 4
+    pool = KVCachePool(2, 3, 4, torch.float32, torch.device("cpu"), budget_bytes=5 * per_seq + 7)
+    assert pool.max_slots(10) == 5
+    k, v = pool.views(4, 10)
+    assert len(k) == 2 and k[0].shape == (4, 3, 10, 4) and k[0].is_contiguous()
+    assert all(t.eq(0).all() for t in (*k, *v)), "a new buffer is zeroed (0 * NaN would poison attention)"
+    version = pool.version
+    pool.views(2, 10)  # fits: same storage, same version
+    assert pool.version == version
+    pool.views(5, 10)
+    assert pool.version == version + 1 and pool.allocated_bytes() == 5 * per_seq
+    k, v = pool.views(5, 10)
+    for i, t in enumerate((*k, *v)):
+        t.copy_(torch.arange(t.numel(), dtype=t.dtype).view(t.shape) + 1000 * i)
+    before = [t.clone() for t in (*k, *v)]
+    compact_rows(k, v, torch.tensor([1, 3, 4]), num_positions=6)
+    for t, old in zip((*k, *v), before):
+        assert torch.equal(t[:3, :, :6], old[[1, 3, 4], :, :6])
+        assert torch.equal(t[:, :, 6:], old[:, :, 6:])  # unwritten positions are not copied
+    pool.release()
+    assert pool.allocated_bytes() == 0
