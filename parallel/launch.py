@@ -195,7 +195,10 @@ def _from_slurm(env: Mapping[str, str]) -> LaunchEnv:
     try:
         nodes = parse_nodelist(env[nodelist_var])
     except ValueError as err:
-        raise LaunchError(f"{nodelist_var}={env[nodelist_var]!r}: {err}") from None
+        raise LaunchError(
+            f"{nodelist_var}={env[nodelist_var]!r}: {err}. Fix: pass on the value SLURM set (do not edit it), "
+            f"or set MASTER_ADDR to the first node and launch with torchrun"
+        ) from None
     per_node = _slurm_tasks_per_node(env, len(nodes), world_size)
     node_id = _int(env, "SLURM_NODEID", minimum=0) if "SLURM_NODEID" in env else None
     if node_id is not None and node_id >= len(nodes):
@@ -233,7 +236,9 @@ def _slurm_tasks_per_node(env: Mapping[str, str], num_nodes: int, world_size: in
     try:
         per_node = parse_tasks_per_node(env[name])
     except ValueError as err:
-        raise LaunchError(f"{name}={env[name]!r}: {err}") from None
+        raise LaunchError(
+            f"{name}={env[name]!r}: {err}. Fix: pass on the value SLURM set, or use srun --ntasks-per-node=N"
+        ) from None
     if len(per_node) == 1:
         per_node *= num_nodes  # --ntasks-per-node=4 is one number for every node
     if len(per_node) != num_nodes:
