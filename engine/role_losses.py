@@ -40,6 +40,10 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, tp_group: dist.Proc
 
     def loss_fn(logits_local: torch.Tensor, mb: dict):
         mask = mb["response_mask"]
+        # entropy BEFORE log-probs: megatron's vocab_parallel_cross_entropy exponentiates its input in place,
+        # and logits_local[:, :-1] is that input itself (not a copy) when the micro-batch has one row
+        with torch.set_grad_enabled(alg.entropy_coef > 0 and torch.is_grad_enabled()):
+            ent = token_entropy(logits_local[:, :-1], tp_group).gather(1, mb["response_index"])
         logp = response_log_probs(logits_local, mb)
         old = mb.get(
             "old_log_probs", logp.detach()
@@ -57,9 +61,6 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, tp_group: dist.Proc
             tis_cap=alg.tis_cap,
             **clip,
         )
-        with torch.set_grad_enabled(alg.entropy_coef > 0 and torch.is_grad_enabled()):
-            ent_bs = token_entropy(logits_local[:, :-1], tp_group)
-            ent = ent_bs.gather(1, mb["response_index"])
         if alg.entropy_coef > 0:
             loss = loss - alg.entropy_coef * agg_loss(ent, mask, alg.loss_agg_mode, normalizer)
         kl_mean = torch.zeros((), device=logp.device)

@@ -22,9 +22,11 @@ import torch.distributed as dist
 from algorithms import make_kl_controller, overlong_penalty
 from engine.advantage_phase import compute_advantages
 from engine.batch import Experience, Responses, build_experience
+from engine.checkpoint import Checkpointer
 from engine.dynamic_batch import MicroBatcher
 from engine.dynamic_sampling import GroupSelector
 from engine.metrics import PhaseTimer
+from engine.offload import RoleOffloader
 from engine.perf import mfu, train_flops
 from engine.role_losses import (
     ACTOR_METRICS,
@@ -53,6 +55,10 @@ class Trainer:
         self.kl_ctrl = make_kl_controller(
             alg.kl_ctrl, kl_coef=alg.kl_reward_coef, target=alg.kl_target, horizon=alg.kl_horizon
         )
+        t = self.cfg.trainer  # offloaders are no-ops unless enabled (and for absent roles)
+        self.ref_offload = RoleOffloader(c.reference, ("params",), enabled=t.offload_reference)
+        self.actor_optim_offload = RoleOffloader(c.actor, ("optimizer",), enabled=t.offload_optimizer)
+        self.critic_optim_offload = RoleOffloader(c.critic, ("optimizer",), enabled=t.offload_optimizer)
         self.batcher = MicroBatcher(
             self.cfg.trainer.micro_batch_size,
             self.cfg.trainer.max_tokens_per_micro_batch,
@@ -279,7 +285,7 @@ class Trainer:
                     c.actor, exp, log_prob_fn, "log_probs", self.batcher, T
                 )
         if self.kl_ref:
-            with timer.phase("ref"):
+            with timer.phase("ref"), self.ref_offload.onloaded():
                 exp.tensors["ref_log_probs"] = forward_rows(
                     c.reference, exp, log_prob_fn, "log_probs", self.batcher, T
                 )
@@ -290,9 +296,9 @@ class Trainer:
             adv_metrics = self._advantages(exp)
         critic_metrics = {}
         if c.critic is not None:
-            with timer.phase("update_critic"):
+            with timer.phase("update_critic"), self.critic_optim_offload.onloaded():
                 critic_metrics = self._update_critic(exp)
-        with timer.phase("update_actor"):
+        with timer.phase("update_actor"), self.actor_optim_offload.onloaded():
             actor_metrics = self._update_actor(exp)
         timer.seconds["step"] = time.perf_counter() - start
         self.step += 1
@@ -378,6 +384,9 @@ class Trainer:
     def fit(self) -> None:
         c, t = self.c, self.cfg.trainer
         try:
+            checkpointer = Checkpointer(c, stateful={"kl_ctrl": self.kl_ctrl})
+            self.step = checkpointer.resume()
+            self.ref_offload.offload()
             while self.step < t.total_steps:
                 metrics = self.train_step()
                 if (
@@ -386,6 +395,8 @@ class Trainer:
                     and c.val_batches
                 ):
                     metrics.update(self.validate())
+                metrics.update(checkpointer.after_step(self.step))
                 c.logger.log(self.step, metrics)
+            checkpointer.finish(self.step)
         finally:
             c.logger.close()

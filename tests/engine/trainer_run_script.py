@@ -56,6 +56,90 @@ def run_job(overrides: list[str], output_dir: str):
         destroy_distributed()
 
 
+def skewed_experience(seed: int, rows: int, max_new_tokens: int, vocab: int, pad_id: int):
+    """An Experience whose prompt and response lengths vary widely (2..24 and 1..max_new_tokens), n=2,
+    with random advantages and rollout log-probs: what token-budget packing is for."""
+    from engine.batch import build_experience
+
+    gen = torch.Generator().manual_seed(seed)
+    n = 2
+    prompts = [
+        torch.randint(4, vocab, (int(torch.randint(2, 25, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(rows // n)
+    ]
+    lengths = torch.randint(1, max_new_tokens + 1, (rows,), generator=gen)
+    mask = (torch.arange(max_new_tokens) < lengths[:, None]).float()
+    response_ids = torch.randint(4, vocab, (rows, max_new_tokens), generator=gen) * mask.long()
+    log_probs = -torch.rand(rows, max_new_tokens, generator=gen) * mask
+    exp = build_experience(prompts, response_ids, mask, log_probs, list(range(rows // n)), n, pad_id)
+    exp.tensors["advantages"] = torch.randn(rows, max_new_tokens, generator=gen) * mask
+    exp.tensors["rollout_log_probs"] = log_probs
+    return exp
+
+
+def dynamic_batch_parity(overrides: list[str], output_dir: str, budget: int) -> dict[str, float]:
+    """Loss and gradient of one actor mini-batch, fixed micro-batches vs token-budget ones (the same rows;
+    the budget job's roles, so PP stages exchange shapes). Returns the largest differences and the
+    padded token counts of both splits."""
+    from dataclasses import replace
+
+    from algorithms import loss_normalizer
+    from engine.dynamic_batch import MicroBatcher
+    from engine.role_losses import make_actor_loss
+    from engine.setup import build_components
+
+    cfg = compose_config(
+        [
+            *SHORT,
+            "data.max_prompt_len=24",
+            "rollout.max_new_tokens=12",
+            *overrides,
+            f"trainer.max_tokens_per_micro_batch={budget}",
+            f"trainer.output_dir={output_dir}",
+        ]
+    )
+    dims = validate(cfg, world_size_from_env())
+    groups = init_distributed(dims, cfg.cluster.device, cfg.cluster.timeout_s, cfg.trainer.seed)
+    try:
+        c = build_components(cfg, groups, output_dir)
+        exp = skewed_experience(100 + groups.dp_rank, 16, 12, c.shape.vocab_size, c.tokenizer.pad_token_id)
+        rows = torch.arange(exp.num_rows)
+        alg = replace(cfg.algorithm, entropy_coef=0.01)
+        norm = torch.tensor(
+            loss_normalizer(exp.response_mask, alg.loss_agg_mode, max_len=12), device=groups.device
+        )
+        torch.distributed.all_reduce(norm, group=groups.dp)
+        loss_fn = make_actor_loss(alg, float(norm), groups.tp, kl_ref=False)
+        results = {}
+        for name, batcher in (
+            ("fixed", MicroBatcher(4, 0, 1, groups.device)),
+            ("budget", MicroBatcher(4, budget, 1, groups.device)),
+        ):
+            mbs = batcher(exp, rows, ("advantages", "rollout_log_probs"))
+            outs = c.actor.run(mbs, loss_fn, forward_only=False)
+            loss = torch.tensor(
+                [sum(float(o["pg_loss"]) for o in outs)], dtype=torch.float64, device=groups.device
+            )
+            torch.distributed.all_reduce(loss, group=groups.dp)
+            grads = [p.main_grad.detach().clone() for ch in c.actor.chunks for p in ch.parameters()]
+            padded = sum(mb["tokens"].numel() for mb in mbs)
+            results[name] = (float(loss), grads, padded, len(mbs))
+        (loss_a, grads_a, pad_a, _), (loss_b, grads_b, pad_b, num_b) = results["fixed"], results["budget"]
+        grad_diff = max(float((a - b).abs().max()) for a, b in zip(grads_a, grads_b))
+        grad_scale = max(float(a.abs().max()) for a in grads_a)
+        return {
+            "loss_fixed": loss_a,
+            "loss_diff": abs(loss_a - loss_b),
+            "grad_diff": grad_diff,
+            "grad_scale": grad_scale,
+            "tokens_fixed": pad_a,
+            "tokens_budget": pad_b,
+            "micro_batches_budget": num_b,
+        }
+    finally:
+        destroy_distributed()
+
+
 def read_metrics(output_dir: str) -> list[dict]:
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
