@@ -1,0 +1,262 @@
+"""`rollout.backend=vllm`: one vLLM engine per rollout-TP group, inside the torchrun job (SPMD).
+
+Every rank builds an `LLM` with `distributed_executor_backend="external_launcher"`: vLLM then joins the
+job's torch.distributed world (env:// from torchrun's RANK/LOCAL_RANK) instead of spawning workers, runs in
+this process, and splits the world into TP groups of consecutive ranks ("ExternalDP x DP x PP x TP" in
+vllm/distributed/parallel_state.py). The ranks of a vLLM TP group call `generate` with the same prompts
+and seeds (they hold the same micro-DP share: engine/rollout_phase.py), so their schedules agree.
+
+Weights: the engine starts from `load_format="dummy"` and, before each rollout, copies this rank's
+rollout-layout shards into vLLM's parameters (engine/rollout/vllm_weights.py: shard by shard, no full
+tensor anywhere). This needs vLLM's TP group to be our rollout TP group: true when rollout.tp equals
+parallel.tp (consecutive ranks in both); when rollout.tp < parallel.tp the 3D-HybridEngine's rollout TP
+groups are strided and `set_weights` refuses with the fix.
+
+Memory: `enable_sleep_mode`; between rollouts the engine sleeps at level 2 (KV cache and weights released:
+the weights are overwritten at every wake-up anyway, so level 1's copy of them to host memory is wasted),
+and wakes up in two steps around the weight copy (weights, then KV cache) to keep the peak low. The prefix
+cache is reset after each copy (cached blocks were computed with the old weights).
+
+Sampling: each row (prompt, sample) is its own request with its own seed, derived from
+SamplingParams.seed and the row index, so results do not depend on batch composition. Log-probs:
+`logprobs_mode="processed_logprobs"`, i.e. after temperature and, where top-k/top-p are set, over the
+truncated distribution (vLLM renormalises there); without truncation this is the contract of
+engine/rollout/base.py (full-vocabulary softmax(logits / T); T = 1 when greedy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from engine.models.builder import ModelShape
+from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts, check_sampling
+from engine.rollout.vllm_weights import load_rollout_weights
+from parallel.rollout_weights import RolloutWeights
+
+INSTALL_HINT = (
+    "rollout.backend=vllm needs vLLM (0.26): pip install -e .[vllm] on a CUDA machine, "
+    "or use rollout.backend=native"
+)
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def import_vllm():
+    """The vllm module, or an ImportError that names the config key and the install command."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(f"{INSTALL_HINT} ({err})") from err
+    return vllm
+
+
+def hf_config_from_shape(shape: ModelShape) -> dict:
+    """A Hugging Face config.json describing `shape` (Qwen2 when it has QKV bias, Qwen3 with QK-norm, else
+    Llama), in transformers 5's layout (`rope_parameters`), for vLLM to build the model from."""
+    if shape.qkv_bias and shape.qk_norm:
+        raise ValueError("no Hugging Face family has both QKV bias and QK-norm; vLLM cannot build this model")
+    family, model_type = (
+        ("Qwen2", "qwen2") if shape.qkv_bias else ("Qwen3", "qwen3") if shape.qk_norm else ("Llama", "llama")
+    )
+    rope = {"rope_type": "default", "rope_theta": shape.rope_theta}
+    if shape.rope_scaling_factor > 0:
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": shape.rope_theta,
+            "factor": shape.rope_scaling_factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    return {
+        "architectures": [f"{family}ForCausalLM"],
+        "model_type": model_type,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.ffn_hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_query_groups,
+        "head_dim": shape.head_dim,
+        "vocab_size": shape.vocab_size,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": shape.norm_eps,
+        "rope_theta": shape.rope_theta,
+        "rope_parameters": rope,
+        "tie_word_embeddings": shape.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "use_sliding_window": False,
+        "torch_dtype": _DTYPE_NAMES[shape.dtype],
+    }
+
+
+def write_hf_config(shape: ModelShape, out_dir: str | None = None) -> str:
+    """Write `hf_config_from_shape(shape)` as `out_dir`/config.json (a fresh temp dir by default)."""
+    out_dir = out_dir or tempfile.mkdtemp(prefix="rollout_vllm_")
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config_from_shape(shape), f, indent=2)
+    return out_dir
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The vLLM request seed of output row `row` (distinct per row, reproducible per call)."""
+    return (seed * 1_000_003 + row) % (2**63 - 1)
+
+
+def _sampled_log_probs(completion) -> list[float]:
+    """Log-prob of each generated token from a vLLM CompletionOutput requested with logprobs=0."""
+    return [float(completion.logprobs[j][tok].logprob) for j, tok in enumerate(completion.token_ids)]
+
+
+class VllmRollout(RolloutEngine):
+    """vLLM behind the rollout interface (module docstring). Build it on every rank at the same time.
+
+    `rollout_tp`: `rollout.tp` (vLLM's tensor_parallel_size). `model_dir`: a directory with the model's
+    config.json (model.path), or None to write one from `shape`. `gpu_memory_utilization`, `max_num_seqs`:
+    the `rollout.*` keys. `enforce_eager`: skip torch.compile and CUDA graphs (faster start, slower decode).
+    """
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        device: torch.device,
+        rollout_tp: int,
+        pad_id: int = 0,
+        *,
+        max_num_seqs: int = 256,
+        gpu_memory_utilization: float = 0.5,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        model_dir: str | None = None,
+        enforce_eager: bool = False,
+        sleep_level: int = 2,
+    ):
+        vllm = import_vllm()
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(
+                f"rollout.backend=vllm runs on CUDA devices, not {device}; use rollout.backend=native"
+            )
+        self.shape, self.device, self.pad_id, self.rollout_tp = shape, device, pad_id, rollout_tp
+        self.max_model_len = max_model_len or shape.max_position_embeddings
+        self.sleep_level = sleep_level
+        self.llm = vllm.LLM(
+            model=model_dir or write_hf_config(shape),
+            skip_tokenizer_init=True,
+            load_format="dummy",
+            dtype=_DTYPE_NAMES[shape.dtype],
+            tensor_parallel_size=rollout_tp,
+            distributed_executor_backend="external_launcher",
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len,
+            enable_sleep_mode=True,
+            enforce_eager=enforce_eager,
+            seed=seed,
+            logprobs_mode="processed_logprobs",
+        )
+        self._vllm = vllm
+        self.weights: RolloutWeights | None = None
+        self.last_stats: dict[str, float] = {}
+        self.llm.sleep(level=sleep_level)
+        self._asleep = True
+
+    def _check_groups(self, weights: RolloutWeights) -> None:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        ours = (
+            dist.get_process_group_ranks(weights.tp_group)
+            if weights.tp_group is not None
+            else [dist.get_rank()]
+        )
+        theirs = list(get_tp_group().ranks)
+        if ours != theirs:
+            raise ValueError(
+                f"vLLM's TP group on rank {dist.get_rank()} is {theirs} (consecutive ranks) but the rollout TP group "
+                f"is {ours}: rollout.backend=vllm needs rollout.tp == parallel.tp or rollout.tp=1; set one of "
+                "those or use rollout.backend=native"
+            )
+
+    def set_weights(self, weights: RolloutWeights) -> None:
+        if weights.tp_size != self.rollout_tp or weights.pp_size != 1:
+            raise ValueError(
+                f"the vLLM engine was built for rollout.tp={self.rollout_tp}, rollout.pp=1 but the weights have "
+                f"tp={weights.tp_size}, pp={weights.pp_size}"
+            )
+        self._check_groups(weights)
+        self.weights = weights
+
+    def _wake_and_load(self) -> None:
+        if self._asleep:
+            self.llm.wake_up(tags=["weights"])
+        w = self.weights
+        stats = self.llm.apply_model(
+            lambda model: load_rollout_weights(
+                dict(model.named_parameters()), w.params, self.shape, w.tp_rank, w.tp_size, w.tp_group
+            )
+        )
+        self.last_stats.update(stats[0])
+        if self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep = False
+        self.llm.reset_prefix_cache()
+
+    def release(self) -> None:
+        """Sleep: free the KV cache and the weights' memory until the next generate."""
+        if not self._asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep = True
+
+    def _requests(self, prompts: list[list[int]], sampling: SamplingParams):
+        from vllm.inputs import TokensPrompt
+
+        stops = [] if sampling.ignore_eos else list(sampling.stop_token_ids)
+        inputs, params = [], []
+        for p, ids in enumerate(prompts):
+            for j in range(sampling.n):
+                inputs.append(TokensPrompt(prompt_token_ids=list(ids)))
+                params.append(
+                    self._vllm.SamplingParams(
+                        n=1,
+                        temperature=sampling.temperature,
+                        top_p=sampling.top_p,
+                        top_k=sampling.top_k if sampling.top_k > 0 else 0,
+                        max_tokens=sampling.max_new_tokens,
+                        stop_token_ids=stops,
+                        ignore_eos=True,  # stops are exactly stop_token_ids (no tokenizer, no implicit EOS)
+                        logprobs=0,
+                        seed=row_seed(sampling.seed, p * sampling.n + j),
+                        detokenize=False,
+                    )
+                )
+        return inputs, params
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+        if self.weights is None:
+            raise RuntimeError("VllmRollout.generate called before set_weights()")
+        check_sampling(sampling)
+        new = sampling.max_new_tokens
+        check_prompts(prompts, self.max_model_len - new, self.shape.vocab_size)
+        rows = len(prompts) * sampling.n
+        ids = torch.full((rows, new), self.pad_id, dtype=torch.long)
+        log_probs = torch.zeros(rows, new)
+        mask = torch.zeros(rows, new)
+        reasons: list[str] = []
+        if rows:
+            self._wake_and_load()
+            inputs, params = self._requests(prompts, sampling)
+            outputs = self.llm.generate(inputs, params, use_tqdm=False)
+            for r, out in enumerate(outputs):
+                completion = out.outputs[0]
+                n = len(completion.token_ids)
+                ids[r, :n] = torch.tensor(completion.token_ids, dtype=torch.long)
+                log_probs[r, :n] = torch.tensor(_sampled_log_probs(completion))
+                mask[r, :n] = 1.0
+                reasons.append("stop" if completion.finish_reason == "stop" else "length")
+            self.release()
+        return RolloutOutput(ids, mask, log_probs, reasons)
