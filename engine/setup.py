@@ -16,7 +16,8 @@ from engine.models.hf import check_tp_layout, load_hf_weights
 from engine.models.hf_config import model_config_from_hf
 from engine.policy import MegatronRole
 from engine.rewards import build_reward_fn
-from engine.rollout.native import NativeRollout
+from engine.rollout import build_rollout_engine
+from engine.rollout.base import RolloutEngine
 from engine.tasks.embedded import build_embedded_tokenizer, write_embedded_dataset
 from parallel.hybrid_engine import HybridEngine
 from parallel.naive_gather import NaiveGather
@@ -38,7 +39,7 @@ class Components:
     actor: MegatronRole
     reference: MegatronRole | None
     weight_sync: object
-    rollout: NativeRollout
+    rollout: RolloutEngine
     reward_fn: object
     loader: PromptLoader
     val_batches: list[list[PromptRecord]]
@@ -184,7 +185,14 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
             rollout_tp=cfg.rollout.tp,
             keep_rollout_weights=cfg.rollout.keep_rollout_weights,
         )
-    rollout = NativeRollout(shape, groups.device, cfg.rollout.max_num_seqs, tokenizer.pad_token_id)
+    rollout = build_rollout_engine(
+        cfg.rollout,
+        shape,
+        groups.device,
+        tokenizer.pad_token_id,
+        model_dir=cfg.model.path,
+        seed=cfg.trainer.seed,
+    )
     reward_fn = build_reward_fn(cfg.reward.fn)
     reward_fn.check_data_sources([r.data_source for r in records])
     logger = MetricsLogger(

@@ -1,0 +1,36 @@
+"""Rollout engines behind one interface (engine/rollout/base.py): `native` (engine/rollout/native.py, always
+available) and `vllm` (engine/rollout/vllm_backend.py, optional). `build_rollout_engine` picks one from
+`rollout.backend`; vLLM is imported only when asked for."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.builder import ModelShape
+from engine.rollout.base import RolloutEngine
+
+
+def build_rollout_engine(
+    rollout_cfg, shape: ModelShape, device: torch.device, pad_id: int, *, model_dir: str = "", seed: int = 0
+) -> RolloutEngine:
+    """The engine `rollout_cfg.backend` names (`rollout_cfg`: engine.config.RolloutConfig). `model_dir`: the HF
+    checkpoint directory (model.path) whose config.json vLLM builds from; empty: one written from `shape`."""
+    r = rollout_cfg
+    if r.backend == "native":
+        from engine.rollout.native import NativeRollout
+
+        return NativeRollout(shape, device, r.max_num_seqs, pad_id)
+    if r.backend == "vllm":
+        from engine.rollout.vllm_backend import VllmRollout
+
+        return VllmRollout(
+            shape,
+            device,
+            r.tp,
+            pad_id,
+            max_num_seqs=r.max_num_seqs,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            seed=seed,
+            model_dir=model_dir or None,
+        )
+    raise ValueError(f"rollout.backend={r.backend!r} is not one of native, vllm")
