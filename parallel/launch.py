@@ -381,17 +381,16 @@ def failure_note(message: str, rank: int, world_size: int, timeout_s: float) -> 
 
 @contextmanager
 def explain_rank_failures(rank: int, world_size: int, timeout_s: float) -> Iterator[None]:
-    """Attach `failure_note` to an exception that looks like a failed collective, then let it propagate.
+    """Print `failure_note` for an exception that looks like a failed collective, then let it propagate.
 
-    The process still exits with the original traceback (a non-zero status stops torchrun/srun); the note
-    turns a bare gloo/NCCL error into 'which rank, what probably happened, what to do'.
+    The note turns a bare gloo/NCCL error into 'which rank, what probably happened, what to do'. It is printed
+    at once, not attached to the traceback: the launcher stops the surviving ranks within a fraction of a
+    second of the first failure, often before their tracebacks (printed after teardown) get out.
     """
     try:
         yield
     except Exception as err:
         note = failure_note(str(err), rank, world_size, timeout_s) if world_size > 1 else None
-        if note and hasattr(err, "add_note"):  # python >= 3.11: printed under the traceback
-            err.add_note(note)
-        elif note:
+        if note:
             print(note, file=sys.stderr, flush=True)
         raise

@@ -5,7 +5,8 @@
 MODE `die`: rank 1 exits abruptly (os._exit(1)) while rank 0 waits in a collective. MODE `hang`: rank 1 stays
 alive but never joins (the test kills it). Rank 0 runs one all-reduce on megatron's DP group and one on the
 world group, prints `FAILED <group> <seconds>` for each, then re-raises the last error inside
-`explain_rank_failures`, so it exits non-zero with the note a user would see.
+`explain_rank_failures` and tears down as `engine.train` does, so it exits non-zero with the note a user
+would see.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from parallel.dims import ParallelDims
 from parallel.launch import explain_rank_failures
-from parallel.state import init_distributed
+from parallel.state import destroy_distributed, init_distributed
 
 
 def main() -> None:
@@ -32,18 +33,21 @@ def main() -> None:
             print(f"DYING {time.time():.3f}", flush=True)
             os._exit(1)
         time.sleep(3600)  # hang: alive, connections open, never joining
-    with explain_rank_failures(groups.rank, groups.dims.world_size, timeout_s):
-        failure = None
-        for name in ("dp", "world"):
-            start = time.monotonic()
-            try:
-                dist.all_reduce(torch.ones(1), group=getattr(groups, name))
-            except RuntimeError as err:
-                print(f"FAILED {name} {time.monotonic() - start:.2f}", flush=True)
-                failure = err
-        if failure is None:
-            raise AssertionError("collectives completed although rank 1 was gone")
-        raise failure
+    try:  # as in engine.train: the note, then the teardown (which must not hang either)
+        with explain_rank_failures(groups.rank, groups.dims.world_size, timeout_s):
+            failure = None
+            for name in ("dp", "world"):
+                start = time.monotonic()
+                try:
+                    dist.all_reduce(torch.ones(1), group=getattr(groups, name))
+                except RuntimeError as err:
+                    print(f"FAILED {name} {time.monotonic() - start:.2f}", flush=True)
+                    failure = err
+            if failure is None:
+                raise AssertionError("collectives completed although rank 1 was gone")
+            raise failure
+    finally:
+        destroy_distributed()
 
 
 if __name__ == "__main__":
