@@ -37,6 +37,8 @@ class ProcessGroups:
     """Model-parallel group (tp x pp) of this rank."""
     world: dist.ProcessGroup
     """All ranks."""
+    timeout: datetime.timedelta = datetime.timedelta(seconds=600)
+    """Collective timeout of every group above (`cluster.timeout_s`); pass it to any `dist.new_group`."""
 
     @property
     def tp_rank(self) -> int:
@@ -128,6 +130,7 @@ def init_distributed(
         dp=parallel_state.get_data_parallel_group(),
         mp=parallel_state.get_model_parallel_group(),
         world=dist.group.WORLD,
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
 
 
