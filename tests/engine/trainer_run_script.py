@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -40,7 +41,18 @@ def compose_config(overrides: list[str]) -> TrainConfig:
         return to_dataclass(compose(config_name="train", overrides=list(overrides)))
 
 
-def run_job(overrides: list[str], output_dir: str):
+def _teardown(keep_process_group: bool) -> None:
+    """Megatron's state always; the default process group too unless kept (under torchrun a second
+    init_process_group would find the first one's addresses in the agent's store)."""
+    from megatron.core import parallel_state
+
+    if keep_process_group:
+        parallel_state.destroy_model_parallel()
+    else:
+        destroy_distributed()
+
+
+def run_job(overrides: list[str], output_dir: str, keep_process_group: bool = False):
     """Train one job in this process; returns the Trainer (its components are torn down)."""
     from engine.setup import build_components
     from engine.trainer import Trainer
@@ -53,7 +65,7 @@ def run_job(overrides: list[str], output_dir: str):
         trainer.fit()
         return trainer
     finally:
-        destroy_distributed()
+        _teardown(keep_process_group)
 
 
 def skewed_experience(seed: int, rows: int, max_new_tokens: int, vocab: int, pad_id: int):
@@ -77,7 +89,9 @@ def skewed_experience(seed: int, rows: int, max_new_tokens: int, vocab: int, pad
     return exp
 
 
-def dynamic_batch_parity(overrides: list[str], output_dir: str, budget: int) -> dict[str, float]:
+def dynamic_batch_parity(
+    overrides: list[str], output_dir: str, budget: int, keep_process_group: bool = False
+) -> dict[str, float]:
     """Loss and gradient of one actor mini-batch, fixed micro-batches vs token-budget ones (the same rows;
     the budget job's roles, so PP stages exchange shapes). Returns the largest differences and the
     padded token counts of both splits."""
@@ -117,16 +131,26 @@ def dynamic_batch_parity(overrides: list[str], output_dir: str, budget: int) -> 
         ):
             mbs = batcher(exp, rows, ("advantages", "rollout_log_probs"))
             outs = c.actor.run(mbs, loss_fn, forward_only=False)
+            # the loss lives on the last stage, once per TP group
             loss = torch.tensor(
-                [sum(float(o["pg_loss"]) for o in outs)], dtype=torch.float64, device=groups.device
+                [sum(float(o["pg_loss"]) for o in outs) if groups.tp_rank == 0 else 0.0],
+                dtype=torch.float64,
+                device=groups.device,
             )
-            torch.distributed.all_reduce(loss, group=groups.dp)
+            torch.distributed.all_reduce(loss)
             grads = [p.main_grad.detach().clone() for ch in c.actor.chunks for p in ch.parameters()]
             padded = sum(mb["tokens"].numel() for mb in mbs)
             results[name] = (float(loss), grads, padded, len(mbs))
         (loss_a, grads_a, pad_a, _), (loss_b, grads_b, pad_b, num_b) = results["fixed"], results["budget"]
-        grad_diff = max(float((a - b).abs().max()) for a, b in zip(grads_a, grads_b))
-        grad_scale = max(float(a.abs().max()) for a in grads_a)
+        maxima = torch.tensor(
+            [
+                max(float((a - b).abs().max()) for a, b in zip(grads_a, grads_b)),
+                max(float(a.abs().max()) for a in grads_a),
+            ],
+            device=groups.device,
+        )
+        torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX)
+        grad_diff, grad_scale = maxima.tolist()
         return {
             "loss_fixed": loss_a,
             "loss_diff": abs(loss_a - loss_b),
@@ -137,7 +161,7 @@ def dynamic_batch_parity(overrides: list[str], output_dir: str, budget: int) -> 
             "micro_batches_budget": num_b,
         }
     finally:
-        destroy_distributed()
+        _teardown(keep_process_group)
 
 
 def read_metrics(output_dir: str) -> list[dict]:
@@ -164,36 +188,46 @@ CRITIC_KEYS = (
 
 
 def main(out_root: str) -> None:
+    """World size 4: the jobs below in sequence, then the dynamic-batching parity at TP=2 x PP=2."""
     rank = int(os.environ.get("RANK", "0"))
     jobs = {
-        "ppo_tp2_pp2": [
-            "algorithm=ppo",
-            "parallel.tp=2",
-            "parallel.pp=2",
-            "rollout.tp=2",
-            "trainer.test_freq=2",
-        ],
-        "dapo_dp2_budget": [
-            "algorithm=dapo",
-            "algorithm.overlong_buffer_len=2",
-            "parallel.tp=2",
-            "trainer.max_tokens_per_micro_batch=64",
-        ],
-        "remax_pp2_budget": [
-            "algorithm=remax",
-            "parallel.pp=2",
-            "algorithm.num_mini_batches=2",
-            "trainer.max_tokens_per_micro_batch=96",
-        ],
+        "ppo_tp2_pp2": (
+            3,
+            ["algorithm=ppo", "parallel.tp=2", "parallel.pp=2", "rollout.tp=2", "trainer.total_steps=3"],
+        ),
+        "dapo_tp2_dp2_budget": (
+            2,
+            [
+                "algorithm=dapo",
+                "algorithm.overlong_buffer_len=2",
+                "parallel.tp=2",
+                "rollout.tp=2",
+                "trainer.max_tokens_per_micro_batch=80",
+            ],
+        ),
+        "remax_pp2_dp2_budget": (
+            2,
+            [
+                "algorithm=remax",
+                "parallel.pp=2",
+                "algorithm.num_mini_batches=2",
+                "trainer.max_tokens_per_micro_batch=80",
+            ],
+        ),
     }
-    for name, overrides in jobs.items():
+    for name, (steps, overrides) in jobs.items():
         out = os.path.join(out_root, name)
-        run_job(overrides, out)
+        start = time.perf_counter()
+        run_job([*overrides, f"trainer.test_freq={steps}"], out, keep_process_group=True)
         if rank == 0:
-            rows = read_metrics(out)
-            check_finite(rows, 2, CRITIC_KEYS if "ppo" in name else ())
-            print(f"job {name} ok", flush=True)
-    torch.distributed.barrier() if torch.distributed.is_initialized() else None
+            check_finite(read_metrics(out), steps, CRITIC_KEYS if name.startswith("ppo") else ())
+            print(f"job {name} ok in {time.perf_counter() - start:.1f} s", flush=True)
+    parity = dynamic_batch_parity(
+        ["parallel.tp=2", "parallel.pp=2"], os.path.join(out_root, "parity"), 64, True
+    )
+    if rank == 0:
+        print("parity " + json.dumps(parity), flush=True)
+    destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,35 @@
+"""The trainer at world size 4, in ONE torchrun launch (tests/engine/trainer_run_script.py): PPO with its
+critic at TP=2 x PP=2 (3 steps, validation on the last), DAPO with dynamic sampling across 2 DP replicas
+and token-budget micro-batches, ReMax at PP=2 with 2 mini-batches and token-budget micro-batches, then the
+loss/gradient parity of token-budget vs fixed micro-batches at TP=2 x PP=2 (stages exchange shapes).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from distributed import run_torchrun
+
+SCRIPT = str(Path(__file__).with_name("trainer_run_script.py"))
+
+
+def test_world4_ppo_tp2_pp2_dapo_remax_and_dynamic_batch_parity(tmp_path):
+    out = run_torchrun(SCRIPT, 4, [str(tmp_path)])
+    for job in ("ppo_tp2_pp2", "dapo_tp2_dp2_budget", "remax_pp2_dp2_budget"):
+        assert f"job {job} ok" in out, out[-4000:]
+    parity = json.loads(out.split("parity ", 1)[1].splitlines()[0])
+    # float32: the splits differ only in summation order
+    assert parity["loss_diff"] <= 1e-5 * abs(parity["loss_fixed"]), parity
+    assert parity["grad_diff"] <= 1e-5 * parity["grad_scale"], parity
+    assert parity["tokens_budget"] < 0.7 * parity["tokens_fixed"], parity
+    ppo = [json.loads(line) for line in (tmp_path / "ppo_tp2_pp2" / "metrics.jsonl").read_text().splitlines()]
+    assert "val/reward_mean" in ppo[-1]
+    assert all(row["actor/reward_kl_coef"] == 0.001 for row in ppo)
+    dapo = [
+        json.loads(line)
+        for line in (tmp_path / "dapo_tp2_dp2_budget" / "metrics.jsonl").read_text().splitlines()
+    ]
+    for row in dapo:
+        assert row["dynamic_sampling/generated_groups"] >= 4  # data.batch_size over both replicas
+        assert row["dynamic_sampling/dropped_groups"] <= row["dynamic_sampling/generated_groups"]

@@ -1,0 +1,146 @@
+"""Every algorithm preset trains in this process (world size 1) through the code `python -m engine.train`
+runs, for 2 steps (PPO: 3, with validation), with finite metrics; plus checks on what the trainer wired.
+
+In-process (tests/engine/trainer_run_script.py: compose, validate, init, build, fit, tear down) rather
+than one interpreter per preset: a job here takes ~1 s after the first.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trainer_run_script import CRITIC_KEYS, check_finite, read_metrics, run_job
+
+from algorithms import get_advantage_estimator
+
+BASE = (
+    "reward/mean",
+    "actor/pg_loss",
+    "actor/adv_mean",
+    "actor/adv_std",
+    "timing/gen",
+    "timing/update_actor",
+)
+KL_REWARD = ("actor/reward_kl_penalty", "actor/reward_kl_coef")
+JOBS = {
+    # name: (overrides, steps, keys every row must have)
+    "ppo": (
+        ["algorithm=ppo", "trainer.total_steps=3", "trainer.test_freq=3"],
+        3,
+        (*BASE, *CRITIC_KEYS, *KL_REWARD),
+    ),
+    "grpo": (["algorithm=grpo"], 2, (*BASE, "actor/kl_loss", "timing/ref")),
+    "dr_grpo": (["algorithm=dr_grpo"], 2, BASE),
+    "dapo": (
+        ["algorithm=dapo", "algorithm.overlong_buffer_len=2"],
+        2,
+        (*BASE, "dynamic_sampling/dropped_groups", "dynamic_sampling/rounds", "reward/overlong_penalty_mean"),
+    ),
+    "rloo": (["algorithm=rloo"], 2, (*BASE, *KL_REWARD)),
+    "reinforce_pp": (["algorithm=reinforce_pp"], 2, (*BASE, *KL_REWARD)),
+    "remax": (["algorithm=remax"], 2, (*BASE, *KL_REWARD)),
+    "gspo": (["algorithm=gspo"], 2, BASE),
+    # variants: several optimizer steps per batch (old-log-prob forward), adaptive KL, token-budget batches
+    "grpo_epochs2_minibatches2": (
+        ["algorithm=grpo", "algorithm.ppo_epochs=2", "algorithm.num_mini_batches=2"],
+        2,
+        (*BASE, "timing/old_log_prob"),
+    ),
+    "rloo_adaptive_kl": (
+        ["algorithm=rloo", "algorithm.kl_ctrl=adaptive", "algorithm.kl_horizon=10"],
+        2,
+        KL_REWARD,
+    ),
+    "ppo_token_budget": (["algorithm=ppo", "trainer.max_tokens_per_micro_batch=90"], 2, CRITIC_KEYS),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run each job once (module-scoped: the checks below share them)."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            out = str(tmp_path_factory.mktemp(name))
+            overrides, steps, required = JOBS[name]
+            trainer = run_job(overrides, out)
+            rows = read_metrics(out)
+            check_finite(rows, steps, required)
+            done[name] = (trainer, rows)
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_job_trains_with_finite_metrics(runs, name):
+    runs(name)
+
+
+def test_on_policy_single_step_skips_old_forward_and_ratio_is_one(runs):
+    for row in runs("grpo")[1]:
+        assert "timing/old_log_prob" not in row
+        assert row["actor/ppo_kl"] == 0.0 and row["actor/pg_clipfrac"] == 0.0
+        assert abs(row["actor/rollout_kl"]) < 1e-4  # rollout engine vs training forward, float32
+    rows = runs("grpo_epochs2_minibatches2")[1]
+    assert all("timing/old_log_prob" in row for row in rows)
+
+
+def test_grpo_groups_are_rows_of_one_prompt_and_advantages_match_the_estimator(runs):
+    exp = runs("grpo")[0].last_experience
+    n = 4
+    assert exp.num_rows == 4 * n
+    for r in range(exp.num_rows):
+        first = r // n * n
+        assert exp.group_index[r] == exp.group_index[first]
+        p = int(exp.prompt_lens[r])
+        assert torch.equal(exp.tokens[r, :p], exp.tokens[first, :p])
+    assert len(set(exp.group_index.tolist())) == 4
+    expected, _ = get_advantage_estimator("grpo")(
+        mask_bt=exp.response_mask, scores_b=exp.tensors["scores"], group_index_b=exp.group_index
+    )
+    torch.testing.assert_close(exp.tensors["advantages"], expected, rtol=0, atol=0)
+
+
+def test_ppo_critic_values_feed_gae(runs):
+    trainer, rows = runs("ppo")
+    exp = trainer.last_experience
+    expected, returns = get_advantage_estimator("gae")(
+        mask_bt=exp.response_mask,
+        token_rewards_bt=exp.tensors["token_rewards"],
+        values_bt=exp.tensors["values"],
+        gamma=1.0,
+        lam=0.95,
+    )
+    torch.testing.assert_close(exp.tensors["advantages"], expected, rtol=0, atol=0)
+    torch.testing.assert_close(exp.tensors["returns"], returns, rtol=0, atol=0)
+    assert "val/reward_mean" in rows[-1]  # validation (greedy) runs with the critic built
+    # the value head starts at zero; after an update the critic predicts something
+    assert rows[0]["critic/values_mean"] == 0.0 and rows[-1]["critic/values_mean"] != 0.0
+
+
+def test_remax_baseline_is_the_greedy_score(runs):
+    exp = runs("remax")[0].last_experience
+    mask = exp.response_mask
+    seq_reward = exp.tensors["token_rewards"].sum(-1)
+    expected = (seq_reward - exp.tensors["baseline_scores"])[:, None] * mask
+    torch.testing.assert_close(exp.tensors["advantages"], expected, rtol=1e-6, atol=1e-7)
+    n = 4  # one greedy baseline per prompt
+    assert torch.equal(
+        exp.tensors["baseline_scores"], exp.tensors["baseline_scores"][::n].repeat_interleave(n)
+    )
+
+
+def test_dapo_keeps_informative_groups_unless_filled(runs):
+    trainer, rows = runs("dapo")
+    exp = trainer.last_experience
+    shaped = (exp.tensors["scores"] + exp.tensors["overlong_penalty"]).view(-1, 4)
+    constant = (shaped == shaped[:, :1]).all(-1)
+    assert int(constant.sum()) == rows[-1]["dynamic_sampling/filler_groups"]
+
+
+def test_adaptive_kl_coefficient_moves(runs):
+    rows = runs("rloo_adaptive_kl")[1]
+    assert rows[0]["actor/reward_kl_coef"] == 0.001
+    assert rows[1]["actor/reward_kl_coef"] != rows[0]["actor/reward_kl_coef"]
