@@ -26,15 +26,15 @@ it reads or writes a role (`all_onloaded`).
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
 
 PARTS = ("params", "grads", "optimizer")
 
-# role -> the offloaders holding some of its storages offloaded right now (for `all_onloaded`)
-_ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# id(role) -> the offloaders holding some of its storages offloaded right now (for `all_onloaded`); an
+# offloader references its role, so an id here cannot be reused while its entry exists
+_ACTIVE: dict[int, set] = {}
 
 
 def _storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, torch.UntypedStorage]:
@@ -127,7 +127,7 @@ class RoleOffloader:
         for storage, _ in self._moved:
             storage.resize_(0)
         if self._moved:
-            _ACTIVE.setdefault(self.role, set()).add(self)
+            _ACTIVE.setdefault(id(self.role), set()).add(self)
         return sum(h.numel() for _, h in self._moved)
 
     def onload(self) -> int:
@@ -140,7 +140,10 @@ class RoleOffloader:
         _sync(self.role.groups.device)  # the host buffers are dropped below
         moved = sum(h.numel() for _, h in self._moved)
         self._moved = []
-        _ACTIVE.get(self.role, set()).discard(self)
+        active = _ACTIVE.get(id(self.role), set())
+        active.discard(self)
+        if not active:
+            _ACTIVE.pop(id(self.role), None)
         return moved
 
     @contextlib.contextmanager
@@ -168,7 +171,7 @@ def offloaded(role, what: Iterable[str] = PARTS, enabled: bool = True):
 def all_onloaded(role):
     """Everything of `role` that any offloader holds in host memory back on the device for the body (for
     checkpoint reads and writes), offloaded again after it."""
-    active = list(_ACTIVE.get(role, ()))
+    active = list(_ACTIVE.get(id(role), ()))
     for keeper in active:
         keeper.onload()
     try:

@@ -1,0 +1,147 @@
+"""Checkpoints, resume and HF export (engine/checkpoint.py, engine/export.py).
+
+World sizes: the rules on disk (latest, pruning, finding, layout messages, config.json for random-init models)
+are tested here without processes; whole training runs are tested by tests/engine/ckpt_runs_script.py, launched
+once at world size 1 and once at world size 4 (TP=2 x DP=2 with the distributed optimizer, PP=2 x VPP=2).
+Tolerances: resumed metrics equal the uninterrupted run's within 1e-6 (measured: bit-exact); exported models'
+float32 logits within 5e-5 of the megatron model's in transformers (measured: 0 at TP=1, 1.2e-7 at TP=2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_torchrun
+
+from engine.checkpoint import (
+    CheckpointError,
+    check_layout,
+    complete_checkpoints,
+    find_checkpoint,
+    latest_checkpoint,
+    prune_checkpoints,
+)
+from engine.config import ModelConfig
+from engine.export import hf_config_from_shape
+from engine.models.builder import resolve_shape
+from engine.models.hf_config import model_config_from_hf
+
+SCRIPT = str(Path(__file__).with_name("ckpt_runs_script.py"))
+
+
+def _results(out: str) -> dict[str, list[dict]]:
+    found: dict[str, list[dict]] = {}
+    for line in out.splitlines():
+        if "RESULT {" in line:
+            row = json.loads(line.split("RESULT ", 1)[1])
+            found.setdefault(row["check"], []).append(row)
+    return found
+
+
+@pytest.mark.slow
+def test_world1_resume_crash_offload_export(tmp_path):
+    """One process: resume from a path (steps 3-4 equal), a crash mid-save then resume=auto, keep-last-N,
+    a layout mismatch, offload in the trainer (bit-identical), HF export at the end and by the CLI."""
+    found = _results(run_torchrun(SCRIPT, 1, [str(tmp_path / "runs")]))
+    for check in ("export_parity", "offload_bytes", "resume_path", "offload_training", "crash_resume_auto"):
+        assert check in found, f"missing {check}: {sorted(found)}"
+    assert found["export_parity"][0]["max_abs_diff"] <= 5e-5
+    assert {"layout_mismatch", "export_cli", "done"} <= set(found)
+
+
+@pytest.mark.slow
+def test_world4_tp2_and_pp2_resume_crash_mismatch_export(tmp_path):
+    """World size 4: TP=2 (distributed optimizer) resume and HF export, PP=2 x VPP=2 crash then resume=auto,
+    a TP=2 checkpoint refused under PP=2."""
+    found = _results(run_torchrun(SCRIPT, 4, [str(tmp_path / "runs")]))
+    for check in ("export_parity", "resume_path", "crash_resume_auto", "layout_mismatch", "done"):
+        assert check in found, f"missing {check}: {sorted(found)}"
+    assert found["export_parity"][0]["max_abs_diff"] <= 5e-5
+
+
+# ---- no processes ---------------------------------------------------------------------------------------
+def _fake_checkpoint(root: Path, step: int, complete: bool = True) -> Path:
+    path = root / f"global_step_{step}"
+    path.mkdir(parents=True)
+    (path / "rank_0.pt").write_bytes(b"x")
+    if complete:
+        (path / "meta.json").write_text(json.dumps({"format": 1, "step": step}))
+    return path
+
+
+def test_prune_keeps_newest_n_and_the_one_just_saved_and_drops_leftovers(tmp_path):
+    for step in (1, 2, 3, 4):
+        _fake_checkpoint(tmp_path, step)
+    (tmp_path / "global_step_5.tmp-00ff").mkdir()  # a killed save
+    (tmp_path / "global_step_2.old-abcd").mkdir()  # a replaced checkpoint not yet removed
+    prune_checkpoints(str(tmp_path), 2, keep="global_step_4")
+    assert sorted(os.listdir(tmp_path)) == ["global_step_3", "global_step_4"]
+    prune_checkpoints(str(tmp_path), 1, keep="global_step_3")  # a resumed run re-saved an older step
+    assert sorted(os.listdir(tmp_path)) == ["global_step_3"]
+    _fake_checkpoint(tmp_path, 7)
+    prune_checkpoints(str(tmp_path), 0, keep="global_step_7")  # 0 keeps all
+    assert [s for s, _ in complete_checkpoints(str(tmp_path))] == [3, 7]
+
+
+def test_latest_and_find(tmp_path):
+    root = tmp_path / "run" / "checkpoints"
+    assert find_checkpoint("auto", str(tmp_path / "run")) is None  # nothing saved: a fresh start
+    assert find_checkpoint("off", str(tmp_path / "run")) is None
+    two, three = _fake_checkpoint(root, 2), _fake_checkpoint(root, 3)
+    _fake_checkpoint(root, 9, complete=False)  # no meta.json: never chosen
+    (root / "latest").write_text("global_step_2\n")
+    assert latest_checkpoint(str(root)) == str(two)  # latest wins over a higher number
+    (root / "latest").write_text("global_step_8\n")  # names nothing: the highest complete one
+    assert latest_checkpoint(str(root)) == str(three)
+    (root / "latest").unlink()
+    assert find_checkpoint("auto", str(tmp_path / "run")) == str(three)
+    (root / "latest").write_text("global_step_2\n")
+    for given in (two, root, tmp_path / "run"):  # a checkpoint, a checkpoints dir, a run's output_dir
+        assert find_checkpoint(str(given), "") == str(two)
+    with pytest.raises(CheckpointError, match="not a checkpoint.*trainer.resume=auto"):
+        find_checkpoint(str(tmp_path), "")
+
+
+def test_layout_mismatch_names_both_layouts_and_the_way_out():
+    saved = dict(world_size=4, tp=2, pp=1, vpp=1, dp=2, distributed_optimizer=True)
+    check_layout(saved, dict(saved), "/ckpt")
+    with pytest.raises(CheckpointError) as err:
+        check_layout(saved, {**saved, "tp": 1, "pp": 2}, "/ckpt")
+    text = str(err.value)
+    for needle in (
+        "tp=2 pp=1",
+        "tp=1 pp=2",
+        "differs in tp, pp",
+        "not resharded",
+        "engine.export",
+        "model.path=",
+    ):
+        assert needle in text, (needle, text)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # llama-style: untied, no bias
+        {"tie_embeddings": True, "head_dim": 32, "rope_scaling_factor": 8.0, "rope_theta": 500000.0},
+        {"qkv_bias": True, "tie_embeddings": True},  # qwen2
+        {"qk_norm": True},  # qwen3
+    ],
+)
+def test_random_init_config_json_reads_back_as_the_same_shape(overrides, tmp_path):
+    m = ModelConfig(**{"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, **overrides})
+    shape = resolve_shape(m, 101, tp=1)
+    cfg = hf_config_from_shape(shape, {"eos_token_id": 3, "bos_token_id": None})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    back = resolve_shape(ModelConfig(**model_config_from_hf(str(tmp_path))), 101, tp=1)
+    assert back == shape
+    assert cfg["eos_token_id"] == 3 and "bos_token_id" not in cfg
+    from transformers import AutoConfig
+
+    loaded = AutoConfig.from_pretrained(str(tmp_path))
+    assert loaded.num_key_value_heads == shape.num_query_groups and loaded.head_dim == shape.head_dim
+    assert torch.float32 in (loaded.dtype, getattr(loaded, "torch_dtype", None))
