@@ -236,6 +236,24 @@ class VllmRollout(RolloutEngine):
                 )
         return inputs, params
 
+    def sequence_log_probs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """vLLM's log-prob of every token but the first of each sequence (teacher forcing, temperature 1), for
+        parity checks against the training forward: (len - 1,) float32 per sequence."""
+        from vllm.inputs import TokensPrompt
+
+        if self.weights is None:
+            raise RuntimeError("VllmRollout.sequence_log_probs called before set_weights()")
+        self._wake_and_load()
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False
+        )
+        self.release()
+        return [
+            torch.tensor([float(out.prompt_logprobs[j][tok].logprob) for j, tok in enumerate(seq) if j > 0])
+            for seq, out in zip(sequences, outputs)
+        ]
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         if self.weights is None:
             raise RuntimeError("VllmRollout.generate called before set_weights()")

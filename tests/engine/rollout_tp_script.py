@@ -1,6 +1,6 @@
 """torchrun script of tests/engine/test_rollout_tp.py: world size 2 (gloo, CPU), every check in one launch.
 
-    torchrun --nproc_per_node=2 tests/engine/rollout_tp_script.py ROOT     (ROOT/<family>: hf_tiny models)
+    torchrun --nproc_per_node=2 tests/engine/rollout_tp_script.py ROOT [cpu|cuda]   (ROOT/<family>: hf_tiny)
 
 For the Qwen2 (tied, QKV bias) and Llama (untied, Llama-3 RoPE) tiny models, loaded at a TP=2 training layout
 with `build_and_load`, and for rollout.tp in (2, 1) via `HybridEngine(..., rollout_tp=...)`:
@@ -11,7 +11,8 @@ with `build_and_load`, and for rollout.tp in (2, 1) via `HybridEngine(..., rollo
 - both ranks hold identical outputs;
 - the vLLM weight loader (engine/rollout/vllm_weights.py) fills vLLM-shaped parameters from the rollout shards
   exactly as vLLM would shard the full HF tensors (vocab 101 pads differently in vLLM: rows are exchanged).
-Rank 0 prints `RESULT {json}` lines.
+On cuda (2 GPUs, NCCL) the same checks run with the native engine's CUDA-graph decode. Rank 0 prints
+`RESULT {json}` lines.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from parallel.dims import ParallelDims
 from parallel.hybrid_engine import HybridEngine
 from parallel.state import init_distributed
 
-LOGP_TOL = 1e-4  # float32; measured <= 1e-5 (training at TP=2 sums in another order than the rollout)
+DEVICE = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+# float32; measured <= 1e-5 on CPU (training at TP=2 sums in another order than the rollout)
+LOGP_TOL = 1e-4 if DEVICE == "cpu" else 5e-4
 NEW = 10
 PAD = 0
 
@@ -95,10 +98,11 @@ def actor_log_probs(actor: MegatronRole, prompts, out, n: int, temperature: floa
     )
     mbs = MicroBatcher(4, 0, 1, actor.groups.device)(exp, torch.arange(exp.num_rows))
     outs = actor.run(mbs, log_prob_fn, forward_only=True, temperature=temperature)
-    return torch.cat([o["log_probs"] for o in outs])
+    return torch.cat([o["log_probs"] for o in outs]).cpu()
 
 
 def same_on_all_ranks(t: torch.Tensor) -> bool:
+    t = t.to(DEVICE)
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, t.contiguous())
     return all(torch.equal(parts[0], p) for p in parts)
@@ -148,11 +152,11 @@ def check_family(groups, family: str, path: str) -> None:
         # vLLM's parameters, as vLLM shards them, filled from the rollout shards
         vocab = shape.vocab_size
         want = expected_vllm_params(ckpt, vocab, rollout_tp, weights.tp_rank)
-        fake = {name: torch.full_like(t, float("nan")) for name, t in want.items()}
+        fake = {name: torch.full_like(t, float("nan"), device=groups.device) for name, t in want.items()}
         stats = load_rollout_weights(
             fake, weights.params, shape, weights.tp_rank, rollout_tp, weights.tp_group
         )
-        bad = [name for name in want if not torch.equal(fake[name], want[name])]
+        bad = [name for name in want if not torch.equal(fake[name].cpu(), want[name])]
         assert not bad, (family, rollout_tp, bad)
         transition.to_train()
         if groups.rank == 0:
@@ -176,7 +180,7 @@ def check_family(groups, family: str, path: str) -> None:
 
 
 def main(root: str) -> None:
-    groups = init_distributed(ParallelDims(world_size=2, tp=2), "cpu")
+    groups = init_distributed(ParallelDims(world_size=2, tp=2), DEVICE)
     for family in ("qwen2", "llama"):
         check_family(groups, family, f"{root}/{family}")
     dist.barrier()

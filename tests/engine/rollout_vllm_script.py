@@ -1,0 +1,151 @@
+"""torchrun script of tests/engine/test_rollout_vllm.py (GPU + vLLM): world size N in {1, 2} (NCCL), the
+training layout TP=N and rollout.tp=N, one model family per launch (vLLM's sleep mode allows one engine per
+process).
+
+    torchrun --nproc_per_node=N tests/engine/rollout_vllm_script.py MODEL_DIR
+
+The HF checkpoint in MODEL_DIR (random init, saved by the test) is loaded in bfloat16 with `load_hf_weights`,
+the 3D-HybridEngine hands its rollout shards to both backends, and:
+- greedy: vLLM's first token equals the native engine's on every row, the first 4 on most rows (bf16 runs
+  may diverge once two logits tie within rounding);
+- log-probs of a fixed sequence (prompt + the native greedy response): vLLM's teacher-forced log-probs, the
+  native engine's and the actor's training forward (MegatronRole.run + log_prob_fn) agree within LOGP_MAX /
+  LOGP_MEAN (bf16);
+- vLLM sampling (n=2, T=1) repeats under a seed, changes with it, and its log-probs match the training
+  forward; a stop token ends a row with finish reason "stop";
+- weights are reloaded at every rollout (the output layer zeroed in training -> uniform log-probs) and the
+  KV cache is released after it (free memory back to where it was).
+Rank 0 prints `RESULT {json}`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from engine.batch import build_experience
+from engine.dynamic_batch import MicroBatcher
+from engine.models.builder import build_gpt_chunks
+from engine.models.hf import load_hf_weights
+from engine.parity import hf_model_shape
+from engine.policy import MegatronRole
+from engine.role_losses import log_prob_fn
+from engine.rollout.base import SamplingParams
+from engine.rollout.native import NativeRollout
+from engine.rollout.vllm_backend import VllmRollout
+from engine.rollout_phase import rollout_replica
+from parallel.dims import ParallelDims
+from parallel.hybrid_engine import HybridEngine
+from parallel.state import init_distributed
+
+LOGP_MAX, LOGP_MEAN = 0.3, 0.05  # bf16 |log-prob difference|: max over tokens, mean over tokens
+NEW = 16
+PAD = 0
+
+
+def training_log_probs(actor: MegatronRole, prompts, out, n: int, temperature: float = 1.0) -> torch.Tensor:
+    exp = build_experience(
+        prompts, out.response_ids, out.response_mask, out.log_probs, list(range(len(prompts))), n, PAD
+    )
+    mbs = MicroBatcher(8, 0, 1, actor.groups.device)(exp, torch.arange(exp.num_rows))
+    outs = actor.run(mbs, log_prob_fn, forward_only=True, temperature=temperature)
+    return torch.cat([o["log_probs"] for o in outs]).float().cpu()
+
+
+def masked_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    d = (a - b).abs() * mask
+    return d.max().item(), (d.sum() / mask.sum()).item()
+
+
+def main(model_dir: str) -> None:
+    start = time.perf_counter()
+    world = int(os.environ["WORLD_SIZE"])
+    groups = init_distributed(ParallelDims(world_size=world, tp=world), "cuda")
+    shape = replace(hf_model_shape(model_dir, world), dtype=torch.bfloat16)
+    chunks = build_gpt_chunks(shape, groups.dims, init_std=0.02, recompute=False, device=groups.device)
+    load_hf_weights(chunks, model_dir, shape, groups)
+    actor = MegatronRole(chunks, groups, shape, None)
+    transition = HybridEngine(actor.chunks, groups, shape.num_layers, shape.tie_embeddings, rollout_tp=world)
+    weights = transition.to_rollout()
+    native = NativeRollout(shape, groups.device, pad_id=PAD)
+    native.set_weights(weights)
+    t0 = time.perf_counter()
+    engine = VllmRollout(
+        shape, groups.device, world, PAD, model_dir=model_dir, gpu_memory_utilization=0.3, enforce_eager=True
+    )
+    engine.set_weights(weights)
+    report = {"world": world, "model": model_dir, "vllm_start_s": round(time.perf_counter() - t0, 1)}
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(0, shape.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 33, 2, 12, 24, 7)
+    ]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW)
+
+    ours = rollout_replica(native, weights, prompts, greedy)
+    theirs = rollout_replica(engine, weights, prompts, greedy)
+    first = (ours.response_ids[:, 0] == theirs.response_ids[:, 0]).float().mean().item()
+    first4 = (ours.response_ids[:, :4] == theirs.response_ids[:, :4]).all(-1).float().mean().item()
+    report.update(greedy_first_token_agree=first, greedy_first4_agree=first4)
+    assert first == 1.0 and first4 >= 0.75, report
+
+    # log-probs of one fixed sequence per prompt: prompt + the native greedy response
+    seqs = [p + ours.response_ids[i].tolist() for i, p in enumerate(prompts)]
+    vllm_lp = torch.stack([lp[len(p) - 1 :] for lp, p in zip(engine.sequence_log_probs(seqs), prompts)])
+    train_lp = training_log_probs(actor, prompts, ours, 1)
+    mask = ours.response_mask
+    report["vllm_vs_native_logp"] = masked_diff(vllm_lp, ours.log_probs, mask)
+    report["vllm_vs_training_logp"] = masked_diff(vllm_lp, train_lp, mask)
+    report["native_vs_training_logp"] = masked_diff(ours.log_probs, train_lp, mask)
+    for key in ("vllm_vs_native_logp", "vllm_vs_training_logp", "native_vs_training_logp"):
+        assert report[key][0] <= LOGP_MAX and report[key][1] <= LOGP_MEAN, (key, report)
+
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=NEW, seed=7)
+    a, b = (
+        rollout_replica(engine, weights, prompts, sampling),
+        rollout_replica(engine, weights, prompts, sampling),
+    )
+    c = rollout_replica(engine, weights, prompts, replace(sampling, seed=8))
+    assert torch.equal(a.response_ids, b.response_ids) and not torch.equal(a.response_ids, c.response_ids)
+    report["vllm_sampled_vs_training_logp"] = masked_diff(
+        a.log_probs, training_log_probs(actor, prompts, a, 2), a.response_mask
+    )
+    assert report["vllm_sampled_vs_training_logp"][0] <= LOGP_MAX, report
+
+    stop = int(theirs.response_ids[0, 3])
+    stopped = rollout_replica(engine, weights, prompts, replace(greedy, stop_token_ids=(stop,)))
+    length = int(stopped.response_mask[0].sum())
+    assert stopped.finish_reasons[0] == "stop" and stopped.response_ids[0, length - 1] == stop, report
+    assert length <= 4 and stopped.response_ids[0, length:].eq(PAD).all(), report
+
+    # the next rollout sees changed weights: zero the logits' weight in training, then transition again
+    transition.to_train()
+    for chunk in actor.chunks:
+        for name, param in chunk.named_parameters():
+            if name.endswith("output_layer.weight") or (shape.tie_embeddings and "word_embeddings" in name):
+                param.data.zero_()
+    weights = transition.to_rollout()
+    engine.set_weights(weights)
+    free_before = torch.cuda.mem_get_info()[0]
+    uniform = rollout_replica(engine, weights, prompts, sampling)
+    free_after = torch.cuda.mem_get_info()[0]
+    report["uniform_logp_err"] = (
+        (uniform.log_probs + math.log(shape.vocab_size)).mul(uniform.response_mask).abs().max().item()
+    )
+    report["free_mib_before_after"] = (free_before >> 20, free_after >> 20)
+    assert report["uniform_logp_err"] < 1e-3, report
+    assert free_after >= free_before - (256 << 20), report  # the KV cache went back to sleep
+    report["elapsed_s"] = round(time.perf_counter() - start, 1)
+    if groups.rank == 0:
+        print("RESULT " + json.dumps(report), flush=True)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
