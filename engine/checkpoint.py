@@ -29,7 +29,7 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -307,14 +307,15 @@ def _failed_ranks(ok: bool, groups: ProcessGroups) -> list[int]:
 def save_checkpoint(
     root: str,
     step: int,
-    state: Mapping[str, Any],
-    meta: Mapping[str, Any],
+    state: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+    meta: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
     groups: ProcessGroups,
     max_checkpoints: int,
 ) -> str:
     """Write this rank's `state` (and rank 0's `meta`) as `root/global_step_<step>`, atomically; point
     `latest` at it and prune to `max_checkpoints` (0 = keep all). Collective over all ranks; returns the
-    path. Raises CheckpointError on every rank if any rank failed; `latest` then still names the previous one.
+    path. Raises CheckpointError on every rank if any rank failed (also while building `state` or `meta`
+    when given as callables); `latest` then still names the previous checkpoint.
     """
     name = step_dir_name(step)
     box = [f"{name}.tmp-{secrets.token_hex(6)}" if groups.rank == 0 else None]
@@ -323,8 +324,9 @@ def save_checkpoint(
     error: BaseException | None = None
     try:
         os.makedirs(tmp, exist_ok=True)
-        _write_rank_file(rank_file(tmp, groups.rank), state)
+        _write_rank_file(rank_file(tmp, groups.rank), state() if callable(state) else state)
         if groups.rank == 0:
+            meta = meta() if callable(meta) else meta
             with open(os.path.join(tmp, META_FILE), "w") as f:
                 json.dump({**meta, "step": step, "format": FORMAT_VERSION}, f, indent=2)
     except Exception as err:  # every rank must reach the agreement below, whatever failed
@@ -478,11 +480,38 @@ class Checkpointer:
     def resume(self) -> int:
         """Load the checkpoint `trainer.resume` names (if any) into the live components; the step to
         continue from (0 = a fresh start)."""
-        path = find_checkpoint(self.t.resume, self.c.output_dir)
+        g = self.groups
+        # rank 0 decides which checkpoint (one view of the filesystem), every rank loads its own file, and
+        # all ranks fail together if any failed (a lone failing rank would leave the others in a collective)
+        box: list[Any] = [None]
+        if g.rank == 0:
+            try:
+                box[0] = ("ok", find_checkpoint(self.t.resume, self.c.output_dir))
+            except CheckpointError as err:
+                box[0] = ("error", str(err))
+        dist.broadcast_object_list(box, src=0, group=g.world, device=g.device)
+        kind, path = box[0]
+        if kind == "error":
+            raise CheckpointError(path)
         if path is None:
             if self.t.resume == "auto":
                 self._say(f"trainer.resume=auto: no checkpoint in {self.root}; starting fresh")
             return 0
+        error: BaseException | None = None
+        try:
+            step = self._load(path)
+        except Exception as err:
+            error = err
+        failed = _failed_ranks(error is None, g)
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(f"resuming from {path} failed on rank(s) {failed} (see their messages)")
+        self.saved_step = step
+        self._say(f"resumed from {path} at step {step}")
+        return step
+
+    def _load(self, path: str) -> int:
         meta = read_meta(path)
         check_layout(meta["layout"], self.layout, path)
         check_shape(meta["shape"], self.c.shape, path)
@@ -495,10 +524,12 @@ class Checkpointer:
                 load_role_state(role, state["roles"][name], where)
         self.c.loader.load_state_dict(state["loader"])
         for name, obj in self.stateful.items():
+            if name not in state["extra"]:
+                raise CheckpointError(
+                    f"{where} has no trainer state {name!r} (it holds {sorted(state['extra'])})"
+                )
             obj.load_state_dict(state["extra"][name])
         set_rng_state(state["rng"], self.groups.device)
-        self.saved_step = state["step"]
-        self._say(f"resumed from {path} at step {state['step']}")
         return state["step"]
 
     def _meta(self) -> dict[str, Any]:
@@ -522,13 +553,12 @@ class Checkpointer:
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
 
-    def save(self, step: int) -> str:
-        """Save the run's state at `step` (collective over all ranks)."""
+    def _state(self, step: int) -> dict[str, Any]:
         roles = {}
         for name, role in self.roles.items():
             with all_onloaded(role):
                 roles[name] = role_state_dict(role)
-        state = {
+        return {
             "format": FORMAT_VERSION,
             "step": step,
             "rank": self.groups.rank,
@@ -537,8 +567,12 @@ class Checkpointer:
             "rng": rng_state(self.groups.device),
             "extra": {name: cpu_copy(obj.state_dict()) for name, obj in self.stateful.items()},
         }
-        meta = self._meta() if self.groups.rank == 0 else {}
-        path = save_checkpoint(self.root, step, state, meta, self.groups, self.t.max_checkpoints)
+
+    def save(self, step: int) -> str:
+        """Save the run's state at `step` (collective over all ranks)."""
+        path = save_checkpoint(
+            self.root, step, lambda: self._state(step), self._meta, self.groups, self.t.max_checkpoints
+        )
         self.saved_step = step
         return path
 

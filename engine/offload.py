@@ -19,7 +19,8 @@ Values are bit-identical after a round trip. On a CPU "device" the same code run
 freed) without saving memory: the CPU tests exercise the path, GPU runs get the savings.
 
 Must not: be entered while the role is in use (the storages are empty while offloaded), or offload the
-actor's parameters across a weight transition. The checkpoint module brings offloaded parts back while
+actor's parameters across a weight transition. On a GPU the bytes come back at a new address, so nothing
+may hold raw pointers into offloaded storages (CUDA graphs, IPC handles given to a rollout engine). The checkpoint module brings offloaded parts back while
 it reads or writes a role (`all_onloaded`).
 """
 
