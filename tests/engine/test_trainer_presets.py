@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainer_run_script import CRITIC_KEYS, check_finite, read_metrics, run_job
+from trainer_run_script import CRITIC_KEYS, built_job, check_finite, read_metrics, run_job
 
 from algorithms import get_advantage_estimator
 
@@ -144,3 +144,32 @@ def test_adaptive_kl_coefficient_moves(runs):
     rows = runs("rloo_adaptive_kl")[1]
     assert rows[0]["actor/reward_kl_coef"] == 0.001
     assert rows[1]["actor/reward_kl_coef"] != rows[0]["actor/reward_kl_coef"]
+
+
+def test_critic_loads_its_backbone_from_the_checkpoint_with_a_zero_head(tmp_path):
+    import hf_tiny
+
+    from engine.trainer import Trainer
+
+    actor_dir = hf_tiny.save_tiny("qwen2", str(tmp_path / "actor"), seed=0)
+    critic_dir = hf_tiny.save_tiny("qwen2", str(tmp_path / "critic"), seed=7, head="token")
+
+    def params(role):
+        return {n.removeprefix("module."): p.detach().clone() for n, p in role.chunks[0].named_parameters()}
+
+    with built_job(["algorithm=ppo", f"model.path={actor_dir}"], str(tmp_path / "a")) as c:
+        actor, critic = params(c.actor), params(c.critic)
+        assert critic.pop("output_layer.weight").abs().max() == 0  # a fresh value head
+        for name, value in critic.items():
+            assert torch.equal(value, actor[name]), name
+        metrics = Trainer(c).train_step()  # the checkpoint's model trains with its critic
+        assert metrics["critic/vpred_mean"] == 0.0 and metrics["critic/grad_norm"] > 0
+    with built_job(
+        ["algorithm=ppo", f"model.path={actor_dir}", f"critic.path={critic_dir}"], str(tmp_path / "b")
+    ) as c:
+        critic = params(c.critic)
+        assert critic["output_layer.weight"].abs().max() > 0  # score.weight of the token classifier
+        assert not torch.equal(
+            critic["decoder.layers.0.mlp.linear_fc1.weight"],
+            params(c.actor)["decoder.layers.0.mlp.linear_fc1.weight"],
+        )

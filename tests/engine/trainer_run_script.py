@@ -8,6 +8,7 @@ dynamic-batching gradient parity at TP=2 x PP=2 (fixed vs token-budget micro-bat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -50,6 +51,20 @@ def _teardown(keep_process_group: bool) -> None:
         parallel_state.destroy_model_parallel()
     else:
         destroy_distributed()
+
+
+@contextlib.contextmanager
+def built_job(overrides: list[str], output_dir: str):
+    """The Components of one job (not trained), torn down on exit."""
+    from engine.setup import build_components
+
+    cfg = compose_config([*SHORT, *overrides, f"trainer.output_dir={output_dir}"])
+    dims = validate(cfg, world_size_from_env())
+    groups = init_distributed(dims, cfg.cluster.device, cfg.cluster.timeout_s, cfg.trainer.seed)
+    try:
+        yield build_components(cfg, groups, output_dir)
+    finally:
+        _teardown(False)
 
 
 def run_job(overrides: list[str], output_dir: str, keep_process_group: bool = False):
