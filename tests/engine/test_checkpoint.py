@@ -25,12 +25,14 @@ from engine.checkpoint import (
     latest_checkpoint,
     prune_checkpoints,
 )
-from engine.config import ModelConfig
+from engine.config import ConfigError, ModelConfig, register_configs, to_dataclass
 from engine.export import hf_config_from_shape
 from engine.models.builder import resolve_shape
 from engine.models.hf_config import model_config_from_hf
+from engine.validate import validate
 
 SCRIPT = str(Path(__file__).with_name("ckpt_runs_script.py"))
+CONF = str(Path(__file__).resolve().parents[2] / "conf")
 
 
 def _results(out: str) -> dict[str, list[dict]]:
@@ -145,3 +147,21 @@ def test_random_init_config_json_reads_back_as_the_same_shape(overrides, tmp_pat
     loaded = AutoConfig.from_pretrained(str(tmp_path))
     assert loaded.num_key_value_heads == shape.num_query_groups and loaded.head_dim == shape.head_dim
     assert torch.float32 in (loaded.dtype, getattr(loaded, "torch_dtype", None))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.max_checkpoints=-1"], "trainer.max_checkpoints=-1: must be >= 0"),
+        (["trainer.resume=auto"], "trainer.resume='auto': looks for checkpoints in trainer.output_dir"),
+    ],
+)
+def test_checkpoint_keys_are_validated(overrides, message):
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = to_dataclass(compose(config_name="train", overrides=overrides))
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=1)
+    assert message in str(err.value)
