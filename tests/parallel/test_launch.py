@@ -238,6 +238,8 @@ def test_dead_or_hung_rank_without_launcher():
     megatron's DP group and on the default group alike.
     """
     die_port, hang_port = free_port(), free_port()
+    while hang_port == die_port:
+        hang_port = free_port()
     envs = {
         ("die", r): _clean_env(
             SLURM_STEP_ID="0",
