@@ -42,15 +42,26 @@ def compose_config(overrides: list[str]) -> TrainConfig:
         return to_dataclass(compose(config_name="train", overrides=list(overrides)))
 
 
-def _teardown(keep_process_group: bool) -> None:
-    """Megatron's state always; the default process group too unless kept (under torchrun a second
-    init_process_group would find the first one's addresses in the agent's store)."""
+@contextlib.contextmanager
+def distributed(cfg: TrainConfig, keep_process_group: bool = False):
+    """Validate `cfg` and start the distributed state as engine.train does; on exit tear down megatron's
+    state, and the default process group unless kept (under torchrun a second init_process_group would
+    find the first one's addresses in the agent's store). A world of one puts back the environment:
+    init_distributed exports MASTER_PORT & co, which later subprocesses of the test run would inherit."""
     from megatron.core import parallel_state
 
-    if keep_process_group:
-        parallel_state.destroy_model_parallel()
-    else:
-        destroy_distributed()
+    saved = dict(os.environ)
+    dims = validate(cfg, world_size_from_env())
+    groups = init_distributed(dims, cfg.cluster.device, cfg.cluster.timeout_s, cfg.trainer.seed)
+    try:
+        yield groups
+    finally:
+        if keep_process_group:
+            parallel_state.destroy_model_parallel()
+        else:
+            destroy_distributed()
+            os.environ.clear()
+            os.environ.update(saved)
 
 
 @contextlib.contextmanager
@@ -59,12 +70,8 @@ def built_job(overrides: list[str], output_dir: str):
     from engine.setup import build_components
 
     cfg = compose_config([*SHORT, *overrides, f"trainer.output_dir={output_dir}"])
-    dims = validate(cfg, world_size_from_env())
-    groups = init_distributed(dims, cfg.cluster.device, cfg.cluster.timeout_s, cfg.trainer.seed)
-    try:
+    with distributed(cfg) as groups:
         yield build_components(cfg, groups, output_dir)
-    finally:
-        _teardown(False)
 
 
 def run_job(overrides: list[str], output_dir: str, keep_process_group: bool = False):
@@ -73,14 +80,10 @@ def run_job(overrides: list[str], output_dir: str, keep_process_group: bool = Fa
     from engine.trainer import Trainer
 
     cfg = compose_config([*SHORT, *overrides, f"trainer.output_dir={output_dir}"])
-    dims = validate(cfg, world_size_from_env())
-    groups = init_distributed(dims, cfg.cluster.device, cfg.cluster.timeout_s, cfg.trainer.seed)
-    try:
+    with distributed(cfg, keep_process_group) as groups:
         trainer = Trainer(build_components(cfg, groups, output_dir))
         trainer.fit()
         return trainer
-    finally:
-        _teardown(keep_process_group)
 
 
 def skewed_experience(seed: int, rows: int, max_new_tokens: int, vocab: int, pad_id: int):
@@ -127,9 +130,7 @@ def dynamic_batch_parity(
             f"trainer.output_dir={output_dir}",
         ]
     )
-    dims = validate(cfg, world_size_from_env())
-    groups = init_distributed(dims, cfg.cluster.device, cfg.cluster.timeout_s, cfg.trainer.seed)
-    try:
+    with distributed(cfg, keep_process_group) as groups:
         c = build_components(cfg, groups, output_dir)
         exp = skewed_experience(100 + groups.dp_rank, 16, 12, c.shape.vocab_size, c.tokenizer.pad_token_id)
         rows = torch.arange(exp.num_rows)
@@ -175,8 +176,6 @@ def dynamic_batch_parity(
             "tokens_budget": pad_b,
             "micro_batches_budget": num_b,
         }
-    finally:
-        _teardown(keep_process_group)
 
 
 def read_metrics(output_dir: str) -> list[dict]:
