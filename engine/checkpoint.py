@@ -31,7 +31,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ from engine.models.builder import ModelShape
 from engine.offload import all_onloaded
 from engine.policy import MegatronRole
 from parallel.state import ProcessGroups
+
+if TYPE_CHECKING:  # engine.setup builds everything; importing it here at run time is not needed
+    from engine.setup import Components
 
 __all__ = [  # the state functions are re-exported: engine.export and tests import them from here
     "CheckpointError",
@@ -324,7 +327,7 @@ def read_rank_state(path: str, rank: int, mmap: bool = False) -> dict[str, Any]:
     return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
 
 
-def tokenizer_dir_of(c) -> str:
+def tokenizer_dir_of(c: Components) -> str:
     """The tokenizer directory of components `c` (absolute; empty if unknown), copied into HF exports."""
     tok = c.cfg.model.tokenizer_path or c.cfg.model.path or getattr(c.tokenizer, "name_or_path", "")
     return os.path.abspath(tok) if tok and os.path.isdir(tok) else ""
@@ -336,7 +339,7 @@ class Checkpointer:
     components have one), the data position, RNG states, the step and `stateful` objects of the trainer
     (anything with state_dict/load_state_dict, e.g. a KL controller)."""
 
-    def __init__(self, c, stateful: Mapping[str, Any] | None = None):
+    def __init__(self, c: Components, stateful: Mapping[str, Any] | None = None):
         self.c = c
         self.t = c.cfg.trainer
         self.groups: ProcessGroups = c.groups

@@ -21,7 +21,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +43,9 @@ from engine.models.hf import save_hf_checkpoint
 from engine.offload import all_onloaded
 from parallel.rollout_weights import global_param_names
 from parallel.state import ProcessGroups
+
+if TYPE_CHECKING:
+    from engine.setup import Components
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -115,7 +118,7 @@ def hf_config_for(
     return cfg
 
 
-def export_actor(c, out_dir: str, dtype: torch.dtype | None = None) -> None:
+def export_actor(c: Components, out_dir: str, dtype: torch.dtype | None = None) -> None:
     """Write the live actor of components `c` to `out_dir` in Hugging Face format (collective)."""
     from engine.models.hf_config import read_hf_config
 
