@@ -65,11 +65,12 @@ def _owns_storage(param: torch.Tensor) -> bool:
     )
 
 
-def _new_groups(rank_lists: list[list[int]], rank: int) -> dist.ProcessGroup:
-    """Create every group of a partition of the ranks (all ranks call this in the same order); return ours."""
+def _new_groups(rank_lists: list[list[int]], rank: int, timeout) -> dist.ProcessGroup:
+    """Create every group of a partition of the ranks (all ranks call this in the same order); return ours.
+    `timeout` is `cluster.timeout_s`, so a dead peer fails the rollout groups as fast as the training ones."""
     mine = None
     for ranks in rank_lists:
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine = group
     return mine
@@ -119,9 +120,9 @@ class HybridEngine:
                 "model's model.tie_embeddings"
             )
         rank = groups.rank
-        self.tp_group = _new_groups(self.layout.rollout_tp_groups(), rank)
-        self.pp_group = _new_groups(self.layout.rollout_pp_groups(), rank)
-        self.micro_dp_group = _new_groups(self.layout.micro_dp_groups(), rank)
+        self.tp_group = _new_groups(self.layout.rollout_tp_groups(), rank, groups.timeout)
+        self.pp_group = _new_groups(self.layout.rollout_pp_groups(), rank, groups.timeout)
+        self.micro_dp_group = _new_groups(self.layout.micro_dp_groups(), rank, groups.timeout)
         self.coords = self.layout.rollout_coords(rank)
 
         position = self.coords.micro_dp_rank
