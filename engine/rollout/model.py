@@ -63,9 +63,16 @@ def rope_tables(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """[-sin_1; sin_2] over the last dim (see `_rope`)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """megatron's x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x, dim / 2) * sin_signed
+    (sin_signed = [-sin_1; sin_2]): the same products, bit for bit, in 4 ops instead of 6."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 @dataclass
@@ -126,7 +133,7 @@ class RolloutModel:
         self.out_w = p["output_layer.weight"] if "output_layer.weight" in p else self.embed_w
         self.layers = [self._layer(p, i) for i in range(s.num_layers)]
         self.dtype = self.embed_w.dtype
-        self.cos, self.sin = rope
+        self.cos, self.sin = rope[0], signed_sin(rope[1])
 
     @staticmethod
     def _layer(p: dict[str, torch.Tensor], i: int) -> _Layer:
@@ -170,18 +177,20 @@ class RolloutModel:
         return local[:, : self.shape.vocab_size].float()
 
     def _qkv(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """h (b, s, hidden) -> q (b, s, heads, dim), k and v (b, s, groups, dim); QK-norm and RoPE applied."""
+        """h (b, s, hidden) -> q (b, s, groups, heads per group, dim), k and v (b, s, groups, dim), QK-norm and
+        RoPE applied (`cos`, `sin` broadcast as (b, s, 1, 1, dim)). The query heads of a group and its key
+        are adjacent in the fused projection, so RoPE runs on both at once."""
         b, n = h.shape[:2]
-        hd, s = self.head_dim, self.shape
-        qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(b, n, self.groups, (self.per_group + 2) * hd)
-        q, k, v = qkv.split([self.per_group * hd, hd, hd], dim=-1)
-        q = q.reshape(b, n, self.heads, hd)
-        if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, s.norm_eps)
-            k = rms_norm(k, layer.k_norm, s.norm_eps)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k, v
+        pg, eps = self.per_group, self.shape.norm_eps
+        qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(b, n, self.groups, pg + 2, self.head_dim)
+        if layer.q_norm is None:
+            qk = qkv[:, :, :, : pg + 1]
+        else:
+            q = rms_norm(qkv[:, :, :, :pg], layer.q_norm, eps)
+            k = rms_norm(qkv[:, :, :, pg : pg + 1], layer.k_norm, eps)
+            qk = torch.cat((q, k), dim=3)
+        qk = _rope(qk, cos, sin)
+        return qk[:, :, :, :pg], qk[:, :, :, pg], qkv[:, :, :, pg + 1]
 
     def _out_and_mlp(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         x = x + self._all_reduce(F.linear(attn, layer.proj_w))
@@ -210,10 +219,11 @@ class RolloutModel:
         pos = (ar - pad_u[:, None]).clamp(min=0)  # (u, s): positions count real tokens only
         mask = (ar[None, None, :] >= pad_u[:, None, None]) & (ar[None, :, None] >= ar[None, None, :])
         mask = (mask | torch.eye(n, dtype=torch.bool, device=dev)).unsqueeze(1)  # (u, 1, queries, keys)
-        cos, sin = self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)  # (u, s, 1, dim)
+        cos, sin = self.cos[pos][:, :, None, None], self.sin[pos][:, :, None, None]  # (u, s, 1, 1, dim)
         x = self.embed(ids_us)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, self.shape.norm_eps), cos, sin)
+            q = q.reshape(u, n, self.heads, self.head_dim)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (u, groups, s, dim)
             cache_k[i][:, :, :n] = k[row_prompt]
             cache_v[i][:, :, :n] = v[row_prompt]
@@ -241,7 +251,7 @@ class RolloutModel:
         b = tokens_b.shape[0]
         hd = self.head_dim
         pos = cur - pad_b  # (b,)
-        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # (b, 1, 1, dim)
+        cos, sin = self.cos[pos][:, None, None, None], self.sin[pos][:, None, None, None]  # (b, 1, 1, 1, dim)
         ar = torch.arange(num_keys, device=tokens_b.device)
         mask = ((ar >= pad_b[:, None]) & (ar <= cur))[:, None, None]  # (b, 1, 1, keys)
         x = self.embed(tokens_b[:, None])  # (b, 1, hidden)
@@ -249,9 +259,8 @@ class RolloutModel:
             q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, self.shape.norm_eps), cos, sin)
             cache_k[i].index_copy_(2, cur, k.transpose(1, 2))
             cache_v[i].index_copy_(2, cur, v.transpose(1, 2))
-            q = q.view(b, self.groups, self.per_group, hd)  # heads of a group are consecutive
             out = F.scaled_dot_product_attention(
-                q, cache_k[i][:, :, :num_keys], cache_v[i][:, :, :num_keys], attn_mask=mask
+                q[:, 0], cache_k[i][:, :, :num_keys], cache_v[i][:, :, :num_keys], attn_mask=mask
             )  # (b, groups, heads per group, dim)
             x = self._out_and_mlp(layer, x, out.reshape(b, 1, self.heads * hd))
         return self.logits(x[:, 0])

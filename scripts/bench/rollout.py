@@ -1,0 +1,314 @@
+"""Benchmark rollout: generated tokens/s of the native engine, vLLM and transformers `generate` on the same
+random-init model and the same prompts, in one run; prints one JSON object.
+
+    python scripts/bench/rollout.py --preset qwen2_5_0_5b              # GPU: 512 prompts x 256 -> 512 tokens
+    python scripts/bench/rollout.py --preset tiny                      # CPU smoke test (64 x 32 -> 64)
+    python scripts/bench/rollout.py --preset tiny --compare-shims      # CPU: also the decode loop with the
+                                                                       # megatron CPU shims' overhead left on
+
+Model: a preset from conf/model/ (qwen2_5_0_5b, qwen2_5_1_5b, qwen2_5_7b in bfloat16, or the tiny CPU model
+in float32 with a 512-token vocabulary), weights drawn at random (std 0.02) directly in the rollout layout
+(TP=1); vLLM gets the same weights through its weight loader, transformers through the HF weight map.
+Sampling: temperature 1, no top-k/top-p, EOS ignored (every response is --new-tokens long). Each backend is
+warmed up on the same batch with 8 new tokens first; the timed call is one `generate` (CUDA-synchronised),
+including what a rollout pays each time: the native engine's KV cache allocation and CUDA-graph capture, and
+vLLM's wake-up, weight copy and sleep (reported separately as `wake_load_s` / `sleep_s`). A backend that is
+not installed (vLLM) or not available here (vLLM on CPU) is reported as skipped with the reason.
+`greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
+the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+from dataclasses import replace
+
+import torch
+from omegaconf import OmegaConf
+
+from engine.config import ModelConfig
+from engine.models.builder import ModelShape, resolve_shape
+from engine.models.hf_map import hf_from_shards, hf_names, match_rule
+from engine.rollout.base import SamplingParams
+from parallel.dims import ParallelDims
+from parallel.rollout_weights import RolloutWeights
+from parallel.state import destroy_distributed, init_distributed
+
+CONF_MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "conf", "model")
+PRESETS = ("tiny", "qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_7b")
+TINY_VOCAB = 512
+BACKENDS = ("native", "vllm", "transformers")
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=PRESETS, default="tiny")
+    ap.add_argument(
+        "--backends", default=",".join(BACKENDS), help="comma-separated subset of " + ",".join(BACKENDS)
+    )
+    ap.add_argument("--prompts", type=int, help="default 512 (64 for tiny)")
+    ap.add_argument("--prompt-len", type=int, help="default 256 (32 for tiny)")
+    ap.add_argument("--new-tokens", type=int, help="default 512 (64 for tiny)")
+    ap.add_argument(
+        "--max-num-seqs", type=int, help="rollout.max_num_seqs for native and vLLM (default: --prompts)"
+    )
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.45, help="vLLM")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="native: eager decode on CUDA")
+    ap.add_argument(
+        "--compare-shims", action="store_true", help="CPU: also time native with the shim overhead"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="also write the JSON here")
+    return ap.parse_args()
+
+
+def model_shape(preset: str) -> ModelShape:
+    m = OmegaConf.merge(
+        OmegaConf.structured(ModelConfig), OmegaConf.load(os.path.join(CONF_MODEL, f"{preset}.yaml"))
+    )
+    m = OmegaConf.to_object(m)
+    if preset == "tiny":
+        m = replace(m, vocab_size=TINY_VOCAB, dtype="float32")
+    return resolve_shape(m, m.vocab_size, 1)
+
+
+def random_rollout_weights(shape: ModelShape, device: torch.device, seed: int) -> RolloutWeights:
+    """Every tensor of the rollout layout at TP=1 (names as engine/rollout/model.py reads them), N(0, 0.02)
+    matrices and unit norms."""
+    s, hd = shape, shape.head_dim
+    qkv_rows = (s.num_attention_heads + 2 * s.num_query_groups) * hd
+    shapes = {"embedding.word_embeddings.weight": (s.padded_vocab_size, s.hidden_size)}
+    for i in range(s.num_layers):
+        pre, att = f"decoder.layers.{i}.", f"decoder.layers.{i}.self_attention."
+        shapes[pre + "input_layernorm.weight"] = (s.hidden_size,)
+        shapes[att + "linear_qkv.weight"] = (qkv_rows, s.hidden_size)
+        if s.qkv_bias:
+            shapes[att + "linear_qkv.bias"] = (qkv_rows,)
+        if s.qk_norm:
+            shapes[att + "q_layernorm.weight"] = shapes[att + "k_layernorm.weight"] = (hd,)
+        shapes[att + "linear_proj.weight"] = (s.hidden_size, s.num_attention_heads * hd)
+        shapes[pre + "pre_mlp_layernorm.weight"] = (s.hidden_size,)
+        shapes[pre + "mlp.linear_fc1.weight"] = (2 * s.ffn_hidden_size, s.hidden_size)
+        shapes[pre + "mlp.linear_fc2.weight"] = (s.hidden_size, s.ffn_hidden_size)
+    shapes["decoder.final_layernorm.weight"] = (s.hidden_size,)
+    if not s.tie_embeddings:
+        shapes["output_layer.weight"] = (s.padded_vocab_size, s.hidden_size)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    params = {}
+    for name, size in shapes.items():
+        if len(size) == 1 and "bias" not in name:
+            params[name] = torch.ones(size, dtype=s.dtype, device=device)
+        else:
+            params[name] = (torch.randn(size, generator=gen, device=device) * 0.02).to(s.dtype)
+    return RolloutWeights(params, 1, 0, None, None, 0, 1)
+
+
+def synced(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def timed_generate(engine, prompts, sampling, device) -> tuple[object, float, float]:
+    """(output, wall seconds, process CPU seconds) of one generate call after a warm-up."""
+    warm = replace(sampling, max_new_tokens=8)
+    engine.generate(prompts, warm)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start, cpu_start = synced(device), time.process_time()
+    out = engine.generate(prompts, sampling)
+    return out, synced(device) - start, time.process_time() - cpu_start
+
+
+def first_tokens(engine, prompts) -> torch.Tensor:
+    return engine.generate(prompts[:32], SamplingParams(temperature=0.0, max_new_tokens=1)).response_ids[:, 0]
+
+
+def run_native(shape, weights, prompts, sampling, args, device, shim_overhead=False) -> dict:
+    from engine.rollout import native
+
+    engine = native.NativeRollout(
+        shape, device, args.max_num_seqs, cuda_graphs=False if args.no_cuda_graphs else None
+    )
+    engine.set_weights(weights)
+    patch = contextlib.nullcontext()
+    if shim_overhead:  # the megatron CPU shims' TorchFunctionMode stays active in the decode loop
+        patch = _patched(native, "no_shim_overhead", contextlib.nullcontext)
+    with patch:
+        out, seconds, cpu_seconds = timed_generate(engine, prompts, sampling, device)
+        stats = dict(engine.last_stats)
+        greedy = first_tokens(engine, prompts)
+    result = _result(out, seconds, device, cpu_seconds)
+    result["engine_stats"] = stats
+    engine.release()
+    return result, greedy
+
+
+def run_vllm(shape, weights, prompts, sampling, args, device, reference) -> dict:
+    if device.type != "cuda":
+        return {"skipped": "vLLM runs on CUDA only"}
+    try:
+        from engine.rollout.vllm_backend import VllmRollout
+    except ImportError as err:
+        return {"skipped": str(err)}
+    start = time.perf_counter()
+    try:
+        engine = VllmRollout(
+            shape,
+            device,
+            1,
+            max_num_seqs=args.max_num_seqs,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
+    except ImportError as err:
+        return {"skipped": str(err)}
+    engine_start = time.perf_counter() - start
+    engine.set_weights(weights)
+    out, seconds, _ = timed_generate(engine, prompts, sampling, device)
+    result = _result(out, seconds, device, peak=False)
+    result.update(engine_start_s=round(engine_start, 1), engine_stats=dict(engine.last_stats))
+    result["greedy_agree_first_token"] = _agree(first_tokens(engine, prompts), reference)
+    return result
+
+
+def run_transformers(shape, weights, prompts, sampling, device, reference) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.rollout.vllm_backend import write_hf_config
+
+    config = AutoConfig.from_pretrained(write_hf_config(shape))
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=shape.dtype, attn_implementation="sdpa").eval()
+    state = {}
+    for name, shard in weights.params.items():
+        rule, layer = match_rule(name)
+        state.update(zip(hf_names(rule, layer), hf_from_shards(rule, [shard], shape)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    ids = torch.tensor(prompts, device=device)
+
+    def generate(new: int, do_sample: bool = True) -> torch.Tensor:
+        with torch.no_grad():
+            return model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=do_sample,
+                temperature=sampling.temperature if do_sample else None,
+                top_k=0 if do_sample else None,
+                top_p=1.0 if do_sample else None,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+
+    generate(8)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start, cpu_start = synced(device), time.process_time()
+    out = generate(sampling.max_new_tokens)
+    seconds, cpu_seconds = synced(device) - start, time.process_time() - cpu_start
+    tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    result = _tokens_result(tokens, seconds, device, cpu_seconds)
+    first = generate(1, do_sample=False)[:32, -1].cpu()
+    result["greedy_agree_first_token"] = _agree(first, reference)
+    return result
+
+
+@contextlib.contextmanager
+def _patched(module, name, value):
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+def _agree(tokens: torch.Tensor, reference: torch.Tensor) -> float:
+    return round((tokens.cpu() == reference.cpu()).float().mean().item(), 3)
+
+
+def _result(
+    out, seconds: float, device: torch.device, cpu_seconds: float | None = None, peak: bool = True
+) -> dict:
+    return _tokens_result(int(out.response_mask.sum()), seconds, device, cpu_seconds, peak)
+
+
+def _tokens_result(
+    tokens: int, seconds: float, device, cpu_seconds: float | None = None, peak: bool = True
+) -> dict:
+    """Throughput; on CPU also per process CPU second (steadier than wall time on a shared machine)."""
+    result = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds)}
+    if device.type == "cpu" and cpu_seconds:
+        result["tokens_per_cpu_s"] = round(tokens / cpu_seconds)
+    if peak and device.type == "cuda":
+        result["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    tiny = args.preset == "tiny"
+    args.prompts = args.prompts or (64 if tiny else 512)
+    args.prompt_len = args.prompt_len or (32 if tiny else 256)
+    args.new_tokens = args.new_tokens or (64 if tiny else 512)
+    args.max_num_seqs = args.max_num_seqs or args.prompts
+    wanted = args.backends.split(",")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    groups = init_distributed(ParallelDims(world_size=1), device_type)  # vLLM joins this world
+    device = groups.device
+    if device.type == "cpu":
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    shape = model_shape(args.preset)
+    weights = random_rollout_weights(shape, device, args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(0, shape.vocab_size, (args.prompts, args.prompt_len), generator=gen).tolist()
+    sampling = SamplingParams(
+        temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=args.seed
+    )
+    params = sum(t.numel() for t in weights.params.values())
+    report = {
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dtype": str(shape.dtype).removeprefix("torch."),
+        "parameters": params,
+        "prompts": args.prompts,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "temperature": 1.0,
+        "results": {},
+    }
+    results = report["results"]
+    reference = None
+    if "native" in wanted or "vllm" in wanted or "transformers" in wanted:
+        results["native"], reference = run_native(shape, weights, prompts, sampling, args, device)
+        if args.compare_shims and device.type == "cpu":
+            results["native_with_shim_overhead"], _ = run_native(
+                shape, weights, prompts, sampling, args, device, shim_overhead=True
+            )
+    if "vllm" in wanted:
+        results["vllm"] = run_vllm(shape, weights, prompts, sampling, args, device, reference)
+    if "transformers" in wanted:
+        results["transformers"] = run_transformers(shape, weights, prompts, sampling, device, reference)
+    key = "tokens_per_cpu_s" if device.type == "cpu" else "tokens_per_s"  # CPU: steadier on a shared machine
+    base = results.get("transformers", {}).get(key)
+    for name, r in results.items():
+        if base and key in r and name != "transformers":
+            r["speedup_vs_transformers"] = round(r[key] / base, 2)
+    line = json.dumps(report)
+    print(line, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
