@@ -92,6 +92,8 @@ class NativeRollout(RolloutEngine):
     ):
         device = torch.device(device)
         on_cuda = device.type == "cuda"
+        if on_cuda and device.index is None:  # compare equal to the weights' cuda:<i>
+            device = torch.device("cuda", torch.cuda.current_device())
         if max_num_seqs < 1:
             raise ValueError(f"rollout.max_num_seqs={max_num_seqs} must be >= 1")
         if cuda_graphs and not on_cuda:

@@ -17,8 +17,11 @@ the weights are overwritten at every wake-up anyway, so level 1's copy of them t
 and wakes up in two steps around the weight copy (weights, then KV cache) to keep the peak low. The prefix
 cache is reset after each copy (cached blocks were computed with the old weights).
 
-Sampling: each row (prompt, sample) is its own request with its own seed, derived from
-SamplingParams.seed and the row index, so results do not depend on batch composition. Log-probs:
+Sampling: each row (prompt, sample) is its own request, in row order. vLLM draws from the default CUDA
+generator of this process, which `generate` seeds with SamplingParams.seed first: the same inputs and seed
+give the same responses (vLLM's schedule is deterministic), and the ranks of a TP group draw the same tokens.
+Per-request seeds (`per_request_seeds=True`: results independent of batch composition) make vLLM's sampler
+loop over the requests in Python at every step, a large slowdown at hundreds of sequences. Log-probs:
 `logprobs_mode="processed_logprobs"`, i.e. after temperature and, where top-k/top-p are set, over the
 truncated distribution (vLLM renormalises there); without truncation this is the contract of
 engine/rollout/base.py (full-vocabulary softmax(logits / T); T = 1 when greedy).
@@ -29,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -135,6 +139,7 @@ class VllmRollout(RolloutEngine):
         model_dir: str | None = None,
         enforce_eager: bool = False,
         sleep_level: int = 2,
+        per_request_seeds: bool = False,
     ):
         vllm = import_vllm()
         device = torch.device(device)
@@ -144,7 +149,9 @@ class VllmRollout(RolloutEngine):
             )
         self.shape, self.device, self.pad_id, self.rollout_tp = shape, device, pad_id, rollout_tp
         self.max_model_len = max_model_len or shape.max_position_embeddings
-        self.sleep_level = sleep_level
+        self.sleep_level, self.per_request_seeds = sleep_level, per_request_seeds
+        # external_launcher needs the engine core in this process (vLLM asserts it; set it rather than fail)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.llm = vllm.LLM(
             model=model_dir or write_hf_config(shape),
             skip_tokenizer_init=True,
@@ -192,6 +199,7 @@ class VllmRollout(RolloutEngine):
         self.weights = weights
 
     def _wake_and_load(self) -> None:
+        start = time.perf_counter()
         if self._asleep:
             self.llm.wake_up(tags=["weights"])
         w = self.weights
@@ -205,36 +213,39 @@ class VllmRollout(RolloutEngine):
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
         self.llm.reset_prefix_cache()
+        torch.cuda.synchronize(self.device)
+        self.last_stats["wake_load_s"] = round(time.perf_counter() - start, 3)
 
     def release(self) -> None:
         """Sleep: free the KV cache and the weights' memory until the next generate."""
         if not self._asleep:
+            start = time.perf_counter()
             self.llm.sleep(level=self.sleep_level)
             self._asleep = True
+            self.last_stats["sleep_s"] = round(time.perf_counter() - start, 3)
 
     def _requests(self, prompts: list[list[int]], sampling: SamplingParams):
+        """(vLLM prompts, SamplingParams: one shared, or one per row with its own seed), in row order."""
         from vllm.inputs import TokensPrompt
 
-        stops = [] if sampling.ignore_eos else list(sampling.stop_token_ids)
-        inputs, params = [], []
-        for p, ids in enumerate(prompts):
-            for j in range(sampling.n):
-                inputs.append(TokensPrompt(prompt_token_ids=list(ids)))
-                params.append(
-                    self._vllm.SamplingParams(
-                        n=1,
-                        temperature=sampling.temperature,
-                        top_p=sampling.top_p,
-                        top_k=sampling.top_k if sampling.top_k > 0 else 0,
-                        max_tokens=sampling.max_new_tokens,
-                        stop_token_ids=stops,
-                        ignore_eos=True,  # stops are exactly stop_token_ids (no tokenizer, no implicit EOS)
-                        logprobs=0,
-                        seed=row_seed(sampling.seed, p * sampling.n + j),
-                        detokenize=False,
-                    )
-                )
-        return inputs, params
+        def params(seed: int | None):
+            return self._vllm.SamplingParams(
+                n=1,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,  # 0 = off in vLLM too
+                max_tokens=sampling.max_new_tokens,
+                stop_token_ids=[] if sampling.ignore_eos else list(sampling.stop_token_ids),
+                ignore_eos=True,  # stops are exactly stop_token_ids (no tokenizer, no implicit EOS)
+                logprobs=0,
+                seed=seed,
+                detokenize=False,
+            )
+
+        inputs = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts for _ in range(sampling.n)]
+        if not self.per_request_seeds:
+            return inputs, params(None)
+        return inputs, [params(row_seed(sampling.seed, r)) for r in range(len(inputs))]
 
     def sequence_log_probs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
         """vLLM's log-prob of every token but the first of each sequence (teacher forcing, temperature 1), for
@@ -268,6 +279,7 @@ class VllmRollout(RolloutEngine):
         if rows:
             self._wake_and_load()
             inputs, params = self._requests(prompts, sampling)
+            torch.cuda.manual_seed(sampling.seed)  # vLLM samples from this process's default CUDA generator
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
             for r, out in enumerate(outputs):
                 completion = out.outputs[0]

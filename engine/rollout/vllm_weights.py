@@ -152,7 +152,8 @@ def load_rollout_weights(
         written.add(target)
         stats["tensors"] += 1
         stats["bytes_copied"] += dst.numel() * dst.element_size()
-    missing = sorted(set(vllm_params) - written)
+    # k_scale / v_scale / q_scale / prob_scale: attention layers' KV-cache quantisation scales, not weights
+    missing = sorted(n for n in set(vllm_params) - written if not n.rsplit(".", 1)[-1].endswith("_scale"))
     if missing:
         raise KeyError(f"rollout weights leave vLLM parameters unwritten: {missing[:6]}")
     return stats
