@@ -82,16 +82,26 @@ class DecodeGraphs:
         return out
 
     def _capture(self, bucket: int, step: Callable[[int], torch.Tensor]):
-        # warm up on a side stream (initialises cuBLAS/NCCL state outside the capture), then capture
+        """Warm up on a side stream (cuBLAS/NCCL state is set up outside the capture), then capture there.
+
+        `capture_begin`/`capture_end` rather than the `torch.cuda.graph` context: that one also runs
+        `gc.collect()` and `empty_cache()` on entry, ~0.1 s with a large Python heap, paid for every bucket
+        of every rollout (the graphs are re-captured whenever the weights move)."""
+        current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        side.wait_stream(current)
         with torch.cuda.stream(side):
             for _ in range(2):
                 step(bucket)
-        torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = step(bucket)
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=self._pool)
+            try:
+                out = step(bucket)
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
         return graph, out

@@ -118,8 +118,9 @@ def test_graphs_and_eager_generate_the_same(tiny, dtype):
         assert torch.equal(graphed.response_ids, eager.response_ids)
         torch.testing.assert_close(graphed.log_probs, eager.log_probs, atol=1e-4, rtol=0)
         assert graphed.finish_reasons == eager.finish_reasons
-    else:  # bf16: attention over the whole cache vs cur + 1 keys rounds differently; compare the start
-        assert torch.equal(graphed.response_ids[:, :2], eager.response_ids[:, :2])
+    else:  # bf16: attention over the whole cache vs cur + 1 keys rounds differently: near ties may flip
+        assert torch.equal(graphed.response_ids[:, 0], eager.response_ids[:, 0])  # from the same prefill
+        assert (graphed.response_ids[:, :4] == eager.response_ids[:, :4]).all(-1).float().mean() >= 0.9
     sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=16, seed=9)
     assert torch.equal(
         graphed_engine.generate(prompts, sampled).response_ids,
