@@ -16,6 +16,11 @@ GQA in decode: the query heads of a KV group are folded into the query-length ax
 group, dim) against (b, groups, keys, dim), so every SDPA kernel that takes a mask runs it without copying
 K/V per head. Prefill repeats K/V per head instead (a transient of the size of q) so that its mask stays
 (u, 1, s, s) instead of growing with the heads.
+
+Kernels: both steps pass SDPA an explicit boolean mask (left padding in prefill; padding and unwritten
+positions in decode), which rules out the flash kernel; on GPU they run PyTorch's memory-efficient kernel.
+Packing the prefill into one variable-length sequence (flash varlen) would lift that; not done: prefill is
+a small share of a long rollout, and decode reads the whole cache anyway.
 """
 
 from __future__ import annotations
