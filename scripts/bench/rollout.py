@@ -293,6 +293,8 @@ def main() -> None:
             results["native_with_shim_overhead"], _ = run_native(
                 shape, weights, prompts, sampling, args, device, shim_overhead=True
             )
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # vLLM checks free memory against --gpu-memory-utilization at start
     if "vllm" in wanted:
         results["vllm"] = run_vllm(shape, weights, prompts, sampling, args, device, reference)
     if "transformers" in wanted:
