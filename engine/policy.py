@@ -22,7 +22,6 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.module import Float16Module
 
 from engine.config import OptimConfig
 from engine.models.builder import ModelShape
@@ -57,9 +56,9 @@ class MegatronRole:
         self.groups, self.shape, self.is_critic = groups, shape, is_critic
         config = chunks[0].config
         self.config = config
-        half = shape.dtype != torch.float32
-        if half:
-            chunks = [Float16Module(config, c) for c in chunks]
+        # No Float16Module: the chunks are built with bf16/fp16 parameters already, and its only other job,
+        # casting the last stage's whole (b, s, vocab) output to fp32, is done by `run` on the response
+        # window alone (a third of the memory traffic when prompts are a third of the sequence).
         self.trainable = optim is not None
         if not self.trainable:
             for c in chunks:
@@ -117,7 +116,8 @@ class MegatronRole:
         self, micro_batches: list[dict], loss_fn: LossFn, *, forward_only: bool, temperature: float = 1.0
     ) -> list[dict]:
         """Run `micro_batches` (each: `tokens`, `positions` (b, s) plus whatever loss_fn reads; all the same
-        shape) through the schedule; returns loss_fn's metric dicts on the last PP stage ([] elsewhere)."""
+        shape) through the schedule; returns loss_fn's metric dicts on the last PP stage ([] elsewhere).
+        An actor micro-batch with `logits_window` (start, end) hands loss_fn only those positions' logits."""
         if not forward_only:
             for c in self.chunks:
                 c.zero_grad_buffer()
@@ -130,9 +130,14 @@ class MegatronRole:
             out = model(mb["tokens"], mb["positions"], None)
 
             def loss_func(output):
+                if not self.is_critic and "logits_window" in mb:  # positions that predict response tokens
+                    start, end = mb["logits_window"]
+                    output = output[:, start:end]
                 output = output.float()
                 if not self.is_critic:
-                    output = mask_padded_vocab(output / temperature, self.shape.vocab_size, tp_rank)
+                    if temperature != 1.0:
+                        output = output / temperature
+                    output = mask_padded_vocab(output, self.shape.vocab_size, tp_rank)
                 loss, metrics = loss_fn(output, mb)
                 return loss, torch.zeros((), dtype=torch.int, device=loss.device), metrics
 

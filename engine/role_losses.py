@@ -20,10 +20,18 @@ ACTOR_METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entro
 CRITIC_METRICS = ("vf_loss", "vf_clipfrac", "vpred_mean")
 
 
+def _window(logits_local: torch.Tensor, mb: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits (b, w, vocab/tp), targets (b, w), index (b, T) into w) of the positions that predict response
+    tokens: MegatronRole.run already cut the logits to mb["logits_window"] when the micro-batch has one."""
+    if "logits_window" in mb:
+        return logits_local, mb["window_targets"], mb["window_index"]
+    return logits_local[:, :-1], mb["tokens"][:, 1:], mb["response_index"]
+
+
 def response_log_probs(logits_local: torch.Tensor, mb: dict) -> torch.Tensor:
-    """(b, T) log-probs of the response tokens from vocab-parallel logits (b, s, vocab/tp)."""
-    logp_bs = token_log_probs(logits_local[:, :-1], mb["tokens"][:, 1:])  # (b, s-1)
-    return logp_bs.gather(1, mb["response_index"])
+    """(b, T) log-probs of the response tokens from vocab-parallel logits."""
+    logits, targets, index = _window(logits_local, mb)
+    return token_log_probs(logits, targets).gather(1, index)
 
 
 def log_prob_fn(logits_local: torch.Tensor, mb: dict):
@@ -43,7 +51,8 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, tp_group: dist.Proc
         # entropy BEFORE log-probs: megatron's vocab_parallel_cross_entropy exponentiates its input in place,
         # and logits_local[:, :-1] is that input itself (not a copy) when the micro-batch has one row
         with torch.set_grad_enabled(alg.entropy_coef > 0 and torch.is_grad_enabled()):
-            ent = token_entropy(logits_local[:, :-1], tp_group).gather(1, mb["response_index"])
+            logits, _, index = _window(logits_local, mb)
+            ent = token_entropy(logits, tp_group).gather(1, index)
         logp = response_log_probs(logits_local, mb)
         old = mb.get(
             "old_log_probs", logp.detach()
