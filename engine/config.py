@@ -94,6 +94,10 @@ class RolloutConfig:
     """vLLM: fraction of GPU memory for weights + KV cache."""
     max_num_seqs: int = 256
     """vLLM / native: most sequences decoded at once."""
+    cuda_graphs: bool = True
+    """native on CUDA: replay captured decode steps (CUDA graphs); false = eager decode."""
+    kv_cache_memory_fraction: float = 0.5
+    """native on CUDA: fraction of free GPU memory for the KV cache (batches that do not fit are chunked)."""
 
 
 @dataclass

@@ -269,6 +269,8 @@ def _validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
     _positive("rollout.max_new_tokens", r.max_new_tokens)
     if r.val_temperature < 0:
         _fail("rollout.val_temperature", r.val_temperature, "must be >= 0", "use 0 for greedy validation")
+    if not 0.0 < r.kv_cache_memory_fraction < 1.0:
+        _fail("rollout.kv_cache_memory_fraction", r.kv_cache_memory_fraction, "must lie in (0, 1)", "use 0.5")
     if not 0.0 < r.gpu_memory_utilization < 1.0:
         _fail("rollout.gpu_memory_utilization", r.gpu_memory_utilization, "must lie in (0, 1)", "use 0.5")
 

@@ -19,7 +19,14 @@ def build_rollout_engine(
     if r.backend == "native":
         from engine.rollout.native import NativeRollout
 
-        return NativeRollout(shape, device, r.max_num_seqs, pad_id)
+        return NativeRollout(
+            shape,
+            device,
+            r.max_num_seqs,
+            pad_id,
+            cuda_graphs=r.cuda_graphs if device.type == "cuda" else None,
+            kv_cache_memory_fraction=r.kv_cache_memory_fraction,
+        )
     if r.backend == "vllm":
         from engine.rollout.vllm_backend import VllmRollout
 

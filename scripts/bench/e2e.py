@@ -43,6 +43,8 @@ def run_ours(args, out_dir: str) -> dict:
         f"parallel.tp={args.tp}",
         f"parallel.pp={args.pp}",
         f"trainer.micro_batch_size={args.micro_batch}",
+        f"trainer.max_tokens_per_micro_batch={args.max_tokens}",
+        f"rollout.max_num_seqs={args.max_num_seqs}",
         f"trainer.total_steps={args.steps}",
         "trainer.test_freq=0",
         "trainer.loggers=[jsonl]",
@@ -124,6 +126,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--response-len", type=int, default=512)
     ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument(
+        "--max-tokens", type=int, default=16384, help="trainer.max_tokens_per_micro_batch (0 = off)"
+    )
+    ap.add_argument("--max-num-seqs", type=int, default=512, help="rollout.max_num_seqs")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--baseline", default="none", choices=["none", "trl"])
     ap.add_argument("extra", nargs="*", help="more key=value overrides for engine.train")
