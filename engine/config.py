@@ -262,6 +262,12 @@ class CriticConfig:
 class RewardConfig:
     fn: str = ""
     """User reward `module:function` or `path/to/file.py:function`; empty = built-in by data_source."""
+    model_path: str = ""
+    """Local HF reward model (*ForSequenceClassification/*ForTokenClassification, num_labels=1, the actor's
+    tokenizer), frozen in the actor's layout, scored at the last token of prompt + response; empty = none."""
+    combine: str = "model"
+    """With model_path: `model` (the model's score alone; reward.fn must be empty) or `sum` (model score +
+    the reward.fn / built-in rule score)."""
 
 
 @dataclass

@@ -12,9 +12,10 @@ from engine.config import ModelConfig, TrainConfig
 from engine.data import PromptLoader, PromptRecord, load_prompt_dataset, load_tokenizer
 from engine.metrics import MetricsLogger
 from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape
-from engine.models.hf import check_tp_layout, load_hf_weights
+from engine.models.hf import HFCheckpoint, check_tp_layout, load_hf_weights
 from engine.models.hf_config import model_config_from_hf
 from engine.policy import MegatronRole
+from engine.reward_model import RewardModel
 from engine.rewards import build_reward_fn
 from engine.rollout import build_rollout_engine
 from engine.rollout.base import RolloutEngine
@@ -41,12 +42,15 @@ class Components:
     weight_sync: object
     rollout: RolloutEngine
     reward_fn: object
+    """Rule/user scores of decoded responses; None when reward.model_path scores alone (combine=model)."""
     loader: PromptLoader
     val_batches: list[list[PromptRecord]]
     logger: MetricsLogger
     rollout_weights: object = None
     critic: MegatronRole | None = None
     """The value model; built only for algorithm.adv_estimator=gae."""
+    reward_model: RewardModel | None = None
+    """The frozen reward model; built only when reward.model_path is set."""
 
 
 def _data_files(cfg: TrainConfig, output_dir: str) -> tuple[str, list[str], list[str]]:
@@ -131,6 +135,35 @@ def build_critic(
     return MegatronRole(chunks, groups, shape, optim, total_optimizer_steps=total_steps, is_critic=True)
 
 
+def build_reward_model(cfg: TrainConfig, vocab_size: int, groups: ProcessGroups, pad_id: int) -> RewardModel:
+    """The frozen reward model from reward.model_path: the actor's layout and dtype, its value head from
+    the checkpoint's `score.weight` (required)."""
+    path = cfg.reward.model_path
+    shape = model_shape(replace(cfg.model, path=path), vocab_size, groups.dims.tp)
+    if shape.vocab_size < vocab_size:
+        raise ValueError(
+            f"reward.model_path={path!r} has a vocabulary of {shape.vocab_size} tokens, fewer than the "
+            f"tokenizer's {vocab_size}: the reward model must share the actor's tokenizer"
+        )
+    with HFCheckpoint(path) as ckpt:
+        if "score.weight" not in ckpt:
+            raise ValueError(
+                f"reward.model_path={path!r} has no score.weight: point it at a trained reward model "
+                "(*ForSequenceClassification with num_labels=1)"
+            )
+    chunks = build_gpt_chunks(
+        shape,
+        groups.dims,
+        init_std=cfg.model.init_std,
+        recompute=False,
+        device=groups.device,
+        value_head=True,
+    )
+    load_hf_weights(chunks, path, shape, groups)
+    role = MegatronRole(chunks, groups, shape, None, is_critic=True)
+    return RewardModel(role, pad_id, seq_multiple=groups.dims.tp if groups.dims.sp else 1)
+
+
 def _variable_shapes(roles: list[MegatronRole | None], cfg: TrainConfig, pp: int) -> None:
     """Token-budget micro-batches differ in shape: with PP, let the stages exchange shapes first."""
     if cfg.trainer.max_tokens_per_micro_batch and pp > 1:
@@ -173,7 +206,10 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
     steps = cfg.trainer.total_steps * alg.ppo_epochs * alg.num_mini_batches
     actor = MegatronRole(actor_chunks, groups, shape, cfg.optim, total_optimizer_steps=steps)
     critic = build_critic(cfg, shape, len(tokenizer), groups, steps) if alg.adv_estimator == "gae" else None
-    _variable_shapes([actor, reference, critic], cfg, dims.pp)
+    reward_model = None
+    if cfg.reward.model_path:
+        reward_model = build_reward_model(cfg, len(tokenizer), groups, tokenizer.pad_token_id)
+    _variable_shapes([actor, reference, critic, reward_model and reward_model.role], cfg, dims.pp)
     if cfg.rollout.weight_sync == "naive":
         weight_sync = NaiveGather(actor.chunks, groups, shape.num_layers, shape.tie_embeddings)
     else:
@@ -193,8 +229,10 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
         model_dir=cfg.model.path,
         seed=cfg.trainer.seed,
     )
-    reward_fn = build_reward_fn(cfg.reward.fn)
-    reward_fn.check_data_sources([r.data_source for r in records])
+    reward_fn = None
+    if not reward_model or cfg.reward.combine == "sum":
+        reward_fn = build_reward_fn(cfg.reward.fn)
+        reward_fn.check_data_sources([r.data_source for r in records])
     logger = MetricsLogger(
         output_dir,
         list(cfg.trainer.loggers),
@@ -217,4 +255,5 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
         val_batches=_val_batches(val_records, groups, cfg.data.batch_size // dims.dp),
         logger=logger,
         critic=critic,
+        reward_model=reward_model,
     )

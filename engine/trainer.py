@@ -125,9 +125,19 @@ class Trainer:
             for r in range(out.response_ids.shape[0])
         ]
         rec = [records[r // n] for r in range(len(texts))]
-        scores = self.c.reward_fn(
-            [x.data_source for x in rec], texts, [x.ground_truth for x in rec], [x.extra_info for x in rec]
-        )
+        scores = torch.zeros(len(texts), dtype=torch.float32)
+        if self.c.reward_fn is not None:
+            scores = self.c.reward_fn(
+                [x.data_source for x in rec],
+                texts,
+                [x.ground_truth for x in rec],
+                [x.extra_info for x in rec],
+            )
+        if self.c.reward_model is not None:  # combine=model: alone; combine=sum: added to the rule score
+            prompts = [r.prompt_ids for r in records]
+            scores = scores + self.c.reward_model(
+                prompts, out.response_ids, out.response_mask, n, self.batcher
+            )
         penalty = None
         if alg.overlong_buffer_len > 0:
             penalty = overlong_penalty(

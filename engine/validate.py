@@ -45,6 +45,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     _validate_batches(cfg, dims)
     _validate_optim(cfg)
     _validate_trainer(cfg)
+    _validate_reward(cfg)
     return dims
 
 
@@ -375,4 +376,28 @@ def _validate_trainer(cfg: TrainConfig) -> None:
             t.resume,
             "is neither auto, off nor an existing checkpoint directory",
             "use trainer.resume=auto to continue from the latest checkpoint in trainer.output_dir",
+        )
+
+
+def _validate_reward(cfg: TrainConfig) -> None:
+    from engine.reward_model import check_reward_model_dir
+
+    r = cfg.reward
+    _one_of("reward.combine", r.combine, ("model", "sum"))
+    if not r.model_path:
+        return
+    why = check_reward_model_dir(r.model_path)
+    if why:
+        _fail(
+            "reward.model_path",
+            r.model_path,
+            why,
+            "point it at a local HF reward model saved with save_pretrained (num_labels=1)",
+        )
+    if r.combine == "model" and r.fn:
+        _fail(
+            "reward.fn",
+            r.fn,
+            "would be ignored: reward.combine=model scores with the reward model alone",
+            "set reward.combine=sum to add it to the model's score, or reward.fn=''",
         )

@@ -52,14 +52,22 @@ def _config(family: str, **overrides):
 
 
 def save_tiny(family: str, out_dir: str, seed: int = 0, head: str = "causal", **overrides) -> str:
-    """Save a random `family` model to `out_dir`; head is `causal` or `token` (num_labels=1: a critic)."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    """Save a random `family` model to `out_dir`; head is `causal`, `token` (num_labels=1: a critic) or
+    `sequence` (num_labels=1: a reward model)."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
 
     torch.manual_seed(seed)
     config = _config(family, **overrides)
     if head == "token":
         config.num_labels = 1
         model = AutoModelForTokenClassification.from_config(config)
+    elif head == "sequence":
+        config.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(config)
     else:
         model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out_dir)
