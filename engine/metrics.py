@@ -16,26 +16,35 @@ import torch
 
 
 class PhaseTimer:
-    """Wall-clock seconds per phase of a step (`timing/<phase>`), device-synchronised on GPU."""
+    """Wall-clock seconds per phase of a step (`timing/<phase>`), device-synchronised on GPU; on CUDA also
+    the peak allocated memory of each phase (`perf/max_memory_allocated_gb/<phase>`: the peak statistics
+    are reset when a phase starts, so a phase's number is its own peak, not the step's so far)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.seconds: dict[str, float] = {}
+        self.peak_gb: dict[str, float] = {}
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:
             torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         try:
             yield
         finally:
-            if self.device.type == "cuda":
+            if cuda:
                 torch.cuda.synchronize(self.device)
+                peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+                self.peak_gb[name] = max(self.peak_gb.get(name, 0.0), peak)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def as_metrics(self) -> dict[str, float]:
-        return {f"timing/{k}": v for k, v in self.seconds.items()}
+        out = {f"timing/{k}": v for k, v in self.seconds.items()}
+        out.update({f"perf/max_memory_allocated_gb/{k}": v for k, v in self.peak_gb.items()})
+        return out
 
 
 class MetricsLogger:

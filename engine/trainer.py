@@ -321,7 +321,7 @@ class Trainer:
             **actor_metrics,
             **timer.as_metrics(),
         }
-        metrics.update(self._perf_metrics(exp, timer.seconds))
+        metrics.update(self._perf_metrics(exp, timer.seconds, timer.peak_gb))
         metrics["data/epoch"] = c.loader.epoch
         return metrics
 
@@ -361,7 +361,9 @@ class Trainer:
         out["rollout/logprob_mean"] = self._stats(exp.tensors["rollout_log_probs"][mask])[0]
         return out
 
-    def _perf_metrics(self, exp: Experience, seconds: dict[str, float]) -> dict[str, float]:
+    def _perf_metrics(
+        self, exp: Experience, seconds: dict[str, float], peak_gb: dict[str, float]
+    ) -> dict[str, float]:
         g, c = self.c.groups, self.c
         seq_lens = exp.prompt_lens + exp.response_mask.sum(-1).long()
         flops = train_flops(c.shape, seq_lens) * self.cfg.algorithm.ppo_epochs
@@ -377,7 +379,10 @@ class Trainer:
         if g.device.type == "cuda":
             peak = self.cfg.cluster.peak_tflops
             out["perf/mfu/actor"] = mfu(flops, seconds["update_actor"], world, peak)
-            out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(g.device) / 2**30
+            # PhaseTimer resets the peak at each phase start: the step's peak is the largest of the phases'
+            # and of what ran since the last one started
+            since_last = torch.cuda.max_memory_allocated(g.device) / 2**30
+            out["perf/max_memory_allocated_gb"] = max([since_last, *peak_gb.values()])
         return out
 
     def validate(self) -> dict[str, float]:
