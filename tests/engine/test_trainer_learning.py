@@ -5,8 +5,8 @@ TP=1 x DP=2 (world size 2); one torchrun launch per layout (tests/engine/learnin
 Margin: a run that does not learn stays at the first-10 mean (~0.03) within ~0.005 (the 10-step mean of a
 per-step reward with std ~0.015). Measured last-10 minus first-10 at 40 steps: DP=2 seeds 1/2/3: GRPO +0.025,
 +0.064, +0.041; PPO +0.19, +0.17, +0.028; TP=2 x PP=2 seed 1: GRPO +0.127, PPO +0.103. CPU runs with one
-thread per rank are deterministic (a second launch of each repeated these numbers), so the seeds below (2 at DP=2, 1 at TP=2 x PP=2) pass by 3x the margin
-or more; 0.02 holds on every seed tried.
+thread per rank are deterministic (a second launch repeated these numbers), so the seeds below (2 at DP=2,
+1 at TP=2 x PP=2) pass by 3x the margin or more; 0.02 holds on every seed tried.
 """
 
 from __future__ import annotations
