@@ -106,3 +106,16 @@ def with_config(src: str, out_dir: str, **changes) -> str:
     with open(file, "w") as f:
         json.dump(config, f)
     return out_dir
+
+
+def hf_reward_scores(model_dir: str, exp) -> torch.Tensor:
+    """transformers' float32 score of each row of Experience `exp` (prompt + response, unpadded, one row at a
+    time: the pooled logit of a sequence classifier is its last token's)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    lengths = exp.prompt_lens + exp.response_mask.sum(-1).long()
+    with torch.no_grad():
+        return torch.stack(
+            [model(exp.tokens[r : r + 1, : int(lengths[r])]).logits[0, 0] for r in range(len(lengths))]
+        )

@@ -22,23 +22,12 @@ def reward_dir(tmp_path_factory):
     return hf_tiny.save_tiny("qwen2", out, seed=3, head="sequence", vocab_size=len(EMBEDDED_VOCAB))
 
 
-def _hf_scores(reward_dir: str, exp) -> torch.Tensor:
-    from transformers import AutoModelForSequenceClassification
-
-    model = AutoModelForSequenceClassification.from_pretrained(reward_dir, torch_dtype=torch.float32).eval()
-    lengths = exp.prompt_lens + exp.response_mask.sum(-1).long()
-    with torch.no_grad():  # one unpadded sequence at a time: the pooled logit is its last token's
-        return torch.stack(
-            [model(exp.tokens[r : r + 1, : int(lengths[r])]).logits[0, 0] for r in range(len(lengths))]
-        )
-
-
 def test_reward_is_the_hf_score_at_the_last_token_through_two_steps(reward_dir, tmp_path):
     out = str(tmp_path / "model")
     trainer = run_job([f"reward.model_path={reward_dir}"], out)
     check_finite(read_metrics(out), 2, ("reward/mean", "timing/reward"))
     exp = trainer.last_experience
-    expected = _hf_scores(reward_dir, exp)
+    expected = hf_tiny.hf_reward_scores(reward_dir, exp)
     assert expected.std() > 0  # a random classifier tells responses apart
     # float32 on both sides; differences are summation order only
     torch.testing.assert_close(exp.tensors["scores"], expected, atol=1e-4, rtol=1e-4)
@@ -46,7 +35,9 @@ def test_reward_is_the_hf_score_at_the_last_token_through_two_steps(reward_dir, 
     out_sum = str(tmp_path / "sum")
     trainer = run_job([f"reward.model_path={reward_dir}", "reward.combine=sum"], out_sum)
     exp = trainer.last_experience
-    rule = exp.tensors["scores"] - _hf_scores(reward_dir, exp)  # the embedded rule's score: 0..1
+    rule = exp.tensors["scores"] - hf_tiny.hf_reward_scores(
+        reward_dir, exp
+    )  # the embedded rule's score: 0..1
     assert float(rule.min()) >= -1e-4 and float(rule.max()) <= 1 + 1e-4, rule
 
 

@@ -202,7 +202,8 @@ CRITIC_KEYS = (
 
 
 def main(out_root: str) -> None:
-    """World size 4: the jobs below in sequence, then the dynamic-batching parity at TP=2 x PP=2."""
+    """World size 4: the jobs below in sequence (the last scored by a reward model at TP=2 x PP=2), then the
+    dynamic-batching parity at TP=2 x PP=2."""
     rank = int(os.environ.get("RANK", "0"))
     jobs = {
         "ppo_tp2_pp2": (
@@ -229,13 +230,24 @@ def main(out_root: str) -> None:
             ],
         ),
     }
+    reward_model = os.path.join(out_root, "reward_model")  # saved by the test before the launch
+    jobs["grpo_reward_model_tp2_pp2"] = (
+        2,
+        ["parallel.tp=2", "parallel.pp=2", "rollout.tp=2", f"reward.model_path={reward_model}"],
+    )
     for name, (steps, overrides) in jobs.items():
         out = os.path.join(out_root, name)
         start = time.perf_counter()
-        run_job([*overrides, f"trainer.test_freq={steps}"], out, keep_process_group=True)
+        trainer = run_job([*overrides, f"trainer.test_freq={steps}"], out, keep_process_group=True)
         if rank == 0:
             check_finite(read_metrics(out), steps, CRITIC_KEYS if name.startswith("ppo") else ())
             print(f"job {name} ok in {time.perf_counter() - start:.1f} s", flush=True)
+        if rank == 0 and name.startswith("grpo_reward_model"):
+            import hf_tiny
+
+            exp = trainer.last_experience
+            diff = (exp.tensors["scores"] - hf_tiny.hf_reward_scores(reward_model, exp)).abs().max()
+            print(f"reward_model_max_abs_diff {float(diff)}", flush=True)
     parity = dynamic_batch_parity(
         ["parallel.tp=2", "parallel.pp=2"], os.path.join(out_root, "parity"), 64, True
     )
