@@ -249,6 +249,14 @@ def _validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
         _fail(
             "rollout.backend", "vllm", "vLLM needs cluster.device=cuda", "use rollout.backend=native on CPU"
         )
+    if r.backend == "vllm" and r.tp not in (1, dims.tp):
+        _fail(
+            "rollout.tp",
+            r.tp,
+            f"rollout.backend=vllm groups consecutive ranks into its TP groups, which matches the "
+            f"3D-HybridEngine's rollout groups only for rollout.tp = 1 or parallel.tp = {dims.tp}",
+            f"use rollout.tp=1 or rollout.tp={dims.tp}, or rollout.backend=native",
+        )
     if r.tp < 1 or dims.tp % r.tp:
         divisors = [d for d in range(1, dims.tp + 1) if dims.tp % d == 0]
         _fail("rollout.tp", r.tp, f"must divide parallel.tp={dims.tp}", f"use rollout.tp in {divisors}")

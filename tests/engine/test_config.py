@@ -102,3 +102,16 @@ def test_cli_rejects_bad_config_before_distributed_start():
     )
     assert out.returncode != 0
     assert "rollout.n=1" in out.stderr
+
+
+def test_vllm_needs_rollout_tp_one_or_full():
+    """vLLM's TP groups are consecutive ranks; the HybridEngine's are strided unless t_g is 1 or t."""
+    from engine.validate import _validate_rollout
+    from parallel.dims import ParallelDims
+
+    cfg = composed("rollout.backend=vllm", "rollout.tp=2", "parallel.tp=4")
+    cfg.cluster.device = "cuda"  # checked on its own before this rule; pretend a GPU is visible
+    with pytest.raises(ConfigError, match="rollout.tp=2"):
+        _validate_rollout(cfg, ParallelDims(world_size=4, tp=4))
+    cfg.rollout.tp = 4
+    _validate_rollout(cfg, ParallelDims(world_size=4, tp=4))
