@@ -12,7 +12,18 @@ setup(
     version="0.1.0",
     description="RL post-training (PPO, GRPO and relatives) on megatron-core with a 3D-HybridEngine",
     python_requires=">=3.10",
-    packages=find_packages(include=["engine", "engine.*", "parallel", "parallel.*", "algorithms", "algorithms.*", "conf", "conf.*"]),
+    packages=find_packages(
+        include=[
+            "engine",
+            "engine.*",
+            "parallel",
+            "parallel.*",
+            "algorithms",
+            "algorithms.*",
+            "conf",
+            "conf.*",
+        ]
+    ),
     package_data={"conf": ["*.yaml", "*/*.yaml"], "engine": ["assets/*"]},
     include_package_data=True,
     install_requires=[

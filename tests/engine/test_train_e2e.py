@@ -79,6 +79,15 @@ def test_single_process_run(tmp_path):
 def test_four_rank_tp2_pp2_rollout_tp2_run(tmp_path):
     out = tmp_path / "run4"
     run_torchrun(
-        "-m", 4, ["engine.train", f"trainer.output_dir={out}", "parallel.tp=2", "parallel.pp=2", "rollout.tp=2", *SHORT_RUN]
+        "-m",
+        4,
+        [
+            "engine.train",
+            f"trainer.output_dir={out}",
+            "parallel.tp=2",
+            "parallel.pp=2",
+            "rollout.tp=2",
+            *SHORT_RUN,
+        ],
     )
     check_metrics(read_metrics(str(out)), 3)
