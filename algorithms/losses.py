@@ -33,6 +33,12 @@ PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 _POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "policy_loss")
 
 
+def _masked(x_bt: Tensor, name: str, mask_bt: Tensor) -> Tensor:
+    """`x_bt` checked against the mask's shape (ValueError naming `name`), zero on padding."""
+    x_bt = check_like_mask(x_bt, name, mask_bt)
+    return torch.where(mask_bt, x_bt, torch.zeros((), dtype=x_bt.dtype, device=x_bt.device))
+
+
 def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
     """Decorator: register a policy loss with the common signature (see `ppo_policy_loss`) under `name`."""
     return _POLICY_LOSSES.register(name)
@@ -111,22 +117,19 @@ def _prepare(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """Check shapes, zero the padding (so garbage there cannot reach values or gradients), TIS weights."""
     mask_bt = check_mask(mask_bt)
-    zero = torch.zeros((), dtype=log_probs_bt.dtype, device=log_probs_bt.device)
-    log_probs_bt = torch.where(mask_bt, check_like_mask(log_probs_bt, "log_probs_bt", mask_bt), zero)
-    old_bt = torch.where(mask_bt, check_like_mask(old_log_probs_bt, "old_log_probs_bt", mask_bt), zero)
-    advantages_bt = torch.where(mask_bt, check_like_mask(advantages_bt, "advantages_bt", mask_bt), zero)
+    log_probs_bt = _masked(log_probs_bt, "log_probs_bt", mask_bt)
+    old_bt = _masked(old_log_probs_bt, "old_log_probs_bt", mask_bt)
+    advantages_bt = _masked(advantages_bt, "advantages_bt", mask_bt)
     if tis_cap < 0:
         raise ValueError(f"tis_cap={tis_cap!r} must be >= 0 (0 turns truncated importance sampling off)")
     tis_weights_bt = None
     if tis_cap > 0:
         if rollout_log_probs_bt is None:
             raise ValueError(f"rollout_log_probs_bt is required when tis_cap={tis_cap!r} > 0")
-        rollout_bt = torch.where(
-            mask_bt, check_like_mask(rollout_log_probs_bt, "rollout_log_probs_bt", mask_bt), zero
-        )
+        rollout_bt = _masked(rollout_log_probs_bt, "rollout_log_probs_bt", mask_bt)
         # min(exp(x), cap) == exp(min(x, log cap)), which cannot overflow
         log_w_bt = (old_bt - rollout_bt).detach().clamp(max=math.log(tis_cap))
-        tis_weights_bt = torch.where(mask_bt, log_w_bt.exp(), zero)
+        tis_weights_bt = torch.where(mask_bt, log_w_bt.exp(), 0.0)
     return mask_bt, log_probs_bt, old_bt, advantages_bt, tis_weights_bt
 
 
@@ -256,10 +259,9 @@ def value_loss(
     Metrics: vf_clipfrac (clipped term larger), vpred_mean.
     """
     mask_bt = check_mask(mask_bt)
-    zero = torch.zeros((), dtype=values_bt.dtype, device=values_bt.device)
-    values_bt = torch.where(mask_bt, check_like_mask(values_bt, "values_bt", mask_bt), zero)
-    old_bt = torch.where(mask_bt, check_like_mask(old_values_bt, "old_values_bt", mask_bt), zero)
-    returns_bt = torch.where(mask_bt, check_like_mask(returns_bt, "returns_bt", mask_bt), zero)
+    values_bt = _masked(values_bt, "values_bt", mask_bt)
+    old_bt = _masked(old_values_bt, "old_values_bt", mask_bt)
+    returns_bt = _masked(returns_bt, "returns_bt", mask_bt)
     if value_clip < 0:
         raise ValueError(f"value_clip={value_clip!r} must be >= 0 (0 turns value clipping off)")
     losses_bt = (values_bt - returns_bt).square()
