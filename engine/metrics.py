@@ -77,6 +77,21 @@ class MetricsLogger:
 
             self._bar = tqdm(total=total_steps, desc="rl steps", dynamic_ncols=True, leave=True)
 
+    def resume_at(self, step: int) -> None:
+        """Drop metrics.jsonl lines of steps after `step` (a crashed run logged them past its last checkpoint;
+        the resumed run logs them again), so the file holds each step once."""
+        if self._jsonl is None:
+            return
+        path = self._jsonl.name
+        self._jsonl.close()
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+        self._jsonl = open(path, "a", buffering=1)
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return

@@ -401,6 +401,7 @@ class Trainer:
         try:
             checkpointer = Checkpointer(c, stateful={"kl_ctrl": self.kl_ctrl})
             self.step = checkpointer.resume()
+            c.logger.resume_at(self.step)
             self.ref_offload.offload()
             while self.step < t.total_steps:
                 metrics = self.train_step()

@@ -31,3 +31,19 @@ def test_cuda_timer_reports_each_phase_own_peak():
     m = timer.as_metrics()
     assert m["perf/max_memory_allocated_gb/big"] >= 0.25
     assert m["perf/max_memory_allocated_gb/small"] < m["perf/max_memory_allocated_gb/big"] - 0.2
+
+
+def test_resume_drops_lines_logged_after_the_checkpoint(tmp_path):
+    import json
+
+    from engine.metrics import MetricsLogger
+
+    logger = MetricsLogger(str(tmp_path), ["jsonl"], enabled=True, total_steps=6, progress_bar=False)
+    for step in range(1, 6):
+        logger.log(step, {"reward/mean": float(step)})
+    logger.resume_at(3)  # the crashed run had logged steps 4-5 past its step-3 checkpoint
+    logger.log(4, {"reward/mean": 40.0})
+    logger.close()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["reward/mean"] == 40.0
