@@ -40,6 +40,7 @@ from engine.checkpoint import (
 from engine.config import ModelConfig
 from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape
 from engine.models.hf import save_hf_checkpoint
+from engine.models.hf_config import hf_config_from_shape
 from engine.offload import all_onloaded
 from parallel.rollout_weights import global_param_names
 from parallel.state import ProcessGroups
@@ -58,49 +59,6 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     while isinstance(chunk, (DistributedDataParallel, Float16Module)):
         chunk = chunk.module
     return chunk
-
-
-def hf_config_from_shape(
-    shape: ModelShape, special_token_ids: Mapping[str, int | None], dtype: torch.dtype | None = None
-) -> dict[str, Any]:
-    """A transformers config.json for a randomly initialised model: Qwen2 when it has a QKV bias (Qwen2's
-    modeling code hard-codes it), Qwen3 when it has QK-norm, else Llama (which takes any head_dim, tied or
-    untied embeddings and Llama-3 RoPE scaling). RoPE in the layout both transformers 4 and 5 read."""
-    if shape.qkv_bias and shape.qk_norm:
-        raise ValueError("no Hugging Face family has both a QKV bias and QK-norm; cannot write a config.json")
-    model_type = "qwen2" if shape.qkv_bias else "qwen3" if shape.qk_norm else "llama"
-    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[model_type]
-    cfg: dict[str, Any] = {
-        "architectures": [arch],
-        "model_type": model_type,
-        "vocab_size": shape.vocab_size,
-        "hidden_size": shape.hidden_size,
-        "intermediate_size": shape.ffn_hidden_size,
-        "num_hidden_layers": shape.num_layers,
-        "num_attention_heads": shape.num_attention_heads,
-        "num_key_value_heads": shape.num_query_groups,
-        "head_dim": shape.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": shape.max_position_embeddings,
-        "rms_norm_eps": shape.norm_eps,
-        "rope_theta": shape.rope_theta,
-        "tie_word_embeddings": shape.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": str(dtype or shape.dtype).removeprefix("torch."),
-        **{k: v for k, v in special_token_ids.items() if v is not None},
-    }
-    if model_type != "llama":
-        cfg["use_sliding_window"] = False
-    if shape.rope_scaling_factor:
-        cfg["rope_scaling"] = {  # megatron's Llama-3 scaling: only the factor is configurable
-            "rope_type": "llama3",
-            "factor": shape.rope_scaling_factor,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        }
-    return cfg
 
 
 def hf_config_for(

@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.models.builder import ModelShape
 
 HF_CONFIG_FILE = "config.json"
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -147,3 +153,48 @@ def model_config_from_hf(path: str) -> dict[str, Any]:
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
     )
     return overrides
+
+
+def hf_config_from_shape(
+    shape: ModelShape,
+    special_token_ids: Mapping[str, int | None] | None = None,
+    dtype: torch.dtype | None = None,
+) -> dict[str, Any]:
+    """A transformers config.json for a randomly initialised model: Qwen2 when it has a QKV bias (Qwen2's
+    modeling code hard-codes it), Qwen3 when it has QK-norm, else Llama (which takes any head_dim, tied or
+    untied embeddings and Llama-3 RoPE scaling). RoPE in the layout both transformers 4 and 5 read."""
+    if shape.qkv_bias and shape.qk_norm:
+        raise ValueError("no Hugging Face family has both a QKV bias and QK-norm; cannot write a config.json")
+    model_type = "qwen2" if shape.qkv_bias else "qwen3" if shape.qk_norm else "llama"
+    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[model_type]
+    cfg: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.ffn_hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_query_groups,
+        "head_dim": shape.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": shape.norm_eps,
+        "rope_theta": shape.rope_theta,
+        "tie_word_embeddings": shape.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype or shape.dtype).removeprefix("torch."),
+        **{k: v for k, v in (special_token_ids or {}).items() if v is not None},
+    }
+    if model_type != "llama":
+        cfg["use_sliding_window"] = False
+    if shape.rope_scaling_factor:
+        cfg["rope_scaling"] = {  # megatron's Llama-3 scaling: only the factor is configurable
+            "rope_type": "llama3",
+            "factor": shape.rope_scaling_factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    return cfg

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from engine.models.builder import ModelShape
+from engine.models.hf_config import hf_config_from_shape
 from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts, check_sampling
 from engine.rollout.vllm_weights import load_rollout_weights
 from parallel.rollout_weights import RolloutWeights
@@ -58,49 +59,9 @@ def import_vllm():
     return vllm
 
 
-def hf_config_from_shape(shape: ModelShape) -> dict:
-    """A Hugging Face config.json describing `shape` (Qwen2 when it has QKV bias, Qwen3 with QK-norm, else
-    Llama), in transformers 5's layout (`rope_parameters`), for vLLM to build the model from."""
-    if shape.qkv_bias and shape.qk_norm:
-        raise ValueError("no Hugging Face family has both QKV bias and QK-norm; vLLM cannot build this model")
-    family, model_type = (
-        ("Qwen2", "qwen2") if shape.qkv_bias else ("Qwen3", "qwen3") if shape.qk_norm else ("Llama", "llama")
-    )
-    rope = {"rope_type": "default", "rope_theta": shape.rope_theta}
-    if shape.rope_scaling_factor > 0:
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": shape.rope_theta,
-            "factor": shape.rope_scaling_factor,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        }
-    return {
-        "architectures": [f"{family}ForCausalLM"],
-        "model_type": model_type,
-        "hidden_size": shape.hidden_size,
-        "intermediate_size": shape.ffn_hidden_size,
-        "num_hidden_layers": shape.num_layers,
-        "num_attention_heads": shape.num_attention_heads,
-        "num_key_value_heads": shape.num_query_groups,
-        "head_dim": shape.head_dim,
-        "vocab_size": shape.vocab_size,
-        "max_position_embeddings": shape.max_position_embeddings,
-        "rms_norm_eps": shape.norm_eps,
-        "rope_theta": shape.rope_theta,
-        "rope_parameters": rope,
-        "tie_word_embeddings": shape.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "use_sliding_window": False,
-        "torch_dtype": _DTYPE_NAMES[shape.dtype],
-    }
-
-
 def write_hf_config(shape: ModelShape, out_dir: str | None = None) -> str:
-    """Write `hf_config_from_shape(shape)` as `out_dir`/config.json (a fresh temp dir by default)."""
+    """Write `hf_config_from_shape(shape)` (engine/models/hf_config.py, the same config the HF export writes)
+    as `out_dir`/config.json (a fresh temp dir by default), for vLLM to build the model from."""
     out_dir = out_dir or tempfile.mkdtemp(prefix="rollout_vllm_")
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config_from_shape(shape), f, indent=2)

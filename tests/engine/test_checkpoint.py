@@ -26,7 +26,7 @@ from engine.checkpoint import (
     prune_checkpoints,
 )
 from engine.config import ConfigError, ModelConfig, register_configs, to_dataclass
-from engine.export import hf_config_from_shape
+from engine.models.hf_config import hf_config_from_shape
 from engine.models.builder import resolve_shape
 from engine.models.hf_config import model_config_from_hf
 from engine.validate import validate
