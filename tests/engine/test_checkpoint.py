@@ -26,9 +26,8 @@ from engine.checkpoint import (
     prune_checkpoints,
 )
 from engine.config import ConfigError, ModelConfig, register_configs, to_dataclass
-from engine.models.hf_config import hf_config_from_shape
 from engine.models.builder import resolve_shape
-from engine.models.hf_config import model_config_from_hf
+from engine.models.hf_config import hf_config_from_shape, model_config_from_hf
 from engine.validate import validate
 
 SCRIPT = str(Path(__file__).with_name("ckpt_runs_script.py"))
