@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.policy import MegatronRole
+from engine.policy import MegatronRole, use_fused_adam
 from parallel.layout import TrainLayout
 from parallel.rollout_weights import global_param_names
 from parallel.state import ProcessGroups
@@ -134,6 +134,8 @@ def load_role_state(role: MegatronRole, state: Mapping[str, Any], where: str) ->
         if _is_distributed(sub):
             sub.load_parameter_state_from_dp_reshardable(_mark_unpadded(entry["param_state"]))
         _unshare_state(sub.optimizer)
+    if role.groups.device.type == "cuda":
+        use_fused_adam(role.optimizer)
     try:
         role.scheduler.load_state_dict(state["scheduler"])
     except AssertionError as err:

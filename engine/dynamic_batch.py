@@ -55,11 +55,6 @@ def _micro_batch(exp: Experience, sel: torch.Tensor, seq: int, keys, device: tor
         "response_mask": exp.response_mask[sel].to(device),
         "rows": sel,
     }
-    # logits are only needed where they predict response tokens: [start, end) of the sequence
-    start, end = int(index.min()), int(index.max()) + 1
-    mb["logits_window"] = (start, end)
-    mb["window_index"] = (index - start).to(device)
-    mb["window_targets"] = tokens[:, start + 1 : end + 1].to(device)
     for key in keys:
         mb[key] = exp.tensors[key][sel].to(device)
     return mb

@@ -9,6 +9,7 @@ That makes the update identical however the mini-batch is split (tests/engine/te
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,10 +27,24 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from engine.config import OptimConfig
 from engine.models.builder import ModelShape
 from engine.models.logprobs import mask_padded_vocab
+from engine.models.output_head import hidden_states_output, output_weight, response_token_stats
 from parallel.state import ProcessGroups
 
-# loss_fn(output_local (b, s, vocab/tp) float32 logits or (b, s, 1) values, micro_batch) -> (loss, metrics)
-LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# What a role's loss_fn(output, micro_batch) -> (loss, metrics) receives as `output`, by the role's `head`:
+#   "response": ResponseStats of the micro-batch's response tokens, from the fused output head (actor, reference)
+#   "logits":   (b, s, vocab/tp) float32 vocab-parallel logits of every position (tools and tests)
+#   "values":   (b, s, 1) float32 values (critic, reward model)
+HEADS = ("response", "logits", "values")
+LossFn = Callable[[object, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class ResponseStats:
+    """Per response token (b, T) float32: log-prob of the token and entropy of the distribution it was
+    drawn from (both at the run's temperature); differentiable when the run is not forward-only."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
 
 
 @dataclass
@@ -51,14 +66,17 @@ class MegatronRole:
         shape: ModelShape,
         optim: OptimConfig | None,
         total_optimizer_steps: int = 1,
-        is_critic: bool = False,
+        head: str = "response",
     ):
-        self.groups, self.shape, self.is_critic = groups, shape, is_critic
+        if head not in HEADS:
+            raise ValueError(f"MegatronRole: head must be one of {HEADS}, got {head!r}")
+        self.groups, self.shape, self.head = groups, shape, head
         config = chunks[0].config
         self.config = config
+        self.models = list(chunks)  # the GPTModels themselves, under DDP or not
         # No Float16Module: the chunks are built with bf16/fp16 parameters already, and its only other job,
-        # casting the last stage's whole (b, s, vocab) output to fp32, is done by `run` on the response
-        # window alone (a third of the memory traffic when prompts are a third of the sequence).
+        # casting the last stage's whole (b, s, vocab) output to fp32, is not wanted: the "response" head
+        # computes fp32 logits of response positions chunk by chunk (engine/models/fused_logprobs.py).
         self.trainable = optim is not None
         if not self.trainable:
             for c in chunks:
@@ -98,6 +116,8 @@ class MegatronRole:
             self.chunks,
             use_gloo_process_groups=groups.device.type == "cpu",  # NCCL runs create no gloo groups
         )
+        if groups.device.type == "cuda":
+            use_fused_adam(self.optimizer)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if optim.lr_warmup_steps else optim.lr,
@@ -115,29 +135,35 @@ class MegatronRole:
     def run(
         self, micro_batches: list[dict], loss_fn: LossFn, *, forward_only: bool, temperature: float = 1.0
     ) -> list[dict]:
-        """Run `micro_batches` (each: `tokens`, `positions` (b, s) plus whatever loss_fn reads; all the same
-        shape) through the schedule; returns loss_fn's metric dicts on the last PP stage ([] elsewhere).
-        An actor micro-batch with `logits_window` (start, end) hands loss_fn only those positions' logits."""
+        """Run `micro_batches` (each: `tokens`, `positions` (b, s) plus whatever loss_fn reads, e.g.
+        `response_index` (b, T) for the "response" head) through the schedule; returns loss_fn's metric
+        dicts on the last PP stage ([] elsewhere). Log-probs and logits are at `temperature`."""
         if not forward_only:
             for c in self.chunks:
                 c.zero_grad_buffer()
             self.optimizer.zero_grad()
         b, s = micro_batches[0]["tokens"].shape
-        tp_rank = self.groups.tp_rank
+        g = self.groups
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             out = model(mb["tokens"], mb["positions"], None)
 
             def loss_func(output):
-                if not self.is_critic and "logits_window" in mb:  # positions that predict response tokens
-                    start, end = mb["logits_window"]
-                    output = output[:, start:end]
-                output = output.float()
-                if not self.is_critic:
-                    if temperature != 1.0:
-                        output = output / temperature
-                    output = mask_padded_vocab(output, self.shape.vocab_size, tp_rank)
+                if self.head == "response":
+                    logp, ent = response_token_stats(
+                        output,
+                        output_weight(getattr(model, "module", model)),
+                        mb,
+                        temperature=temperature,
+                        vocab_size=self.shape.vocab_size,
+                        tp_group=g.tp if g.dims.tp > 1 else None,
+                    )
+                    output = ResponseStats(logp, ent)
+                elif self.head == "logits":
+                    output = mask_padded_vocab(output.float() / temperature, self.shape.vocab_size, g.tp_rank)
+                else:
+                    output = output.float()
                 loss, metrics = loss_fn(output, mb)
                 return loss, torch.zeros((), dtype=torch.int, device=loss.device), metrics
 
@@ -145,7 +171,8 @@ class MegatronRole:
 
         iters = [iter(micro_batches) for _ in self.chunks]
         context = torch.no_grad() if forward_only else torch.enable_grad()
-        with context:
+        head = hidden_states_output(self.models) if self.head == "response" else contextlib.nullcontext()
+        with context, head:  # "response": the last stage returns hidden states, loss_func applies the head
             return get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iters if len(iters) > 1 else iters[0],
@@ -175,3 +202,19 @@ class MegatronRole:
             tensor = torch.empty(shape, dtype=dtype, device=g.device)
         dist.broadcast(tensor.contiguous(), src=g.pp_last_rank, group=g.pp)
         return tensor
+
+
+def use_fused_adam(optimizer) -> None:
+    """Switch the torch Adam(W) inside megatron's optimizer (`torch.optim.AdamW`, foreach, without Apex or TE)
+    to torch's fused single-kernel implementation. Call again after loading a state dict, which restores
+    the saved param groups' flags; existing `step` counters move to the parameters' device as fused needs."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = sub.optimizer
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            group["fused"], group["foreach"] = True, False
+            for p in group["params"]:
+                step = inner.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor):
+                    inner.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)

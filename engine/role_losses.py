@@ -9,51 +9,32 @@ micro-batches and DP ranks; `pg_loss` is the micro-batch's share of the mini-bat
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from algorithms import agg_loss, get_kl_estimator, get_policy_loss, value_loss
 from engine.config import AlgorithmConfig
-from engine.models.logprobs import token_entropy, token_log_probs
+from engine.policy import ResponseStats
 
 # the first name is the loss (summed over micro-batches), the others are sums weighted by valid tokens
 ACTOR_METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "rollout_kl")
 CRITIC_METRICS = ("vf_loss", "vf_clipfrac", "vpred_mean")
 
 
-def _window(logits_local: torch.Tensor, mb: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logits (b, w, vocab/tp), targets (b, w), index (b, T) into w) of the positions that predict response
-    tokens: MegatronRole.run already cut the logits to mb["logits_window"] when the micro-batch has one."""
-    if "logits_window" in mb:
-        return logits_local, mb["window_targets"], mb["window_index"]
-    return logits_local[:, :-1], mb["tokens"][:, 1:], mb["response_index"]
-
-
-def response_log_probs(logits_local: torch.Tensor, mb: dict) -> torch.Tensor:
-    """(b, T) log-probs of the response tokens from vocab-parallel logits."""
-    logits, targets, index = _window(logits_local, mb)
-    return token_log_probs(logits, targets).gather(1, index)
-
-
-def log_prob_fn(logits_local: torch.Tensor, mb: dict):
+def log_prob_fn(stats: ResponseStats, mb: dict):
     """Forward-only: log-probs of the response tokens."""
-    logp = response_log_probs(logits_local, mb)
+    logp = stats.log_probs
     return torch.zeros((), device=logp.device), {"log_probs": logp.detach()}
 
 
-def make_actor_loss(alg: AlgorithmConfig, normalizer: float, tp_group: dist.ProcessGroup, kl_ref: bool):
+def make_actor_loss(alg: AlgorithmConfig, normalizer: float, kl_ref: bool):
     """Loss for one micro-batch of an actor mini-batch whose global normaliser is `normalizer`."""
     policy_loss = get_policy_loss(alg.policy_loss)
     kl_fn = get_kl_estimator(alg.kl_estimator) if kl_ref else None
     clip = {} if alg.policy_loss == "gspo" else {"clip_ratio_c": alg.clip_ratio_c}
 
-    def loss_fn(logits_local: torch.Tensor, mb: dict):
+    def loss_fn(stats: ResponseStats, mb: dict):
         mask = mb["response_mask"]
-        # entropy BEFORE log-probs: megatron's vocab_parallel_cross_entropy exponentiates its input in place,
-        # and logits_local[:, :-1] is that input itself (not a copy) when the micro-batch has one row
-        with torch.set_grad_enabled(alg.entropy_coef > 0 and torch.is_grad_enabled()):
-            logits, _, index = _window(logits_local, mb)
-            ent = token_entropy(logits, tp_group).gather(1, index)
-        logp = response_log_probs(logits_local, mb)
+        logp = stats.log_probs
+        ent = stats.entropy  # its backward runs only when the entropy bonus uses it
         old = mb.get(
             "old_log_probs", logp.detach()
         )  # on-policy single pass: old == current, no extra forward

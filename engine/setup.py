@@ -132,7 +132,7 @@ def build_critic(
         load_hf_weights(chunks, path, shape, groups)
     c = cfg.critic
     optim = replace(cfg.optim, lr=c.lr, min_lr=min(cfg.optim.min_lr, c.lr), lr_warmup_steps=c.lr_warmup_steps)
-    return MegatronRole(chunks, groups, shape, optim, total_optimizer_steps=total_steps, is_critic=True)
+    return MegatronRole(chunks, groups, shape, optim, total_optimizer_steps=total_steps, head="values")
 
 
 def build_reward_model(cfg: TrainConfig, vocab_size: int, groups: ProcessGroups, pad_id: int) -> RewardModel:
@@ -160,7 +160,7 @@ def build_reward_model(cfg: TrainConfig, vocab_size: int, groups: ProcessGroups,
         value_head=True,
     )
     load_hf_weights(chunks, path, shape, groups)
-    role = MegatronRole(chunks, groups, shape, None, is_critic=True)
+    role = MegatronRole(chunks, groups, shape, None, head="values")
     return RewardModel(role, pad_id, seq_multiple=groups.dims.tp if groups.dims.sp else 1)
 
 

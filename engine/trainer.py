@@ -246,12 +246,11 @@ class Trainer:
             keys.append("old_log_probs")
         if self.kl_ref:
             keys.append("ref_log_probs")
-        tp_group = self.c.groups.tp
         out = run_updates(
             self.c.actor,
             exp,
             alg=alg,
-            make_loss=lambda norm: make_actor_loss(alg, norm, tp_group, self.kl_ref),
+            make_loss=lambda norm: make_actor_loss(alg, norm, self.kl_ref),
             metric_names=ACTOR_METRICS,
             keys=tuple(keys),
             batcher=self.batcher,

@@ -4,7 +4,8 @@ Ours: `python -m engine.train` under torchrun on the embedded copy task stretche
 tokens, random-init weights of a conf/model preset, responses fixed at `--response-len` tokens (EOS ignored),
 beta 0 (no reference), one PPO iteration. Steps after the first are timed (median). Prints one JSON object:
 per-phase seconds, tokens/s/GPU (prompt + response tokens / step time / GPUs), MFU of the actor update,
-peak memory, and the TRL baseline when `--baseline trl` (needs trl installed; one GPU).
+peak memory, the bound of the issue (generation at the vLLM anchor's speed + update at 50% MFU; `bound_s`,
+`step_over_bound`) and the TRL baseline when `--baseline trl` (needs trl installed; one GPU).
 
     python scripts/bench/e2e.py --preset qwen2_5_0_5b --gpus 1 --baseline trl
 """
@@ -23,6 +24,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from presets import num_params  # noqa: E402
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16 spec; ../shared/notes: ~790e12 measured for large GEMMs
+# vLLM 0.26 LLM.generate alone on one H200, generated tokens/s for these RL-shaped batches
+# (../shared/notes/performance-anchors.md): the generation speed of the issue's bound
+VLLM_ANCHOR_TOKENS_PER_S = {"qwen2_5_0_5b": 42_903, "qwen2_5_1_5b": 41_245, "qwen2_5_7b": 21_700}
+BOUND_MFU = 0.5
 PROMPT_OVERHEAD = 11  # "<bos>u:copy " + "\na:" around the digits in the embedded chat template
 
 
@@ -76,9 +81,18 @@ def run_ours(args, out_dir: str) -> dict:
     rows_trained = args.prompts * args.n
     tokens = rows_trained * (args.prompt_len + args.response_len)
     update_flops = 6 * num_params(args.preset) * tokens
+    # the issue's bound: generation at vLLM's speed + the actor update at 50% MFU (+ extra forward passes at
+    # 50% MFU: none for on-policy GRPO without a reference, which is what this benchmark runs)
+    gen_rate = args.vllm_tokens_per_s or VLLM_ANCHOR_TOKENS_PER_S.get(args.preset)
+    bound = None
+    if gen_rate:
+        gen_bound = rows_trained * args.response_len / (gen_rate * args.gpus)
+        bound = gen_bound + update_flops / (BOUND_MFU * PEAK_BF16_FLOPS * args.gpus)
     return {
         "system": "ours",
         "backend": args.backend,
+        "bound_s": bound,
+        "step_over_bound": med["timing/step"] / bound if bound else None,
         "step_s": med["timing/step"],
         "step_s_all": [r["timing/step"] for r in rows],
         "tokens_per_s_per_gpu": med["perf/tokens_per_s_per_gpu"],
@@ -131,6 +145,12 @@ def main() -> None:
     )
     ap.add_argument("--max-num-seqs", type=int, default=512, help="rollout.max_num_seqs")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument(
+        "--vllm-tokens-per-s",
+        type=float,
+        default=0.0,
+        help="generation speed of the bound, per GPU (default: the vLLM anchor of the preset)",
+    )
     ap.add_argument("--baseline", default="none", choices=["none", "trl"])
     ap.add_argument("extra", nargs="*", help="more key=value overrides for engine.train")
     args = ap.parse_args()

@@ -139,7 +139,7 @@ def dynamic_batch_parity(
             loss_normalizer(exp.response_mask, alg.loss_agg_mode, max_len=12), device=groups.device
         )
         torch.distributed.all_reduce(norm, group=groups.dp)
-        loss_fn = make_actor_loss(alg, float(norm), groups.tp, kl_ref=False)
+        loss_fn = make_actor_loss(alg, float(norm), kl_ref=False)
         results = {}
         for name, batcher in (
             ("fixed", MicroBatcher(4, 0, 1, groups.device)),

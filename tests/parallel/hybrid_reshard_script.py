@@ -189,8 +189,8 @@ def check_training(groups, rtp, rpp, tie, distributed_optimizer: bool) -> dict:
     for a, b in zip(chunks_a, chunks_b):
         b.load_state_dict(a.state_dict())
     optim = OptimConfig(lr=1e-2, distributed_optimizer=distributed_optimizer)
-    role_a = MegatronRole(chunks_a, groups, shape, optim)
-    role_b = MegatronRole(chunks_b, groups, shape, optim)
+    role_a = MegatronRole(chunks_a, groups, shape, optim, head="logits")
+    role_b = MegatronRole(chunks_b, groups, shape, optim, head="logits")
     engine = HybridEngine(role_a.chunks, groups, NUM_LAYERS, tie, rtp, rpp)
     expect(
         engine.in_place != distributed_optimizer,

@@ -2,8 +2,10 @@
 (MegatronRole: DDP + megatron's forward/backward schedule) at several layouts versus one TP=1/PP=1 model
 with the same weights. Launched by tests/parallel/test_model_parity.py; prints one line per layout.
 
-Layouts (world 4): tp2 pp2; tp1 pp2 vpp2 dp2 (tied embeddings); tp2 dp2 with sequence parallelism.
-Tolerance: float32, |diff| <= 2e-5 on logits and relative 1e-4 on gradients.
+Layouts (world 4): tp2 pp2; tp1 pp2 vpp2 dp2 (tied embeddings); tp2 dp2 with sequence parallelism. Each
+layout runs both output heads of MegatronRole: "logits" and the fused "response" head
+(engine/models/fused_logprobs.py), with temperature 0.8 and a loss of log-likelihood plus an entropy bonus.
+Tolerance: float32, |diff| <= 2e-5 on logits, log-probs and entropies, relative 1e-4 on gradients.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from megatron.core import parallel_state
 
 from engine.config import ModelConfig, OptimConfig
 from engine.models.builder import build_gpt_chunks, resolve_shape
-from engine.models.logprobs import token_log_probs
+from engine.models.logprobs import token_entropy, token_log_probs
 from engine.policy import MegatronRole
 from parallel.dims import ParallelDims
 from parallel.hybrid_check import megatron_shard
@@ -23,6 +25,7 @@ from parallel.rollout_weights import global_param_names, partition_kind
 from parallel.state import init_distributed
 
 VOCAB, SEQ, ROWS, LAYERS = 40, 12, 8, 4
+TEMPERATURE, ENTROPY_COEF = 0.8, 0.1
 
 
 def model_cfg(tied: bool) -> ModelConfig:
@@ -46,61 +49,99 @@ def batch():
 
 
 def reference(tied: bool):
-    """Full model (TP=1, PP=1): state, logits, grads of the loss on the whole batch."""
+    """Full model (TP=1, PP=1): state, logits, log-probs, entropies and grads of the loss on the whole batch."""
     dims = ParallelDims(world_size=4)
     groups = init_distributed(dims, "cpu", seed=0)
     shape = resolve_shape(model_cfg(tied), VOCAB, 1)
     torch.manual_seed(1234)
     (model,) = build_gpt_chunks(shape, dims, init_std=0.05, recompute=False, device=groups.device)
     tokens, weights = batch()
-    logits = model(tokens, torch.arange(SEQ).expand(ROWS, SEQ), None).float()
-    loss = -(token_log_probs(logits[:, :-1], tokens[:, 1:]) * weights).sum() / weights.numel()
-    loss.backward()
+    logits = model(tokens, torch.arange(SEQ).expand(ROWS, SEQ), None).float() / TEMPERATURE
+    ent = token_entropy(logits[:, :-1], groups.tp)  # first: token_log_probs overwrites its input
+    logp = token_log_probs(logits[:, :-1], tokens[:, 1:])
+    loss_of(logp, ent, weights).backward()
     state = {k: v.detach().clone() for k, v in model.named_parameters()}
     grads = {k: v.grad.detach().clone() for k, v in model.named_parameters()}
     parallel_state.destroy_model_parallel()
-    return shape, state, grads, logits.detach()
+    return shape, state, grads, logits.detach() * TEMPERATURE, logp.detach(), ent.detach()
+
+
+def loss_of(logp: torch.Tensor, ent: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Weighted log-likelihood plus an entropy bonus, over the whole batch."""
+    return -((logp + ENTROPY_COEF * ent) * w).sum() / (ROWS * (SEQ - 1))
 
 
 def sharded(name: str, dims: ParallelDims, tied: bool, ref) -> None:
-    _, state, grads, ref_logits = ref
+    """Both output heads of MegatronRole at `dims`: "logits" (vocab-parallel logits; the loss computes
+    log-probs and entropy from them) and "response" (the fused head), against the reference."""
+    _, state, grads, ref_logits, ref_logp, ref_ent = ref
     groups = init_distributed(dims, "cpu", seed=0)
     shape = resolve_shape(model_cfg(tied), VOCAB, dims.tp)
-    chunks = build_gpt_chunks(shape, dims, init_std=0.05, recompute=False, device=groups.device)
     layout = TrainLayout(tp=dims.tp, pp=dims.pp, dp=dims.dp, vpp=dims.vpp)
-    local = global_param_names(chunks, layout.layers(groups.pp_rank, LAYERS))
-    for pname, param in local.items():
-        src = "embedding.word_embeddings.weight" if pname == "output_layer.weight" and tied else pname
-        param.data.copy_(megatron_shard(state[src], partition_kind(pname), dims.tp, groups.tp_rank))
-    role = MegatronRole(chunks, groups, shape, OptimConfig())
     tokens, weights = batch()
     rows = torch.arange(ROWS).chunk(dims.dp)[groups.dp_rank]  # each DP replica takes its share
+    positions = torch.arange(SEQ - 1)
     mbs = [
-        {"tokens": tokens[r], "positions": torch.arange(SEQ).expand(len(r), SEQ), "w": weights[r], "rows": r}
+        {
+            "tokens": tokens[r],
+            "positions": torch.arange(SEQ).expand(len(r), SEQ),
+            "response_index": positions.expand(len(r), SEQ - 1),  # every position is "response"
+            "w": weights[r],
+            "rows": r,
+        }
         for r in rows.chunk(2)
     ]
 
-    def loss_fn(logits_local, mb):
+    def logits_loss(logits_local, mb):
+        ent = token_entropy(logits_local[:, :-1], groups.tp)
         logp = token_log_probs(logits_local[:, :-1], mb["tokens"][:, 1:])
-        loss = -(logp * mb["w"]).sum() / weights.numel()
         parts = [torch.empty_like(logits_local) for _ in range(dims.tp)]
         dist.all_gather(parts, logits_local.detach().contiguous(), group=groups.tp)
-        return loss, {"logits": torch.cat(parts, -1), "rows": mb["rows"]}
+        logits = torch.cat(parts, -1) * TEMPERATURE
+        return loss_of(logp, ent, mb["w"]), {
+            "logits": logits,
+            "logp": logp.detach(),
+            "ent": ent.detach(),
+            "rows": mb["rows"],
+        }
 
-    outs = role.run(mbs, loss_fn, forward_only=False)
-    worst_logit = 0.0
-    for o in outs:
-        worst_logit = max(worst_logit, (o["logits"][..., :VOCAB] - ref_logits[o["rows"]]).abs().max().item())
-    worst_grad = 0.0
-    for pname, param in global_param_names(role.chunks, layout.layers(groups.pp_rank, LAYERS)).items():
-        src = "embedding.word_embeddings.weight" if pname == "output_layer.weight" and tied else pname
-        want = megatron_shard(grads[src], partition_kind(pname), dims.tp, groups.tp_rank)
-        rel = ((param.main_grad - want).abs().max() / want.abs().max().clamp(min=1e-8)).item()
-        worst_grad = max(worst_grad, rel)
-    assert worst_logit <= 2e-5, f"{name}: logits differ by {worst_logit}"
-    assert worst_grad <= 1e-4, f"{name}: grads differ by {worst_grad} (relative)"
-    print(f"PARITY {name} rank={groups.rank} logits={worst_logit:.2e} grads={worst_grad:.2e} ok", flush=True)
+    def response_loss(stats, mb):
+        logp, ent = stats.log_probs, stats.entropy
+        return loss_of(logp, ent, mb["w"]), {"logp": logp.detach(), "ent": ent.detach(), "rows": mb["rows"]}
+
+    figures = []
+    for head, loss_fn in (("logits", logits_loss), ("response", response_loss)):
+        chunks = build_gpt_chunks(shape, dims, init_std=0.05, recompute=False, device=groups.device)
+        local = global_param_names(chunks, layout.layers(groups.pp_rank, LAYERS))
+        for pname, param in local.items():
+            src = "embedding.word_embeddings.weight" if pname == "output_layer.weight" and tied else pname
+            param.data.copy_(megatron_shard(state[src], partition_kind(pname), dims.tp, groups.tp_rank))
+        role = MegatronRole(chunks, groups, shape, OptimConfig(), head=head)
+        outs = role.run(mbs, loss_fn, forward_only=False, temperature=TEMPERATURE)
+        worst = {"logits": 0.0, "logp": 0.0, "ent": 0.0}
+        for o in outs:
+            if "logits" in o:
+                worst["logits"] = max(worst["logits"], _diff(o["logits"][..., :VOCAB], ref_logits[o["rows"]]))
+            worst["logp"] = max(worst["logp"], _diff(o["logp"], ref_logp[o["rows"]]))
+            worst["ent"] = max(worst["ent"], _diff(o["ent"], ref_ent[o["rows"]]))
+        worst_grad = 0.0
+        for pname, param in global_param_names(role.chunks, layout.layers(groups.pp_rank, LAYERS)).items():
+            src = "embedding.word_embeddings.weight" if pname == "output_layer.weight" and tied else pname
+            want = megatron_shard(grads[src], partition_kind(pname), dims.tp, groups.tp_rank)
+            rel = ((param.main_grad - want).abs().max() / want.abs().max().clamp(min=1e-8)).item()
+            worst_grad = max(worst_grad, rel)
+        assert max(worst.values()) <= 2e-5, f"{name} {head}: outputs differ {worst}"
+        assert worst_grad <= 1e-4, f"{name} {head}: grads differ by {worst_grad} (relative)"
+        logits = f"logits={worst['logits']:.2e} " if head == "logits" else ""
+        figures.append(
+            f"{head}: {logits}logp={worst['logp']:.2e} ent={worst['ent']:.2e} grads={worst_grad:.2e}"
+        )
+    print(f"PARITY {name} rank={groups.rank} " + "; ".join(figures) + " ok", flush=True)
     parallel_state.destroy_model_parallel()
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
 
 
 def main() -> None:

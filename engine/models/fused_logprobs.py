@@ -1,0 +1,185 @@
+"""Log-probs and entropy of target tokens straight from final hidden states: the output projection, the
+vocab-parallel log-softmax and the entropy fused and chunked over rows, so no (tokens, vocab) logits tensor
+ever lives beyond one chunk.
+
+Why: with a 151,936-row vocabulary the logits dominate the actor's memory and much of its update time. The
+unfused path materialises bf16 logits for every position of the sequence (prompt included), an fp32 copy
+of the response window, then several fp32 passes each for the log-softmax, the entropy and their backward,
+and keeps those tensors alive until the backward. Here only the (rows, hidden) hidden states are saved;
+each chunk's logits are recomputed in the backward (one extra matmul of the output layer, on response
+positions only), and the gradient of the logits is formed in place and consumed chunk by chunk.
+
+Math, for one row with temperature t, z = (h @ W^T) / t over the full vocabulary (split across the TP
+group; rows of W padded for TP get z = -1e30), m = max z, S = sum exp(z - m), A = sum exp(z - m)(z - m):
+    log p(target) = z_target - m - log S,      entropy H = log S - A / S,
+    dlogp/dz_j = [j = target] - p_j,           dH/dz_j = -p_j (log p_j + H).
+Per chunk the forward needs two small all-reduces over the TP group (max; then S, A and the target logit),
+the backward none: the partial gradient of h (this rank's vocabulary slice) is summed by the TP mapping the
+caller applies to h (megatron's copy-to / gather-from-sequence-parallel region), exactly as megatron's
+ColumnParallelLinear does for its input.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+_MASKED = -1e30
+# transient bytes per chunk: fp32 logits + fp32 probabilities + the low-precision gradient (backward)
+CHUNK_BYTES = 2 << 30
+
+
+def chunk_rows(vocab_local: int, budget_bytes: int = CHUNK_BYTES) -> int:
+    """Rows per chunk so that one chunk's fp32 logits, probabilities and gradient fit `budget_bytes`."""
+    return max(64, budget_bytes // (vocab_local * 10))
+
+
+def _masked(z: torch.Tensor, pad_from: int) -> torch.Tensor:
+    """z with the TP-padding columns (>= pad_from) set to _MASKED."""
+    if pad_from >= z.shape[1]:
+        return z
+    col = torch.arange(z.shape[1], device=z.device)
+    return torch.where(col < pad_from, z, _MASKED)
+
+
+def _row_max(logits: torch.Tensor, inv_t: float, pad_from: int) -> torch.Tensor:
+    """Per-row max of this rank's scaled fp32 logits."""
+    return _masked(logits.float() * inv_t, pad_from).max(dim=-1).values
+
+
+def _row_sums(logits, m, local_t, in_shard, inv_t: float, pad_from: int) -> torch.Tensor:
+    """(3, rows): S = sum exp(z - m), A = sum exp(z - m)(z - m), and z_target - m (0 off this shard)."""
+    z = _masked(logits.float() * inv_t, pad_from) - m[:, None]
+    e = z.exp()
+    z_t = z.gather(1, local_t[:, None])[:, 0] * in_shard
+    return torch.stack([e.sum(-1), (e * z).sum(-1), z_t])
+
+
+def _grad_logits(logits, shift, ent, g_logp, g_ent, local_t, in_shard, inv_t: float, pad_from: int):
+    """dL/dlogits (in the low-precision dtype of `logits`) from the gradients of log p(target) and of the
+    entropy, both already divided by the temperature: -p (g_logp + g_ent (log p + H)) + g_logp [j = target]."""
+    logp = _masked(logits.float() * inv_t, pad_from) - shift[:, None]
+    coef = g_logp[:, None] + g_ent[:, None] * (logp + ent[:, None])
+    col = torch.arange(logits.shape[1], device=logits.device)
+    onehot = (col == local_t[:, None]) & in_shard[:, None]
+    return (torch.where(onehot, g_logp[:, None], 0.0) - logp.exp() * coef).to(logits.dtype)
+
+
+_kernels: dict[str, object] = {}
+
+
+def _kernel(fn):
+    """`fn` compiled by torch.compile on CUDA (one fused pass over the chunk's logits instead of one per op;
+    ENGINE_COMPILE_LOGPROBS=0 turns it off), `fn` itself elsewhere."""
+    if fn.__name__ not in _kernels:
+        use = torch.cuda.is_available() and os.environ.get("ENGINE_COMPILE_LOGPROBS", "1") != "0"
+        _kernels[fn.__name__] = torch.compile(fn, dynamic=True) if use else fn
+    return _kernels[fn.__name__]
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, vocab_size, tp_group, rows_per_chunk):
+        tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        v_local = weight.shape[0]
+        start = tp_rank * v_local
+        pad_from = max(0, min(v_local, vocab_size - start))  # local columns >= pad_from are TP padding
+        local_t = targets - start
+        in_shard = (local_t >= 0) & (local_t < v_local)
+        local_t = torch.where(in_shard, local_t, torch.zeros_like(local_t))
+        inv_t = 1.0 / temperature
+        n = hidden.shape[0]
+        m_all = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        log_s_all, ent_all, logp_all = (
+            torch.empty_like(m_all),
+            torch.empty_like(m_all),
+            torch.empty_like(m_all),
+        )
+        row_max, row_sums = _kernel(_row_max), _kernel(_row_sums)
+        for r0 in range(0, n, rows_per_chunk):
+            rows = slice(r0, min(n, r0 + rows_per_chunk))
+            logits = hidden[rows] @ weight.t()
+            m = row_max(logits, inv_t, pad_from)
+            if tp_size > 1:
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+            stats = row_sums(logits, m, local_t[rows], in_shard[rows], inv_t, pad_from)
+            del logits
+            if tp_size > 1:
+                dist.all_reduce(stats, group=tp_group)
+            s, a, zt = stats
+            log_s = s.log()
+            m_all[rows], log_s_all[rows] = m, log_s
+            logp_all[rows] = zt - log_s
+            ent_all[rows] = log_s - a / s
+        ctx.save_for_backward(hidden, weight, local_t, in_shard, m_all + log_s_all, ent_all)
+        ctx.inv_t, ctx.pad_from, ctx.rows_per_chunk = inv_t, pad_from, rows_per_chunk
+        ctx.set_materialize_grads(False)
+        return logp_all, ent_all
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        hidden, weight, local_t, in_shard, shift, ent = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (grad_logp is None and grad_ent is None) or not (need_h or need_w):
+            return None, None, None, None, None, None, None
+        g_logp = grad_logp * ctx.inv_t if grad_logp is not None else torch.zeros_like(shift)
+        g_ent = grad_ent * ctx.inv_t if grad_ent is not None else torch.zeros_like(shift)
+        grad_logits = _kernel(_grad_logits)
+        n = hidden.shape[0]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = None
+        for r0 in range(0, n, ctx.rows_per_chunk):
+            rows = slice(r0, min(n, r0 + ctx.rows_per_chunk))
+            g = grad_logits(
+                hidden[rows] @ weight.t(),
+                shift[rows],
+                ent[rows],
+                g_logp[rows],
+                g_ent[rows],
+                local_t[rows],
+                in_shard[rows],
+                ctx.inv_t,
+                ctx.pad_from,
+            )
+            if need_h:
+                grad_h[rows] = g @ weight
+            if need_w:
+                gw = g.t() @ hidden[rows]
+                if grad_w is None:
+                    grad_w = gw if rows.stop == n else gw.float()
+                else:
+                    grad_w.add_(gw)
+            del g
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def linear_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    vocab_size: int,
+    tp_group: dist.ProcessGroup | None = None,
+    rows_per_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(target), entropy), each float32 of targets' shape, for hidden states (..., hidden) and this
+    rank's vocab-parallel output weight (vocab_padded / tp, hidden); differentiable in hidden and weight.
+
+    `hidden` must already be the TP-replicated input of the output layer (its gradient here is this rank's
+    partial sum; the caller's TP mapping reduces it). Rows of the weight at ids >= vocab_size are TP
+    padding and get no probability.
+    """
+    lead = targets.shape
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1).long()
+    if h.shape[0] != t.shape[0]:
+        raise ValueError(f"linear_log_probs: {h.shape[0]} hidden rows but {t.shape[0]} targets")
+    rows = rows_per_chunk or chunk_rows(weight.shape[0])
+    logp, ent = _LinearLogProbs.apply(h, weight, t, float(temperature), vocab_size, tp_group, rows)
+    return logp.view(lead), ent.view(lead)

@@ -1,0 +1,93 @@
+"""The actor's output head on the fused path: the GPTModel returns its final hidden states instead of
+logits, and the per-token log-probs and entropy of the response tokens come from
+`engine/models/fused_logprobs.linear_log_probs` on those positions only.
+
+`hidden_states_output(models)` swaps, for the duration of a block, the forward of the model's output layer (a megatron
+ColumnParallelLinear; its weight, name and checkpoint entry stay as they are) for the TP mapping that
+layer applies to its input: with sequence parallelism the all-gather of the sequence (reduce-scatter of
+the gradient), otherwise the identity whose backward all-reduces the gradient over the TP group. GPTModel
+then transposes the (s, b, hidden) result to (b, s, hidden) as it would the logits.
+
+The identity is ours, not megatron's `copy_to_tensor_model_parallel_region`: its backward (0.16.1,
+tensor_parallel/mappings.py `_reduce`) all-reduces `grad.contiguous()` and returns the original `grad`,
+so a non-contiguous gradient (the one GPTModel's transpose hands back here) silently goes unreduced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+from engine.models.fused_logprobs import linear_log_probs
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient (made contiguous first) over the TP group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        if ctx.group.size() > 1:
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+@contextlib.contextmanager
+def hidden_states_output(models: list[torch.nn.Module]):
+    """Within the block, each GPTModel in `models` that holds the last pipeline stage returns (b, s, hidden)
+    final hidden states instead of logits; outside it the models are untouched (HF export, parity, tools)."""
+    patched = [m.output_layer for m in models if m.post_process]
+    for layer in patched:
+        layer.forward = _hidden_forward(layer)
+    try:
+        yield
+    finally:
+        for layer in patched:
+            del layer.forward  # the class's forward again
+
+
+def _hidden_forward(layer):
+    group = layer.tp_group
+
+    def forward(input_, weight=None, runtime_gather_output=None):
+        if layer.sequence_parallel:
+            return gather_from_sequence_parallel_region(
+                input_, tensor_parallel_output_grad=True, group=group
+            ), None
+        return _CopyToTensorParallel.apply(input_, group), None
+
+    return forward
+
+
+def output_weight(model: torch.nn.Module) -> torch.Tensor:
+    """This rank's (vocab_padded / tp, hidden) output projection: the embedding when they are tied."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def response_token_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    mb: dict,
+    *,
+    temperature: float,
+    vocab_size: int,
+    tp_group,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropies) (b, T) float32 of each row's response tokens: position response_index[r, j]
+    (the prompt's last token + j) predicts token response_index[r, j] + 1."""
+    index = mb["response_index"]
+    h = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
+    targets = mb["tokens"].gather(1, index + 1)
+    return linear_log_probs(
+        h, weight, targets, temperature=temperature, vocab_size=vocab_size, tp_group=tp_group
+    )

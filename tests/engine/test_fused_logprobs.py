@@ -1,0 +1,127 @@
+"""engine/models/fused_logprobs.py against log_softmax / entropy / autograd on the full logits (float64
+reference; the fused op computes in float32: tolerance 1e-5). Vocab-parallel (TP=2) and the integration in
+MegatronRole are checked by tests/parallel/model_parity_script.py."""
+
+import pytest
+import torch
+
+from engine.models.fused_logprobs import chunk_rows, linear_log_probs
+
+N, H, V, VOCAB = 13, 8, 12, 10  # 2 padded vocabulary rows
+
+
+def reference(h, w, t, temperature):
+    z = (h @ w.t()) / temperature
+    z = torch.cat([z[:, :VOCAB], torch.full((N, V - VOCAB), -torch.inf, dtype=z.dtype)], 1)
+    logp_all = z.log_softmax(-1)
+    p = logp_all.exp()
+    ent = -(p[:, :VOCAB] * logp_all[:, :VOCAB]).sum(-1)
+    return logp_all.gather(1, t[:, None])[:, 0], ent
+
+
+def inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, H, generator=g, dtype=torch.float64)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    t = torch.randint(0, VOCAB, (N,), generator=g)
+    return (
+        h,
+        w,
+        t,
+        torch.randn(N, generator=g, dtype=torch.float64),
+        torch.randn(N, generator=g, dtype=torch.float64),
+    )
+
+
+@pytest.mark.parametrize("rows_per_chunk", [4, 64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_values_and_gradients_match_full_logits(rows_per_chunk, temperature, entropy_grad):
+    h, w, t, g_logp, g_ent = inputs()
+    out, ref = [], []
+    for fn, sink in ((None, out), (reference, ref)):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        if fn is None:
+            logp, ent = linear_log_probs(
+                hh, ww, t, temperature=temperature, vocab_size=VOCAB, rows_per_chunk=rows_per_chunk
+            )
+        else:
+            logp, ent = fn(hh, ww, t, temperature)
+        loss = (logp * g_logp).sum() + ((ent * g_ent).sum() if entropy_grad else 0.0)
+        sink.extend([logp.detach(), ent.detach(), *torch.autograd.grad(loss, (hh, ww))])
+    for name, a, b in zip(("logp", "entropy", "grad_hidden", "grad_weight"), out, ref):
+        assert torch.allclose(a.double(), b, atol=1e-5, rtol=1e-5), f"{name}: {(a - b).abs().max()}"
+
+
+def test_padded_vocabulary_rows_get_no_probability_and_no_gradient():
+    h, w, t, g_logp, _ = inputs(1)
+    w = w.clone().requires_grad_()
+    logp, _ = linear_log_probs(h, w, torch.full((N,), VOCAB - 1), vocab_size=VOCAB)
+    (gw,) = torch.autograd.grad(logp.sum(), (w,))
+    assert gw[VOCAB:].abs().max() == 0 and gw[:VOCAB].abs().max() > 0
+
+
+def test_frozen_weight_and_forward_only():
+    h, w, t, _, _ = inputs(2)
+    hh = h.clone().requires_grad_()
+    logp, _ = linear_log_probs(hh, w, t, vocab_size=VOCAB)
+    (gh,) = torch.autograd.grad(logp.sum(), (hh,))  # no weight gradient requested: still exact for h
+    ref_logp, _ = reference(h.clone().requires_grad_(), w, t, 1.0)
+    assert torch.allclose(logp.double(), ref_logp, atol=1e-5)
+    with torch.no_grad():
+        logp_ng, ent_ng = linear_log_probs(h, w, t, vocab_size=VOCAB)
+    assert torch.equal(logp_ng, logp.detach()) and not logp_ng.requires_grad
+
+
+def test_saves_no_logits_for_backward():
+    """The point of fusing: what autograd keeps is O(rows x hidden), never O(rows x vocab)."""
+    rows, hidden, vocab = 256, 16, 4096
+    h = torch.randn(rows, hidden, requires_grad=True)
+    w = torch.randn(vocab, hidden, requires_grad=True)
+    saved = []
+
+    def pack(x):
+        saved.append(x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0)
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        logp, ent = linear_log_probs(
+            h, w, torch.randint(0, vocab, (rows,)), vocab_size=vocab, rows_per_chunk=64
+        )
+        (logp.sum() + ent.sum()).backward()
+    logits_bytes = rows * vocab * 4
+    own = (h.numel() + w.numel()) * 4  # the inputs themselves (not copies)
+    assert sum(saved) - own < logits_bytes / 16, (sum(saved), logits_bytes)
+
+
+def test_chunk_rows_respects_budget_and_shape_errors():
+    assert chunk_rows(151_936, budget_bytes=2 << 30) * 151_936 * 10 <= 2 << 30
+    assert chunk_rows(10**9) == 64
+    with pytest.raises(ValueError, match="hidden rows"):
+        linear_log_probs(torch.zeros(3, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long), vocab_size=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_kernels_on_gpu_match_full_logits_bf16():
+    """On CUDA the elementwise parts run torch.compile'd; Qwen-sized vocabulary, bf16 weights, 3 chunks.
+    Reference: log_softmax of the same bf16 matmul in float32. Tolerances: values 1e-4 absolute; gradients
+    (bf16 matmuls) 2e-2 relative to their largest entry."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, hidden, vocab = 1000, 256, 151_936
+    h = (torch.randn(rows, hidden, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(vocab + 64, hidden, device="cuda", generator=g) * 0.05).bfloat16().requires_grad_()
+    t = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
+    g_logp, g_ent = (
+        torch.randn(rows, device="cuda", generator=g),
+        torch.randn(rows, device="cuda", generator=g),
+    )
+    logp, ent = linear_log_probs(h, w, t, temperature=0.9, vocab_size=vocab, rows_per_chunk=400)
+    gh, gw = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), (h, w))
+    z = (h @ w.t()).float()[:, :vocab] / 0.9
+    ls = z.log_softmax(-1)
+    ref_logp, ref_ent = ls.gather(1, t[:, None])[:, 0], -(ls.exp() * ls).sum(-1)
+    rgh, rgw = torch.autograd.grad((ref_logp * g_logp).sum() + (ref_ent * g_ent).sum(), (h, w))
+    assert (logp - ref_logp).abs().max() < 1e-4 and (ent - ref_ent).abs().max() < 1e-4
+    for a, b in ((gh, rgh), (gw, rgw)):
+        assert ((a.float() - b.float()).abs().max() / b.float().abs().max()) < 2e-2
