@@ -95,7 +95,8 @@ class RolloutConfig:
     max_num_seqs: int = 256
     """vLLM / native: most sequences decoded at once."""
     cuda_graphs: bool = True
-    """native on CUDA: replay captured decode steps (CUDA graphs); false = eager decode."""
+    """Replay captured decode steps (CUDA graphs); false = eager decode (vLLM: enforce_eager, which also skips
+    torch.compile: a faster start, a slower rollout)."""
     kv_cache_memory_fraction: float = 0.5
     """native on CUDA: fraction of free GPU memory for the KV cache (batches that do not fit are chunked)."""
 

@@ -39,5 +39,6 @@ def build_rollout_engine(
             gpu_memory_utilization=r.gpu_memory_utilization,
             seed=seed,
             model_dir=model_dir or None,
+            enforce_eager=not r.cuda_graphs,
         )
     raise ValueError(f"rollout.backend={r.backend!r} is not one of native, vllm")

@@ -1,10 +1,13 @@
 """`rollout.backend=vllm`: one vLLM engine per rollout-TP group, inside the torchrun job (SPMD).
 
 Every rank builds an `LLM` with `distributed_executor_backend="external_launcher"`: vLLM then joins the
-job's torch.distributed world (env:// from torchrun's RANK/LOCAL_RANK) instead of spawning workers, runs in
-this process, and splits the world into TP groups of consecutive ranks ("ExternalDP x DP x PP x TP" in
-vllm/distributed/parallel_state.py). The ranks of a vLLM TP group call `generate` with the same prompts
-and seeds (they hold the same micro-DP share: engine/rollout_phase.py), so their schedules agree.
+job's torch.distributed world (already initialised by parallel/state.py; vLLM reads RANK and takes
+cuda:LOCAL_RANK as its device, so LOCAL_RANK is pointed at our device while it starts) instead of spawning
+workers, runs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), and splits the world into
+TP groups of consecutive ranks ("ExternalDP x DP x PP x TP" in vllm/distributed/parallel_state.py). The
+ranks of a vLLM TP group call `generate` with the same prompts and seeds (they hold the same micro-DP share:
+engine/rollout_phase.py), so their schedules agree. vLLM allows one engine per process (its sleep-mode
+allocator) and reseeds Python's, numpy's and torch's global generators with `seed` when it starts.
 
 Weights: the engine starts from `load_format="dummy"` and, before each rollout, copies this rank's
 rollout-layout shards into vLLM's parameters (engine/rollout/vllm_weights.py: shard by shard, no full
@@ -17,18 +20,21 @@ the weights are overwritten at every wake-up anyway, so level 1's copy of them t
 and wakes up in two steps around the weight copy (weights, then KV cache) to keep the peak low. The prefix
 cache is reset after each copy (cached blocks were computed with the old weights).
 
-Sampling: each row (prompt, sample) is its own request, in row order. vLLM draws from the default CUDA
-generator of this process, which `generate` seeds with SamplingParams.seed first: the same inputs and seed
-give the same responses (vLLM's schedule is deterministic), and the ranks of a TP group draw the same tokens.
-Per-request seeds (`per_request_seeds=True`: results independent of batch composition) make vLLM's sampler
-loop over the requests in Python at every step, a large slowdown at hundreds of sequences. Log-probs:
-`logprobs_mode="processed_logprobs"`, i.e. after temperature and, where top-k/top-p are set, over the
-truncated distribution (vLLM renormalises there); without truncation this is the contract of
-engine/rollout/base.py (full-vocabulary softmax(logits / T); T = 1 when greedy).
+Sampling: each row (prompt, sample) is its own request, in row order, with its own seed (`row_seed`): the same
+inputs and seed give the same responses, and the ranks of a TP group draw the same tokens. vLLM 0.26 runs
+dense models on its V2 model runner, whose sampler draws Gumbel noise from (request seed, position) inside
+one Triton kernel, so explicit seeds cost nothing there; a request without a seed would get one from numpy's
+global generator (not reproducible per call), and the CUDA generator plays no part. (The V1 runner, still
+used for some configurations, loops over seeded requests in Python at every step: slower, still reproducible.)
+Log-probs: `logprobs_mode="processed_logprobs"`, i.e. after temperature and, where top-k/top-p are set, over
+the truncated distribution (vLLM renormalises there); without truncation this is the contract of
+engine/rollout/base.py (full-vocabulary softmax(logits / T); T = 1 when greedy, where vLLM applies no
+temperature).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -38,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from engine.models.builder import ModelShape
-from engine.models.hf_config import hf_config_from_shape
+from engine.models.hf_config import hf_config_from_shape, model_config_from_hf
 from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts, check_sampling
 from engine.rollout.vllm_weights import load_rollout_weights
 from parallel.rollout_weights import RolloutWeights
@@ -48,6 +54,18 @@ INSTALL_HINT = (
     "or use rollout.backend=native"
 )
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_ARCH_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "head_dim",
+    "vocab_size",
+    "qkv_bias",
+    "qk_norm",
+    "tie_embeddings",
+)
 
 
 def import_vllm():
@@ -74,16 +92,61 @@ def row_seed(seed: int, row: int) -> int:
 
 
 def _sampled_log_probs(completion) -> list[float]:
-    """Log-prob of each generated token from a vLLM CompletionOutput requested with logprobs=0."""
-    return [float(completion.logprobs[j][tok].logprob) for j, tok in enumerate(completion.token_ids)]
+    """Log-prob of each generated token from a vLLM CompletionOutput requested with logprobs=0 (one
+    {token id: Logprob} dict per generated token, the sampled token's entry always present)."""
+    steps = completion.logprobs
+    if steps is None or len(steps) != len(completion.token_ids):
+        raise RuntimeError(
+            f"vLLM returned {None if steps is None else len(steps)} log-prob entries for "
+            f"{len(completion.token_ids)} generated tokens (SamplingParams.logprobs=0 was requested)"
+        )
+    return [float(steps[j][tok].logprob) for j, tok in enumerate(completion.token_ids)]
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    """Set environment variables for the duration of the block (restored after)."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def check_vllm_model(shape: ModelShape, model_dir: str | None) -> None:
+    """Refuse, before vLLM starts, a model vLLM would build differently from `shape`: a config.json in
+    `model_dir` that describes another architecture, or a Qwen2 head_dim other than hidden / heads (vLLM
+    0.26's Qwen2 attention derives head_dim that way and ignores the config's)."""
+    if model_dir:
+        theirs = model_config_from_hf(model_dir)
+        diff = {k: (theirs[k], getattr(shape, k)) for k in _ARCH_FIELDS if theirs[k] != getattr(shape, k)}
+        if diff:
+            raise ValueError(
+                f"{model_dir}/config.json (what vLLM builds) differs from the rollout model shape in "
+                f"{', '.join(f'{k}: {a} vs {b}' for k, (a, b) in diff.items())}; point model.path at the "
+                "checkpoint the actor was built from"
+            )
+    if shape.qkv_bias and shape.head_dim * shape.num_attention_heads != shape.hidden_size:
+        raise ValueError(
+            f"a Qwen2 model with head_dim={shape.head_dim} != hidden_size / num_attention_heads = "
+            f"{shape.hidden_size} / {shape.num_attention_heads}: vLLM's Qwen2 attention ignores head_dim; "
+            "use rollout.backend=native for this shape"
+        )
 
 
 class VllmRollout(RolloutEngine):
-    """vLLM behind the rollout interface (module docstring). Build it on every rank at the same time.
+    """vLLM behind the rollout interface (module docstring). Build it on every rank at the same time, after
+    torch.distributed is initialised (parallel/state.py).
 
     `rollout_tp`: `rollout.tp` (vLLM's tensor_parallel_size). `model_dir`: a directory with the model's
     config.json (model.path), or None to write one from `shape`. `gpu_memory_utilization`, `max_num_seqs`:
-    the `rollout.*` keys. `enforce_eager`: skip torch.compile and CUDA graphs (faster start, slower decode).
+    the `rollout.*` keys. `enforce_eager`: skip torch.compile and CUDA graphs (faster start, slower decode;
+    `rollout.cuda_graphs=false`).
     """
 
     def __init__(
@@ -100,7 +163,6 @@ class VllmRollout(RolloutEngine):
         model_dir: str | None = None,
         enforce_eager: bool = False,
         sleep_level: int = 2,
-        per_request_seeds: bool = False,
     ):
         vllm = import_vllm()
         device = torch.device(device)
@@ -108,27 +170,37 @@ class VllmRollout(RolloutEngine):
             raise ValueError(
                 f"rollout.backend=vllm runs on CUDA devices, not {device}; use rollout.backend=native"
             )
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "VllmRollout joins the job's torch.distributed world (vLLM's external launcher): call "
+                "parallel.state.init_distributed first"
+            )
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        check_vllm_model(shape, model_dir)
         self.shape, self.device, self.pad_id, self.rollout_tp = shape, device, pad_id, rollout_tp
         self.max_model_len = max_model_len or shape.max_position_embeddings
-        self.sleep_level, self.per_request_seeds = sleep_level, per_request_seeds
+        self.sleep_level = sleep_level
         # external_launcher needs the engine core in this process (vLLM asserts it; set it rather than fail)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self.llm = vllm.LLM(
-            model=model_dir or write_hf_config(shape),
-            skip_tokenizer_init=True,
-            load_format="dummy",
-            dtype=_DTYPE_NAMES[shape.dtype],
-            tensor_parallel_size=rollout_tp,
-            distributed_executor_backend="external_launcher",
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_num_seqs=max_num_seqs,
-            max_model_len=self.max_model_len,
-            enable_sleep_mode=True,
-            enforce_eager=enforce_eager,
-            seed=seed,
-            logprobs_mode="processed_logprobs",
-        )
+        # vLLM's worker takes cuda:LOCAL_RANK as its device; with one GPU per task (SLURM) that is not ours
+        with _environ(LOCAL_RANK=str(device.index), RANK=str(dist.get_rank())):
+            self.llm = vllm.LLM(
+                model=model_dir or write_hf_config(shape),
+                skip_tokenizer_init=True,
+                load_format="dummy",
+                dtype=_DTYPE_NAMES[shape.dtype],
+                tensor_parallel_size=rollout_tp,
+                distributed_executor_backend="external_launcher",
+                gpu_memory_utilization=gpu_memory_utilization,
+                max_num_seqs=max_num_seqs,
+                max_model_len=self.max_model_len,
+                enable_sleep_mode=True,
+                enforce_eager=enforce_eager,
+                seed=seed,
+                logprobs_mode="processed_logprobs",
+            )
         self._vllm = vllm
+        self.uses_v2_model_runner = bool(self.llm.llm_engine.vllm_config.use_v2_model_runner)
         self.weights: RolloutWeights | None = None
         self.last_stats: dict[str, float] = {}
         self.llm.sleep(level=sleep_level)
@@ -173,6 +245,8 @@ class VllmRollout(RolloutEngine):
         if self._asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
+        if self.llm.llm_engine.is_sleeping():  # a paused scheduler would make generate() spin forever
+            raise RuntimeError("vLLM still reports sleeping after wake_up(weights) + wake_up(kv_cache)")
         self.llm.reset_prefix_cache()
         torch.cuda.synchronize(self.device)
         self.last_stats["wake_load_s"] = round(time.perf_counter() - start, 3)
@@ -186,27 +260,26 @@ class VllmRollout(RolloutEngine):
             self.last_stats["sleep_s"] = round(time.perf_counter() - start, 3)
 
     def _requests(self, prompts: list[list[int]], sampling: SamplingParams):
-        """(vLLM prompts, SamplingParams: one shared, or one per row with its own seed), in row order."""
+        """(vLLM prompts, one SamplingParams per row with the row's seed), in row order."""
         from vllm.inputs import TokensPrompt
 
-        def params(seed: int | None):
-            return self._vllm.SamplingParams(
+        inputs = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts for _ in range(sampling.n)]
+        params = [
+            self._vllm.SamplingParams(
                 n=1,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
-                top_k=sampling.top_k,  # 0 = off in vLLM too
+                top_k=sampling.top_k,  # 0 = off in vLLM too (-1 is accepted as well)
                 max_tokens=sampling.max_new_tokens,
                 stop_token_ids=[] if sampling.ignore_eos else list(sampling.stop_token_ids),
-                ignore_eos=True,  # stops are exactly stop_token_ids (no tokenizer, no implicit EOS)
-                logprobs=0,
-                seed=seed,
+                ignore_eos=True,  # stops are exactly stop_token_ids (no tokenizer, no EOS from generation_config)
+                logprobs=0,  # the sampled token's log-prob only
+                seed=row_seed(sampling.seed, r),
                 detokenize=False,
             )
-
-        inputs = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts for _ in range(sampling.n)]
-        if not self.per_request_seeds:
-            return inputs, params(None)
-        return inputs, [params(row_seed(sampling.seed, r)) for r in range(len(inputs))]
+            for r in range(len(inputs))
+        ]
+        return inputs, params
 
     def sequence_log_probs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
         """vLLM's log-prob of every token but the first of each sequence (teacher forcing, temperature 1), for
@@ -240,14 +313,17 @@ class VllmRollout(RolloutEngine):
         if rows:
             self._wake_and_load()
             inputs, params = self._requests(prompts, sampling)
-            torch.cuda.manual_seed(sampling.seed)  # vLLM samples from this process's default CUDA generator
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
+            if len(outputs) != rows:
+                raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {rows} requests")
             for r, out in enumerate(outputs):
                 completion = out.outputs[0]
+                if completion.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM finished row {r} with reason {completion.finish_reason!r}")
                 n = len(completion.token_ids)
-                ids[r, :n] = torch.tensor(completion.token_ids, dtype=torch.long)
+                ids[r, :n] = torch.tensor(list(completion.token_ids), dtype=torch.long)
                 log_probs[r, :n] = torch.tensor(_sampled_log_probs(completion))
                 mask[r, :n] = 1.0
-                reasons.append("stop" if completion.finish_reason == "stop" else "length")
+                reasons.append(completion.finish_reason)
             self.release()
         return RolloutOutput(ids, mask, log_probs, reasons)

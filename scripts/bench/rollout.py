@@ -13,7 +13,8 @@ Sampling: temperature 1, no top-k/top-p, EOS ignored (every response is --new-to
 warmed up on the same batch with 8 new tokens first; the timed call is one `generate` (CUDA-synchronised),
 including what a rollout pays each time: the native engine's KV cache allocation and CUDA-graph capture, and
 vLLM's wake-up, weight copy and sleep (reported separately as `wake_load_s` / `sleep_s`). A backend that is
-not installed (vLLM) or not available here (vLLM on CPU) is reported as skipped with the reason.
+not installed (vLLM) or not available here (vLLM on CPU) is reported as skipped with the reason; a vLLM run that
+fails is reported as `{"error": ...}` (traceback on stderr) and the other backends still run.
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
 """
@@ -25,6 +26,7 @@ import contextlib
 import json
 import os
 import time
+import traceback
 from dataclasses import replace
 
 import torch
@@ -171,6 +173,7 @@ def run_vllm(shape, weights, prompts, sampling, args, device, reference) -> dict
     out, seconds, _ = timed_generate(engine, prompts, sampling, device)
     result = _result(out, seconds, device, peak=False)
     result.update(engine_start_s=round(engine_start, 1), engine_stats=dict(engine.last_stats))
+    result["v2_model_runner"] = engine.uses_v2_model_runner
     result["greedy_agree_first_token"] = _agree(first_tokens(engine, prompts), reference)
     return result
 
@@ -296,7 +299,11 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()  # vLLM checks free memory against --gpu-memory-utilization at start
     if "vllm" in wanted:
-        results["vllm"] = run_vllm(shape, weights, prompts, sampling, args, device, reference)
+        try:
+            results["vllm"] = run_vllm(shape, weights, prompts, sampling, args, device, reference)
+        except Exception as err:  # still measure and report the other backends
+            traceback.print_exc()
+            results["vllm"] = {"error": f"{type(err).__name__}: {err}"[:2000]}
     if "transformers" in wanted:
         results["transformers"] = run_transformers(shape, weights, prompts, sampling, device, reference)
     key = "tokens_per_cpu_s" if device.type == "cpu" else "tokens_per_s"  # CPU: steadier on a shared machine

@@ -82,6 +82,7 @@ def main(model_dir: str) -> None:
     )
     engine.set_weights(weights)
     report = {"world": world, "model": model_dir, "vllm_start_s": round(time.perf_counter() - t0, 1)}
+    report["v2_model_runner"] = engine.uses_v2_model_runner
     g = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(0, shape.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 33, 2, 12, 24, 7)

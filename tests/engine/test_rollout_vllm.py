@@ -3,6 +3,9 @@
 CPU, world size none: the config.json written for vLLM round-trips to the same model, the weight loader fills
 vLLM-shaped parameters exactly as vLLM shards the full HF tensors (TP=1 here; TP=2 with the vocab row
 exchange in tests/engine/test_rollout_tp.py), its errors, and the message when vLLM is missing.
+CPU, world size 1 (gloo, in process): VllmRollout built through build_rollout_engine against a stand-in for
+vLLM 0.26 (tests/engine/fake_vllm.py): the launch environment, sleep / wake-up order, weight copy, per-row
+seeds, stops and outputs; and the architecture checks made before vLLM starts.
 GPU + vLLM (marked `vllm`): tests/engine/rollout_vllm_script.py under torchrun, 1 GPU (Qwen2: tied, QKV bias)
 and 2 GPUs when present (Llama: untied, vocab 1000 so megatron's and vLLM's vocab shards differ), bfloat16.
 """
@@ -10,21 +13,28 @@ and 2 GPUs when present (Llama: untied, vocab 1000 so megatron's and vLLM's voca
 from __future__ import annotations
 
 import json
+import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
+import fake_vllm
 import hf_tiny
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import run_torchrun
 from rollout_tp_script import expected_vllm_params, hf_tensors
 from test_rollout_native import rollout_weights_from_hf
 
+from engine.config import RolloutConfig
 from engine.models.hf_config import model_config_from_hf
 from engine.parity import hf_model_shape
 from engine.rollout import build_rollout_engine
-from engine.rollout.vllm_backend import import_vllm, row_seed, write_hf_config
+from engine.rollout.base import SamplingParams
+from engine.rollout.vllm_backend import check_vllm_model, import_vllm, row_seed, write_hf_config
 from engine.rollout.vllm_weights import load_rollout_weights, vocab_pieces
+from parallel.launch import free_port
 
 SCRIPT = str(Path(__file__).with_name("rollout_vllm_script.py"))
 
@@ -39,9 +49,8 @@ def test_missing_vllm_names_the_key_and_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
     with pytest.raises(ImportError, match=r"rollout.backend=vllm needs vLLM.*pip install -e \.\[vllm\]"):
         import_vllm()
-    cfg = type("R", (), {"backend": "vllm", "tp": 1, "max_num_seqs": 8, "gpu_memory_utilization": 0.5})()
     with pytest.raises(ImportError, match="rollout.backend=native"):
-        build_rollout_engine(cfg, None, torch.device("cpu"), 0)
+        build_rollout_engine(RolloutConfig(backend="vllm"), None, torch.device("cpu"), 0)
 
 
 @pytest.mark.parametrize("family", hf_tiny.FAMILIES)
@@ -95,6 +104,81 @@ def test_row_seeds_differ_per_row_and_repeat():
     assert len({row_seed(3, r) for r in range(1000)}) == 1000 and row_seed(3, 5) == row_seed(3, 5)
 
 
+# ---- the backend's control flow against a stand-in for vLLM 0.26 (tests/engine/fake_vllm.py) ----------
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """torch.distributed on gloo, world size 1, with the torchrun variables vLLM's external launcher reads;
+    LOCAL_RANK=3 as under SLURM with one GPU per task (the backend must point vLLM at cuda:0)."""
+    port = free_port()
+    for key, value in dict(RANK="0", LOCAL_RANK="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_backend_drives_vllm_as_0_26_expects(tiny, world_of_one, monkeypatch):
+    shape, weights = rollout_weights_from_hf(tiny["qwen2"])
+    want = expected_vllm_params(hf_tensors(tiny["qwen2"]), shape.vocab_size, 1, 0)
+    fake_vllm.install(monkeypatch, {name: torch.full_like(t, float("nan")) for name, t in want.items()})
+    cfg = RolloutConfig(backend="vllm", cuda_graphs=False, max_num_seqs=16, gpu_memory_utilization=0.3)
+    engine = build_rollout_engine(cfg, shape, torch.device("cuda", 0), 0, model_dir=tiny["qwen2"], seed=5)
+    llm = fake_vllm.LLM.instances[-1]
+    assert llm.env == {"LOCAL_RANK": "0", "RANK": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert os.environ["LOCAL_RANK"] == "3"  # restored once vLLM has started
+    assert llm.kwargs["enforce_eager"] and llm.kwargs["seed"] == 5 and llm.kwargs["load_format"] == "dummy"
+    assert llm.calls == ["sleep(2)"] and engine.uses_v2_model_runner
+
+    engine.set_weights(weights)
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
+    a = engine.generate(prompts, sampling)
+    assert llm.calls[1:] == [
+        "wake_up(['weights'])",
+        "apply_model",
+        "wake_up(['kv_cache'])",
+        "reset_prefix_cache",
+        "generate",
+        "sleep(2)",
+    ]
+    for name in want:
+        assert torch.equal(llm.model.params[name].data, want[name]), name
+    assert engine.last_stats["tensors"] == len(want)
+    assert a.response_ids.shape == (6, 6) and a.finish_reasons == ["length"] * 6
+    assert torch.equal(a.response_ids, engine.generate(prompts, sampling).response_ids)  # seeded per row
+    assert not torch.equal(a.response_ids, engine.generate(prompts, replace(sampling, seed=4)).response_ids)
+    assert not torch.equal(a.response_ids[0], a.response_ids[1])  # the n samples of a prompt differ
+    assert torch.allclose(a.log_probs[0], -1.0 - 0.01 * torch.arange(6.0))
+
+    stop = int(a.response_ids[2, 2])
+    b = engine.generate(prompts, replace(sampling, stop_token_ids=(stop,)))
+    length = int(b.response_mask[2].sum())
+    assert b.finish_reasons[2] == "stop" and b.response_ids[2, length - 1] == stop and length <= 3
+    assert b.response_ids[2, length:].eq(0).all() and b.log_probs[2, length:].eq(0).all()
+    assert (
+        engine.generate(prompts, replace(sampling, stop_token_ids=(stop,), ignore_eos=True)).finish_reasons
+        == ["length"] * 6
+    )
+    greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=2))
+    assert greedy.response_ids[:, 0].tolist() == [6 % shape.vocab_size, 9, 6]
+    lp = engine.sequence_log_probs([[1, 2, 3], [4, 5]])
+    assert [t.tolist() for t in lp] == [pytest.approx([-0.51, -0.52]), pytest.approx([-0.51])]
+    assert llm.calls[-1] == "sleep(2)" and llm.llm_engine.is_sleeping()
+
+
+def test_vllm_model_checks_before_vllm_starts(tiny, tmp_path):
+    shape = hf_model_shape(tiny["qwen2"], 1)
+    check_vllm_model(shape, tiny["qwen2"])
+    with pytest.raises(ValueError, match=r"differs from the rollout model shape in num_layers"):
+        check_vllm_model(replace(shape, num_layers=shape.num_layers + 1), tiny["qwen2"])
+    with pytest.raises(ValueError, match="vLLM's Qwen2 attention ignores head_dim"):
+        check_vllm_model(replace(shape, head_dim=2 * shape.head_dim), None)
+
+
 # ---- GPU + vLLM --------------------------------------------------------------------------------------
 
 
@@ -113,7 +197,9 @@ def _bf16_model(tmp_path, family: str, **overrides) -> str:
 
 def _run(tmp_path, family: str, nproc: int, **overrides) -> dict:
     out = run_torchrun(SCRIPT, nproc, [_bf16_model(tmp_path, family, **overrides)], timeout=1200)
-    return json.loads(next(line for line in out.splitlines() if "RESULT {" in line).split("RESULT ", 1)[1])
+    report = json.loads(next(line for line in out.splitlines() if "RESULT {" in line).split("RESULT ", 1)[1])
+    print("RESULT " + json.dumps(report))  # shown by pytest -rA
+    return report
 
 
 @pytest.mark.vllm
