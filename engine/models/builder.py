@@ -17,7 +17,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from engine.config import ModelConfig
-from engine.models.spec import RMSNorm, layer_spec
+from engine.models.spec import Fusions, install_rope_fusion, layer_spec, norm_spec
 from parallel.dims import ParallelDims
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,10 +77,19 @@ def resolve_shape(m: ModelConfig, vocab_size: int, tp: int) -> ModelShape:
 
 
 def transformer_config(
-    shape: ModelShape, dims: ParallelDims, init_std: float, recompute: bool, on_cpu: bool
+    shape: ModelShape,
+    dims: ParallelDims,
+    init_std: float,
+    recompute: bool,
+    on_cpu: bool,
+    fusions: Fusions | None = None,
 ) -> TransformerConfig:
-    """megatron's TransformerConfig for this architecture and layout (CPU-safe fusions when on_cpu)."""
+    """megatron's TransformerConfig for this architecture and layout (CPU-safe fusions when on_cpu; RoPE
+    fusion per `fusions`, on CPU too: there it runs the reference op chain through the same hook)."""
     half = shape.dtype != torch.float32
+    rope_fusion = (fusions or Fusions()).rope
+    if rope_fusion:
+        install_rope_fusion()  # before TransformerConfig: its checks look for the kernel
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -113,7 +122,7 @@ def transformer_config(
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=not on_cpu,
-        apply_rope_fusion=False,
+        apply_rope_fusion=rope_fusion,
         gradient_accumulation_fusion=False,
         batch_p2p_comm=not on_cpu,  # gloo pairs batched p2p wrongly under interleaved PP
         recompute_granularity="full" if recompute else None,
@@ -149,17 +158,23 @@ def build_gpt_chunks(
     recompute: bool,
     device: torch.device,
     value_head: bool = False,
+    fusions: Fusions | None = None,
 ) -> list[GPTModel]:
-    """This rank's model chunks (one per virtual pipeline stage), parameters on `device`."""
-    config = transformer_config(shape, dims, init_std, recompute, on_cpu=device.type == "cpu")
-    spec = layer_spec(shape.qk_norm)
+    """This rank's model chunks (one per virtual pipeline stage), parameters on `device`; `fusions` picks the
+    fused kernels (default: all; engine/models/spec.py)."""
+    fusions = fusions or Fusions()
+    config = transformer_config(
+        shape, dims, init_std, recompute, on_cpu=device.type == "cpu", fusions=fusions
+    )
+    spec = layer_spec(shape.qk_norm, fusions)
     chunks = []
     for vp_stage in range(dims.vpp):
         vp = vp_stage if dims.vpp > 1 else None
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
         block = TransformerBlockSubmodules(
-            layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp), layer_norm=RMSNorm
+            layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp),
+            layer_norm=norm_spec(fusions),
         )
         model = GPTModel(
             config=config,

@@ -1,5 +1,5 @@
 """The transformer layer spec the engine builds every GPTModel with: megatron-core's local spec with two
-modules swapped in.
+modules swapped in, and fused kernels where megatron's own need TransformerEngine or apex.
 
 - `SDPAAttention` replaces megatron's local `DotProductAttention` (unfused softmax): PyTorch's
   `scaled_dot_product_attention` picks flash/cuDNN kernels on GPU (measured 35.5% -> 49.8% MFU at 1.5B,
@@ -8,9 +8,15 @@ modules swapped in.
   mask is needed.
 - `RMSNorm` replaces `WrappedTorchNorm`, which refuses sequence parallelism; ours tags its weight
   `sequence_parallel` so megatron all-reduces its gradient across the TP group when SP is on.
+- `Fusions` selects the fused kernels (all on by default; off = the reference op chains, for benchmarks):
+  RMSNorm through torch's fused kernel, and RoPE as one compiled kernel through megatron's `apply_rope_fusion`
+  hook, which megatron otherwise fills from TransformerEngine only. Both compute the same math as the chains
+  they replace (tests/engine/test_spec_fusions.py states the tolerances).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +24,18 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclass(frozen=True)
+class Fusions:
+    """Which fused kernels the layer spec uses; each replaces an op chain with the same math."""
+
+    rms_norm: bool = True
+    """RMSNorm as `F.rms_norm` (torch's fused kernel on CUDA: float32 inside, one rounding to the input dtype),
+    then times the weight in the input dtype, as Hugging Face; off = the six-op float32 chain."""
+    rope: bool = True
+    """RoPE of q and k as one torch.compile'd kernel each on CUDA (eager elsewhere), plugged into megatron's
+    `apply_rope_fusion`; off = megatron's unfused RoPE (about five elementwise passes each way)."""
 
 
 class SDPAAttention(MegatronModule):
@@ -68,33 +86,93 @@ class SDPAAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
-class RMSNorm(torch.nn.Module):
-    """RMSNorm computed in float32 like Hugging Face's Llama/Qwen norms, weight tagged for SP."""
+def rms_normalize_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) in float32, cast back to x's dtype: Hugging Face's Llama/Qwen norm without the weight."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return x32.to(x.dtype)
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **unused):
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm computed in float32 like Hugging Face's Llama/Qwen norms, weight tagged for SP.
+
+    `fused` (Fusions.rms_norm) normalises with torch's fused kernel instead of the float32 op chain; the result
+    is the same up to the order of the mean's summation (bit-equal on CPU, where torch runs the same chain)."""
+
+    def __init__(
+        self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, fused: bool = True, **unused
+    ):
         super().__init__()
-        self.eps = eps
+        self.eps, self.fused = eps, fused
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        if self.fused:
+            return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+        return self.weight * rms_normalize_reference(x, self.eps)
 
 
-def layer_spec(qk_norm: bool) -> ModuleSpec:
+def rope_reference(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Megatron's unfused RoPE (`_apply_rotary_pos_emb_bshd`, not interleaved, mscale 1) on t (s, b, heads,
+    dim) with freqs (s, 1, 1, rot_dim) float32, op for op: products in t's dtype, rotate-half of the first
+    rot_dim features, the rest passed through."""
+    rot_dim = freqs.shape[-1]
+    t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
+    x1, x2 = torch.chunk(t_rot, 2, dim=-1)
+    out = t_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((out, t_pass), dim=-1)
+
+
+_compiled_rope = None
+
+
+def compiled_rope():
+    """`rope_reference` compiled by torch.compile (one kernel forward, one backward), built on first use."""
+    global _compiled_rope
+    if _compiled_rope is None:
+        _compiled_rope = torch.compile(rope_reference, fullgraph=True)
+    return _compiled_rope
+
+
+def fused_rope(
+    t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False, interleaved: bool = False
+) -> torch.Tensor:
+    """megatron's `fused_apply_rotary_pos_emb` contract (sbhd), without TransformerEngine: compiled on CUDA,
+    where it computes in float32 and rounds once (the eager chain rounds after each product: <= 1 ulp apart);
+    `rope_reference` elsewhere (bit-equal to megatron's unfused path)."""
+    if interleaved:
+        raise ValueError("fused_rope: interleaved RoPE is not supported (no Llama/Qwen model uses it)")
+    return compiled_rope()(t, freqs) if t.is_cuda else rope_reference(t, freqs)
+
+
+def install_rope_fusion() -> None:
+    """Make megatron's `apply_rope_fusion=True` call `fused_rope` when TransformerEngine's kernel is absent
+    (megatron reads this hook at call time; a TE kernel, when installed, is left in place). Idempotent."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = fused_rope
+
+
+def layer_spec(qk_norm: bool, fusions: Fusions | None = None) -> ModuleSpec:
     """megatron's local GPT layer spec (RMSNorm, optional QK-norm) with SDPA attention and our RMSNorm."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    norm = norm_spec(fusions or Fusions())
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
     sub = spec.submodules
-    sub.input_layernorm = RMSNorm
-    sub.pre_mlp_layernorm = RMSNorm
+    sub.input_layernorm = norm
+    sub.pre_mlp_layernorm = norm
     attn = sub.self_attention.submodules
     attn.core_attention = SDPAAttention
     if qk_norm:
-        attn.q_layernorm = RMSNorm
-        attn.k_layernorm = RMSNorm
+        attn.q_layernorm = norm
+        attn.k_layernorm = norm
     return spec
+
+
+def norm_spec(fusions: Fusions) -> ModuleSpec:
+    """Our RMSNorm, fused or not, as megatron builds it (final norm of the block and the layers' norms)."""
+    return ModuleSpec(module=RMSNorm, params={"fused": fusions.rms_norm})
