@@ -14,6 +14,18 @@ def model_preset(name: str) -> dict:
         return yaml.safe_load(f)
 
 
+def model_config(name: str, **overrides):
+    """conf/model/<name>.yaml as the engine's typed `ModelConfig`, with fields replaced by `overrides`."""
+    from dataclasses import replace
+
+    from omegaconf import OmegaConf
+
+    from engine.config import ModelConfig
+
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.create(model_preset(name)))
+    return replace(OmegaConf.to_object(merged), **overrides)
+
+
 def hf_config_for(name: str) -> dict:
     """Qwen2Config kwargs for a conf/model preset (random init; used by the TRL and transformers baselines)."""
     m = model_preset(name)

@@ -1,0 +1,394 @@
+"""Benchmark one actor update: forward + backward + optimizer step through the engine's own `MegatronRole`
+(engine/policy.py) and actor loss (`engine.role_losses.make_actor_loss`, GRPO defaults: PPO clip, token-mean),
+on a random-init conf/model preset and one fixed random batch, in one process; prints one JSON object.
+
+    python scripts/bench/update.py --preset qwen2_5_1_5b --rows 64 --seq 768 --prompt-len 256   # one GPU
+    python scripts/bench/update.py --preset tiny --rows 8 --seq 32 --prompt-len 8 --max-tokens 128  # CPU
+
+The batch: `--rows` sequences of `--seq` tokens (`--prompt-len` prompt + the rest response, no padding,
+random token ids, random advantages), cut into micro-batches by the engine's MicroBatcher under
+`--max-tokens` per micro-batch (0: `--micro-batch` rows each); the loss sees log-probs of the response
+positions only. The process is a world of one (NCCL on GPU, gloo on CPU), parameters in `--dtype`.
+
+Each `--variants` entry (VARIANTS below) builds a fresh model (same seed, same weights) with a set of the
+layer spec's fused kernels (engine/models/spec.py `Fusions`) and the AdamW kernel MegatronRole picks or a
+forced one (`adam` in the JSON says which ran), runs `--warmup` updates (torch.compile'd kernels compile
+there), then times `--iters` updates, CUDA-synchronised around the schedule and around the optimizer step,
+so every update gives both figures. Reported per variant (medians):
+- `update_s`, `tokens_per_s`, `mfu`: forward + backward + optimizer step;
+- `fwd_bwd_s`, `fwd_bwd_tokens_per_s`, `fwd_bwd_mfu`: the schedule alone; `optimizer_s`: the difference;
+- MFU = 6 x params x tokens / seconds / 989e12 (H100/H200 dense bf16 peak), params = every parameter of the
+  model once (a tied embedding is the lm_head and counts once; untied, both count), tokens = rows x seq;
+  attention score FLOPs not counted. `mfu_palm` adds them (engine/perf.py, the trainer's perf/mfu/actor);
+- `peak_memory_gb` (max allocated during the timed updates), `grad_norm` and `loss` of the first update
+  (equal across variants up to rounding: a numerics check), `skipped_steps`;
+- with `--profile`: one more update under torch.profiler; the top 30 CUDA kernels by total time (on CPU:
+  ops by self CPU time) go to `<out>/profile_<variant>.txt`, and `kernel_categories` (ms and share of kernel
+  time by kind: gemm, attention, triton (torch.compile), norm, elementwise, ...) and `gpu_busy_fraction`
+  (kernel time / wall time, pessimistic under the profiler) go to the JSON.
+`fusion_check` (run first) compares each fused kernel with its reference chain on this device at the
+preset's sizes: max abs difference, share of elements that differ, each one's max error against float64.
+Results are written to `<out>/update.json` after every variant, so a run cut short keeps what finished.
+Run from the repository root with it on PYTHONPATH (`PYTHONPATH=. python scripts/bench/update.py ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import os
+import re
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from presets import model_config  # noqa: E402
+
+from algorithms import loss_normalizer  # noqa: E402
+from engine.batch import build_experience  # noqa: E402
+from engine.config import AlgorithmConfig, OptimConfig  # noqa: E402
+from engine.dynamic_batch import MicroBatcher  # noqa: E402
+from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape  # noqa: E402
+from engine.models.spec import Fusions, RMSNorm, fused_rope, rope_reference  # noqa: E402
+from engine.perf import train_flops  # noqa: E402
+from engine.policy import MegatronRole  # noqa: E402
+from engine.role_losses import make_actor_loss  # noqa: E402
+from parallel.dims import ParallelDims  # noqa: E402
+from parallel.state import ProcessGroups, destroy_distributed, init_distributed  # noqa: E402
+
+PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16 spec, as scripts/bench/e2e.py
+TINY_VOCAB = 512  # conf/model/tiny.yaml takes the tokenizer's vocabulary; the benches fix one
+KEYS = ("advantages", "rollout_log_probs")  # what the actor loss reads besides the tokens
+# name -> (fused kernels of the layer spec, AdamW kernel: None = whatever MegatronRole picks, or forced)
+VARIANTS = {
+    "none": (Fusions(rms_norm=False, rope=False), None),
+    "rms_norm": (Fusions(rms_norm=True, rope=False), None),
+    "rope": (Fusions(rms_norm=False, rope=True), None),
+    "all": (Fusions(), None),
+    "all+fused_adam": (Fusions(), "fused"),
+    "all+foreach_adam": (Fusions(), "foreach"),
+}
+KERNEL_KINDS = (  # first match wins
+    ("triton (torch.compile)", r"^triton_"),
+    ("attention", r"flash|fmha|attention|sdpa"),  # before gemm: cuDNN SDPA names say sm90
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|s16816|splitK|^aten::(mm|addmm|bmm)$"),
+    ("nccl", r"nccl"),
+    ("memcpy/memset", r"(?i)memcpy|memset"),
+    ("norm", r"(?i)rms_?norm|layer_?norm|welford"),
+    ("reduce", r"(?i)reduce|softmax|cross_?entropy|logsumexp"),
+    ("adam", r"(?i)adam"),
+    ("elementwise", r"(?i)elementwise|vectorized|unrolled|cat_?array|index|gather|scatter"),
+)
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="qwen2_5_1_5b", help="conf/model/<preset>.yaml")
+    ap.add_argument("--rows", type=int, default=64, help="sequences in the update")
+    ap.add_argument("--seq", type=int, default=768, help="tokens per sequence: prompt + response")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=16384, help="token budget per micro-batch (0: off)")
+    ap.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch when --max-tokens 0")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--variants", default="all", help="comma-separated subset of " + ",".join(VARIANTS))
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--recompute", action="store_true", help="full activation recompute (model.recompute)")
+    ap.add_argument("--lr", type=float, default=1e-6, help="small: the weights barely move between updates")
+    ap.add_argument("--profile", action="store_true", help="profile one more update per variant")
+    ap.add_argument("--no-check", action="store_true", help="skip fusion_check")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=".", help="folder for update.json and the profile tables")
+    args = ap.parse_args()
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown or not 0 < args.prompt_len < args.seq:
+        ap.error(f"unknown variants {unknown} or not 0 < --prompt-len < --seq")
+    return args
+
+
+def sync(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def micro_batches(shape: ModelShape, args, device: torch.device) -> list[dict]:
+    """The fixed batch, cut by the engine's MicroBatcher: random prompts and full-length responses."""
+    gen = torch.Generator().manual_seed(args.seed)
+    response = args.seq - args.prompt_len
+    prompts = torch.randint(0, shape.vocab_size, (args.rows, args.prompt_len), generator=gen)
+    response_ids = torch.randint(0, shape.vocab_size, (args.rows, response), generator=gen)
+    mask = torch.ones(args.rows, response)
+    rollout_logp = -torch.rand(args.rows, response, generator=gen)
+    exp = build_experience(prompts.tolist(), response_ids, mask, rollout_logp, list(range(args.rows)), 1, 0)
+    exp.tensors.update(
+        advantages=torch.randn(args.rows, response, generator=gen) * mask, rollout_log_probs=rollout_logp
+    )
+    batcher = MicroBatcher(args.micro_batch, args.max_tokens, seq_multiple=1, device=device)
+    return batcher(exp, torch.arange(args.rows), KEYS)
+
+
+def actor_loss(alg: AlgorithmConfig, normalizer: float, groups: ProcessGroups):
+    """make_actor_loss for this batch; passes the TP group only to versions that still take one."""
+    extra = {"tp_group": groups.tp} if "tp_group" in inspect.signature(make_actor_loss).parameters else {}
+    return make_actor_loss(alg, normalizer, kl_ref=False, **extra)
+
+
+def _torch_optimizers(optimizer) -> list:
+    return [sub.optimizer for sub in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def set_adam_kernel(optimizer, kernel: str) -> None:
+    """Force the torch AdamW inside megatron's optimizer (its fallback without apex/TE) to torch's `fused`
+    single kernel or the `foreach` kernels. Param groups read the flags at each step and the state is created
+    lazily, so this works before the first step."""
+    for opt in _torch_optimizers(optimizer):
+        for group in opt.param_groups:
+            group["fused"], group["foreach"] = kernel == "fused", kernel == "foreach"
+
+
+def adam_kernel(optimizer) -> str:
+    """Which AdamW kernel the optimizer's param groups select: fused, foreach or default (torch decides)."""
+    groups = [g for opt in _torch_optimizers(optimizer) for g in opt.param_groups]
+    if all(g.get("fused") for g in groups):
+        return "fused"
+    return "foreach" if all(g.get("foreach") for g in groups) else "default"
+
+
+def one_update(role: MegatronRole, mbs: list[dict], loss_fn, device: torch.device) -> dict:
+    t0 = sync(device)
+    outs = role.run(mbs, loss_fn, forward_only=False)
+    t1 = sync(device)
+    stats = role.optimizer_step()
+    t2 = sync(device)
+    loss = sum(float(o["pg_loss"]) for o in outs if "pg_loss" in o)
+    return {
+        "fwd_bwd_s": t1 - t0,
+        "update_s": t2 - t0,
+        "grad_norm": stats.grad_norm,
+        "skipped": stats.skipped,
+        "loss": loss,
+    }
+
+
+def kernel_table(prof, device: torch.device, path: str, wall_s: float) -> dict:
+    """Top 30 kernels (CUDA) or ops (CPU) by total time to `path`; time by kernel kind."""
+    cuda = device.type == "cuda"
+    rows = []
+    for e in prof.key_averages():
+        if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if cuda:  # the attribute's name changed across torch versions
+            total = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        else:
+            total = e.self_cpu_time_total
+        if total > 0:
+            rows.append((total / 1e3, e.count, e.key))
+    rows.sort(reverse=True)
+    all_ms = sum(r[0] for r in rows) or 1.0
+    kinds: dict[str, float] = {}
+    for ms, _, name in rows:
+        kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, name)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+    unit = "CUDA kernels" if cuda else "CPU ops (self time)"
+    lines = [f"top 30 {unit} of one update; total {all_ms:.1f} ms over a wall time of {wall_s * 1e3:.1f} ms"]
+    lines.append(f"{'total ms':>10} {'share':>6} {'calls':>6} {'avg us':>9}  name")
+    for ms, count, name in rows[:30]:
+        lines.append(f"{ms:10.2f} {ms / all_ms:6.1%} {count:6d} {ms * 1e3 / count:9.1f}  {name[:140]}")
+    sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+    try:  # torch's own view (names the ops that launched the kernels); cosmetic, never fatal
+        own = prof.key_averages().table(sort_by=sort_by, row_limit=30)
+    except Exception as e:
+        own = f"unavailable: {e!r}"
+    lines += ["", f"torch.profiler's table by {sort_by}:", own]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return {
+        "profile": path,
+        "kernel_ms": all_ms,
+        "gpu_busy_fraction": all_ms / (wall_s * 1e3) if cuda else None,
+        "kernel_categories": {
+            k: {"ms": round(v, 2), "share": round(v / all_ms, 4)}
+            for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
+        },
+    }
+
+
+def profile_update(role, mbs, loss_fn, device: torch.device, path: str) -> dict:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        wall = one_update(role, mbs, loss_fn, device)["update_s"]
+    return kernel_table(prof, device, path, wall)
+
+
+def measure_variant(name: str, shape: ModelShape, groups: ProcessGroups, mbs, loss_fn, args) -> dict:
+    fusions, adam = VARIANTS[name]
+    device = groups.device
+    torch.manual_seed(args.seed)  # same weights in every variant
+    chunks = build_gpt_chunks(
+        shape, groups.dims, init_std=0.02, recompute=args.recompute, device=device, fusions=fusions
+    )
+    role = MegatronRole(chunks, groups, shape, OptimConfig(lr=args.lr), total_optimizer_steps=1000)
+    if adam is not None:
+        set_adam_kernel(role.optimizer, adam)
+    params = sum(p.numel() for p in {id(p): p for c in role.chunks for p in c.parameters()}.values())
+    warm = [one_update(role, mbs, loss_fn, device) for _ in range(args.warmup)]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    runs = [one_update(role, mbs, loss_fn, device) for _ in range(args.iters)]
+    med = {k: statistics.median(r[k] for r in runs) for k in ("fwd_bwd_s", "update_s")}
+    tokens = args.rows * args.seq
+    flops = 6.0 * params * tokens
+    out = {
+        "fusions": {"rms_norm": fusions.rms_norm, "rope": fusions.rope},
+        "adam": adam_kernel(role.optimizer),
+        "params": params,
+        "update_s": med["update_s"],
+        "update_s_all": [round(r["update_s"], 4) for r in runs],
+        "tokens_per_s": tokens / med["update_s"],
+        "mfu": flops / med["update_s"] / PEAK_BF16_FLOPS if device.type == "cuda" else None,
+        "fwd_bwd_s": med["fwd_bwd_s"],
+        "fwd_bwd_tokens_per_s": tokens / med["fwd_bwd_s"],
+        "fwd_bwd_mfu": flops / med["fwd_bwd_s"] / PEAK_BF16_FLOPS if device.type == "cuda" else None,
+        "optimizer_s": statistics.median(r["update_s"] - r["fwd_bwd_s"] for r in runs),
+        "mfu_palm": None,
+        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+        "grad_norm": (warm or runs)[0]["grad_norm"],
+        "loss": (warm or runs)[0]["loss"],
+        "skipped_steps": sum(r["skipped"] for r in warm + runs),
+    }
+    if device.type == "cuda":
+        palm = train_flops(shape, torch.full((args.rows,), args.seq))
+        out["mfu_palm"] = palm / med["update_s"] / PEAK_BF16_FLOPS
+    if args.profile:
+        path = os.path.join(args.out, f"profile_{name.replace('+', '_')}.txt")
+        out.update(profile_update(role, mbs, loss_fn, device, path))
+    del role, chunks
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _compare(fused: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor) -> dict:
+    diff = (fused.double() - ref.double()).abs()
+    return {
+        "max_abs_diff": diff.max().item(),
+        "frac_elements_differ": (diff > 0).double().mean().item(),
+        "max_abs_err_vs_fp64": {
+            "fused": (fused.double() - exact).abs().max().item(),
+            "reference": (ref.double() - exact).abs().max().item(),
+        },
+    }
+
+
+def fusion_check(shape: ModelShape, device: torch.device, tokens: int = 1024) -> dict:
+    """Fused kernels vs their reference chains on this device, output and input gradient, in the model dtype."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    dtype, out = shape.dtype, {}
+    x = (torch.randn(tokens, 2, shape.hidden_size, device=device, generator=gen) * 3).to(dtype)
+    g = torch.randn(x.shape, device=device, generator=gen).to(dtype)
+    config = SimpleNamespace(params_dtype=dtype, sequence_parallel=False)
+    weight = (torch.rand(shape.hidden_size, device=device, generator=gen) + 0.5).to(dtype)
+    norms = [RMSNorm(config, shape.hidden_size, shape.norm_eps, fused=f).to(device) for f in (True, False)]
+    results = []
+    for norm in norms:
+        norm.weight.data.copy_(weight)
+        xi = x.detach().requires_grad_()
+        y = norm(xi)
+        results.append((y, torch.autograd.grad(y, xi, g)[0]))
+    x64 = x.double().requires_grad_()
+    y64 = weight.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + shape.norm_eps)
+    (g64,) = torch.autograd.grad(y64, x64, g.double())
+    out["rms_norm"] = {
+        "output": _compare(results[0][0], results[1][0], y64),
+        "grad": _compare(results[0][1], results[1][1], g64),
+    }
+    rope = RotaryEmbedding(kv_channels=shape.head_dim, rotary_percent=1.0, rotary_base=int(shape.rope_theta))
+    freqs = rope(tokens).to(device)  # (s, 1, 1, head_dim) float32, as the model gets it
+    t = torch.randn(tokens, 2, shape.num_attention_heads, shape.head_dim, device=device, generator=gen).to(
+        dtype
+    )
+    g = torch.randn(t.shape, device=device, generator=gen).to(dtype)
+    results = []
+    for fn in (fused_rope, rope_reference):
+        ti = t.detach().requires_grad_()
+        y = fn(ti, freqs)
+        results.append((y, torch.autograd.grad(y, ti, g)[0]))
+    t64 = t.double().requires_grad_()
+    y64 = rope_reference(t64, freqs.double())
+    (g64,) = torch.autograd.grad(y64, t64, g.double())
+    out["rope"] = {
+        "output": _compare(results[0][0], results[1][0], y64),
+        "grad": _compare(results[0][1], results[1][1], g64),
+    }
+    out["rope"]["path"] = "compiled" if device.type == "cuda" else "eager"
+    return out
+
+
+def model_shape(args) -> ModelShape:
+    overrides = {"dtype": args.dtype, "recompute": args.recompute}
+    if args.preset == "tiny":
+        overrides["vocab_size"] = TINY_VOCAB
+    cfg = model_config(args.preset, **overrides)
+    return resolve_shape(cfg, cfg.vocab_size, 1)
+
+
+def main() -> None:
+    args = parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "update.json")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    groups = init_distributed(ParallelDims(world_size=1), device_type, seed=args.seed)
+    try:
+        shape = model_shape(args)
+        mbs = micro_batches(shape, args, groups.device)
+        alg = AlgorithmConfig()
+        response = args.seq - args.prompt_len
+        norm = loss_normalizer(torch.ones(args.rows, response), alg.loss_agg_mode, max_len=response)
+        loss_fn = actor_loss(alg, norm, groups)
+        result = {
+            "preset": args.preset,
+            "device": torch.cuda.get_device_name(groups.device) if device_type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "dtype": args.dtype,
+            "rows": args.rows,
+            "seq": args.seq,
+            "prompt_len": args.prompt_len,
+            "max_tokens": args.max_tokens,
+            "micro_batches": [list(mb["tokens"].shape) for mb in mbs],
+            "tokens": args.rows * args.seq,
+            "mfu_formula": "6 * params * tokens / seconds / 989e12; params: each parameter once (tied "
+            "embedding = lm_head, once); tokens: rows * seq; attention score FLOPs not counted",
+            "variants": {},
+        }
+        if not args.no_check:  # first: quick, and its numbers matter even if a variant runs out of time
+            result["fusion_check"] = fusion_check(shape, groups.device)
+        for name in args.variants.split(","):
+            try:
+                result["variants"][name] = measure_variant(name, shape, groups, mbs, loss_fn, args)
+            except Exception as e:  # one failing variant (OOM, compile error) must not lose the others
+                trace = traceback.format_exc()[-3000:]
+                result["variants"][name] = {"error": f"{type(e).__name__}: {e}", "trace": trace}
+                gc.collect()
+            with open(path, "w") as f:
+                json.dump(result, f, indent=1)
+        print(json.dumps(result), flush=True)
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

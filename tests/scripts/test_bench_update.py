@@ -1,0 +1,87 @@
+"""scripts/bench/update.py on CPU: the tiny preset through three variants, the profile and the fusion check.
+
+World size 1 (the script is its own gloo process); ~15 s. Checks the JSON contract the GPU runs rely on,
+not speed: every variant reports the keys below, and the same weights give the same first-update loss and
+grad norm whatever the fusions (bit-equal on CPU, where the fused and reference paths run the same math).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "bench" / "update.py"
+VARIANT_KEYS = {
+    "fusions",
+    "adam",
+    "params",
+    "update_s",
+    "update_s_all",
+    "tokens_per_s",
+    "mfu",
+    "fwd_bwd_s",
+    "fwd_bwd_tokens_per_s",
+    "fwd_bwd_mfu",
+    "optimizer_s",
+    "mfu_palm",
+    "peak_memory_gb",
+    "grad_norm",
+    "loss",
+    "skipped_steps",
+    "profile",
+    "kernel_ms",
+    "gpu_busy_fraction",
+    "kernel_categories",
+}
+
+
+def test_update_bench_tiny_cpu(tmp_path):
+    args = ["--preset", "tiny", "--rows", "6", "--seq", "24", "--prompt-len", "8", "--max-tokens", "80"]
+    args += [
+        "--variants",
+        "none,all+fused_adam,all+foreach_adam",
+        "--warmup",
+        "1",
+        "--iters",
+        "2",
+        "--profile",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # this checkout's engine
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(
+            key, None
+        )  # left by in-process world-1 tests (parallel/launch.py); the bench is its own world
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--out", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == json.loads((tmp_path / "update.json").read_text())
+    assert result["tokens"] == 6 * 24 and result["device"] == "cpu"
+    assert sum(b * (s - 1) for b, s in result["micro_batches"]) == 6 * 24  # one target slot per row
+    assert all(b * s <= 80 for b, s in result["micro_batches"])
+    variants = result["variants"]
+    none, fused, foreach = variants["none"], variants["all+fused_adam"], variants["all+foreach_adam"]
+    for v in (none, fused, foreach):
+        assert set(v) == VARIANT_KEYS, set(v) ^ VARIANT_KEYS
+        assert v["update_s"] >= v["fwd_bwd_s"] > 0 and len(v["update_s_all"]) == 2
+        assert v["mfu"] is None and v["skipped_steps"] == 0  # no MFU on CPU
+        assert Path(v["profile"]).read_text().startswith("top 30 CPU ops")
+    assert none["fusions"] == {"rms_norm": False, "rope": False}
+    assert fused["fusions"] == {"rms_norm": True, "rope": True}
+    assert (fused["adam"], foreach["adam"]) == ("fused", "foreach")
+    for v in (fused, foreach):  # same weights and batch: the first update's figures match bit for bit
+        assert (v["loss"], v["grad_norm"]) == (none["loss"], none["grad_norm"])
+    check = result["fusion_check"]
+    for kernel in ("rms_norm", "rope"):
+        for part in ("output", "grad"):
+            assert check[kernel][part]["max_abs_diff"] == 0.0  # CPU: same math, same order
