@@ -51,7 +51,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_dev
 EOF
 
 run_step smoke 120 "$py" - <<'EOF'
-import json, time, torch
+import importlib.util, json, time, torch
 from engine.config import ModelConfig, RolloutConfig
 from engine.models.builder import resolve_shape
 from engine.rollout import build_rollout_engine
@@ -59,13 +59,16 @@ from engine.rollout.base import SamplingParams
 from engine.rollout.native import NativeRollout
 from parallel.dims import ParallelDims
 from parallel.state import init_distributed
-from scripts.bench.rollout import random_rollout_weights
+
+spec = importlib.util.spec_from_file_location("bench_rollout", "scripts/bench/rollout.py")  # not a package
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
 
 groups = init_distributed(ParallelDims(world_size=1), "cuda")
 m = ModelConfig(num_layers=2, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4, num_query_groups=2,
                 vocab_size=1024, max_position_embeddings=256, qkv_bias=True, tie_embeddings=True, dtype="bfloat16")
 shape = resolve_shape(m, m.vocab_size, 1)
-weights = random_rollout_weights(shape, groups.device, seed=0)
+weights = bench.random_rollout_weights(shape, groups.device, seed=0)
 for t in weights.params.values():
     t.mul_(10.0 if t.dim() == 2 else 1.0)  # std 0.2: clear argmax margins in bf16
 start = time.perf_counter()
