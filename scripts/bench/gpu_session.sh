@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU runs of session 2 (2026-11-29) on one host of 2 H200, one stage per device call; jobs on the two
+# GPUs run side by side (CUDA_VISIBLE_DEVICES), every job under `timeout`, logs and JSON under $OUT.
+# Run from the repository root with the repository on PYTHONPATH (../shared/device/README.md):
+#   bash scripts/bench/gpu_session.sh head      # fused head: GPU tests + logprobs bench | e2e 0.5B, 1.5B
+#   bash scripts/bench/gpu_session.sh budget    # e2e with a 32k-token micro-batch budget | update bench
+#   bash scripts/bench/gpu_session.sh trl       # TRL 0.5B | TRL 1.5B (same host, same settings)
+#   bash scripts/bench/gpu_session.sh 7b        # e2e 7B on both GPUs (TP=2, rollout TP=2, recompute)
+#   bash scripts/bench/gpu_session.sh vllm      # vLLM checks + rollout bench 0.5B | rollout bench 1.5B native
+#   bash scripts/bench/gpu_session.sh vllm2     # rollout 1.5B + 7B with vLLM | e2e 0.5B with vLLM rollout
+set -u
+out=${OUT:-/tmp/bench-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+bench=scripts/bench
+on() {  # on GPU SECONDS NAME CMD...: one job, stdout appended to $out/NAME.json, stderr to $out/NAME.err
+  local gpu=$1 secs=$2 name=$3
+  shift 3
+  CUDA_VISIBLE_DEVICES=$gpu timeout "$secs" "$@" >> "$out/$name.json" 2> "$out/$name.err"
+  echo "$name rc=$?" >> "$out/status.txt"
+}
+case "${1:-head}" in
+head)
+  {
+    on 0 120 gpu_tests python -m pytest -q -rs -m gpu tests/engine/test_fused_logprobs.py tests/engine/test_rollout_gpu.py
+    on 0 90 logprobs_0_5b python $bench/logprobs.py --hidden 896 --rows 21
+    on 0 90 logprobs_1_5b python $bench/logprobs.py --hidden 1536 --rows 21
+  } &
+  {
+    on 1 200 e2e_0_5b python $bench/e2e.py --preset qwen2_5_0_5b
+    on 1 240 e2e_1_5b python $bench/e2e.py --preset qwen2_5_1_5b
+  } &
+  wait ;;
+budget)
+  {
+    on 0 200 e2e_0_5b_32k python $bench/e2e.py --preset qwen2_5_0_5b --max-tokens 32768
+    on 0 240 e2e_1_5b_32k python $bench/e2e.py --preset qwen2_5_1_5b --max-tokens 32768
+  } &
+  {
+    on 1 420 update_1_5b python $bench/update.py --preset qwen2_5_1_5b --rows 64 --seq 768 --prompt-len 256 \
+      --max-tokens 16384 --variants none,rms_norm,rope,all,all+foreach_adam --warmup 2 --iters 5 --profile --out "$out"
+  } &
+  wait ;;
+trl)
+  on 0 300 trl_0_5b python $bench/trl_grpo.py --preset qwen2_5_0_5b &
+  on 1 300 trl_1_5b python $bench/trl_grpo.py --preset qwen2_5_1_5b &
+  wait ;;
+7b)
+  on 0,1 400 e2e_7b python $bench/e2e.py --preset qwen2_5_7b --gpus 2 --tp 2 --rollout-tp 2 --max-tokens 6144 model.recompute=true ;;
+vllm)
+  on 0 560 vllm_check env BUDGET_S=500 bash $bench/vllm_gpu_check.sh &
+  on 1 300 rollout_1_5b_native python $bench/rollout.py --preset qwen2_5_1_5b --backends native,transformers &
+  wait ;;
+vllm2)
+  {
+    on 0 250 rollout_1_5b python $bench/rollout.py --preset qwen2_5_1_5b --backends native,vllm
+    on 0 300 rollout_7b python $bench/rollout.py --preset qwen2_5_7b --backends native,vllm
+  } &
+  on 1 500 e2e_0_5b_vllm python $bench/e2e.py --preset qwen2_5_0_5b --backend vllm &
+  wait ;;
+*) echo "usage: $0 head|budget|trl|7b|vllm|vllm2" >&2; exit 2 ;;
+esac
+cat "$out/status.txt"
