@@ -8,6 +8,7 @@
 #   bash scripts/bench/gpu_session.sh 7b        # e2e 7B on both GPUs (TP=2, rollout TP=2, recompute)
 #   bash scripts/bench/gpu_session.sh vllm      # vLLM checks + rollout bench 0.5B | rollout bench 1.5B native
 #   bash scripts/bench/gpu_session.sh vllm2     # rollout 1.5B + 7B with vLLM | e2e 0.5B with vLLM rollout
+#   bash scripts/bench/gpu_session.sh vllm3     # vLLM GPU tests (1 and 2 GPUs), then what logprobs/seeds cost
 set -u
 out=${OUT:-/tmp/bench-out}
 mkdir -p "$out"
@@ -58,6 +59,11 @@ vllm2)
   } &
   on 1 500 e2e_0_5b_vllm python $bench/e2e.py --preset qwen2_5_0_5b --backend vllm &
   wait ;;
-*) echo "usage: $0 head|budget|trl|7b|vllm|vllm2" >&2; exit 2 ;;
+vllm3)
+  on 0,1 300 vllm_tests python -m pytest -q -rA -m "gpu or vllm" tests/engine/test_rollout_vllm.py
+  on 0 240 vllm_cost_0_5b python $bench/vllm_sampling_cost.py --preset qwen2_5_0_5b &
+  on 1 240 vllm_cost_1_5b python $bench/vllm_sampling_cost.py --preset qwen2_5_1_5b &
+  wait ;;
+*) echo "usage: $0 head|budget|trl|7b|vllm|vllm2|vllm3" >&2; exit 2 ;;
 esac
 cat "$out/status.txt"
