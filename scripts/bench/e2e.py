@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--response-len", type=int, default=512)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument(
-        "--max-tokens", type=int, default=16384, help="trainer.max_tokens_per_micro_batch (0 = off)"
+        "--max-tokens", type=int, default=32768, help="trainer.max_tokens_per_micro_batch (0 = off)"
     )
     ap.add_argument("--max-num-seqs", type=int, default=512, help="rollout.max_num_seqs")
     ap.add_argument("--steps", type=int, default=3)
