@@ -8,7 +8,8 @@ tokens, as verl does per worker batch.
 
 Which policy log-probs the KL in the reward uses: the old-log-prob forward when it runs; otherwise
 (ppo_epochs == 1 and num_mini_batches == 1, where that forward is skipped) the rollout engine's log-probs
-of the same weights, which differ from the training forward by numerics only.
+of the same weights, which differ from the training forward by numerics only (so rollout.log_probs=false is
+refused there).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ def policy_log_probs(exp: Experience) -> torch.Tensor:
     """(rows, T) the actor's log-probs before the update: old-log-prob forward, else the rollout's."""
     if "old_log_probs" in exp.tensors:
         return exp.tensors["old_log_probs"]
+    if "rollout_log_probs" not in exp.tensors:  # engine/validate.py refuses the configs that get here
+        raise RuntimeError(
+            "the KL in the reward needs the policy's log-probs: no old-log-prob forward ran and the rollout "
+            "returned none (rollout.log_probs=false); set rollout.log_probs=true"
+        )
     return exp.tensors["rollout_log_probs"]
 
 

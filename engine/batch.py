@@ -26,13 +26,12 @@ class Experience:
     """(rows, T) int64, right-padded."""
     response_mask: torch.Tensor
     """(rows, T) float32."""
-    rollout_log_probs: torch.Tensor
-    """(rows, T) float32, from the rollout engine."""
     group_index: torch.Tensor
     """(rows,) int64: prompt group of each row, unique within the step (GRPO groups)."""
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per-row or response-aligned tensors added by later phases (scores, advantages, old/ref log-probs,
-    values)."""
+    values), and `rollout_log_probs` (rows, T) when the rollout returned them (rollout.log_probs; absent
+    otherwise, never filled in)."""
 
     @property
     def num_rows(self) -> int:
@@ -48,7 +47,6 @@ def build_experience(
     prompts: list[list[int]],
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
-    rollout_log_probs: torch.Tensor,
     group_ids: list[int],
     n: int,
     pad_id: int,
@@ -66,7 +64,7 @@ def build_experience(
         tokens[r, :p] = torch.tensor(prompts[r // n])
         tokens[r, p : p + length] = response_ids[r, :length]
     group = torch.tensor([group_ids[r // n] for r in range(rows)], dtype=torch.long)
-    return Experience(tokens, prompt_lens, response_ids, response_mask, rollout_log_probs, group)
+    return Experience(tokens, prompt_lens, response_ids, response_mask, group)
 
 
 @dataclass
@@ -81,8 +79,8 @@ class Responses:
     """(rows, T) int64."""
     response_mask: torch.Tensor
     """(rows, T) float32."""
-    log_probs: torch.Tensor
-    """(rows, T) float32, from the rollout engine."""
+    log_probs: torch.Tensor | None
+    """(rows, T) float32, from the rollout engine; None with rollout.log_probs=false."""
     finished: torch.Tensor
     """(rows,) float32: 1 where the response ended with a stop token."""
     scores: torch.Tensor

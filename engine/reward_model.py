@@ -77,7 +77,6 @@ class RewardModel:
             prompts,
             response_ids,
             response_mask,
-            torch.zeros_like(response_mask, dtype=torch.float32),
             list(range(len(prompts))),
             n,
             self.pad_id,

@@ -19,14 +19,20 @@ ACTOR_METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entro
 CRITIC_METRICS = ("vf_loss", "vf_clipfrac", "vpred_mean")
 
 
+def actor_metric_names(rollout_log_probs: bool) -> tuple[str, ...]:
+    """ACTOR_METRICS, less rollout_kl when the step has no rollout log-probs (rollout.log_probs=false)."""
+    return ACTOR_METRICS if rollout_log_probs else tuple(n for n in ACTOR_METRICS if n != "rollout_kl")
+
+
 def log_prob_fn(stats: ResponseStats, mb: dict):
     """Forward-only: log-probs of the response tokens."""
     logp = stats.log_probs
     return torch.zeros((), device=logp.device), {"log_probs": logp.detach()}
 
 
-def make_actor_loss(alg: AlgorithmConfig, normalizer: float, kl_ref: bool):
-    """Loss for one micro-batch of an actor mini-batch whose global normaliser is `normalizer`."""
+def make_actor_loss(alg: AlgorithmConfig, normalizer: float, kl_ref: bool, rollout_log_probs: bool = True):
+    """Loss for one micro-batch of an actor mini-batch whose global normaliser is `normalizer`; its metrics are
+    `actor_metric_names(rollout_log_probs)` (micro-batches carry `rollout_log_probs` exactly when it is true)."""
     policy_loss = get_policy_loss(alg.policy_loss)
     kl_fn = get_kl_estimator(alg.kl_estimator) if kl_ref else None
     clip = {} if alg.policy_loss == "gspo" else {"clip_ratio_c": alg.clip_ratio_c}
@@ -59,7 +65,6 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, kl_ref: bool):
             loss = loss + alg.kl_loss_coef * agg_loss(kl, mask, alg.loss_agg_mode, normalizer)
             kl_mean = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
         tokens = mask.sum()
-        rollout_gap = (mb["rollout_log_probs"] - logp.detach()) * mask  # k1 KL(rollout || training forward)
         metrics = {
             "pg_loss": loss.detach(),  # already this micro-batch's share of the mini-batch loss: summed, not averaged
             "pg_clipfrac": m["clipfrac"] * tokens,
@@ -67,9 +72,10 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, kl_ref: bool):
             "ppo_kl": m["approx_kl"] * tokens,
             "entropy": (ent.detach() * mask).sum(),
             "kl_loss": kl_mean * tokens,
-            "rollout_kl": rollout_gap.sum(),
             "tokens": tokens,
         }
+        if rollout_log_probs:  # k1 KL(rollout || training forward)
+            metrics["rollout_kl"] = ((mb["rollout_log_probs"] - logp.detach()) * mask).sum()
         return loss, metrics
 
     return loss_fn

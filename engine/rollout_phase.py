@@ -21,7 +21,9 @@ def rollout_replica(
     engine: RolloutEngine, weights: RolloutWeights, prompts: list[list[int]], sampling: SamplingParams
 ) -> RolloutOutput:
     """Generate `sampling.n` responses for each of this replica's prompts; identical result on every rank of
-    the replica (rows in prompt order, samples of a prompt adjacent), as CPU tensors."""
+    the replica (rows in prompt order, samples of a prompt adjacent), as CPU tensors. Log-probs are present
+    exactly when `sampling.log_probs` (the same on every rank: it comes from the config), whatever the backend
+    returned, so the ranks agree on what they exchange and the trainer on what it logs."""
     start, end = _share_bounds(len(prompts), weights.micro_dp_size, weights.micro_dp_rank)
     share = prompts[start:end]
     if share:
@@ -29,7 +31,15 @@ def rollout_replica(
     else:
         empty = torch.zeros(0, sampling.max_new_tokens)
         out = RolloutOutput(empty.long(), empty, empty, [])
-    local = (out.response_ids.cpu(), out.response_mask.cpu(), out.log_probs.cpu(), out.finish_reasons)
+    log_probs = None
+    if sampling.log_probs:
+        if out.log_probs is None:
+            raise RuntimeError(
+                f"{type(engine).__name__}.generate returned no log-probs though SamplingParams.log_probs was "
+                "set (the contract of engine/rollout/base.py)"
+            )
+        log_probs = out.log_probs.cpu()
+    local = (out.response_ids.cpu(), out.response_mask.cpu(), log_probs, out.finish_reasons)
     if weights.micro_dp_size == 1:  # the experience lives on the CPU; micro-batches go to the device
         return RolloutOutput(*local)
     gathered: list = [None] * weights.micro_dp_size
@@ -37,6 +47,6 @@ def rollout_replica(
     return RolloutOutput(
         response_ids=torch.cat([g[0] for g in gathered]),
         response_mask=torch.cat([g[1] for g in gathered]),
-        log_probs=torch.cat([g[2] for g in gathered]),
+        log_probs=torch.cat([g[2] for g in gathered]) if sampling.log_probs else None,
         finish_reasons=[r for g in gathered for r in g[3]],
     )

@@ -7,9 +7,13 @@ engine/advantage_phase.py, engine/update_phase.py, engine/dynamic_sampling.py an
 this module sequences them and gathers the step's metrics.
 
 The old-log-prob forward runs only when the actor takes more than one optimizer step per batch
-(ppo_epochs > 1 or num_mini_batches > 1): with a single on-policy step the old log-probs equal the current
-ones, so the ratio is 1 by construction (actor/ppo_kl = 0, actor/pg_clipfrac = 0) and
+(engine/config.py `needs_old_log_prob_forward`): with a single on-policy step the old log-probs equal the
+current ones, so the ratio is 1 by construction (actor/ppo_kl = 0, actor/pg_clipfrac = 0) and
 actor/rollout_kl reports the rollout-vs-training gap instead.
+
+With rollout.log_probs=false the rollout returns no log-probs (engine/validate.py refuses it where the
+algorithm reads them): the experience has no `rollout_log_probs`, and actor/rollout_kl and
+rollout/logprob_mean are not logged (absent, not zero).
 """
 
 from __future__ import annotations
@@ -23,14 +27,15 @@ from algorithms import make_kl_controller, overlong_penalty
 from engine.advantage_phase import compute_advantages
 from engine.batch import Experience, Responses, build_experience
 from engine.checkpoint import Checkpointer
+from engine.config import needs_old_log_prob_forward
 from engine.dynamic_batch import MicroBatcher
 from engine.dynamic_sampling import GroupSelector
 from engine.metrics import PhaseTimer
 from engine.offload import RoleOffloader
 from engine.perf import mfu, train_flops
 from engine.role_losses import (
-    ACTOR_METRICS,
     CRITIC_METRICS,
+    actor_metric_names,
     log_prob_fn,
     make_actor_loss,
     make_critic_loss,
@@ -50,7 +55,9 @@ class Trainer:
         self.cfg = c.cfg
         self.step = 0
         alg, g = self.cfg.algorithm, c.groups
-        self.needs_old_forward = alg.ppo_epochs > 1 or alg.num_mini_batches > 1
+        self.needs_old_forward = needs_old_log_prob_forward(alg)
+        self.rollout_log_probs = self.cfg.rollout.log_probs
+        """Whether sampled responses come with their rollout log-probs (the same on every rank)."""
         self.kl_ref = c.reference is not None
         self.kl_ctrl = make_kl_controller(
             alg.kl_ctrl, kl_coef=alg.kl_reward_coef, target=alg.kl_target, horizon=alg.kl_horizon
@@ -82,6 +89,7 @@ class Trainer:
             stop_token_ids=(tok.eos_token_id,),
             ignore_eos=r.ignore_eos,
             seed=seed,
+            log_probs=self.rollout_log_probs and not greedy,  # greedy/val responses are only scored
         )
 
     def _rollout_seed(self, round_index: int) -> int:
@@ -208,13 +216,14 @@ class Trainer:
             [r.prompt_ids for r in resp.records],
             resp.response_ids,
             resp.response_mask,
-            resp.log_probs,
             list(range(first_group, first_group + resp.num_groups)),
             resp.n,
             self.c.tokenizer.pad_token_id,
             seq_multiple=g.dims.tp if g.dims.sp else 1,
         )
-        exp.tensors.update(rollout_log_probs=resp.log_probs, finished=resp.finished, scores=resp.scores)
+        exp.tensors.update(finished=resp.finished, scores=resp.scores)
+        if self.rollout_log_probs:
+            exp.tensors["rollout_log_probs"] = resp.log_probs
         if resp.overlong_penalty is not None:
             exp.tensors["overlong_penalty"] = resp.overlong_penalty
         if resp.baseline_scores is not None:
@@ -241,7 +250,9 @@ class Trainer:
 
     def _update_actor(self, exp: Experience) -> dict[str, float]:
         alg = self.cfg.algorithm
-        keys = ["advantages", "rollout_log_probs"]
+        keys = ["advantages"]
+        if self.rollout_log_probs:
+            keys.append("rollout_log_probs")
         if self.needs_old_forward:
             keys.append("old_log_probs")
         if self.kl_ref:
@@ -250,8 +261,8 @@ class Trainer:
             self.c.actor,
             exp,
             alg=alg,
-            make_loss=lambda norm: make_actor_loss(alg, norm, self.kl_ref),
-            metric_names=ACTOR_METRICS,
+            make_loss=lambda norm: make_actor_loss(alg, norm, self.kl_ref, self.rollout_log_probs),
+            metric_names=actor_metric_names(self.rollout_log_probs),
             keys=tuple(keys),
             batcher=self.batcher,
             max_len=self.cfg.rollout.max_new_tokens,
@@ -356,8 +367,9 @@ class Trainer:
         out["response_length/clip_ratio"] = self._stats(1.0 - exp.tensors["finished"])[0]
         if "overlong_penalty" in exp.tensors:
             out["reward/overlong_penalty_mean"] = self._stats(exp.tensors["overlong_penalty"])[0]
-        mask = exp.response_mask.bool()
-        out["rollout/logprob_mean"] = self._stats(exp.tensors["rollout_log_probs"][mask])[0]
+        if self.rollout_log_probs:
+            mask = exp.response_mask.bool()
+            out["rollout/logprob_mean"] = self._stats(exp.tensors["rollout_log_probs"][mask])[0]
         return out
 
     def _perf_metrics(

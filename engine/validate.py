@@ -18,6 +18,7 @@ from engine.config import (
     POLICY_LOSSES,
     ConfigError,
     TrainConfig,
+    needs_old_log_prob_forward,
 )
 from parallel.dims import ParallelDims
 
@@ -282,6 +283,32 @@ def _validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
         _fail("rollout.kv_cache_memory_fraction", r.kv_cache_memory_fraction, "must lie in (0, 1)", "use 0.5")
     if not 0.0 < r.gpu_memory_utilization < 1.0:
         _fail("rollout.gpu_memory_utilization", r.gpu_memory_utilization, "must lie in (0, 1)", "use 0.5")
+    if not r.log_probs:
+        _validate_without_rollout_log_probs(cfg)
+
+
+def _validate_without_rollout_log_probs(cfg: TrainConfig) -> None:
+    """rollout.log_probs=false: refuse the settings that read the rollout's log-probs."""
+    a = cfg.algorithm
+    if a.tis_cap > 0:
+        _fail(
+            "rollout.log_probs",
+            False,
+            f"algorithm.tis_cap={a.tis_cap} (truncated importance sampling) weights the loss by the ratio of "
+            "training to rollout log-probs, so it needs the rollout's log-probs",
+            "set rollout.log_probs=true, or algorithm.tis_cap=0",
+        )
+    if a.kl_in_reward and not needs_old_log_prob_forward(a):
+        _fail(
+            "rollout.log_probs",
+            False,
+            "algorithm.kl_in_reward=true with one optimizer step per batch (algorithm.ppo_epochs=1, "
+            "algorithm.num_mini_batches=1: no old-log-prob forward runs) takes the policy's log-probs for the "
+            "KL from the rollout",
+            "set rollout.log_probs=true, or algorithm.kl_in_reward=false (a KL loss, algorithm.kl_loss_coef, "
+            "needs no rollout log-probs), or algorithm.ppo_epochs>1 / algorithm.num_mini_batches>1 (the "
+            "old-log-prob forward then provides them)",
+        )
 
 
 def _validate_batches(cfg: TrainConfig, dims: ParallelDims) -> None:

@@ -7,6 +7,12 @@ Padding contract:
   `max_new_tokens` columns, right-padded with the engine's `pad_id` (log-prob 0, mask 0 on padding). Output
   tensors are on the CPU whatever device generated them.
 
+Log-prob contract: with `SamplingParams.log_probs` true every backend returns `RolloutOutput.log_probs`; with
+it false the caller does not need them and a backend may skip them (vLLM does: they cost it ~40% of its
+tokens/s) and return None, or return them anyway (the native engine does: they fall out of its sampler).
+Callers that asked for none must not read them; engine/rollout_phase.py drops them, so whether a step has
+rollout log-probs follows `rollout.log_probs`, not the backend.
+
 Backends: engine/rollout/native.py (`rollout.backend=native`), engine/rollout/vllm_backend.py (`vllm`).
 """
 
@@ -37,6 +43,8 @@ class SamplingParams:
     """Keep going past stop tokens (fixed-length benchmarks)."""
     seed: int = 0
     """Seed of the sampler; same seed and inputs give the same responses (on the same backend and device)."""
+    log_probs: bool = True
+    """Return the sampled tokens' log-probs (false: the backend may skip them; module docstring)."""
 
 
 @dataclass
@@ -47,10 +55,11 @@ class RolloutOutput:
     """(rows, max_new_tokens) int64, right-padded with pad_id."""
     response_mask: torch.Tensor
     """(rows, max_new_tokens) float32, 1 for generated tokens (a final stop token included)."""
-    log_probs: torch.Tensor
+    log_probs: torch.Tensor | None
     """(rows, max_new_tokens) float32: log-prob of each sampled token under softmax(logits / temperature)
     of the full vocabulary (temperature 1 when greedy), i.e. what the actor's training forward computes;
-    top-k/top-p only restrict which tokens are drawn. 0 on padding."""
+    top-k/top-p only restrict which tokens are drawn. 0 on padding. May be None when
+    `SamplingParams.log_probs` was false (module docstring)."""
     finish_reasons: list[str] = field(default_factory=list)
     """Per row: "stop" (a stop token was generated) or "length"."""
 

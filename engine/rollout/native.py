@@ -17,6 +17,7 @@ How a `generate` call runs (the forward itself is engine/rollout/model.py):
 Every TP rank of the group draws the same tokens: they see bitwise-identical logits (all-gathered) and
 use the same seed. Same inputs, seed and engine settings give the same responses; a different chunking
 (`max_num_seqs`, KV budget) changes batch shapes, hence the random stream and floating-point reductions.
+Log-probs are always returned, `SamplingParams.log_probs` or not: the sampler has them at no extra cost.
 """
 
 from __future__ import annotations

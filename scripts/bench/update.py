@@ -126,7 +126,7 @@ def micro_batches(shape: ModelShape, args, device: torch.device) -> list[dict]:
     response_ids = torch.randint(0, shape.vocab_size, (args.rows, response), generator=gen)
     mask = torch.ones(args.rows, response)
     rollout_logp = -torch.rand(args.rows, response, generator=gen)
-    exp = build_experience(prompts.tolist(), response_ids, mask, rollout_logp, list(range(args.rows)), 1, 0)
+    exp = build_experience(prompts.tolist(), response_ids, mask, list(range(args.rows)), 1, 0)
     exp.tensors.update(
         advantages=torch.randn(args.rows, response, generator=gen) * mask, rollout_log_probs=rollout_logp
     )

@@ -6,7 +6,8 @@ of EngineArgs), `SamplingParams` (vllm/sampling_params.py `_verify_args`), sleep
 (vllm/v1/engine/core.py, vllm/v1/executor/abstract.py: the scheduler resumes only once every tag is awake;
 a tag that is not asleep makes wake_up a no-op), the external launcher's environment
 (vllm/v1/executor/uniproc_executor.py), stop checks (vllm/v1/core/sched/utils.py) and the output objects
-(vllm/outputs.py, vllm/logprobs.py). Its "model" draws tokens from the request seed alone: it checks how the
+(vllm/outputs.py, vllm/logprobs.py; with `logprobs=None` a completion's `logprobs` and `cumulative_logprob` are
+None, as vllm/v1/engine/logprobs.py `LogprobsProcessor.from_new_request` leaves them). Its "model" draws tokens from the request seed alone: it checks how the
 backend drives vLLM, not numerics (the GPU tests do that).
 """
 
@@ -139,6 +140,8 @@ class LLM:
         self.model = _Model(LLM.model_params)
         self.llm_engine = _Engine(types.SimpleNamespace(use_v2_model_runner=True))
         self.calls: list[str] = []
+        self.last_params: list[SamplingParams] = []
+        """The per-request SamplingParams of the latest generate call (what the backend asked vLLM for)."""
         LLM.instances.append(self)
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
@@ -174,6 +177,7 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("The lengths of prompts and sampling_params must be the same.")
+        self.last_params = list(params)
         return [self._one(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
 
     def _one(self, index: int, prompt: dict, sp: SamplingParams):
@@ -190,14 +194,21 @@ class LLM:
             if tokens[-1] in sp.stop_token_ids:
                 reason = "stop"
                 break
-        logprobs = None
+        logprobs, cumulative = None, None  # logprobs=None: vLLM computes and returns none
         if sp.logprobs is not None:
             logprobs = [{t: Logprob(-1.0 - 0.01 * j, rank=1)} for j, t in enumerate(tokens)]
+            cumulative = sum(step[t].logprob for step, t in zip(logprobs, tokens))
         prompt_logprobs = None
         if sp.prompt_logprobs is not None:
             prompt_logprobs = [None] + [{t: Logprob(-0.5 - 0.01 * j)} for j, t in enumerate(ids[1:], 1)]
         completion = types.SimpleNamespace(
-            index=0, text="", token_ids=tokens, logprobs=logprobs, finish_reason=reason, stop_reason=None
+            index=0,
+            text="",
+            token_ids=tokens,
+            logprobs=logprobs,
+            cumulative_logprob=cumulative,
+            finish_reason=reason,
+            stop_reason=None,
         )
         return types.SimpleNamespace(
             request_id=str(index), prompt_token_ids=ids, prompt_logprobs=prompt_logprobs, outputs=[completion]

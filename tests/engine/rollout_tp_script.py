@@ -8,7 +8,8 @@ with `build_and_load`, and for rollout.tp in (2, 1) via `HybridEngine(..., rollo
   halves are gathered) equals transformers' greedy generation token for token;
 - sampled responses (n=2, T=0.7, top-p, a stop token): their rollout log-probs equal the actor's training
   forward (MegatronRole.run + log_prob_fn at the same temperature) within LOGP_TOL (float32);
-- both ranks hold identical outputs;
+- both ranks hold identical outputs; asked for no log-probs (SamplingParams.log_probs=False, what
+  rollout.log_probs=false asks), the same responses come back with log_probs None, exchange included;
 - the vLLM weight loader (engine/rollout/vllm_weights.py) fills vLLM-shaped parameters from the rollout shards
   exactly as vLLM would shard the full HF tensors (vocab 101 pads differently in vLLM: rows are exchanged).
 On cuda (2 GPUs, NCCL) the same checks run with the native engine's CUDA-graph decode. Rank 0 prints
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -93,9 +95,7 @@ def hf_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
 
 def actor_log_probs(actor: MegatronRole, prompts, out, n: int, temperature: float) -> torch.Tensor:
     """The training forward's log-probs of the rollout's responses (rows, NEW)."""
-    exp = build_experience(
-        prompts, out.response_ids, out.response_mask, out.log_probs, list(range(len(prompts))), n, PAD
-    )
+    exp = build_experience(prompts, out.response_ids, out.response_mask, list(range(len(prompts))), n, PAD)
     mbs = MicroBatcher(4, 0, 1, actor.groups.device)(exp, torch.arange(exp.num_rows))
     outs = actor.run(mbs, log_prob_fn, forward_only=True, temperature=temperature)
     return torch.cat([o["log_probs"] for o in outs]).cpu()
@@ -147,6 +147,9 @@ def check_family(groups, family: str, path: str) -> None:
             sampled_diff,
         )
         assert same_on_all_ranks(sampled.response_ids) and same_on_all_ranks(sampled.log_probs)
+        # without log-probs (rollout.log_probs=false): the same responses, and none exchanged or returned
+        bare = rollout_replica(engine, weights, prompts, replace(sampling, log_probs=False))
+        assert bare.log_probs is None and torch.equal(bare.response_ids, sampled.response_ids)
         num_stopped = sampled.finish_reasons.count("stop")
 
         # vLLM's parameters, as vLLM shards them, filled from the rollout shards

@@ -55,9 +55,7 @@ PAD = 0
 
 
 def training_log_probs(actor: MegatronRole, prompts, out, n: int, temperature: float = 1.0) -> torch.Tensor:
-    exp = build_experience(
-        prompts, out.response_ids, out.response_mask, out.log_probs, list(range(len(prompts))), n, PAD
-    )
+    exp = build_experience(prompts, out.response_ids, out.response_mask, list(range(len(prompts))), n, PAD)
     mbs = MicroBatcher(8, 0, 1, actor.groups.device)(exp, torch.arange(exp.num_rows))
     outs = actor.run(mbs, log_prob_fn, forward_only=True, temperature=temperature)
     return torch.cat([o["log_probs"] for o in outs]).float().cpu()

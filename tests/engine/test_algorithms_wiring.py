@@ -33,7 +33,7 @@ def tiny_experience():
     mask = (torch.arange(4) < torch.tensor(LENGTHS)[:, None]).float()
     response_ids = (torch.arange(24).view(6, 4) % 20 + 20) * mask.long()
     rollout_lp = -0.1 * torch.arange(1, 25, dtype=torch.float32).view(6, 4) * mask
-    exp = build_experience(prompts, response_ids, mask, rollout_lp, [0, 1, 2], 2, pad_id=0)
+    exp = build_experience(prompts, response_ids, mask, [0, 1, 2], 2, pad_id=0)
     exp.tensors["scores"] = SCORES.clone()
     exp.tensors["rollout_log_probs"] = rollout_lp
     exp.tensors["ref_log_probs"] = rollout_lp * 0.5

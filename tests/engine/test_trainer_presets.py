@@ -52,7 +52,15 @@ JOBS = {
         KL_REWARD,
     ),
     "ppo_token_budget": (["algorithm=ppo", "trainer.max_tokens_per_micro_batch=90"], 2, CRITIC_KEYS),
+    # no rollout log-probs: GRPO (KL loss), and a KL in the reward fed by the old-log-prob forward
+    "grpo_no_rollout_log_probs": (["algorithm=grpo", "rollout.log_probs=false"], 2, BASE),
+    "rloo_epochs2_no_rollout_log_probs": (
+        ["algorithm=rloo", "algorithm.ppo_epochs=2", "rollout.log_probs=false"],
+        2,
+        (*BASE, *KL_REWARD, "timing/old_log_prob"),
+    ),
 }
+ROLLOUT_LOG_PROB_KEYS = ("actor/rollout_kl", "rollout/logprob_mean")
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +93,29 @@ def test_on_policy_single_step_skips_old_forward_and_ratio_is_one(runs):
         assert abs(row["actor/rollout_kl"]) < 1e-4  # rollout engine vs training forward, float32
     rows = runs("grpo_epochs2_minibatches2")[1]
     assert all("timing/old_log_prob" in row for row in rows)
+
+
+def test_rollout_log_probs_off_trains_the_same_and_logs_no_rollout_log_prob_metrics(runs):
+    with_lp, without = runs("grpo")[1], runs("grpo_no_rollout_log_probs")[1]
+    for row in with_lp:
+        assert all(key in row for key in ROLLOUT_LOG_PROB_KEYS), row
+    for row in without:
+        assert not any(key in row for key in ROLLOUT_LOG_PROB_KEYS), row
+    # the loss never read them: same seeds, same responses (native engine), same update
+    for a, b in zip(with_lp, without):
+        for key in (
+            "reward/mean",
+            "response_length/mean",
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "actor/kl_loss",
+        ):
+            assert a[key] == b[key], (key, a[key], b[key])
+    trainer, rows = runs("rloo_epochs2_no_rollout_log_probs")
+    assert not any(key in row for row in rows for key in ROLLOUT_LOG_PROB_KEYS)
+    exp = trainer.last_experience
+    assert "rollout_log_probs" not in exp.tensors and "old_log_probs" in exp.tensors
+    assert "rollout_log_probs" not in runs("grpo_no_rollout_log_probs")[0].last_experience.tensors
 
 
 def test_grpo_groups_are_rows_of_one_prompt_and_advantages_match_the_estimator(runs):

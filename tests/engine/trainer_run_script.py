@@ -101,7 +101,7 @@ def skewed_experience(seed: int, rows: int, max_new_tokens: int, vocab: int, pad
     mask = (torch.arange(max_new_tokens) < lengths[:, None]).float()
     response_ids = torch.randint(4, vocab, (rows, max_new_tokens), generator=gen) * mask.long()
     log_probs = -torch.rand(rows, max_new_tokens, generator=gen) * mask
-    exp = build_experience(prompts, response_ids, mask, log_probs, list(range(rows // n)), n, pad_id)
+    exp = build_experience(prompts, response_ids, mask, list(range(rows // n)), n, pad_id)
     exp.tensors["advantages"] = torch.randn(rows, max_new_tokens, generator=gen) * mask
     exp.tensors["rollout_log_probs"] = log_probs
     return exp
