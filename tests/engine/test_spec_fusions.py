@@ -14,6 +14,7 @@ Tolerances, on CPU:
 
 from __future__ import annotations
 
+import os
 import shutil
 from types import SimpleNamespace
 
@@ -128,9 +129,14 @@ def test_compiled_rope_matches_eager_within_rounding(dtype):
 def groups():
     from parallel.state import destroy_distributed, init_distributed
 
+    # init_distributed exports MASTER_PORT & co: put the environment back, or later `engine.train`
+    # subprocesses of the test run inherit them (test_train_e2e then failed with EADDRINUSE)
+    saved = dict(os.environ)
     g = init_distributed(ParallelDims(world_size=1), "cpu", seed=7)
     yield g
     destroy_distributed()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
