@@ -9,6 +9,7 @@
 #   bash scripts/bench/gpu_session.sh vllm      # vLLM checks + rollout bench 0.5B | rollout bench 1.5B native
 #   bash scripts/bench/gpu_session.sh vllm2     # rollout 1.5B + 7B with vLLM | e2e 0.5B with vLLM rollout
 #   bash scripts/bench/gpu_session.sh vllm3     # vLLM GPU tests (1 and 2 GPUs), then what logprobs/seeds cost
+#   bash scripts/bench/gpu_session.sh profile7b # not run yet: kernel profile of the native 7B rollout
 set -u
 out=${OUT:-/tmp/bench-out}
 mkdir -p "$out"
@@ -64,6 +65,11 @@ vllm3)
   on 0 240 vllm_cost_0_5b python $bench/vllm_sampling_cost.py --preset qwen2_5_0_5b &
   on 1 240 vllm_cost_1_5b python $bench/vllm_sampling_cost.py --preset qwen2_5_1_5b &
   wait ;;
-*) echo "usage: $0 head|budget|trl|7b|vllm|vllm2|vllm3" >&2; exit 2 ;;
+profile7b)  # next: where the native 7B decode trails vLLM (graphs | eager)
+  on 0 300 rollout_7b_profile python $bench/rollout.py --preset qwen2_5_7b --backends native --profile "$out" &
+  on 1 400 rollout_7b_profile_eager python $bench/rollout.py --preset qwen2_5_7b --backends native \
+    --no-cuda-graphs --profile "$out/eager" &
+  wait ;;
+*) echo "usage: $0 head|budget|trl|7b|vllm|vllm2|vllm3|profile7b" >&2; exit 2 ;;
 esac
 cat "$out/status.txt"

@@ -17,6 +17,9 @@ not installed (vLLM) or not available here (vLLM on CPU) is reported as skipped 
 fails is reported as `{"error": ...}` (traceback on stderr) and the other backends still run.
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
+`--profile DIR`: one more native `generate` of the same batch under torch.profiler: the top 30 kernels to
+DIR/profile_native_<preset>.txt and GPU time by kernel kind in the JSON (`native.profile`). With CUDA graphs
+the profiler attributes the replayed kernels too (CUPTI); `--no-cuda-graphs` profiles the eager decode.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--profile", metavar="DIR", help="native: profile one more generate, kernel table in DIR")
     return ap.parse_args()
 
 
@@ -146,8 +150,27 @@ def run_native(shape, weights, prompts, sampling, args, device, shim_overhead=Fa
         greedy = first_tokens(engine, prompts)
     result = _result(out, seconds, device, cpu_seconds)
     result["engine_stats"] = stats
+    if args.profile and not shim_overhead:
+        result["profile"] = profile_generate(engine, prompts, sampling, device, args)
     engine.release()
     return result, greedy
+
+
+def profile_generate(engine, prompts, sampling, device, args) -> dict:
+    """One more `generate` under torch.profiler: kernel table file + time by kernel kind."""
+    from profiling import kernel_table
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    os.makedirs(args.profile, exist_ok=True)
+    path = os.path.join(args.profile, f"profile_native_{args.preset}.txt")
+    with torch.profiler.profile(activities=activities) as prof:
+        start = synced(device)
+        engine.generate(prompts, sampling)
+        wall = synced(device) - start
+    what = f"one native generate ({len(prompts)} x {sampling.max_new_tokens} new tokens)"
+    return kernel_table(prof, device, path, wall, what=what)
 
 
 def run_vllm(shape, weights, prompts, sampling, args, device, reference) -> dict:
