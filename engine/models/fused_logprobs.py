@@ -7,7 +7,10 @@ unfused path materialises bf16 logits for every position of the sequence (prompt
 of the response window, then several fp32 passes each for the log-softmax, the entropy and their backward,
 and keeps those tensors alive until the backward. Here only the (rows, hidden) hidden states are saved;
 each chunk's logits are recomputed in the backward (one extra matmul of the output layer, on response
-positions only), and the gradient of the logits is formed in place and consumed chunk by chunk.
+positions only), and the elementwise work of a chunk (max; sums; gradient of the logits) runs as three
+torch.compile'd kernels on CUDA, each one pass over the chunk's bf16 logits. Measured on one H200 for the
+Qwen2.5-0.5B head and a 16k-token micro-batch: 3.4x faster forward + backward than the unfused path, 1.7 GB
+instead of 32.7 GB of peak memory (scripts/bench/logprobs.py).
 
 Math, for one row with temperature t, z = (h @ W^T) / t over the full vocabulary (split across the TP
 group; rows of W padded for TP get z = -1e30), m = max z, S = sum exp(z - m), A = sum exp(z - m)(z - m):
@@ -15,8 +18,7 @@ group; rows of W padded for TP get z = -1e30), m = max z, S = sum exp(z - m), A 
     dlogp/dz_j = [j = target] - p_j,           dH/dz_j = -p_j (log p_j + H).
 Per chunk the forward needs two small all-reduces over the TP group (max; then S, A and the target logit),
 the backward none: the partial gradient of h (this rank's vocabulary slice) is summed by the TP mapping the
-caller applies to h (megatron's copy-to / gather-from-sequence-parallel region), exactly as megatron's
-ColumnParallelLinear does for its input.
+caller applies to h (engine/models/output_head.py), as megatron's ColumnParallelLinear does for its input.
 """
 
 from __future__ import annotations
@@ -67,16 +69,17 @@ def _grad_logits(logits, shift, ent, g_logp, g_ent, local_t, in_shard, inv_t: fl
     return (torch.where(onehot, g_logp[:, None], 0.0) - logp.exp() * coef).to(logits.dtype)
 
 
-_kernels: dict[str, object] = {}
+_compiled: dict[str, object] = {}
 
 
-def _kernel(fn):
-    """`fn` compiled by torch.compile on CUDA (one fused pass over the chunk's logits instead of one per op;
-    ENGINE_COMPILE_LOGPROBS=0 turns it off), `fn` itself elsewhere."""
-    if fn.__name__ not in _kernels:
-        use = torch.cuda.is_available() and os.environ.get("ENGINE_COMPILE_LOGPROBS", "1") != "0"
-        _kernels[fn.__name__] = torch.compile(fn, dynamic=True) if use else fn
-    return _kernels[fn.__name__]
+def _kernel(fn, device: torch.device):
+    """`fn` compiled by torch.compile for CUDA tensors (one fused pass over the chunk's logits instead of one
+    per op; ENGINE_COMPILE_LOGPROBS=0 turns it off), `fn` itself for any other device."""
+    if device.type != "cuda" or os.environ.get("ENGINE_COMPILE_LOGPROBS", "1") == "0":
+        return fn
+    if fn.__name__ not in _compiled:
+        _compiled[fn.__name__] = torch.compile(fn, dynamic=True)
+    return _compiled[fn.__name__]
 
 
 class _LinearLogProbs(torch.autograd.Function):
@@ -98,7 +101,7 @@ class _LinearLogProbs(torch.autograd.Function):
             torch.empty_like(m_all),
             torch.empty_like(m_all),
         )
-        row_max, row_sums = _kernel(_row_max), _kernel(_row_sums)
+        row_max, row_sums = _kernel(_row_max, hidden.device), _kernel(_row_sums, hidden.device)
         for r0 in range(0, n, rows_per_chunk):
             rows = slice(r0, min(n, r0 + rows_per_chunk))
             logits = hidden[rows] @ weight.t()
@@ -127,7 +130,7 @@ class _LinearLogProbs(torch.autograd.Function):
             return None, None, None, None, None, None, None
         g_logp = grad_logp * ctx.inv_t if grad_logp is not None else torch.zeros_like(shift)
         g_ent = grad_ent * ctx.inv_t if grad_ent is not None else torch.zeros_like(shift)
-        grad_logits = _kernel(_grad_logits)
+        grad_logits = _kernel(_grad_logits, hidden.device)
         n = hidden.shape[0]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = None
