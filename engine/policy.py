@@ -4,7 +4,8 @@ schedule (when trainable), and one call that runs micro-batches through megatron
 Loss normalisation is the caller's: each micro-batch loss is (sum over its tokens) / (global normaliser of the
 mini-batch across all DP ranks and micro-batches), and gradients are SUMMED over micro-batches and DP ranks
 (megatron's `calculate_per_token_loss` mode with a zero token count, so megatron adds no scaling of its own).
-That makes the update identical however the mini-batch is split (tests/engine/test_policy.py).
+That makes the update identical however the mini-batch is split (tests/engine/test_dynamic_batch.py; at
+TP=2 x PP=2 in tests/engine/trainer_run_script.py).
 """
 
 from __future__ import annotations
