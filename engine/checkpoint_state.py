@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.policy import MegatronRole, use_fused_adam
+from engine.policy import MegatronRole, sub_optimizers, use_fused_adam
 from parallel.layout import TrainLayout
 from parallel.rollout_weights import global_param_names
 from parallel.state import ProcessGroups
@@ -48,11 +48,6 @@ def _layer_ranges(role: MegatronRole) -> list[range]:
     return layer_ranges(role.groups, role.shape.num_layers)
 
 
-def _sub_optimizers(role: MegatronRole) -> list:
-    opt = role.optimizer
-    return list(getattr(opt, "chained_optimizers", [opt]))
-
-
 def _is_distributed(sub) -> bool:
     return hasattr(sub, "get_parameter_state_dp_reshardable")
 
@@ -66,7 +61,7 @@ def role_state_dict(role: MegatronRole) -> dict[str, Any]:
     """
     model = global_param_names(role.chunks, _layer_ranges(role))
     optimizers = []
-    for sub in _sub_optimizers(role):
+    for sub in sub_optimizers(role.optimizer):
         entry = {"common": sub.state_dict()}
         if _is_distributed(sub):
             entry["param_state"] = sub.get_parameter_state_dp_reshardable()
@@ -124,7 +119,7 @@ def load_role_state(role: MegatronRole, state: Mapping[str, Any], where: str) ->
     """Load a saved role state into the live role (parameters in place, see `load_params`), then its
     optimizer and LR schedule."""
     load_params(global_param_names(role.chunks, _layer_ranges(role)), state["model"], where)
-    subs = _sub_optimizers(role)
+    subs = sub_optimizers(role.optimizer)
     if len(subs) != len(state["optimizer"]):
         raise CheckpointError(
             f"{where}: {len(state['optimizer'])} optimizer states for {len(subs)} optimizers"

@@ -205,12 +205,21 @@ class MegatronRole:
         return tensor
 
 
+def sub_optimizers(optimizer) -> list:
+    """megatron's optimizers inside `optimizer` (a ChainedOptimizer's parts, or itself)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers megatron's `optimizer` steps (one per sub-optimizer)."""
+    return [sub.optimizer for sub in sub_optimizers(optimizer)]
+
+
 def use_fused_adam(optimizer) -> None:
     """Switch the torch Adam(W) inside megatron's optimizer (`torch.optim.AdamW`, foreach, without Apex or TE)
     to torch's fused single-kernel implementation. Call again after loading a state dict, which restores
     the saved param groups' flags; existing `step` counters move to the parameters' device as fused needs."""
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = sub.optimizer
+    for inner in torch_optimizers(optimizer):
         if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
             continue
         for group in inner.param_groups:

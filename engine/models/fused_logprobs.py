@@ -28,7 +28,8 @@ import os
 import torch
 import torch.distributed as dist
 
-_MASKED = -1e30
+from engine.models.logprobs import MASKED_LOGIT
+
 # transient bytes per chunk: fp32 logits + fp32 probabilities + the low-precision gradient (backward)
 CHUNK_BYTES = 2 << 30
 
@@ -39,11 +40,11 @@ def chunk_rows(vocab_local: int, budget_bytes: int = CHUNK_BYTES) -> int:
 
 
 def _masked(z: torch.Tensor, pad_from: int) -> torch.Tensor:
-    """z with the TP-padding columns (>= pad_from) set to _MASKED."""
+    """z with the TP-padding columns (>= pad_from) set to MASKED_LOGIT."""
     if pad_from >= z.shape[1]:
         return z
     col = torch.arange(z.shape[1], device=z.device)
-    return torch.where(col < pad_from, z, _MASKED)
+    return torch.where(col < pad_from, z, MASKED_LOGIT)
 
 
 def _row_max(logits: torch.Tensor, inv_t: float, pad_from: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-_MASKED = -1e30
+MASKED_LOGIT = -1e30  # the logit of vocabulary rows added for TP padding
 
 
 def mask_padded_vocab(logits_local: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
@@ -21,7 +21,7 @@ def mask_padded_vocab(logits_local: torch.Tensor, vocab_size: int, tp_rank: int)
     if start + shard <= vocab_size:
         return logits_local
     col = torch.arange(start, start + shard, device=logits_local.device)
-    return logits_local.masked_fill(col >= vocab_size, _MASKED)
+    return logits_local.masked_fill(col >= vocab_size, MASKED_LOGIT)
 
 
 def token_log_probs(logits_local: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

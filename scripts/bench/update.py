@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import os
 import statistics
@@ -57,7 +56,7 @@ from engine.dynamic_batch import MicroBatcher  # noqa: E402
 from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape  # noqa: E402
 from engine.models.spec import Fusions, RMSNorm, fused_rope, rope_reference  # noqa: E402
 from engine.perf import train_flops  # noqa: E402
-from engine.policy import MegatronRole  # noqa: E402
+from engine.policy import MegatronRole, torch_optimizers  # noqa: E402
 from engine.role_losses import make_actor_loss  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
 from parallel.state import ProcessGroups, destroy_distributed, init_distributed  # noqa: E402
@@ -123,28 +122,18 @@ def micro_batches(shape: ModelShape, args, device: torch.device) -> list[dict]:
     return batcher(exp, torch.arange(args.rows), KEYS)
 
 
-def actor_loss(alg: AlgorithmConfig, normalizer: float, groups: ProcessGroups):
-    """make_actor_loss for this batch; passes the TP group only to versions that still take one."""
-    extra = {"tp_group": groups.tp} if "tp_group" in inspect.signature(make_actor_loss).parameters else {}
-    return make_actor_loss(alg, normalizer, kl_ref=False, **extra)
-
-
-def _torch_optimizers(optimizer) -> list:
-    return [sub.optimizer for sub in getattr(optimizer, "chained_optimizers", [optimizer])]
-
-
 def set_adam_kernel(optimizer, kernel: str) -> None:
     """Force the torch AdamW inside megatron's optimizer (its fallback without apex/TE) to torch's `fused`
     single kernel or the `foreach` kernels. Param groups read the flags at each step and the state is created
     lazily, so this works before the first step."""
-    for opt in _torch_optimizers(optimizer):
+    for opt in torch_optimizers(optimizer):
         for group in opt.param_groups:
             group["fused"], group["foreach"] = kernel == "fused", kernel == "foreach"
 
 
 def adam_kernel(optimizer) -> str:
     """Which AdamW kernel the optimizer's param groups select: fused, foreach or default (torch decides)."""
-    groups = [g for opt in _torch_optimizers(optimizer) for g in opt.param_groups]
+    groups = [g for opt in torch_optimizers(optimizer) for g in opt.param_groups]
     if all(g.get("fused") for g in groups):
         return "fused"
     return "foreach" if all(g.get("foreach") for g in groups) else "default"
@@ -304,7 +293,7 @@ def main() -> None:
         alg = AlgorithmConfig()
         response = args.seq - args.prompt_len
         norm = loss_normalizer(torch.ones(args.rows, response), alg.loss_agg_mode, max_len=response)
-        loss_fn = actor_loss(alg, norm, groups)
+        loss_fn = make_actor_loss(alg, norm, kl_ref=False)
         result = {
             "preset": args.preset,
             "device": torch.cuda.get_device_name(groups.device) if device_type == "cuda" else "cpu",
