@@ -9,7 +9,9 @@
 #   bash scripts/bench/gpu_session.sh vllm      # vLLM checks + rollout bench 0.5B | rollout bench 1.5B native
 #   bash scripts/bench/gpu_session.sh vllm2     # rollout 1.5B + 7B with vLLM | e2e 0.5B with vLLM rollout
 #   bash scripts/bench/gpu_session.sh vllm3     # vLLM GPU tests (1 and 2 GPUs), then what logprobs/seeds cost
-#   bash scripts/bench/gpu_session.sh profile7b # not run yet: kernel profile of the native 7B rollout
+#   bash scripts/bench/gpu_session.sh profile7b # kernel profile of the native 7B rollout (graphs | eager)
+# Session 3 (2026-11-30):
+#   bash scripts/bench/gpu_session.sh s3probe   # decode attention kernels + 7B rollout profile | TRL 7B
 set -u
 out=${OUT:-/tmp/bench-out}
 mkdir -p "$out"
@@ -70,6 +72,19 @@ profile7b)  # next: where the native 7B decode trails vLLM (graphs | eager)
   on 1 400 rollout_7b_profile_eager python $bench/rollout.py --preset qwen2_5_7b --backends native \
     --no-cuda-graphs --profile "$out/eager" &
   wait ;;
-*) echo "usage: $0 head|budget|trl|7b|vllm|vllm2|vllm3|profile7b" >&2; exit 2 ;;
+s3probe)
+  {
+    for p in qwen2_5_0_5b qwen2_5_1_5b qwen2_5_7b; do
+      on 0 90 decode_attention python $bench/decode_attention.py --preset $p
+    done
+    on 0 300 rollout_7b_profile python $bench/rollout.py --preset qwen2_5_7b --backends native --profile "$out"
+  } &
+  on 1 560 trl_7b python $bench/trl_grpo.py --preset qwen2_5_7b --steps 2 --micro-batch 8 --gradient-checkpointing &
+  wait ;;
+*) echo "usage: $0 head|budget|trl|7b|vllm|vllm2|vllm3|profile7b|s3probe" >&2; exit 2 ;;
 esac
+for f in "$out"/*.err; do  # one file of stderr tails (few files come back from a device call)
+  [ -s "$f" ] && { echo "== $f"; tail -n 30 "$f"; } >> "$out/stderr_tails.txt"
+  rm -f "$f"
+done
 cat "$out/status.txt"

@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--response-len", type=int, default=512)
     ap.add_argument("--micro-batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="what 7B needs on one GPU")
     args = ap.parse_args()
 
     import torch
@@ -42,7 +43,8 @@ def main() -> None:
     tokenizer = load_tokenizer(build_embedded_tokenizer(os.path.join(tmp, "tok")))
     tokenizer.padding_side = "left"
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**hf_config_for(args.preset))).to(torch.bfloat16)
+    with torch.device("cuda"):  # random init on the GPU: minutes on the CPU at 7B
+        model = Qwen2ForCausalLM(Qwen2Config(**hf_config_for(args.preset))).to(torch.bfloat16)
     digits = "0123456789"
     prompts = [
         "".join(digits[(i * 7 + j) % 10] for j in range(args.prompt_len - 1)) for i in range(args.prompts * 4)
@@ -66,7 +68,7 @@ def main() -> None:
         logging_steps=1,
         report_to=[],
         save_strategy="no",
-        gradient_checkpointing=False,
+        gradient_checkpointing=args.gradient_checkpointing,
     )
     times: list[float] = []
 
@@ -97,6 +99,8 @@ def main() -> None:
             {
                 "system": "trl_grpo",
                 "preset": args.preset,
+                "micro_batch": args.micro_batch,
+                "gradient_checkpointing": args.gradient_checkpointing,
                 "step_s": step_s,
                 "step_s_all": times,
                 "tokens_per_s_per_gpu": tokens / step_s,

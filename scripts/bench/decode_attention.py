@@ -1,0 +1,114 @@
+"""Decode attention kernels of the native rollout engine at RL shapes, same run, same data; prints JSON.
+
+    python scripts/bench/decode_attention.py --preset qwen2_5_7b        # GPU
+
+One decode step's attention for one layer: `--batch` rows, each with one new query per head, over a KV cache
+of `--cache-len` positions of which row r uses [pad_r, cur] (left-padded prompts, pads drawn in [0, 32)).
+- `sdpa_mask`: the engine's path before flash (cache (rows, groups, len, dim), the query heads of a KV group
+  folded into the query axis, a boolean mask over all `--cache-len` positions: PyTorch's memory-efficient
+  kernel; with CUDA graphs the engine attends over the whole cache length every step);
+- `flash_varlen`: FlashAttention-2 varlen through `torch.ops.aten._flash_attention_forward` on a cache laid
+  out (rows, len, groups, dim): row r's keys start at r * len + pad_r and `seqused_k` = cur + 1 - pad_r of
+  them are read (nothing past `cur`, no mask), query heads folded per group as above.
+Reported per `cur`: median milliseconds over `--iters` calls (CUDA events), the K/V bytes each variant must
+read, and the largest difference between the two outputs (bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from presets import hf_config_for  # noqa: E402
+
+
+def time_ms(fn, iters: int) -> float:
+    times = []
+    for _ in range(3):
+        fn()
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen2_5_7b")
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--cache-len", type=int, default=768)
+    ap.add_argument("--curs", default="256,512,767")
+    ap.add_argument("--iters", type=int, default=50)
+    args = ap.parse_args()
+    cfg = hf_config_for(args.preset)
+    heads, groups = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    dim = cfg["head_dim"]
+    pg, b, n = heads // groups, args.batch, args.cache_len
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    k_blgd = torch.randn(b, n, groups, dim, device=dev, dtype=dt, generator=g)
+    v_blgd = torch.randn(b, n, groups, dim, device=dev, dtype=dt, generator=g)
+    k_bgld, v_bgld = k_blgd.transpose(1, 2).contiguous(), v_blgd.transpose(1, 2).contiguous()
+    q = torch.randn(b, groups, pg, dim, device=dev, dtype=dt, generator=g)
+    pad = torch.randint(0, 32, (b,), device=dev, generator=g)
+    ar = torch.arange(n, device=dev)
+    result = {"preset": args.preset, "batch": b, "cache_len": n, "groups": groups, "per_group": pg, "dim": dim}
+    result["device"] = torch.cuda.get_device_name()
+    result["torch"] = torch.__version__
+    rows = {}
+    for cur in [int(c) for c in args.curs.split(",")]:
+        mask = ((ar >= pad[:, None]) & (ar <= cur))[:, None, None]
+
+        def sdpa_mask():
+            return F.scaled_dot_product_attention(q, k_bgld, v_bgld, attn_mask=mask)
+
+        cum_q = torch.arange(0, b * pg + 1, pg, device=dev, dtype=torch.int32)
+        cum_k = torch.cat((ar[:b] * n + pad, torch.tensor([b * n], device=dev))).to(torch.int32)
+        used_k = (cur + 1 - pad).to(torch.int32)
+
+        def flash_varlen():
+            q_fold = q.transpose(1, 2).reshape(b * pg, groups, dim)
+            out = torch.ops.aten._flash_attention_forward(
+                q_fold,
+                k_blgd.view(b * n, groups, dim),
+                v_blgd.view(b * n, groups, dim),
+                cum_q,
+                cum_k,
+                pg,
+                n,
+                0.0,
+                False,
+                False,
+                seqused_k=used_k,
+            )[0]
+            return out.view(b, pg, groups, dim).transpose(1, 2)
+
+        ref, got = sdpa_mask(), flash_varlen()
+        used = int(used_k.sum())
+        rows[str(cur)] = {
+            "sdpa_mask_ms": time_ms(sdpa_mask, args.iters),
+            "flash_varlen_ms": time_ms(flash_varlen, args.iters),
+            "sdpa_mask_kv_gb": 2 * b * n * groups * dim * 2 / 1e9,
+            "flash_varlen_kv_gb": 2 * used * groups * dim * 2 / 1e9,
+            "max_abs_diff": float((ref.float() - got.float()).abs().max()),
+        }
+        for k in ("sdpa_mask", "flash_varlen"):
+            r = rows[str(cur)]
+            r[k + "_tb_per_s"] = r[k + "_kv_gb"] / r[k + "_ms"]
+    result["per_cur"] = rows
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
