@@ -63,21 +63,28 @@ def main() -> None:
     q = torch.randn(b, groups, pg, dim, device=dev, dtype=dt, generator=g)
     pad = torch.randint(0, 32, (b,), device=dev, generator=g)
     ar = torch.arange(n, device=dev)
-    result = {"preset": args.preset, "batch": b, "cache_len": n, "groups": groups, "per_group": pg, "dim": dim}
+    result = {
+        "preset": args.preset,
+        "batch": b,
+        "cache_len": n,
+        "groups": groups,
+        "per_group": pg,
+        "dim": dim,
+    }
     result["device"] = torch.cuda.get_device_name()
     result["torch"] = torch.__version__
     rows = {}
     for cur in [int(c) for c in args.curs.split(",")]:
         mask = ((ar >= pad[:, None]) & (ar <= cur))[:, None, None]
 
-        def sdpa_mask():
+        def sdpa_mask(mask=mask):
             return F.scaled_dot_product_attention(q, k_bgld, v_bgld, attn_mask=mask)
 
         cum_q = torch.arange(0, b * pg + 1, pg, device=dev, dtype=torch.int32)
         cum_k = torch.cat((ar[:b] * n + pad, torch.tensor([b * n], device=dev))).to(torch.int32)
         used_k = (cur + 1 - pad).to(torch.int32)
 
-        def flash_varlen():
+        def flash_varlen(cum_q=cum_q, cum_k=cum_k, used_k=used_k):
             q_fold = q.transpose(1, 2).reshape(b * pg, groups, dim)
             out = torch.ops.aten._flash_attention_forward(
                 q_fold,
