@@ -23,11 +23,10 @@ caller applies to h (engine/models/output_head.py), as megatron's ColumnParallel
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
+from engine.models.compiled import cuda_kernel
 from engine.models.logprobs import MASKED_LOGIT
 
 # transient bytes per chunk: fp32 logits + fp32 probabilities + the low-precision gradient (backward)
@@ -70,17 +69,9 @@ def _grad_logits(logits, shift, ent, g_logp, g_ent, local_t, in_shard, inv_t: fl
     return (torch.where(onehot, g_logp[:, None], 0.0) - logp.exp() * coef).to(logits.dtype)
 
 
-_compiled: dict[str, object] = {}
-
-
 def _kernel(fn, device: torch.device):
-    """`fn` compiled by torch.compile for CUDA tensors (one fused pass over the chunk's logits instead of one
-    per op; ENGINE_COMPILE_LOGPROBS=0 turns it off), `fn` itself for any other device."""
-    if device.type != "cuda" or os.environ.get("ENGINE_COMPILE_LOGPROBS", "1") == "0":
-        return fn
-    if fn.__name__ not in _compiled:
-        _compiled[fn.__name__] = torch.compile(fn, dynamic=True)
-    return _compiled[fn.__name__]
+    """`fn` as one fused pass over the chunk's logits on CUDA (ENGINE_COMPILE_LOGPROBS=0: eager)."""
+    return cuda_kernel(fn, device, "ENGINE_COMPILE_LOGPROBS")
 
 
 class _LinearLogProbs(torch.autograd.Function):

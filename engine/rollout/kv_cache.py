@@ -1,5 +1,6 @@
 """The native engine's KV cache: one preallocated buffer, sized from a memory budget, viewed per rollout call as
-(slots, groups, seq_len, head_dim) K and V tensors for every layer.
+(slots, seq_len, groups, head_dim) K and V tensors for every layer (a row's positions contiguous: the flash
+decode kernel reads them in place, engine/rollout/model.py).
 
 The budget decides how many sequences decode at once (`max_slots`); the engine chunks a larger batch instead
 of allocating more. The buffer is kept between calls (and only re-allocated when a call needs more than it
@@ -56,11 +57,11 @@ class KVCachePool:
         return self.budget_bytes() // self.bytes_per_sequence(seq_len)
 
     def views(self, slots: int, seq_len: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per-layer K and V views (slots, groups, seq_len, head_dim) of the buffer (grown if too small).
+        """Per-layer K and V views (slots, seq_len, groups, head_dim) of the buffer (grown if too small).
 
         A new buffer is zero-filled: masked cache positions are multiplied by a zero attention weight, and
         0 * NaN would be NaN."""
-        shape = (self.num_layers, 2, slots, self.groups, seq_len, self.head_dim)
+        shape = (self.num_layers, 2, slots, seq_len, self.groups, self.head_dim)
         numel = 1
         for d in shape:
             numel *= d
@@ -88,4 +89,4 @@ def compact_rows(
     [0, num_positions) only (the rest is unwritten)."""
     n = keep.numel()
     for cache in (*cache_k, *cache_v):
-        cache[:n, :, :num_positions] = cache[keep, :, :num_positions]
+        cache[:n, :num_positions] = cache[keep, :num_positions]

@@ -10,17 +10,19 @@ and the batch bookkeeping belong to engine/rollout/native.py.
 Two entry points:
 - `prefill`: left-padded prompts (u, s) -> logits of the last position, K/V written into cache rows;
 - `decode`: one token per cache row at one common cache position `cur` (a 1-element tensor, so that the step
-  can be captured in a CUDA graph), attending over the first `num_keys` cache positions.
+  can be captured in a CUDA graph), attending over the row's written positions.
+The KV cache of a layer is (rows, positions, groups, head_dim): a row's keys are contiguous, so the flash
+kernel can read them in place as one variable-length sequence per row.
 
-GQA in decode: the query heads of a KV group are folded into the query-length axis, (b, groups, heads per
-group, dim) against (b, groups, keys, dim), so every SDPA kernel that takes a mask runs it without copying
-K/V per head. Prefill repeats K/V per head instead (a transient of the size of q) so that its mask stays
-(u, 1, s, s) instead of growing with the heads.
-
-Kernels: both steps pass SDPA an explicit boolean mask (left padding in prefill; padding and unwritten
-positions in decode), which rules out the flash kernel; on GPU they run PyTorch's memory-efficient kernel.
-Packing the prefill into one variable-length sequence (flash varlen) would lift that; not done: prefill is
-a small share of a long rollout, and decode reads the whole cache anyway.
+Kernels (`DecodeKernels`; CUDA only, CPU always runs the plain path):
+- decode attention with FlashAttention-2 varlen (`torch.ops.aten._flash_attention_forward`): row r's keys
+  start at its first real position and `seqused_k` stops them at `cur`, so a step reads only the written part
+  of the cache and needs no mask. The query heads of a KV group are folded into the query-length axis, so each
+  group's K/V are read once for all its heads. Plain path: SDPA with a boolean mask over the first `num_keys`
+  positions, the query heads folded the same way (memory-efficient or cuDNN kernel on GPU);
+- the elementwise chains compiled into one kernel each (torch.compile): residual add + RMSNorm, SwiGLU, RoPE.
+Prefill always uses SDPA with a mask (left padding): prefill is a small share of a long rollout.
+Measured on one H200 (scripts/bench/README.md, "Rollout").
 """
 
 from __future__ import annotations
@@ -33,13 +35,28 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from engine.models.builder import ModelShape
+from engine.models.compiled import cuda_kernel
 from parallel.rollout_weights import RolloutWeights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """engine.models.spec.RMSNorm as a function: normalise in float32, scale in the input dtype."""
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    """engine.models.spec.RMSNorm (fused, the default) as a function: normalise in float32, round once to the
+    input dtype, scale in the input dtype."""
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm: (x + y, rms_norm(x + y))."""
+    s = x + y
+    return s, rms_norm(s, weight, eps)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """megatron's SwiGLU on the fused [gate; up] projection: silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
@@ -80,6 +97,29 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+def flash_decode_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether FlashAttention-2 (built into torch) runs the decode attention: CUDA sm80+, half precision,
+    head_dim a multiple of 8 up to 256, and torch's flash SDPA backend enabled."""
+    return (
+        device.type == "cuda"
+        and dtype in (torch.bfloat16, torch.float16)
+        and head_dim % 8 == 0
+        and head_dim <= 256
+        and torch.backends.cuda.flash_sdp_enabled()
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+    )
+
+
+@dataclass
+class DecodeKernels:
+    """Which fast kernels the rollout forward uses where they apply (CUDA); both off = the plain path."""
+
+    flash_decode: bool = True
+    """Decode attention with FlashAttention-2 varlen over each row's written keys (see the module doc)."""
+    compiled: bool = True
+    """Residual add + RMSNorm, SwiGLU and RoPE as torch.compile'd kernels (ENGINE_COMPILE_ROLLOUT=0: off)."""
+
+
 @dataclass
 class _Layer:
     """One transformer layer's shards (names: decoder.layers.{i}.*)."""
@@ -107,7 +147,13 @@ def _required(params: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 class RolloutModel:
     """The forward of one rollout-TP rank; its collectives run over `weights.tp_group`."""
 
-    def __init__(self, shape: ModelShape, weights: RolloutWeights, rope: tuple[torch.Tensor, torch.Tensor]):
+    def __init__(
+        self,
+        shape: ModelShape,
+        weights: RolloutWeights,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kernels: DecodeKernels | None = None,
+    ):
         if weights.pp_size != 1:
             raise ValueError(
                 f"rollout.pp={weights.pp_size}: the native rollout engine runs whole models (rollout.pp=1); "
@@ -139,6 +185,15 @@ class RolloutModel:
         self.layers = [self._layer(p, i) for i in range(s.num_layers)]
         self.dtype = self.embed_w.dtype
         self.cos, self.sin = rope[0], signed_sin(rope[1])
+        kernels = kernels or DecodeKernels()
+        dev = self.embed_w.device
+        self.flash_decode = kernels.flash_decode and flash_decode_supported(dev, self.dtype, self.head_dim)
+        plain = torch.device("cpu")  # cuda_kernel returns the eager function for a non-CUDA device
+        where = dev if kernels.compiled else plain
+        self._add_norm = cuda_kernel(add_rms_norm, where, "ENGINE_COMPILE_ROLLOUT")
+        self._norm = cuda_kernel(rms_norm, where, "ENGINE_COMPILE_ROLLOUT")
+        self._swiglu = cuda_kernel(swiglu, where, "ENGINE_COMPILE_ROLLOUT")
+        self._rope = cuda_kernel(_rope, where, "ENGINE_COMPILE_ROLLOUT")
 
     @staticmethod
     def _layer(p: dict[str, torch.Tensor], i: int) -> _Layer:
@@ -171,9 +226,9 @@ class RolloutModel:
         x = F.embedding(local.clamp(0, self.vocab_shard - 1), self.embed_w)
         return self._all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
 
-    def logits(self, x_bh: torch.Tensor) -> torch.Tensor:
-        """(b, hidden) final hidden states -> (b, vocab_size) float32 logits over the real vocabulary."""
-        local = F.linear(rms_norm(x_bh, self.final_norm, self.shape.norm_eps), self.out_w)  # (b, vocab/tp)
+    def logits(self, h_bh: torch.Tensor) -> torch.Tensor:
+        """(b, hidden) final-normed hidden states -> (b, vocab_size) float32 logits over the real vocabulary."""
+        local = F.linear(h_bh, self.out_w)  # (b, vocab/tp)
         if self.tp_size > 1:
             b = local.shape[0]
             parts = local.new_empty(self.tp_size * b, self.vocab_shard)  # gloo wants rank-major rows
@@ -191,16 +246,27 @@ class RolloutModel:
         if layer.q_norm is None:
             qk = qkv[:, :, :, : pg + 1]
         else:
-            q = rms_norm(qkv[:, :, :, :pg], layer.q_norm, eps)
-            k = rms_norm(qkv[:, :, :, pg : pg + 1], layer.k_norm, eps)
+            q = self._norm(qkv[:, :, :, :pg], layer.q_norm, eps)
+            k = self._norm(qkv[:, :, :, pg : pg + 1], layer.k_norm, eps)
             qk = torch.cat((q, k), dim=3)
-        qk = _rope(qk, cos, sin)
+        qk = self._rope(qk, cos, sin)
         return qk[:, :, :, :pg], qk[:, :, :, pg], qkv[:, :, :, pg + 1]
 
-    def _out_and_mlp(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = x + self._all_reduce(F.linear(attn, layer.proj_w))
-        gate, up = F.linear(rms_norm(x, layer.mlp_norm, self.shape.norm_eps), layer.fc1_w).chunk(2, dim=-1)
-        return x + self._all_reduce(F.linear(F.silu(gate) * up, layer.fc2_w))
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+        """Every transformer layer on embeddings `x` (b, s, hidden) with RoPE tables `cos`, `sin` broadcast as
+        (b, s, 1, 1, dim); `attend(i, q, k, v)` returns layer i's
+        attention output (b, s, heads * dim). Returns the final-normed hidden states. Each residual add is
+        fused with the norm that follows it (the next layer's input norm, the final norm after the last)."""
+        eps, layers = self.shape.norm_eps, self.layers
+        h = self._norm(x, layers[0].input_norm, eps)
+        for i, layer in enumerate(layers):
+            q, k, v = self._qkv(layer, h, cos, sin)
+            proj = self._all_reduce(F.linear(attend(i, q, k, v), layer.proj_w))
+            x, h = self._add_norm(x, proj, layer.mlp_norm, eps)
+            mlp = self._all_reduce(F.linear(self._swiglu(F.linear(h, layer.fc1_w)), layer.fc2_w))
+            after = layers[i + 1].input_norm if i + 1 < len(layers) else self.final_norm
+            x, h = self._add_norm(x, mlp, after, eps)
+        return h
 
     # ---- entry points ---------------------------------------------------------------------------
     def prefill(
@@ -212,7 +278,7 @@ class RolloutModel:
         row_prompt: torch.Tensor,
     ) -> torch.Tensor:
         """Run left-padded prompts `ids_us` (u, s) with `pad_u` leading pad tokens each; write their K/V at
-        cache positions [0, s) of the cache rows (`cache_k[l]` (rows, groups, >= s, dim), row r holding prompt
+        cache positions [0, s) of the cache rows (`cache_k[l]` (rows, >= s, groups, dim), row r holding prompt
         `row_prompt[r]`); return the logits of the last position, (u, vocab_size) float32.
 
         Pad positions attend to themselves only, so their K/V stay finite (a fully masked row would be NaN
@@ -225,20 +291,19 @@ class RolloutModel:
         mask = (ar[None, None, :] >= pad_u[:, None, None]) & (ar[None, :, None] >= ar[None, None, :])
         mask = (mask | torch.eye(n, dtype=torch.bool, device=dev)).unsqueeze(1)  # (u, 1, queries, keys)
         cos, sin = self.cos[pos][:, :, None, None], self.sin[pos][:, :, None, None]  # (u, s, 1, 1, dim)
-        x = self.embed(ids_us)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, self.shape.norm_eps), cos, sin)
-            q = q.reshape(u, n, self.heads, self.head_dim)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache_k[i][:, :n] = k[row_prompt]
+            cache_v[i][:, :n] = v[row_prompt]
+            q = q.reshape(u, n, self.heads, self.head_dim).transpose(1, 2)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (u, groups, s, dim)
-            cache_k[i][:, :, :n] = k[row_prompt]
-            cache_v[i][:, :, :n] = v[row_prompt]
             if self.per_group > 1:
                 k, v = k.repeat_interleave(self.per_group, dim=1), v.repeat_interleave(self.per_group, dim=1)
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k, v, attn_mask=mask
-            )  # (u, heads, s, dim)
-            x = self._out_and_mlp(layer, x, out.transpose(1, 2).reshape(u, n, self.heads * self.head_dim))
-        return self.logits(x[:, -1])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (u, heads, s, dim)
+            return out.transpose(1, 2).reshape(u, n, self.heads * self.head_dim)
+
+        h = self._layers(self.embed(ids_us), cos, sin, attend)
+        return self.logits(h[:, -1])
 
     def decode(
         self,
@@ -251,21 +316,46 @@ class RolloutModel:
     ) -> torch.Tensor:
         """One decode step: token `tokens_b[r]` sits at cache position `cur` (a (1,) int64 tensor, the same for
         every row) of row r, whose first `pad_b[r]` positions are padding; K/V are written there and the row
-        attends over cache positions [pad_b[r], cur] within the first `num_keys`. Returns (b, vocab_size)
-        float32 logits. No host synchronisation and static shapes: capturable in a CUDA graph."""
+        attends over cache positions [pad_b[r], cur] (the plain path masks the first `num_keys`; the flash
+        path reads exactly those). Returns (b, vocab_size) float32 logits. No host synchronisation and static
+        shapes: capturable in a CUDA graph."""
         b = tokens_b.shape[0]
-        hd = self.head_dim
+        g, pg, hd = self.groups, self.per_group, self.head_dim
         pos = cur - pad_b  # (b,)
         cos, sin = self.cos[pos][:, None, None, None], self.sin[pos][:, None, None, None]  # (b, 1, 1, 1, dim)
-        ar = torch.arange(num_keys, device=tokens_b.device)
-        mask = ((ar >= pad_b[:, None]) & (ar <= cur))[:, None, None]  # (b, 1, 1, keys)
-        x = self.embed(tokens_b[:, None])  # (b, 1, hidden)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, rms_norm(x, layer.input_norm, self.shape.norm_eps), cos, sin)
-            cache_k[i].index_copy_(2, cur, k.transpose(1, 2))
-            cache_v[i].index_copy_(2, cur, v.transpose(1, 2))
-            out = F.scaled_dot_product_attention(
-                q[:, 0], cache_k[i][:, :, :num_keys], cache_v[i][:, :, :num_keys], attn_mask=mask
-            )  # (b, groups, heads per group, dim)
-            x = self._out_and_mlp(layer, x, out.reshape(b, 1, self.heads * hd))
-        return self.logits(x[:, 0])
+        if self.flash_decode:
+            cache_len = cache_k[0].shape[1]
+            cum_q = torch.arange(0, b * pg + 1, pg, dtype=torch.int32, device=tokens_b.device)
+            starts = torch.arange(b, device=tokens_b.device) * cache_len + pad_b
+            cum_k = torch.cat((starts, starts.new_full((1,), b * cache_len))).to(torch.int32)
+            used_k = (cur + 1 - pad_b).to(torch.int32)
+        else:
+            ar = torch.arange(num_keys, device=tokens_b.device)
+            mask = ((ar >= pad_b[:, None]) & (ar <= cur))[:, None, None]  # (b, 1, 1, keys)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache_k[i].index_copy_(1, cur, k)  # k (b, 1, groups, dim)
+            cache_v[i].index_copy_(1, cur, v)
+            if self.flash_decode:  # rows' queries (b * heads per group, groups, dim) vs keys (b * len, ...)
+                q_fold = q[:, 0].transpose(1, 2).reshape(b * pg, g, hd)
+                out = torch.ops.aten._flash_attention_forward(
+                    q_fold,
+                    cache_k[i].view(-1, g, hd),
+                    cache_v[i].view(-1, g, hd),
+                    cum_q,
+                    cum_k,
+                    pg,
+                    cache_len,
+                    0.0,
+                    False,
+                    False,
+                    seqused_k=used_k,
+                )[0]
+                out = out.view(b, pg, g, hd).transpose(1, 2)
+            else:
+                keys = (cache_k[i][:, :num_keys].transpose(1, 2), cache_v[i][:, :num_keys].transpose(1, 2))
+                out = F.scaled_dot_product_attention(q[:, 0], *keys, attn_mask=mask)  # (b, groups, pg, dim)
+            return out.reshape(b, 1, self.heads * hd)
+
+        h = self._layers(self.embed(tokens_b[:, None]), cos, sin, attend)
+        return self.logits(h[:, 0])

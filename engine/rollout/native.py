@@ -30,7 +30,7 @@ from engine.models.builder import ModelShape
 from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts, check_sampling
 from engine.rollout.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for
 from engine.rollout.kv_cache import KVCachePool, compact_rows
-from engine.rollout.model import RolloutModel, rope_tables
+from engine.rollout.model import DecodeKernels, RolloutModel, rope_tables
 from engine.rollout.sampler import sample_tokens
 from parallel.cpu import no_shim_overhead
 from parallel.rollout_weights import RolloutWeights
@@ -74,7 +74,8 @@ class NativeRollout(RolloutEngine):
     1 GiB at most on CPU); it bounds the sequences decoded at once, larger batches are chunked.
     `cuda_graphs` (None: on CUDA), `keep_cache` (None: on CPU only; on CUDA the cache and graphs are freed
     after each call so that training gets the memory back), `prefill_tokens` (tokens per prefill forward),
-    `check_every` (decode steps between host checks for finished rows; None: 1 on CPU, 8 on CUDA).
+    `check_every` (decode steps between host checks for finished rows; None: 1 on CPU, 8 on CUDA),
+    `kernels` (the forward's fast kernels, engine/rollout/model.py `DecodeKernels`; default: all where they apply).
     """
 
     def __init__(
@@ -90,6 +91,7 @@ class NativeRollout(RolloutEngine):
         keep_cache: bool | None = None,
         prefill_tokens: int = 8192,
         check_every: int | None = None,
+        kernels: DecodeKernels | None = None,
     ):
         device = torch.device(device)
         on_cuda = device.type == "cuda"
@@ -107,6 +109,7 @@ class NativeRollout(RolloutEngine):
         self.prefill_tokens = prefill_tokens
         self.check_every = check_every or (8 if on_cuda else 1)
         self.seq_align = 64 if on_cuda else 8
+        self.kernels = kernels or DecodeKernels()
         self.weights: RolloutWeights | None = None
         self.model: RolloutModel | None = None
         self.pool: KVCachePool | None = None
@@ -126,7 +129,7 @@ class NativeRollout(RolloutEngine):
         if self._rope is None or self._rope[0].dtype != embed.dtype:
             self._rope = rope_tables(self.shape, self.device, embed.dtype)
         self.weights = weights
-        self.model = RolloutModel(self.shape, weights, self._rope)
+        self.model = RolloutModel(self.shape, weights, self._rope, self.kernels)
         m = self.model
         if self.pool is None or self.pool.dtype != m.dtype or self.pool.groups != m.groups:
             self.pool = KVCachePool(

@@ -15,6 +15,9 @@ including what a rollout pays each time: the native engine's KV cache allocation
 vLLM's wake-up, weight copy and sleep (reported separately as `wake_load_s` / `sleep_s`). A backend that is
 not installed (vLLM) or not available here (vLLM on CPU) is reported as skipped with the reason; a vLLM run that
 fails is reported as `{"error": ...}` (traceback on stderr) and the other backends still run.
+`native_plain`: the native engine with its CUDA kernels off (`DecodeKernels(flash_decode=False,
+compiled=False)`: masked SDPA decode attention, eager elementwise ops), the baseline those kernels are
+measured against in the same run (skipped on CPU, where both are the same path).
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
 `--profile DIR`: one more native `generate` of the same batch under torch.profiler: the top 30 kernels to
@@ -46,7 +49,7 @@ from parallel.state import destroy_distributed, init_distributed
 CONF_MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "conf", "model")
 PRESETS = ("tiny", "qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_7b")
 TINY_VOCAB = 512
-BACKENDS = ("native", "vllm", "transformers")
+BACKENDS = ("native", "native_plain", "vllm", "transformers")
 
 
 def parse_args() -> argparse.Namespace:
@@ -134,11 +137,15 @@ def first_tokens(engine, prompts) -> torch.Tensor:
     return engine.generate(prompts[:32], SamplingParams(temperature=0.0, max_new_tokens=1)).response_ids[:, 0]
 
 
-def run_native(shape, weights, prompts, sampling, args, device, shim_overhead=False) -> dict:
+def run_native(shape, weights, prompts, sampling, args, device, shim_overhead=False, kernels=None) -> dict:
     from engine.rollout import native
 
     engine = native.NativeRollout(
-        shape, device, args.max_num_seqs, cuda_graphs=False if args.no_cuda_graphs else None
+        shape,
+        device,
+        args.max_num_seqs,
+        cuda_graphs=False if args.no_cuda_graphs else None,
+        kernels=kernels,
     )
     engine.set_weights(weights)
     patch = contextlib.nullcontext()
@@ -150,7 +157,7 @@ def run_native(shape, weights, prompts, sampling, args, device, shim_overhead=Fa
         greedy = first_tokens(engine, prompts)
     result = _result(out, seconds, device, cpu_seconds)
     result["engine_stats"] = stats
-    if args.profile and not shim_overhead:
+    if args.profile and not shim_overhead and kernels is None:
         result["profile"] = profile_generate(engine, prompts, sampling, device, args)
     engine.release()
     return result, greedy
@@ -313,12 +320,23 @@ def main() -> None:
     }
     results = report["results"]
     reference = None
-    if "native" in wanted or "vllm" in wanted or "transformers" in wanted:
+    if wanted:  # native is every other backend's reference
         results["native"], reference = run_native(shape, weights, prompts, sampling, args, device)
         if args.compare_shims and device.type == "cpu":
             results["native_with_shim_overhead"], _ = run_native(
                 shape, weights, prompts, sampling, args, device, shim_overhead=True
             )
+    if "native_plain" in wanted:
+        if device.type == "cuda":
+            from engine.rollout.model import DecodeKernels
+
+            plain = DecodeKernels(flash_decode=False, compiled=False)
+            results["native_plain"], greedy = run_native(
+                shape, weights, prompts, sampling, args, device, kernels=plain
+            )
+            results["native_plain"]["greedy_agree_first_token"] = _agree(greedy, reference)
+        else:
+            results["native_plain"] = {"skipped": "the fast kernels apply on CUDA only: same as native here"}
     if device.type == "cuda":
         torch.cuda.empty_cache()  # vLLM checks free memory against --gpu-memory-utilization at start
     if "vllm" in wanted:

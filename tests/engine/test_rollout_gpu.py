@@ -3,7 +3,8 @@ graph replay == eager decode, graphs vs eager end to end (stops, compaction, sev
 budget from free memory and its release. World size: none (in-process, one GPU), except the last test: 2
 GPUs, NCCL, tests/engine/rollout_tp_script.py with `cuda` (rollout.tp 2 and 1 on real training shards).
 
-Tolerances: float32 log-probs within 2e-4 of transformers; graph replay equals eager decode bitwise (same
+Tolerances: float32 log-probs within 2e-4 of transformers; in bfloat16 the fast kernels (flash decode
+attention, compiled elementwise chains) stay within 1.5x the plain path's distance to a float32 forward; graph replay equals eager decode bitwise (same
 kernels, same inputs); graphs vs eager generation (which attends over cur + 1 keys instead of the whole
 cache) within 1e-4 in float32.
 """
@@ -21,7 +22,7 @@ from test_rollout_native import hf_greedy, random_prompts, rollout_weights_from_
 from engine.rollout.base import SamplingParams
 from engine.rollout.cuda_graphs import DecodeGraphs
 from engine.rollout.kv_cache import KVCachePool
-from engine.rollout.model import RolloutModel, rope_tables
+from engine.rollout.model import DecodeKernels, RolloutModel, rope_tables
 from engine.rollout.native import NativeRollout
 from parallel.rollout_weights import RolloutWeights
 
@@ -96,10 +97,43 @@ def test_graph_replay_equals_eager_decode_bitwise(tiny):
             rows, step, lambda c=cur: c.fill_(seq_len - 1), lambda c=cur, s=saved: c.fill_(s)
         )
         assert torch.equal(replayed, eager)
-        assert all(torch.equal(a[:, :, : saved + 1], b[:, :, : saved + 1]) for a, b in zip(k, k_eager))
+        assert all(torch.equal(a[:, : saved + 1], b[:, : saved + 1]) for a, b in zip(k, k_eager))
         tokens.copy_(replayed.argmax(-1))
         cur.add_(1)
     assert graphs.num_graphs == 1
+
+
+def teacher_forced_logits(shape, weights, dtype, kernels, ids, pad, steps: int) -> torch.Tensor:
+    """Prefill left-padded `ids`, then `steps` decode steps fed tokens[t] = (t * 7 + row) % vocab: the
+    logits of every step, (steps + 1, rows, vocab) float32."""
+    model = RolloutModel(shape, on_gpu(weights, dtype), rope_tables(shape, DEV, dtype), kernels)
+    rows, plen = ids.shape
+    pool = KVCachePool(shape.num_layers, model.groups, model.head_dim, dtype, DEV, budget_bytes=1 << 26)
+    k, v = pool.views(rows, plen + steps)
+    out = [model.prefill(ids, pad, k, v, torch.arange(rows, device=DEV))]
+    for t in range(steps):
+        tokens = (t * 7 + torch.arange(rows, device=DEV)) % shape.vocab_size
+        cur = torch.tensor([plen + t], device=DEV)
+        out.append(model.decode(tokens, pad, cur, k, v, plen + t + 1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fast_kernels_match_the_plain_path_in_bf16(tiny, family):
+    shape, weights, _ = tiny[family]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, shape.vocab_size, (6, 11), generator=g).to(DEV)
+    pad = torch.tensor([0, 4, 10, 1, 0, 7], device=DEV)
+    plain = DecodeKernels(flash_decode=False, compiled=False)
+    fast_model = RolloutModel(shape, on_gpu(weights, torch.bfloat16), rope_tables(shape, DEV, torch.bfloat16))
+    assert fast_model.flash_decode, "FlashAttention-2 should run the bf16 decode attention on this GPU"
+    ref = teacher_forced_logits(shape, weights, torch.float32, plain, ids, pad, 20)
+    slow = teacher_forced_logits(shape, weights, torch.bfloat16, plain, ids, pad, 20)
+    fast = teacher_forced_logits(shape, weights, torch.bfloat16, DecodeKernels(), ids, pad, 20)
+    err_slow, err_fast = (slow - ref).abs(), (fast - ref).abs()
+    assert err_fast.max() <= 1.5 * err_slow.max() + 1e-3, (float(err_fast.max()), float(err_slow.max()))
+    assert err_fast.mean() <= 1.5 * err_slow.mean() + 1e-4, (float(err_fast.mean()), float(err_slow.mean()))
+    assert (fast.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -118,7 +152,7 @@ def test_graphs_and_eager_generate_the_same(tiny, dtype):
         assert torch.equal(graphed.response_ids, eager.response_ids)
         torch.testing.assert_close(graphed.log_probs, eager.log_probs, atol=1e-4, rtol=0)
         assert graphed.finish_reasons == eager.finish_reasons
-    else:  # bf16: attention over the whole cache vs cur + 1 keys rounds differently: near ties may flip
+    else:  # bf16: flash decode reads the same keys in both, so only compiled-kernel scheduling could differ
         assert torch.equal(graphed.response_ids[:, 0], eager.response_ids[:, 0])  # from the same prefill
         assert (graphed.response_ids[:, :4] == eager.response_ids[:, :4]).all(-1).float().mean() >= 0.9
     sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=16, seed=9)

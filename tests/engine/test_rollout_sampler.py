@@ -95,7 +95,7 @@ def test_kv_pool_budget_views_growth_and_compaction():
     pool = KVCachePool(2, 3, 4, torch.float32, torch.device("cpu"), budget_bytes=5 * per_seq + 7)
     assert pool.max_slots(10) == 5
     k, v = pool.views(4, 10)
-    assert len(k) == 2 and k[0].shape == (4, 3, 10, 4) and k[0].is_contiguous()
+    assert len(k) == 2 and k[0].shape == (4, 10, 3, 4) and k[0].is_contiguous()
     assert all(t.eq(0).all() for t in (*k, *v)), "a new buffer is zeroed (0 * NaN would poison attention)"
     version = pool.version
     pool.views(2, 10)  # fits: same storage, same version
@@ -108,7 +108,7 @@ def test_kv_pool_budget_views_growth_and_compaction():
     before = [t.clone() for t in (*k, *v)]
     compact_rows(k, v, torch.tensor([1, 3, 4]), num_positions=6)
     for t, old in zip((*k, *v), before):
-        assert torch.equal(t[:3, :, :6], old[[1, 3, 4], :, :6])
-        assert torch.equal(t[:, :, 6:], old[:, :, 6:])  # unwritten positions are not copied
+        assert torch.equal(t[:3, :6], old[[1, 3, 4], :6])
+        assert torch.equal(t[:, 6:], old[:, 6:])  # unwritten positions are not copied
     pool.release()
     assert pool.allocated_bytes() == 0

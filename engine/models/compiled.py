@@ -1,0 +1,28 @@
+"""torch.compile'd elementwise kernels for CUDA tensors, eager everywhere else.
+
+Small op chains (a norm, a gated activation, the rotary embedding, a softmax statistic) run as one fused
+Triton kernel on CUDA instead of one kernel per op; the same Python function runs eagerly on CPU, where
+torch.compile would need a C++ toolchain and buys little. Each use site names an environment switch
+(`ENGINE_COMPILE_LOGPROBS`, `ENGINE_COMPILE_ROLLOUT`) that turns its kernels off when set to 0, for
+benchmarks' baselines and for debugging a suspected compiler problem.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+_compiled: dict[tuple[str, str], Callable] = {}
+
+
+def cuda_kernel(fn: Callable, device: torch.device, switch: str) -> Callable:
+    """`fn` compiled (dynamic shapes, built once per function) when `device` is CUDA and the environment
+    variable `switch` is not "0"; `fn` itself otherwise."""
+    if device.type != "cuda" or os.environ.get(switch, "1") == "0":
+        return fn
+    key = (fn.__module__, fn.__qualname__)
+    if key not in _compiled:
+        _compiled[key] = torch.compile(fn, dynamic=True)
+    return _compiled[key]
