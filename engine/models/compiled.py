@@ -17,12 +17,15 @@ import torch
 _compiled: dict[tuple[str, str], Callable] = {}
 
 
-def cuda_kernel(fn: Callable, device: torch.device, switch: str) -> Callable:
-    """`fn` compiled (dynamic shapes, built once per function) when `device` is CUDA and the environment
-    variable `switch` is not "0"; `fn` itself otherwise."""
+def cuda_kernel(fn: Callable, device: torch.device, switch: str, dynamic: bool | None = True) -> Callable:
+    """`fn` compiled (built once per function) when `device` is CUDA and the environment variable `switch` is
+    not "0"; `fn` itself otherwise. `dynamic`: torch.compile's; True treats every size as symbolic (one
+    compile), None specialises first and makes only the sizes seen to change symbolic on a recompile
+    (sizes that never change, like a head dim or a hidden size, stay constants: no integer division by a
+    runtime value in index math, e.g. of a roll or a chunk)."""
     if device.type != "cuda" or os.environ.get(switch, "1") == "0":
         return fn
     key = (fn.__module__, fn.__qualname__)
     if key not in _compiled:
-        _compiled[key] = torch.compile(fn, dynamic=True)
+        _compiled[key] = torch.compile(fn, dynamic=dynamic)
     return _compiled[key]

@@ -14,12 +14,13 @@ Two entry points:
 The KV cache of a layer is (rows, positions, groups, head_dim): a row's keys are contiguous, so the flash
 kernel can read them in place as one variable-length sequence per row.
 
-Kernels (`DecodeKernels`; CUDA only, CPU always runs the plain path):
-- decode attention with FlashAttention-2 varlen (`torch.ops.aten._flash_attention_forward`): row r's keys
-  start at its first real position and `seqused_k` stops them at `cur`, so a step reads only the written part
-  of the cache and needs no mask. The query heads of a KV group are folded into the query-length axis, so each
-  group's K/V are read once for all its heads. Plain path: SDPA with a boolean mask over the first `num_keys`
-  positions, the query heads folded the same way (memory-efficient or cuDNN kernel on GPU);
+Kernels (`DecodeKernels`; CUDA only, the attention kernels in half precision; CPU runs the plain path):
+- decode attention, first that applies: the Triton flash-decoding kernel of engine/rollout/triton_decode.py
+  (16-row query tiles holding a KV group's query heads, each row's keys [pad, cur] streamed once);
+  FlashAttention-2 varlen (`torch.ops.aten._flash_attention_forward`: row r's keys start at its first real
+  position and `seqused_k` stops them at `cur`; the query heads of a group folded into the query axis, which
+  FA2 pads to 128-row tiles); the plain path: SDPA with a boolean mask over the first `num_keys` positions,
+  query heads folded the same way (memory-efficient or cuDNN kernel on GPU);
 - the elementwise chains compiled into one kernel each (torch.compile): residual add + RMSNorm, SwiGLU, RoPE.
 Prefill always uses SDPA with a mask (left padding): prefill is a small share of a long rollout.
 Measured on one H200 (scripts/bench/README.md, "Rollout").
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 
 from engine.models.builder import ModelShape
 from engine.models.compiled import cuda_kernel
+from engine.rollout import triton_decode
 from parallel.rollout_weights import RolloutWeights
 
 
@@ -110,14 +112,45 @@ def flash_decode_supported(device: torch.device, dtype: torch.dtype, head_dim: i
     )
 
 
+SWITCH = "ENGINE_COMPILE_ROLLOUT"
+"""Environment switch of the compiled kernels (0: eager)."""
+ATTENTION_KERNELS = ("triton", "flash", "sdpa")
+
+
 @dataclass
 class DecodeKernels:
-    """Which fast kernels the rollout forward uses where they apply (CUDA); both off = the plain path."""
+    """Which fast kernels the rollout forward uses where they apply (CUDA, half precision)."""
 
-    flash_decode: bool = True
-    """Decode attention with FlashAttention-2 varlen over each row's written keys (see the module doc)."""
+    attention: str = "auto"
+    """Decode attention: "triton" (engine/rollout/triton_decode.py), "flash" (FlashAttention-2 varlen over each
+    row's written keys), "sdpa" (masked SDPA over the first `num_keys` positions: the plain path), or "auto":
+    the first of those that applies here (CPU: sdpa)."""
     compiled: bool = True
     """Residual add + RMSNorm, SwiGLU and RoPE as torch.compile'd kernels (ENGINE_COMPILE_ROLLOUT=0: off)."""
+
+
+def decode_attention_kernel(
+    wanted: str, device: torch.device, dtype: torch.dtype, head_dim: int, per_group: int
+) -> str:
+    """Resolve `DecodeKernels.attention` for this device, dtype and head shape; a named kernel that cannot
+    run here is an error."""
+    ok = {
+        "triton": triton_decode.supported(device, dtype, head_dim, per_group),
+        "flash": flash_decode_supported(device, dtype, head_dim),
+        "sdpa": True,
+    }
+    if wanted == "auto":
+        return next(k for k in ATTENTION_KERNELS if ok[k])
+    if wanted not in ok:
+        raise ValueError(
+            f"decode attention kernel {wanted!r}: pick one of auto, {', '.join(ATTENTION_KERNELS)}"
+        )
+    if not ok[wanted]:
+        raise ValueError(
+            f"decode attention kernel {wanted!r} cannot run on {device} in {dtype} with head_dim {head_dim}: "
+            "use 'auto'"
+        )
+    return wanted
 
 
 @dataclass
@@ -187,13 +220,15 @@ class RolloutModel:
         self.cos, self.sin = rope[0], signed_sin(rope[1])
         kernels = kernels or DecodeKernels()
         dev = self.embed_w.device
-        self.flash_decode = kernels.flash_decode and flash_decode_supported(dev, self.dtype, self.head_dim)
+        self.attention = decode_attention_kernel(
+            kernels.attention, dev, self.dtype, self.head_dim, self.per_group
+        )
         plain = torch.device("cpu")  # cuda_kernel returns the eager function for a non-CUDA device
         where = dev if kernels.compiled else plain
-        self._add_norm = cuda_kernel(add_rms_norm, where, "ENGINE_COMPILE_ROLLOUT")
-        self._norm = cuda_kernel(rms_norm, where, "ENGINE_COMPILE_ROLLOUT")
-        self._swiglu = cuda_kernel(swiglu, where, "ENGINE_COMPILE_ROLLOUT")
-        self._rope = cuda_kernel(_rope, where, "ENGINE_COMPILE_ROLLOUT")
+        self._add_norm = cuda_kernel(add_rms_norm, where, SWITCH, dynamic=None)
+        self._norm = cuda_kernel(rms_norm, where, SWITCH, dynamic=None)
+        self._swiglu = cuda_kernel(swiglu, where, SWITCH, dynamic=None)
+        self._rope = cuda_kernel(_rope, where, SWITCH, dynamic=None)
 
     @staticmethod
     def _layer(p: dict[str, torch.Tensor], i: int) -> _Layer:
@@ -323,20 +358,24 @@ class RolloutModel:
         g, pg, hd = self.groups, self.per_group, self.head_dim
         pos = cur - pad_b  # (b,)
         cos, sin = self.cos[pos][:, None, None, None], self.sin[pos][:, None, None, None]  # (b, 1, 1, 1, dim)
-        if self.flash_decode:
+        if self.attention == "flash":
             cache_len = cache_k[0].shape[1]
             cum_q = torch.arange(0, b * pg + 1, pg, dtype=torch.int32, device=tokens_b.device)
             starts = torch.arange(b, device=tokens_b.device) * cache_len + pad_b
             cum_k = torch.cat((starts, starts.new_full((1,), b * cache_len))).to(torch.int32)
             used_k = (cur + 1 - pad_b).to(torch.int32)
-        else:
+        elif self.attention == "sdpa":
             ar = torch.arange(num_keys, device=tokens_b.device)
             mask = ((ar >= pad_b[:, None]) & (ar <= cur))[:, None, None]  # (b, 1, 1, keys)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache_k[i].index_copy_(1, cur, k)  # k (b, 1, groups, dim)
             cache_v[i].index_copy_(1, cur, v)
-            if self.flash_decode:  # rows' queries (b * heads per group, groups, dim) vs keys (b * len, ...)
+            if self.attention == "triton":
+                out = triton_decode.decode_attention(q[:, 0], cache_k[i], cache_v[i], pad_b, cur)
+            elif (
+                self.attention == "flash"
+            ):  # rows' queries (b * heads per group, groups, dim) vs keys (b * len, ...)
                 q_fold = q[:, 0].transpose(1, 2).reshape(b * pg, g, hd)
                 out = torch.ops.aten._flash_attention_forward(
                     q_fold,

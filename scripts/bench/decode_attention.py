@@ -10,13 +10,16 @@ of `--cache-len` positions of which row r uses [pad_r, cur] (left-padded prompts
 - `flash_varlen`: FlashAttention-2 varlen through `torch.ops.aten._flash_attention_forward` on a cache laid
   out (rows, len, groups, dim): row r's keys start at r * len + pad_r and `seqused_k` = cur + 1 - pad_r of
   them are read (nothing past `cur`, no mask), query heads folded per group as above.
+- `triton`: engine/rollout/triton_decode.py on the flash layout (16-row query tiles, reads [pad_r, cur]),
+  at its default settings, and `--sweep` its tuning knobs (key block, warps, pipeline stages) at the last cur.
 Reported per `cur`: median milliseconds over `--iters` calls (CUDA events), the K/V bytes each variant must
-read, and the largest difference between the two outputs (bf16).
+read, and the largest difference of each output from `sdpa_mask` (bf16).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -27,6 +30,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from presets import hf_config_for  # noqa: E402
+
+from engine.rollout import triton_decode  # noqa: E402
 
 
 def time_ms(fn, iters: int) -> float:
@@ -50,6 +55,7 @@ def main() -> None:
     ap.add_argument("--cache-len", type=int, default=768)
     ap.add_argument("--curs", default="256,512,767")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--sweep", action="store_true", help="also time the Triton kernel's tuning knobs")
     args = ap.parse_args()
     cfg = hf_config_for(args.preset)
     heads, groups = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -101,18 +107,33 @@ def main() -> None:
             )[0]
             return out.view(b, pg, groups, dim).transpose(1, 2)
 
-        ref, got = sdpa_mask(), flash_varlen()
-        used = int(used_k.sum())
-        rows[str(cur)] = {
-            "sdpa_mask_ms": time_ms(sdpa_mask, args.iters),
-            "flash_varlen_ms": time_ms(flash_varlen, args.iters),
-            "sdpa_mask_kv_gb": 2 * b * n * groups * dim * 2 / 1e9,
-            "flash_varlen_kv_gb": 2 * used * groups * dim * 2 / 1e9,
-            "max_abs_diff": float((ref.float() - got.float()).abs().max()),
-        }
-        for k in ("sdpa_mask", "flash_varlen"):
-            r = rows[str(cur)]
-            r[k + "_tb_per_s"] = r[k + "_kv_gb"] / r[k + "_ms"]
+        cur_t = torch.tensor([cur], device=dev)
+
+        def triton_kernel(cur_t=cur_t, **knobs):
+            return triton_decode.decode_attention(q, k_blgd, v_blgd, pad, cur_t, **knobs)
+
+        ref = sdpa_mask()
+        used_gb = 2 * int(used_k.sum()) * groups * dim * 2 / 1e9
+        r = rows[str(cur)] = {}
+        for name, fn, gb in (
+            ("sdpa_mask", sdpa_mask, 2 * b * n * groups * dim * 2 / 1e9),
+            ("flash_varlen", flash_varlen, used_gb),
+            ("triton", triton_kernel, used_gb),
+        ):
+            r[name + "_ms"] = time_ms(fn, args.iters)
+            r[name + "_tb_per_s"] = gb / r[name + "_ms"]
+            r[name + "_max_abs_diff"] = float((fn().float() - ref.float()).abs().max())
+    if args.sweep:
+        sweep = result["triton_sweep"] = []
+        for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3)):
+            knobs = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+            try:
+                ms = time_ms(lambda knobs=knobs: triton_kernel(**knobs), args.iters)
+            except Exception as err:  # e.g. out of shared memory for the largest tiles
+                sweep.append({**knobs, "error": f"{type(err).__name__}"})
+                continue
+            sweep.append({**knobs, "ms": ms})
+        sweep.sort(key=lambda e: e.get("ms", float("inf")))
     result["per_cur"] = rows
     print(json.dumps(result, indent=1))
 

@@ -12,8 +12,8 @@
 #   bash scripts/bench/gpu_session.sh profile7b # kernel profile of the native 7B rollout (graphs | eager)
 # Session 3 (2026-11-30):
 #   bash scripts/bench/gpu_session.sh s3probe   # decode attention kernels + 7B rollout profile | TRL 7B
-#   bash scripts/bench/gpu_session.sh s3kernels # GPU tests + rollout 7B (profiled) | rollout 0.5B, 1.5B;
-#                                               # native with its fast kernels vs native_plain, same run
+#   bash scripts/bench/gpu_session.sh s3kernels # GPU tests + rollout 7B (profiled) | decode attention sweep +
+#                                               # rollout 0.5B, 1.5B; native vs native_flash vs native_plain
 set -u
 out=${OUT:-/tmp/bench-out}
 mkdir -p "$out"
@@ -86,11 +86,12 @@ s3probe)
 s3kernels)
   {
     on 0 200 gpu_tests python -m pytest -q -rs -m gpu tests/engine/test_rollout_gpu.py tests/engine/test_fused_logprobs.py
-    on 0 300 rollout_7b python $bench/rollout.py --preset qwen2_5_7b --backends native,native_plain --profile "$out"
+    on 0 300 rollout_7b python $bench/rollout.py --preset qwen2_5_7b --backends native,native_flash,native_plain --profile "$out"
   } &
   {
-    on 1 200 rollout_0_5b python $bench/rollout.py --preset qwen2_5_0_5b --backends native,native_plain
-    on 1 200 rollout_1_5b python $bench/rollout.py --preset qwen2_5_1_5b --backends native,native_plain
+    on 1 200 decode_attention python $bench/decode_attention.py --preset qwen2_5_7b --sweep
+    on 1 200 rollout_0_5b python $bench/rollout.py --preset qwen2_5_0_5b --backends native,native_flash,native_plain
+    on 1 200 rollout_1_5b python $bench/rollout.py --preset qwen2_5_1_5b --backends native,native_flash,native_plain
   } &
   wait ;;
 *) echo "usage: $0 head|budget|trl|7b|vllm|vllm2|vllm3|profile7b|s3probe|s3kernels" >&2; exit 2 ;;

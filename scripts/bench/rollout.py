@@ -15,9 +15,10 @@ including what a rollout pays each time: the native engine's KV cache allocation
 vLLM's wake-up, weight copy and sleep (reported separately as `wake_load_s` / `sleep_s`). A backend that is
 not installed (vLLM) or not available here (vLLM on CPU) is reported as skipped with the reason; a vLLM run that
 fails is reported as `{"error": ...}` (traceback on stderr) and the other backends still run.
-`native_plain`: the native engine with its CUDA kernels off (`DecodeKernels(flash_decode=False,
+`native_plain`: the native engine with its CUDA kernels off (`DecodeKernels(attention="sdpa",
 compiled=False)`: masked SDPA decode attention, eager elementwise ops), the baseline those kernels are
-measured against in the same run (skipped on CPU, where both are the same path).
+measured against in the same run; `native_flash`: FlashAttention-2 decode attention instead of the Triton
+kernel, compiled elementwise ops (both skipped on CPU, where every variant is the plain path).
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
 `--profile DIR`: one more native `generate` of the same batch under torch.profiler: the top 30 kernels to
@@ -42,6 +43,7 @@ from engine.config import ModelConfig
 from engine.models.builder import ModelShape, resolve_shape
 from engine.models.hf_map import hf_from_shards, hf_names, match_rule
 from engine.rollout.base import SamplingParams
+from engine.rollout.model import DecodeKernels
 from parallel.dims import ParallelDims
 from parallel.rollout_weights import RolloutWeights
 from parallel.state import destroy_distributed, init_distributed
@@ -49,7 +51,7 @@ from parallel.state import destroy_distributed, init_distributed
 CONF_MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "conf", "model")
 PRESETS = ("tiny", "qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_7b")
 TINY_VOCAB = 512
-BACKENDS = ("native", "native_plain", "vllm", "transformers")
+BACKENDS = ("native", "native_flash", "native_plain", "vllm", "transformers")
 
 
 def parse_args() -> argparse.Namespace:
@@ -135,6 +137,12 @@ def timed_generate(engine, prompts, sampling, device) -> tuple[object, float, fl
 
 def first_tokens(engine, prompts) -> torch.Tensor:
     return engine.generate(prompts[:32], SamplingParams(temperature=0.0, max_new_tokens=1)).response_ids[:, 0]
+
+
+VARIANTS = {  # the native engine with other kernels, against `native` (auto) in the same run
+    "native_flash": DecodeKernels(attention="flash"),
+    "native_plain": DecodeKernels(attention="sdpa", compiled=False),
+}
 
 
 def run_native(shape, weights, prompts, sampling, args, device, shim_overhead=False, kernels=None) -> dict:
@@ -326,17 +334,14 @@ def main() -> None:
             results["native_with_shim_overhead"], _ = run_native(
                 shape, weights, prompts, sampling, args, device, shim_overhead=True
             )
-    if "native_plain" in wanted:
-        if device.type == "cuda":
-            from engine.rollout.model import DecodeKernels
-
-            plain = DecodeKernels(flash_decode=False, compiled=False)
-            results["native_plain"], greedy = run_native(
-                shape, weights, prompts, sampling, args, device, kernels=plain
-            )
-            results["native_plain"]["greedy_agree_first_token"] = _agree(greedy, reference)
-        else:
-            results["native_plain"] = {"skipped": "the fast kernels apply on CUDA only: same as native here"}
+    for name, kernels in VARIANTS.items():
+        if name not in wanted:
+            continue
+        if device.type != "cuda":
+            results[name] = {"skipped": "the fast kernels apply on CUDA only: same as native here"}
+            continue
+        results[name], greedy = run_native(shape, weights, prompts, sampling, args, device, kernels=kernels)
+        results[name]["greedy_agree_first_token"] = _agree(greedy, reference)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # vLLM checks free memory against --gpu-memory-utilization at start
     if "vllm" in wanted:

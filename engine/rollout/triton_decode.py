@@ -1,0 +1,203 @@
+"""Decode attention as a Triton kernel: one query token per row against that row's written KV-cache positions,
+grouped-query attention with every query head of a KV group in one tile (flash-decoding).
+
+Why not a library kernel: FlashAttention-2 (inside torch) tiles queries by 64-128 rows; a decode step has one
+query per head, so even with the heads of a group folded into the query axis (7 rows for Qwen2.5) most of the
+tile is padding, and at RL batch sizes the padded tile's math, not the memory traffic, bounds it (measured on
+an H200 at Qwen2.5-7B shapes: 2.2 TB/s of K/V read at best, scripts/bench/decode_attention.py). Here a tile
+is 16 query rows (the smallest `tl.dot` takes) and the kernel streams K/V once per (row, group).
+
+Layout: q (rows, groups, heads per group, dim) (any strides, unit stride over dim); the cache of a layer
+(rows, positions, groups, dim) as engine/rollout/kv_cache.py lays it out. Row r attends over positions
+[pad[r], cur]; `cur` is read on the device (a (1,) tensor), so the launch can be captured in a CUDA graph.
+The positions are cut into `splits` contiguous ranges, one program each (more programs when rows x groups
+alone would not fill the GPU); each writes its partial softmax state (max, sum, weighted values) in float32,
+and `decode_attention` merges them.
+
+Only on CUDA with Triton installed, in half precision (`supported`); engine/rollout/model.py falls back to
+FlashAttention-2 or SDPA otherwise. Parity with SDPA: tests/engine/test_rollout_gpu.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch builds ship no Triton
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_partials(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        pad_ptr,
+        cur_ptr,
+        acc_ptr,
+        max_ptr,
+        sum_ptr,
+        stride_qb,
+        stride_qg,
+        stride_qh,
+        stride_kb,
+        stride_kl,
+        stride_kg,
+        stride_vb,
+        stride_vl,
+        stride_vg,
+        groups,
+        splits,
+        split_len,
+        scale,
+        PER_GROUP: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        row_group = tl.program_id(0)
+        split = tl.program_id(1)
+        row = row_group // groups
+        group = row_group % groups
+        lo = tl.maximum(tl.load(pad_ptr + row), split * split_len)
+        hi = tl.minimum(tl.load(cur_ptr) + 1, (split + 1) * split_len)
+
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, HEAD_DIM)
+        head_ok = offs_h < PER_GROUP
+        q = tl.load(
+            q_ptr + row * stride_qb + group * stride_qg + offs_h[:, None] * stride_qh + offs_d[None, :],
+            mask=head_ok[:, None],
+            other=0.0,
+        )
+        k_base = k_ptr + row.to(tl.int64) * stride_kb + group * stride_kg
+        v_base = v_ptr + row.to(tl.int64) * stride_vb + group * stride_vg
+        m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_H, HEAD_DIM), dtype=tl.float32)
+        qk_scale = scale * 1.4426950408889634  # softmax in base 2
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            key_ok = offs_n < hi
+            k = tl.load(
+                k_base + offs_n[:, None] * stride_kl + offs_d[None, :], mask=key_ok[:, None], other=0.0
+            )
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(key_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_base + offs_n[:, None] * stride_vl + offs_d[None, :], mask=key_ok[:, None], other=0.0
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        state = (row_group * splits + split) * BLOCK_H + offs_h
+        tl.store(acc_ptr + state[:, None] * HEAD_DIM + offs_d[None, :], acc)
+        tl.store(max_ptr + state, m_i)
+        tl.store(sum_ptr + state, l_i)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def supported(device: torch.device, dtype: torch.dtype, head_dim: int, per_group: int) -> bool:
+    """CUDA, half precision (float32 would run `tl.dot` in TF32), a power-of-two head dim, <= 64 query heads
+    per KV group."""
+    return (
+        triton is not None
+        and device.type == "cuda"
+        and dtype in (torch.bfloat16, torch.float16)
+        and head_dim >= 16
+        and head_dim & (head_dim - 1) == 0
+        and head_dim <= 256
+        and per_group <= 64
+    )
+
+
+def num_splits(rows_x_groups: int, cache_len: int, block_n: int, device: torch.device) -> int:
+    """Key ranges per (row, group): enough programs for ~4 waves on the GPU's SMs, each range at least 4
+    key blocks long."""
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    want = max(1, math.ceil(4 * sms / rows_x_groups))
+    return max(1, min(want, cache_len // (4 * block_n)))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    pad: torch.Tensor,
+    cur: torch.Tensor,
+    *,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """q (rows, groups, heads per group, dim), cache (rows, positions, groups, dim), pad (rows,) int,
+    cur (1,) int -> attention output (rows, groups, heads per group, dim) in q's dtype, softmax scale
+    1/sqrt(dim), row r over cache positions [pad[r], cur]. The keyword arguments are the kernel's tuning
+    knobs (scripts/bench/decode_attention.py sweeps them); `splits` None: `num_splits`."""
+    rows, groups, per_group, dim = q.shape
+    cache_len = cache_k.shape[1]
+    if q.stride(-1) != 1 or cache_k.stride(-1) != 1 or cache_v.stride(-1) != 1:
+        raise ValueError("decode_attention needs unit stride over the head dim")
+    block_h = max(16, triton.next_power_of_2(per_group))
+    splits = splits or num_splits(rows * groups, cache_len, block_n, q.device)
+    split_len = -(-cache_len // splits)
+    split_len = -(-split_len // block_n) * block_n
+    states = rows * groups * splits * block_h
+    acc = torch.empty(states, dim, dtype=torch.float32, device=q.device)
+    m = torch.empty(states, dtype=torch.float32, device=q.device)
+    s = torch.empty(states, dtype=torch.float32, device=q.device)
+    _decode_partials[(rows * groups, splits)](
+        q,
+        cache_k,
+        cache_v,
+        pad,
+        cur,
+        acc,
+        m,
+        s,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        cache_k.stride(0),
+        cache_k.stride(1),
+        cache_k.stride(2),
+        cache_v.stride(0),
+        cache_v.stride(1),
+        cache_v.stride(2),
+        groups,
+        splits,
+        split_len,
+        1.0 / math.sqrt(dim),
+        PER_GROUP=per_group,
+        BLOCK_H=block_h,
+        HEAD_DIM=dim,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    view = (rows, groups, splits, block_h)
+    acc, m, s = (
+        acc.view(*view, dim)[..., :per_group, :],
+        m.view(view)[..., :per_group],
+        s.view(view)[..., :per_group],
+    )
+    if splits == 1:
+        return (acc[:, :, 0] / s[:, :, 0, :, None]).to(q.dtype)
+    weight = torch.exp2(m - m.amax(2, keepdim=True))  # empty ranges: max -inf, weight 0
+    out = (acc * weight[..., None]).sum(2) / (s * weight).sum(2)[..., None]
+    return out.to(q.dtype)
