@@ -14,6 +14,11 @@ from collections.abc import Callable
 
 import torch
 
+LOGPROBS = "ENGINE_COMPILE_LOGPROBS"
+"""Switch of the fused output head's kernels (engine/models/fused_logprobs.py)."""
+ROLLOUT = "ENGINE_COMPILE_ROLLOUT"
+"""Switch of the native rollout engine's kernels (engine/rollout/model.py, engine/rollout/sampler.py)."""
+
 _compiled: dict[tuple[str, str], Callable] = {}
 
 

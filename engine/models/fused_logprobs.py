@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.models.compiled import cuda_kernel
+from engine.models.compiled import LOGPROBS, cuda_kernel
 from engine.models.logprobs import MASKED_LOGIT
 
 # transient bytes per chunk: fp32 logits + fp32 probabilities + the low-precision gradient (backward)
@@ -71,7 +71,7 @@ def _grad_logits(logits, shift, ent, g_logp, g_ent, local_t, in_shard, inv_t: fl
 
 def _kernel(fn, device: torch.device):
     """`fn` as one fused pass over the chunk's logits on CUDA (ENGINE_COMPILE_LOGPROBS=0: eager)."""
-    return cuda_kernel(fn, device, "ENGINE_COMPILE_LOGPROBS")
+    return cuda_kernel(fn, device, LOGPROBS)
 
 
 class _LinearLogProbs(torch.autograd.Function):

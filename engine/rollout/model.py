@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from engine.models.builder import ModelShape
-from engine.models.compiled import cuda_kernel
+from engine.models.compiled import ROLLOUT, cuda_kernel
 from engine.rollout import triton_decode
 from parallel.rollout_weights import RolloutWeights
 
@@ -112,8 +112,6 @@ def flash_decode_supported(device: torch.device, dtype: torch.dtype, head_dim: i
     )
 
 
-SWITCH = "ENGINE_COMPILE_ROLLOUT"
-"""Environment switch of the compiled kernels (0: eager)."""
 ATTENTION_KERNELS = ("triton", "flash", "sdpa")
 
 
@@ -225,10 +223,10 @@ class RolloutModel:
         )
         plain = torch.device("cpu")  # cuda_kernel returns the eager function for a non-CUDA device
         where = dev if kernels.compiled else plain
-        self._add_norm = cuda_kernel(add_rms_norm, where, SWITCH, dynamic=None)
-        self._norm = cuda_kernel(rms_norm, where, SWITCH, dynamic=None)
-        self._swiglu = cuda_kernel(swiglu, where, SWITCH, dynamic=None)
-        self._rope = cuda_kernel(_rope, where, SWITCH, dynamic=None)
+        self._add_norm = cuda_kernel(add_rms_norm, where, ROLLOUT, dynamic=None)
+        self._norm = cuda_kernel(rms_norm, where, ROLLOUT, dynamic=None)
+        self._swiglu = cuda_kernel(swiglu, where, ROLLOUT, dynamic=None)
+        self._rope = cuda_kernel(_rope, where, ROLLOUT, dynamic=None)
 
     @staticmethod
     def _layer(p: dict[str, torch.Tensor], i: int) -> _Layer:
