@@ -14,6 +14,8 @@
 #   bash scripts/bench/gpu_session.sh s3probe   # decode attention kernels + 7B rollout profile | TRL 7B
 #   bash scripts/bench/gpu_session.sh s3kernels # GPU tests + rollout 7B (profiled) | decode attention sweep +
 #                                               # rollout 0.5B, 1.5B; native vs native_flash vs native_plain
+#   bash scripts/bench/gpu_session.sh s3e2e     # e2e 0.5B + rollout 0.5B, 7B | e2e 1.5B + rollout 1.5B
+#   bash scripts/bench/gpu_session.sh s3e2e7b   # e2e 7B on both GPUs: no recompute (4k budget), recompute (16k)
 set -u
 out=${OUT:-/tmp/bench-out}
 mkdir -p "$out"
@@ -94,7 +96,22 @@ s3kernels)
     on 1 200 rollout_1_5b python $bench/rollout.py --preset qwen2_5_1_5b --backends native,native_flash,native_plain
   } &
   wait ;;
-*) echo "usage: $0 head|budget|trl|7b|vllm|vllm2|vllm3|profile7b|s3probe|s3kernels" >&2; exit 2 ;;
+s3e2e)
+  {
+    on 0 200 e2e_0_5b python $bench/e2e.py --preset qwen2_5_0_5b
+    on 0 100 rollout_0_5b python $bench/rollout.py --preset qwen2_5_0_5b --backends native,native_plain
+    on 0 150 rollout_7b python $bench/rollout.py --preset qwen2_5_7b --backends native,native_plain
+  } &
+  {
+    on 1 260 e2e_1_5b python $bench/e2e.py --preset qwen2_5_1_5b
+    on 1 100 rollout_1_5b python $bench/rollout.py --preset qwen2_5_1_5b --backends native,native_plain
+  } &
+  wait ;;
+s3e2e7b)
+  on 0,1 260 e2e_7b python $bench/e2e.py --preset qwen2_5_7b --gpus 2 --tp 2 --rollout-tp 2 --max-tokens 4096
+  on 0,1 260 e2e_7b_recompute python $bench/e2e.py --preset qwen2_5_7b --gpus 2 --tp 2 --rollout-tp 2 \
+    --max-tokens 16384 model.recompute=true ;;
+*) echo "usage: $0 head|budget|trl|7b|vllm|vllm2|vllm3|profile7b|s3probe|s3kernels|s3e2e|s3e2e7b" >&2; exit 2 ;;
 esac
 for f in "$out"/*.err; do  # one file of stderr tails (few files come back from a device call)
   [ -s "$f" ] && { echo "== $f"; tail -n 30 "$f"; } >> "$out/stderr_tails.txt"
