@@ -16,6 +16,7 @@
 #                                               # rollout 0.5B, 1.5B; native vs native_flash vs native_plain
 #   bash scripts/bench/gpu_session.sh s3e2e     # e2e 0.5B + rollout 0.5B, 7B | e2e 1.5B + rollout 1.5B
 #   bash scripts/bench/gpu_session.sh s3e2e7b   # e2e 7B on both GPUs: no recompute (4k budget), recompute (16k)
+#   bash scripts/bench/gpu_session.sh s3e2e7bdp # e2e 7B on both GPUs as DP=2 with the distributed optimizer
 set -u
 out=${OUT:-/tmp/bench-out}
 mkdir -p "$out"
@@ -111,7 +112,11 @@ s3e2e7b)
   on 0,1 260 e2e_7b python $bench/e2e.py --preset qwen2_5_7b --gpus 2 --tp 2 --rollout-tp 2 --max-tokens 4096
   on 0,1 260 e2e_7b_recompute python $bench/e2e.py --preset qwen2_5_7b --gpus 2 --tp 2 --rollout-tp 2 \
     --max-tokens 16384 model.recompute=true ;;
-*) echo "usage: $0 head|budget|trl|7b|vllm|vllm2|vllm3|profile7b|s3probe|s3kernels|s3e2e|s3e2e7b" >&2; exit 2 ;;
+s3e2e7bdp)
+  on 0,1 330 e2e_7b_dp2 python $bench/e2e.py --preset qwen2_5_7b --gpus 2 --tp 1 --rollout-tp 1 --max-tokens 4096 \
+    optim.distributed_optimizer=true ;;
+*) echo "usage: $0 head|budget|trl|7b|vllm|vllm2|vllm3|profile7b|s3probe|s3kernels|s3e2e|s3e2e7b|s3e2e7bdp" >&2
+  exit 2 ;;
 esac
 for f in "$out"/*.err; do  # one file of stderr tails (few files come back from a device call)
   [ -s "$f" ] && { echo "== $f"; tail -n 30 "$f"; } >> "$out/stderr_tails.txt"
