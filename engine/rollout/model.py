@@ -112,6 +112,27 @@ def flash_decode_supported(device: torch.device, dtype: torch.dtype, head_dim: i
     )
 
 
+def flash_varlen_decode(q, cache_k, cache_v, cum_q, cum_k, used_k) -> torch.Tensor:
+    """FlashAttention-2 varlen decode: q (b, groups, heads per group, dim) with the heads of a group folded into
+    the query axis (cumulative query lengths `cum_q`), row r's keys at flat cache positions starting at
+    `cum_k[r]`, `used_k[r]` of them; cache (b, positions, groups, dim). Returns (b, groups, per group, dim)."""
+    b, g, pg, hd = q.shape
+    out = torch.ops.aten._flash_attention_forward(
+        q.transpose(1, 2).reshape(b * pg, g, hd),
+        cache_k.view(-1, g, hd),
+        cache_v.view(-1, g, hd),
+        cum_q,
+        cum_k,
+        pg,
+        cache_k.shape[1],
+        0.0,
+        False,
+        False,
+        seqused_k=used_k,
+    )[0]
+    return out.view(b, pg, g, hd).transpose(1, 2)
+
+
 ATTENTION_KERNELS = ("triton", "flash", "sdpa")
 
 
@@ -287,9 +308,9 @@ class RolloutModel:
 
     def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
         """Every transformer layer on embeddings `x` (b, s, hidden) with RoPE tables `cos`, `sin` broadcast as
-        (b, s, 1, 1, dim); `attend(i, q, k, v)` returns layer i's
-        attention output (b, s, heads * dim). Returns the final-normed hidden states. Each residual add is
-        fused with the norm that follows it (the next layer's input norm, the final norm after the last)."""
+        (b, s, 1, 1, dim); `attend(i, q, k, v)` returns layer i's attention output (b, s, heads * dim). Returns
+        the final-normed hidden states. Each residual add is fused with the norm that follows it (the next
+        layer's input norm, the final norm after the last)."""
         eps, layers = self.shape.norm_eps, self.layers
         h = self._norm(x, layers[0].input_norm, eps)
         for i, layer in enumerate(layers):
@@ -349,14 +370,14 @@ class RolloutModel:
     ) -> torch.Tensor:
         """One decode step: token `tokens_b[r]` sits at cache position `cur` (a (1,) int64 tensor, the same for
         every row) of row r, whose first `pad_b[r]` positions are padding; K/V are written there and the row
-        attends over cache positions [pad_b[r], cur] (the plain path masks the first `num_keys`; the flash
-        path reads exactly those). Returns (b, vocab_size) float32 logits. No host synchronisation and static
+        attends over cache positions [pad_b[r], cur] (the plain path masks the first `num_keys`; the Triton
+        and flash kernels read exactly those). Returns (b, vocab_size) float32 logits. No host synchronisation and static
         shapes: capturable in a CUDA graph."""
         b = tokens_b.shape[0]
-        g, pg, hd = self.groups, self.per_group, self.head_dim
+        pg, hd = self.per_group, self.head_dim
         pos = cur - pad_b  # (b,)
         cos, sin = self.cos[pos][:, None, None, None], self.sin[pos][:, None, None, None]  # (b, 1, 1, 1, dim)
-        if self.attention == "flash":
+        if self.attention == "flash":  # row r's keys: flat positions r * cache_len + [pad_r, cur]
             cache_len = cache_k[0].shape[1]
             cum_q = torch.arange(0, b * pg + 1, pg, dtype=torch.int32, device=tokens_b.device)
             starts = torch.arange(b, device=tokens_b.device) * cache_len + pad_b
@@ -371,24 +392,8 @@ class RolloutModel:
             cache_v[i].index_copy_(1, cur, v)
             if self.attention == "triton":
                 out = triton_decode.decode_attention(q[:, 0], cache_k[i], cache_v[i], pad_b, cur)
-            elif (
-                self.attention == "flash"
-            ):  # rows' queries (b * heads per group, groups, dim) vs keys (b * len, ...)
-                q_fold = q[:, 0].transpose(1, 2).reshape(b * pg, g, hd)
-                out = torch.ops.aten._flash_attention_forward(
-                    q_fold,
-                    cache_k[i].view(-1, g, hd),
-                    cache_v[i].view(-1, g, hd),
-                    cum_q,
-                    cum_k,
-                    pg,
-                    cache_len,
-                    0.0,
-                    False,
-                    False,
-                    seqused_k=used_k,
-                )[0]
-                out = out.view(b, pg, g, hd).transpose(1, 2)
+            elif self.attention == "flash":
+                out = flash_varlen_decode(q[:, 0], cache_k[i], cache_v[i], cum_q, cum_k, used_k)
             else:
                 keys = (cache_k[i][:, :num_keys].transpose(1, 2), cache_v[i][:, :num_keys].transpose(1, 2))
                 out = F.scaled_dot_product_attention(q[:, 0], *keys, attn_mask=mask)  # (b, groups, pg, dim)

@@ -7,7 +7,7 @@ of `--cache-len` positions of which row r uses [pad_r, cur] (left-padded prompts
 - `sdpa_mask`: the engine's path before flash (cache (rows, groups, len, dim), the query heads of a KV group
   folded into the query axis, a boolean mask over all `--cache-len` positions: PyTorch's memory-efficient
   kernel; with CUDA graphs the engine attends over the whole cache length every step);
-- `flash_varlen`: FlashAttention-2 varlen through `torch.ops.aten._flash_attention_forward` on a cache laid
+- `flash_varlen`: FlashAttention-2 varlen (engine/rollout/model.py `flash_varlen_decode`) on a cache laid
   out (rows, len, groups, dim): row r's keys start at r * len + pad_r and `seqused_k` = cur + 1 - pad_r of
   them are read (nothing past `cur`, no mask), query heads folded per group as above.
 - `triton`: engine/rollout/triton_decode.py on the flash layout (16-row query tiles, reads [pad_r, cur]),
@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from presets import hf_config_for  # noqa: E402
 
 from engine.rollout import triton_decode  # noqa: E402
+from engine.rollout.model import flash_varlen_decode  # noqa: E402
 
 
 def time_ms(fn, iters: int) -> float:
@@ -91,21 +92,7 @@ def main() -> None:
         used_k = (cur + 1 - pad).to(torch.int32)
 
         def flash_varlen(cum_q=cum_q, cum_k=cum_k, used_k=used_k):
-            q_fold = q.transpose(1, 2).reshape(b * pg, groups, dim)
-            out = torch.ops.aten._flash_attention_forward(
-                q_fold,
-                k_blgd.view(b * n, groups, dim),
-                v_blgd.view(b * n, groups, dim),
-                cum_q,
-                cum_k,
-                pg,
-                n,
-                0.0,
-                False,
-                False,
-                seqused_k=used_k,
-            )[0]
-            return out.view(b, pg, groups, dim).transpose(1, 2)
+            return flash_varlen_decode(q, k_blgd, v_blgd, cum_q, cum_k, used_k)
 
         cur_t = torch.tensor([cur], device=dev)
 
