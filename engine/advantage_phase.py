@@ -8,8 +8,8 @@ tokens, as verl does per worker batch.
 
 Which policy log-probs the KL in the reward uses: the old-log-prob forward when it runs; otherwise
 (ppo_epochs == 1 and num_mini_batches == 1, where that forward is skipped) the rollout engine's log-probs
-of the same weights, which differ from the training forward by numerics only (so rollout.log_probs=false is
-refused there).
+of the same weights, which differ from the training forward by numerics only (with rollout.log_probs=false
+the trainer runs the forward instead: engine/config.py `needs_old_log_prob_forward`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ def policy_log_probs(exp: Experience) -> torch.Tensor:
     """(rows, T) the actor's log-probs before the update: old-log-prob forward, else the rollout's."""
     if "old_log_probs" in exp.tensors:
         return exp.tensors["old_log_probs"]
-    if "rollout_log_probs" not in exp.tensors:  # engine/validate.py refuses the configs that get here
+    if "rollout_log_probs" not in exp.tensors:  # the trainer runs the forward when the rollout returns none
         raise RuntimeError(
             "the KL in the reward needs the policy's log-probs: no old-log-prob forward ran and the rollout "
-            "returned none (rollout.log_probs=false); set rollout.log_probs=true"
+            "returned none; run the old-log-prob forward (engine/config.py needs_old_log_prob_forward)"
         )
     return exp.tensors["rollout_log_probs"]
 

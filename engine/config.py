@@ -87,11 +87,11 @@ class RolloutConfig:
     max_new_tokens: int = 8
     """Most tokens generated per response."""
     log_probs: bool = True
-    """Return each sampled token's log-prob from the rollout. Needed by algorithm.tis_cap > 0 and by the KL in
-    the reward when no old-log-prob forward runs (`needs_old_log_prob_forward`; engine/validate.py refuses false
-    then); otherwise they only feed actor/rollout_kl and rollout/logprob_mean. vLLM pays for them (one H200:
-    ~40% fewer tokens/s, scripts/bench/results/vllm_sampling_cost_h200.json); the native engine computes them
-    anyway."""
+    """Return each sampled token's log-prob from the rollout. Needed by algorithm.tis_cap > 0 (engine/validate.py
+    refuses false then); a KL in the reward without them runs the old-log-prob forward instead
+    (`needs_old_log_prob_forward`); otherwise they only feed actor/rollout_kl and rollout/logprob_mean. vLLM
+    pays for them (one H200: ~40% fewer tokens/s, scripts/bench/results/vllm_sampling_cost_h200.json); the
+    native engine computes them anyway."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks fix response lengths this way)."""
     val_temperature: float = 0.0
@@ -309,10 +309,12 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainConfig)
 
 
-def needs_old_log_prob_forward(alg: AlgorithmConfig) -> bool:
-    """Whether a step runs the actor's old-log-prob forward: only when the actor takes more than one optimizer
-    step per batch; with a single on-policy step the old log-probs equal the current ones."""
-    return alg.ppo_epochs > 1 or alg.num_mini_batches > 1
+def needs_old_log_prob_forward(alg: AlgorithmConfig, rollout_log_probs: bool = True) -> bool:
+    """Whether a step runs the actor's old-log-prob forward: when the actor takes more than one optimizer step
+    per batch (with a single on-policy step the old log-probs equal the current ones), or when the KL in the
+    reward needs the policy's log-probs and the rollout returns none (`rollout.log_probs=false`): one forward
+    costs less than vLLM charges for returning them (scripts/bench/README.md, "Rollout")."""
+    return alg.ppo_epochs > 1 or alg.num_mini_batches > 1 or (alg.kl_in_reward and not rollout_log_probs)
 
 
 class ConfigError(ValueError):

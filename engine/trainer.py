@@ -11,9 +11,10 @@ The old-log-prob forward runs only when the actor takes more than one optimizer 
 current ones, so the ratio is 1 by construction (actor/ppo_kl = 0, actor/pg_clipfrac = 0) and
 actor/rollout_kl reports the rollout-vs-training gap instead.
 
-With rollout.log_probs=false the rollout returns no log-probs (engine/validate.py refuses it where the
-algorithm reads them): the experience has no `rollout_log_probs`, and actor/rollout_kl and
-rollout/logprob_mean are not logged (absent, not zero).
+With rollout.log_probs=false the rollout returns no log-probs (engine/validate.py refuses it with TIS, which
+needs the rollout's own): the experience has no `rollout_log_probs`, a KL in the reward takes the
+old-log-prob forward's (it then runs even for a single step), and actor/rollout_kl and rollout/logprob_mean
+are not logged (absent, not zero).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Trainer:
         self.cfg = c.cfg
         self.step = 0
         alg, g = self.cfg.algorithm, c.groups
-        self.needs_old_forward = needs_old_log_prob_forward(alg)
+        self.needs_old_forward = needs_old_log_prob_forward(alg, self.cfg.rollout.log_probs)
         self.rollout_log_probs = self.cfg.rollout.log_probs
         """Whether sampled responses come with their rollout log-probs (the same on every rank)."""
         self.kl_ref = c.reference is not None

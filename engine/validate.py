@@ -18,7 +18,6 @@ from engine.config import (
     POLICY_LOSSES,
     ConfigError,
     TrainConfig,
-    needs_old_log_prob_forward,
 )
 from parallel.dims import ParallelDims
 
@@ -288,7 +287,8 @@ def _validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
 
 
 def _validate_without_rollout_log_probs(cfg: TrainConfig) -> None:
-    """rollout.log_probs=false: refuse the settings that read the rollout's log-probs."""
+    """rollout.log_probs=false: refuse the settings that need the rollout's own log-probs (a KL in the reward
+    takes the old-log-prob forward's instead: engine/config.py `needs_old_log_prob_forward`)."""
     a = cfg.algorithm
     if a.tis_cap > 0:
         _fail(
@@ -297,17 +297,6 @@ def _validate_without_rollout_log_probs(cfg: TrainConfig) -> None:
             f"algorithm.tis_cap={a.tis_cap} (truncated importance sampling) weights the loss by the ratio of "
             "training to rollout log-probs, so it needs the rollout's log-probs",
             "set rollout.log_probs=true, or algorithm.tis_cap=0",
-        )
-    if a.kl_in_reward and not needs_old_log_prob_forward(a):
-        _fail(
-            "rollout.log_probs",
-            False,
-            "algorithm.kl_in_reward=true with one optimizer step per batch (algorithm.ppo_epochs=1, "
-            "algorithm.num_mini_batches=1: no old-log-prob forward runs) takes the policy's log-probs for the "
-            "KL from the rollout",
-            "set rollout.log_probs=true, or algorithm.kl_in_reward=false (a KL loss, algorithm.kl_loss_coef, "
-            "needs no rollout log-probs), or algorithm.ppo_epochs>1 / algorithm.num_mini_batches>1 (the "
-            "old-log-prob forward then provides them)",
         )
 
 

@@ -73,7 +73,6 @@ BAD = [
     (["trainer.resume=/no/such/checkpoint"], 1, "trainer.resume"),
     (["cluster.device=tpu"], 1, "cluster.device"),
     (["rollout.log_probs=false", "algorithm.tis_cap=2"], 1, "rollout.log_probs=False: algorithm.tis_cap=2.0"),
-    (["rollout.log_probs=false", "algorithm=rloo"], 1, "rollout.log_probs=False: algorithm.kl_in_reward"),
 ]
 
 
@@ -119,25 +118,22 @@ def test_vllm_needs_rollout_tp_one_or_full():
     _validate_rollout(cfg, ParallelDims(world_size=4, tp=4))
 
 
-def test_rollout_log_probs_off_is_refused_exactly_where_the_step_reads_them():
-    """The KL in the reward reads the rollout's log-probs only when no old-log-prob forward runs: the rule
-    validate applies is the trainer's (engine/config.py needs_old_log_prob_forward)."""
+def test_rollout_log_probs_off_runs_the_old_forward_for_a_kl_in_the_reward_and_refuses_tis():
+    """Without rollout log-probs a KL in the reward gets the policy's log-probs from the old-log-prob forward
+    (engine/config.py needs_old_log_prob_forward, the rule the trainer applies); only TIS, which needs the
+    rollout's own, is refused."""
     from engine.config import needs_old_log_prob_forward
 
     validate(composed("rollout.log_probs=false"), world_size=1)  # grpo: a KL loss, no TIS
     validate(
         composed("rollout.log_probs=false", "algorithm=dapo", "algorithm.overlong_buffer_len=2"), world_size=1
     )
-    for extra in (["algorithm.ppo_epochs=2"], ["algorithm.num_mini_batches=2"]):
+    for extra in ([], ["algorithm.ppo_epochs=2"], ["algorithm.num_mini_batches=2"]):
         cfg = composed("rollout.log_probs=false", "algorithm=ppo", *extra)
-        assert needs_old_log_prob_forward(cfg.algorithm)
+        assert needs_old_log_prob_forward(cfg.algorithm, rollout_log_probs=False)
         validate(cfg, world_size=1)
-    cfg = composed("rollout.log_probs=false", "algorithm=ppo")
-    assert not needs_old_log_prob_forward(cfg.algorithm)
-    with pytest.raises(ConfigError) as err:
-        validate(cfg, world_size=1)
-    message = str(err.value)
-    for needle in ("rollout.log_probs=False", "algorithm.kl_in_reward", "Fix: set rollout.log_probs=true"):
-        assert needle in message, message
+    one_step = composed("algorithm=ppo").algorithm
+    assert not needs_old_log_prob_forward(one_step) and needs_old_log_prob_forward(one_step, False)
+    assert not needs_old_log_prob_forward(composed("algorithm=grpo").algorithm, rollout_log_probs=False)
     with pytest.raises(ConfigError, match=r"algorithm.tis_cap=0\.5.*Fix: set rollout.log_probs=true, or "):
         validate(composed("rollout.log_probs=false", "algorithm.tis_cap=0.5"), world_size=1)
