@@ -1,5 +1,5 @@
 """Pure pieces of the rollout engines, no model: the sampler on hand-made logits, CUDA-graph batch buckets, the
-KV cache pool and its compaction. World size: none."""
+KV cache pool and its compaction, the choice of decode attention kernel. World size: none."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from engine.rollout.base import SamplingParams, check_sampling
 from engine.rollout.cuda_graphs import batch_buckets, bucket_for
 from engine.rollout.kv_cache import KVCachePool, compact_rows
+from engine.rollout.model import decode_attention_kernel
 from engine.rollout.sampler import _draw, sample_tokens
 
 # probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625 at temperature 1
@@ -139,3 +140,15 @@ def test_kv_pool_budget_views_growth_and_compaction():
         assert torch.equal(t[:, 6:], old[:, 6:])  # unwritten positions are not copied
     pool.release()
     assert pool.allocated_bytes() == 0
+
+
+def test_decode_attention_kernel_choice_and_errors():
+    """auto picks the first kernel that runs here (CPU: sdpa); a named kernel that cannot run is an error."""
+    cpu = torch.device("cpu")
+    assert decode_attention_kernel("auto", cpu, torch.bfloat16, 128, 7) == "sdpa"
+    assert decode_attention_kernel("sdpa", cpu, torch.float32, 16, 2) == "sdpa"
+    for name in ("triton", "flash"):
+        with pytest.raises(ValueError, match=f"kernel '{name}' cannot run on cpu.*use 'auto'"):
+            decode_attention_kernel(name, cpu, torch.bfloat16, 128, 7)
+    with pytest.raises(ValueError, match="pick one of auto, triton, flash, sdpa"):
+        decode_attention_kernel("paged", cpu, torch.bfloat16, 128, 7)
