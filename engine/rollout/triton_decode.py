@@ -112,11 +112,12 @@ def _sm_count(device_index: int) -> int:
 
 
 def supported(device: torch.device, dtype: torch.dtype, head_dim: int, per_group: int) -> bool:
-    """CUDA, half precision (float32 would run `tl.dot` in TF32), a power-of-two head dim, <= 64 query heads
-    per KV group."""
+    """CUDA sm80+ (bf16 tensor-core dots), half precision (float32 would run `tl.dot` in TF32), a power-of-two
+    head dim, <= 64 query heads per KV group."""
     return (
         triton is not None
         and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) >= (8, 0)
         and dtype in (torch.bfloat16, torch.float16)
         and head_dim >= 16
         and head_dim & (head_dim - 1) == 0
