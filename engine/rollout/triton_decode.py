@@ -5,7 +5,8 @@ Why not a library kernel: FlashAttention-2 (inside torch) tiles queries by 64-12
 query per head, so even with the heads of a group folded into the query axis (7 rows for Qwen2.5) most of the
 tile is padding, and at RL batch sizes the padded tile's math, not the memory traffic, bounds it (measured on
 an H200 at Qwen2.5-7B shapes: 2.2 TB/s of K/V read at best, scripts/bench/decode_attention.py). Here a tile
-is 16 query rows (the smallest `tl.dot` takes) and the kernel streams K/V once per (row, group).
+is 16 query rows (the smallest `tl.dot` takes) and the kernel streams K/V once per (row, group): 3.0 TB/s
+at those shapes, 149 us per layer and decode step of the 7B rollout against FA2's 270 us.
 
 Layout: q (rows, groups, heads per group, dim) (any strides, unit stride over dim); the cache of a layer
 (rows, positions, groups, dim) as engine/rollout/kv_cache.py lays it out. Row r attends over positions
