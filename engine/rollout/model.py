@@ -242,12 +242,12 @@ class RolloutModel:
         self.attention = decode_attention_kernel(
             kernels.attention, dev, self.dtype, self.head_dim, self.per_group
         )
-        plain = torch.device("cpu")  # cuda_kernel returns the eager function for a non-CUDA device
-        where = dev if kernels.compiled else plain
-        self._add_norm = cuda_kernel(add_rms_norm, where, ROLLOUT, dynamic=None)
-        self._norm = cuda_kernel(rms_norm, where, ROLLOUT, dynamic=None)
-        self._swiglu = cuda_kernel(swiglu, where, ROLLOUT, dynamic=None)
-        self._rope = cuda_kernel(_rope, where, ROLLOUT, dynamic=None)
+
+        def kernel(fn):
+            return cuda_kernel(fn, dev, ROLLOUT, dynamic=None) if kernels.compiled else fn
+
+        self._add_norm, self._norm = kernel(add_rms_norm), kernel(rms_norm)
+        self._swiglu, self._rope = kernel(swiglu), kernel(_rope)
 
     @staticmethod
     def _layer(p: dict[str, torch.Tensor], i: int) -> _Layer:
