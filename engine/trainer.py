@@ -75,6 +75,8 @@ class Trainer:
         )
         self.last_experience: Experience | None = None
         """The latest step's experience on this rank (for inspection and tests)."""
+        self.engine_stats: dict[str, float] = {}
+        """This rank's rollout engine statistics of the current step (`_add_engine_stats`)."""
 
     # ---- rollout and reward -----------------------------------------------------------------
     def _sampling(self, greedy: bool, seed: int, temperature: float | None = None) -> SamplingParams:
@@ -118,12 +120,25 @@ class Trainer:
             "greedy": self._sampling(True, seed, temperature=0.0),
             "val": self._sampling(True, seed),
         }
-        with timer.phase("gen"):
-            outs = [rollout_replica(c.rollout, c.rollout_weights, prompts, params[k]) for k in kinds]
+        outs = []
+        for kind in kinds:
+            with timer.phase("gen"):
+                outs.append(rollout_replica(c.rollout, c.rollout_weights, prompts, params[kind]))
+            self._add_engine_stats(c.rollout.last_stats)
         with timer.phase("reshard"):
             c.weight_sync.to_train()
             c.rollout_weights = None
         return outs
+
+    def _add_engine_stats(self, stats: dict) -> None:
+        """Keep the rollout engine's statistics of one call for the step's metrics (`rollout_engine/<key>`):
+        seconds (keys ending in `_s`, e.g. vLLM's `wake_load_s` and `sleep_s`) add up over the step's calls,
+        counts are the last call's (native: `decode_steps`, `compactions`, `chunks`, ...)."""
+        for key, value in stats.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                name = f"rollout_engine/{key}"
+                add = key.endswith("_s") and name in self.engine_stats
+                self.engine_stats[name] = float(value) + (self.engine_stats[name] if add else 0.0)
 
     def _score(self, out: RolloutOutput, records, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Reward-function scores (rows,) and the overlong penalty (rows,) or None."""
@@ -298,6 +313,7 @@ class Trainer:
         if g.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(g.device)
         start = time.perf_counter()
+        self.engine_stats = {}
         responses, sampling_metrics = self._collect(timer)
         exp = self._experience(responses)
         if self.needs_old_forward:
@@ -331,6 +347,7 @@ class Trainer:
             **critic_metrics,
             **actor_metrics,
             **timer.as_metrics(),
+            **self.engine_stats,
         }
         metrics.update(self._perf_metrics(exp, timer.seconds, timer.peak_gb))
         metrics["data/epoch"] = c.loader.epoch

@@ -71,6 +71,10 @@ class RolloutEngine:
     valid until it returns); `release` frees what the engine holds between rollouts (KV cache, graphs).
     """
 
+    last_stats: dict[str, float]
+    """Statistics of the latest `generate` call, backend-specific keys (seconds end in `_s`); the trainer logs
+    them as `rollout_engine/<key>`."""
+
     def set_weights(self, weights) -> None:
         raise NotImplementedError
 

@@ -4,8 +4,9 @@ Ours: `python -m engine.train` under torchrun on the embedded copy task stretche
 tokens, random-init weights of a conf/model preset, responses fixed at `--response-len` tokens (EOS ignored),
 beta 0 (no reference), one PPO iteration. Steps after the first are timed (median). Prints one JSON object:
 per-phase seconds, tokens/s/GPU (prompt + response tokens / step time / GPUs), MFU of the actor update,
-peak memory, the bound of the issue (generation at the vLLM anchor's speed + update at 50% MFU; `bound_s`,
-`step_over_bound`) and the TRL baseline when `--baseline trl` (needs trl installed; one GPU).
+peak memory, the share of the step spent on weight sync and vLLM's sleep/wake (`sync_share`), the bound of
+the issue (generation at the vLLM anchor's speed + update at 50% MFU; `bound_s`, `step_over_bound`) and the
+TRL baseline when `--baseline trl` (needs trl installed; one GPU).
 
     python scripts/bench/e2e.py --preset qwen2_5_0_5b --gpus 1 --baseline trl
 """
@@ -78,6 +79,7 @@ def run_ours(args, out_dir: str) -> dict:
         for k in steady[0]
         if isinstance(steady[0][k], (int, float))
     }
+    engine = {k.removeprefix("rollout_engine/"): v for k, v in med.items() if k.startswith("rollout_engine/")}
     rows_trained = args.prompts * args.n
     tokens = rows_trained * (args.prompt_len + args.response_len)
     update_flops = 6 * num_params(args.preset) * tokens
@@ -99,6 +101,13 @@ def run_ours(args, out_dir: str) -> dict:
         "timing": {k.removeprefix("timing/"): v for k, v in med.items() if k.startswith("timing/")},
         "mfu_update_actor": update_flops / med["timing/update_actor"] / (PEAK_BF16_FLOPS * args.gpus),
         "peak_memory_gb": med.get("perf/max_memory_allocated_gb"),
+        "rollout_engine": engine,
+        # the issue's "weight sync plus sleep/wake" share: train -> rollout layout and back, and vLLM's wake-up +
+        # weight copy + sleep (inside timing/gen); the native engine reads the regrouped weights in place
+        "sync_share": (
+            med.get("timing/reshard", 0.0) + engine.get("wake_load_s", 0.0) + engine.get("sleep_s", 0.0)
+        )
+        / med["timing/step"],
     }
 
 

@@ -36,6 +36,8 @@ DOCUMENTED_KEYS = {
     "timing/step",
     "perf/tokens_per_s_per_gpu",
     "perf/total_tokens",
+    "rollout_engine/chunks",
+    "rollout_engine/decode_steps",
 }
 SHORT_RUN = [
     "trainer.total_steps=3",
@@ -59,6 +61,9 @@ def check_metrics(rows: list[dict], steps: int) -> None:
         assert not missing, f"missing metric keys {sorted(missing)}"
         for key, value in row.items():
             assert isinstance(value, (int, float)) and math.isfinite(value), f"{key}={value!r}"
+        # the native engine's own counts: per chunk of rows, one decode step per new token after the first
+        chunks, steps = row["rollout_engine/chunks"], row["rollout_engine/decode_steps"]
+        assert chunks >= 1 and 1 <= steps <= 4 * chunks, (chunks, steps)
     assert "val/reward_mean" in rows[-1]
     assert 0.0 <= rows[-1]["reward/mean"] <= 1.0
 
