@@ -17,8 +17,9 @@ groups are strided and `set_weights` refuses with the fix.
 
 Memory: `enable_sleep_mode`; between rollouts the engine sleeps at level 2 (KV cache and weights released:
 the weights are overwritten at every wake-up anyway, so level 1's copy of them to host memory is wasted),
-and wakes up in two steps around the weight copy (weights, then KV cache) to keep the peak low. The prefix
-cache is reset after each copy (cached blocks were computed with the old weights).
+and wakes up in two steps around the weight copy (weights, then KV cache) to keep the peak low, after
+returning PyTorch's cached blocks to the device (vLLM's allocator cannot use them). The prefix cache is reset
+after each copy (cached blocks were computed with the old weights).
 
 Sampling: each row (prompt, sample) is its own request, in row order, with its own seed (`row_seed`): the same
 inputs and seed give the same responses, and the ranks of a TP group draw the same tokens. vLLM 0.26 runs
@@ -237,6 +238,10 @@ class VllmRollout(RolloutEngine):
     def _wake_and_load(self) -> None:
         start = time.perf_counter()
         if self._asleep:
+            # vLLM maps its weights and KV cache through its own allocator (cumem): blocks that PyTorch's caching
+            # allocator keeps from the training phases are not free to it (without this, 1.5B GRPO on one H200
+            # with rollout.gpu_memory_utilization=0.5: wake_up(kv_cache) ran out of memory)
+            torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
         w = self.weights
         stats = self.llm.apply_model(

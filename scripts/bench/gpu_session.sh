@@ -18,10 +18,10 @@
 #   bash scripts/bench/gpu_session.sh s3e2e7b   # e2e 7B on both GPUs: no recompute (4k budget), recompute (16k)
 #   bash scripts/bench/gpu_session.sh s3e2e7bdp # e2e 7B on both GPUs as DP=2 with the distributed optimizer
 # Session 4 (2026-11-30; vLLM installed first, ../shared/device/README.md):
-#   bash scripts/bench/gpu_session.sh s4vllm    # e2e 1.5B, then 0.5B, with vLLM rollout | 1.5B without
-#                                               # rollout log-probs
+#   bash scripts/bench/gpu_session.sh s4vllm    # e2e 1.5B with vLLM rollout | the same without rollout
+#                                               # log-probs; then the 2-GPU vLLM test (TP=2)
 #   bash scripts/bench/gpu_session.sh s4vllm7b  # e2e 7B, DP=2, vLLM rollout (0.3 of the GPU: the training
-#                                               # state holds ~90 GB when vLLM starts); vLLM GPU tests
+#                                               # state holds ~90 GB when vLLM starts); e2e 0.5B, DP=2, native
 #   bash scripts/bench/gpu_session.sh dp2       # e2e 0.5B and 1.5B on 2 GPUs (DP=2), native (no vLLM needed)
 set -u
 out=${OUT:-/tmp/bench-out}
@@ -122,16 +122,14 @@ s3e2e7bdp)
   on 0,1 330 e2e_7b_dp2 python $bench/e2e.py --preset qwen2_5_7b --gpus 2 --tp 1 --rollout-tp 1 --max-tokens 4096 \
     optim.distributed_optimizer=true ;;
 s4vllm)
-  {
-    on 0 300 e2e_1_5b_vllm python $bench/e2e.py --preset qwen2_5_1_5b --backend vllm
-    on 0 220 e2e_0_5b_vllm python $bench/e2e.py --preset qwen2_5_0_5b --backend vllm
-  } &
-  on 1 300 e2e_1_5b_vllm_no_lp python $bench/e2e.py --preset qwen2_5_1_5b --backend vllm rollout.log_probs=false &
-  wait ;;
+  on 0 270 e2e_1_5b_vllm python $bench/e2e.py --preset qwen2_5_1_5b --backend vllm &
+  on 1 270 e2e_1_5b_vllm_no_lp python $bench/e2e.py --preset qwen2_5_1_5b --backend vllm rollout.log_probs=false &
+  wait
+  on 0,1 150 vllm_tests python -m pytest -q -rA -m "gpu or vllm" -k tp2 tests/engine/test_rollout_vllm.py ;;
 s4vllm7b)
   on 0,1 360 e2e_7b_dp2_vllm python $bench/e2e.py --preset qwen2_5_7b --gpus 2 --tp 1 --rollout-tp 1 \
     --max-tokens 4096 --backend vllm optim.distributed_optimizer=true rollout.gpu_memory_utilization=0.3
-  on 0,1 200 vllm_tests python -m pytest -q -rA -m "gpu or vllm" tests/engine/test_rollout_vllm.py ;;
+  on 0,1 180 e2e_0_5b_dp2 python $bench/e2e.py --preset qwen2_5_0_5b --gpus 2 ;;
 dp2)
   on 0,1 200 e2e_0_5b_dp2 python $bench/e2e.py --preset qwen2_5_0_5b --gpus 2
   on 0,1 240 e2e_1_5b_dp2 python $bench/e2e.py --preset qwen2_5_1_5b --gpus 2 ;;

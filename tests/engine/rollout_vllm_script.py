@@ -14,8 +14,8 @@ the 3D-HybridEngine hands its rollout shards to both backends, and:
   LOGP_MAX / LOGP_MEAN). The tiny models' initializer_range 0.2 gives O(1-10) logits, so bf16 rounding alone
   moves log-probs by ~0.1 nat: measured on one H200, native vs training max 1.16 / mean 0.12, vLLM vs
   training 0.57 / 0.093 (wrong weights would differ by several nats);
-- vLLM sampling (n=2, T=1) repeats under a seed, changes with it, and its log-probs match the training
-  forward; a stop token ends a row with finish reason "stop";
+- vLLM sampling (n=2, T=1) repeats under a seed, changes with it, and its log-probs are no further from the
+  training forward than the native engine's sampled log-probs are (same SLACK rule); a stop token ends a row with finish reason "stop";
 - weights are reloaded at every rollout (the output layer zeroed in training -> uniform log-probs) and the
   KV cache is released after it (free memory back to where it was).
 Rank 0 prints `RESULT {json}`.
@@ -125,7 +125,17 @@ def main(model_dir: str) -> None:
     report["vllm_sampled_vs_training_logp"] = masked_diff(
         a.log_probs, training_log_probs(actor, prompts, a, 2), a.response_mask
     )
-    assert report["vllm_sampled_vs_training_logp"][0] <= limit[0], report
+    # sampled tokens reach into the tail, where bf16 log-probs move more than on greedy tokens: the floor here
+    # is our own engine's sampled log-probs against training (H200, TP=2: vLLM 1.10 max vs native's greedy
+    # floor 0.64 x 1.5 = 0.96, so the greedy floor was the wrong yardstick)
+    mine = rollout_replica(native, weights, prompts, sampling)
+    report["native_sampled_vs_training_logp"] = masked_diff(
+        mine.log_probs, training_log_probs(actor, prompts, mine, 2), mine.response_mask
+    )
+    floor = report["native_sampled_vs_training_logp"]
+    limit = (max(LOGP_MAX, SLACK * floor[0]), max(LOGP_MEAN, SLACK * floor[1]))
+    got = report["vllm_sampled_vs_training_logp"]
+    assert got[0] <= limit[0] and got[1] <= limit[1], ("sampled", limit, report)
 
     stop = int(theirs.response_ids[0, 3])
     stopped = rollout_replica(engine, weights, prompts, replace(greedy, stop_token_ids=(stop,)))
