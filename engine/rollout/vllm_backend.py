@@ -301,11 +301,13 @@ class VllmRollout(RolloutEngine):
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False
         )
-        self.release()
-        return [
+        result = [
             torch.tensor([float(out.prompt_logprobs[j][tok].logprob) for j, tok in enumerate(seq) if j > 0])
             for seq, out in zip(sequences, outputs)
         ]
+        del outputs  # before vLLM's sleep and its gc.collect() (generate)
+        self.release()
+        return result
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         if self.weights is None:
@@ -320,19 +322,27 @@ class VllmRollout(RolloutEngine):
         reasons: list[str] = []
         if rows:
             self._wake_and_load()
-            inputs, params = self._requests(prompts, sampling)
-            outputs = self.llm.generate(inputs, params, use_tqdm=False)
-            if len(outputs) != rows:
-                raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {rows} requests")
-            for r, out in enumerate(outputs):
-                completion = out.outputs[0]
-                if completion.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"vLLM finished row {r} with reason {completion.finish_reason!r}")
-                n = len(completion.token_ids)
-                ids[r, :n] = torch.tensor(list(completion.token_ids), dtype=torch.long)
-                if log_probs is not None:
-                    log_probs[r, :n] = torch.tensor(_sampled_log_probs(completion))
-                mask[r, :n] = 1.0
-                reasons.append(completion.finish_reason)
+            reasons = self._generate_into(prompts, sampling, ids, log_probs, mask)
+            # vLLM's sleep runs gc.collect(): its outputs (with log-probs one dict and one Logprob object per token)
+            # are dropped by now, so the collection does not walk them
             self.release()
         return RolloutOutput(ids, mask, log_probs, reasons)
+
+    def _generate_into(self, prompts, sampling: SamplingParams, ids, log_probs, mask) -> list[str]:
+        """Run vLLM on the rows and copy its outputs into the (rows, new) tensors; the finish reasons."""
+        inputs, params = self._requests(prompts, sampling)
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        if len(outputs) != len(inputs):
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(inputs)} requests")
+        reasons = []
+        for r, out in enumerate(outputs):
+            completion = out.outputs[0]
+            if completion.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM finished row {r} with reason {completion.finish_reason!r}")
+            n = len(completion.token_ids)
+            ids[r, :n] = torch.tensor(list(completion.token_ids), dtype=torch.long)
+            if log_probs is not None:
+                log_probs[r, :n] = torch.tensor(_sampled_log_probs(completion))
+            mask[r, :n] = 1.0
+            reasons.append(completion.finish_reason)
+        return reasons

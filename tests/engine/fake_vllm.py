@@ -18,6 +18,7 @@ import os
 import random
 import sys
 import types
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -115,6 +116,10 @@ class _Engine:
         return self.paused or bool(self.sleeping_tags)
 
 
+class RequestOutput(types.SimpleNamespace):
+    """vllm/outputs.py RequestOutput's fields the backend reads (weak-referenceable, for `outputs_alive`)."""
+
+
 class LLM:
     instances: list[LLM] = []
     model_params: dict[str, torch.Tensor] = {}
@@ -140,12 +145,17 @@ class LLM:
         self.model = _Model(LLM.model_params)
         self.llm_engine = _Engine(types.SimpleNamespace(use_v2_model_runner=True))
         self.calls: list[str] = []
+        self._outputs: list[weakref.ref] = []
+        self.outputs_alive_at_sleep: list[int] = []
+        """Per sleep() call: how many outputs of the latest generate() were still referenced (vLLM's sleep runs
+        gc.collect(), which walks every live object)."""
         self.last_params: list[SamplingParams] = []
         """The per-request SamplingParams of the latest generate call (what the backend asked vLLM for)."""
         LLM.instances.append(self)
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         self.calls.append(f"sleep({level})")
+        self.outputs_alive_at_sleep.append(sum(ref() is not None for ref in self._outputs))
         self.llm_engine.paused = True
         if level >= 1 and not self.llm_engine.sleeping_tags:
             self.llm_engine.sleeping_tags = {"weights", "kv_cache"}
@@ -178,7 +188,9 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError("The lengths of prompts and sampling_params must be the same.")
         self.last_params = list(params)
-        return [self._one(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        outputs = [self._one(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        self._outputs = [weakref.ref(o) for o in outputs]
+        return outputs
 
     def _one(self, index: int, prompt: dict, sp: SamplingParams):
         ids = prompt["prompt_token_ids"]
@@ -210,7 +222,7 @@ class LLM:
             finish_reason=reason,
             stop_reason=None,
         )
-        return types.SimpleNamespace(
+        return RequestOutput(
             request_id=str(index), prompt_token_ids=ids, prompt_logprobs=prompt_logprobs, outputs=[completion]
         )
 

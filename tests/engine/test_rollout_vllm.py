@@ -170,6 +170,9 @@ def test_backend_drives_vllm_as_0_26_expects(tiny, world_of_one, monkeypatch):
     lp = engine.sequence_log_probs([[1, 2, 3], [4, 5]])
     assert [t.tolist() for t in lp] == [pytest.approx([-0.51, -0.52]), pytest.approx([-0.51])]
     assert llm.calls[-1] == "sleep(2)" and llm.llm_engine.is_sleeping()
+    # vLLM's sleep collects garbage: the backend has dropped vLLM's outputs (a Logprob per token) before it
+    alive = llm.outputs_alive_at_sleep
+    assert len(alive) == llm.calls.count("sleep(2)") and not any(alive), alive
 
 
 def test_backend_asks_vllm_for_log_probs_only_when_needed(tiny, world_of_one, monkeypatch):
