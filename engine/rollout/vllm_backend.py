@@ -90,6 +90,11 @@ def write_hf_config(shape: ModelShape, out_dir: str | None = None) -> str:
     return out_dir
 
 
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device."""
+    return torch.cuda.mem_get_info(device)
+
+
 def row_seed(seed: int, row: int) -> int:
     """The vLLM request seed of output row `row` (distinct per row, reproducible per call)."""
     return (seed * 1_000_003 + row) % (2**63 - 1)
@@ -184,6 +189,7 @@ class VllmRollout(RolloutEngine):
         self.shape, self.device, self.pad_id, self.rollout_tp = shape, device, pad_id, rollout_tp
         self.max_model_len = max_model_len or shape.max_position_embeddings
         self.sleep_level = sleep_level
+        self.gpu_memory_utilization = gpu_memory_utilization
         # external_launcher needs the engine core in this process (vLLM asserts it; set it rather than fail)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # vLLM's worker takes cuda:LOCAL_RANK as its device; with one GPU per task (SLURM) that is not ours
@@ -242,7 +248,7 @@ class VllmRollout(RolloutEngine):
             # allocator keeps from the training phases are not free to it (without this, 1.5B GRPO on one H200
             # with rollout.gpu_memory_utilization=0.5: wake_up(kv_cache) ran out of memory)
             torch.cuda.empty_cache()
-            self.llm.wake_up(tags=["weights"])
+            self._wake("weights")
         w = self.weights
         stats = self.llm.apply_model(
             lambda model: load_rollout_weights(
@@ -251,13 +257,32 @@ class VllmRollout(RolloutEngine):
         )
         self.last_stats.update(stats[0])
         if self._asleep:
-            self.llm.wake_up(tags=["kv_cache"])
+            self._wake("kv_cache")
             self._asleep = False
         if self.llm.llm_engine.is_sleeping():  # a paused scheduler would make generate() spin forever
             raise RuntimeError("vLLM still reports sleeping after wake_up(weights) + wake_up(kv_cache)")
         self.llm.reset_prefix_cache()
         torch.cuda.synchronize(self.device)
         self.last_stats["wake_load_s"] = round(time.perf_counter() - start, 3)
+
+    def _wake(self, tag: str) -> None:
+        """vLLM's wake_up of one tag; running out of device memory there becomes an error with the numbers and
+        the keys that fix it (vLLM's own is a bare CUDA out-of-memory from its allocator)."""
+        try:
+            self.llm.wake_up(tags=[tag])
+        except RuntimeError as err:
+            if "out of memory" not in str(err):
+                raise
+            free, total = device_memory(self.device)
+            util = self.gpu_memory_utilization
+            raise RuntimeError(
+                f"vLLM ran out of memory mapping its {tag} on {self.device}: {free / 2**30:.1f} of "
+                f"{total / 2**30:.1f} GiB free with the training state resident, and "
+                f"rollout.gpu_memory_utilization={util} lets vLLM map up to {util * total / 2**30:.1f} GiB. Lower "
+                "rollout.gpu_memory_utilization (vLLM checks it only against the memory free when it starts, "
+                "before the first optimizer step creates Adam's moments), set trainer.offload_optimizer=true, "
+                "or use rollout.backend=native"
+            ) from err
 
     def release(self) -> None:
         """Sleep: free the KV cache and the weights' memory until the next generate."""

@@ -149,6 +149,8 @@ class LLM:
         self.outputs_alive_at_sleep: list[int] = []
         """Per sleep() call: how many outputs of the latest generate() were still referenced (vLLM's sleep runs
         gc.collect(), which walks every live object)."""
+        self.out_of_memory_on: str | None = None
+        """A sleep tag whose wake_up runs out of device memory (set by a test)."""
         self.last_params: list[SamplingParams] = []
         """The per-request SamplingParams of the latest generate call (what the backend asked vLLM for)."""
         LLM.instances.append(self)
@@ -162,6 +164,8 @@ class LLM:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.calls.append(f"wake_up({tags})")
+        if self.out_of_memory_on in (tags or []):  # what vLLM 0.26's cumem allocator raises
+            raise RuntimeError("CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163")
         engine = self.llm_engine
         if tags and any(tag not in engine.sleeping_tags for tag in tags):
             return  # vLLM logs "Tag ... is not in sleeping tags" and does nothing

@@ -31,7 +31,7 @@ from test_rollout_native import rollout_weights_from_hf
 from engine.config import RolloutConfig
 from engine.models.hf_config import model_config_from_hf
 from engine.parity import hf_model_shape
-from engine.rollout import build_rollout_engine
+from engine.rollout import build_rollout_engine, vllm_backend
 from engine.rollout.base import SamplingParams
 from engine.rollout.vllm_backend import check_vllm_model, import_vllm, row_seed, write_hf_config
 from engine.rollout.vllm_weights import load_rollout_weights, vocab_pieces
@@ -173,6 +173,30 @@ def test_backend_drives_vllm_as_0_26_expects(tiny, world_of_one, monkeypatch):
     # vLLM's sleep collects garbage: the backend has dropped vLLM's outputs (a Logprob per token) before it
     alive = llm.outputs_alive_at_sleep
     assert len(alive) == llm.calls.count("sleep(2)") and not any(alive), alive
+
+
+def test_out_of_memory_on_wake_up_names_the_keys_that_fix_it(tiny, world_of_one, monkeypatch):
+    shape, weights = rollout_weights_from_hf(tiny["qwen2"])
+    fake_vllm.install(monkeypatch, expected_vllm_params(hf_tensors(tiny["qwen2"]), shape.vocab_size, 1, 0))
+    monkeypatch.setattr(vllm_backend, "device_memory", lambda device: (50 * 2**30, 140 * 2**30))
+    cfg = RolloutConfig(backend="vllm", cuda_graphs=False, gpu_memory_utilization=0.5)
+    engine = build_rollout_engine(cfg, shape, torch.device("cuda", 0), 0, model_dir=tiny["qwen2"])
+    engine.set_weights(weights)
+    llm = fake_vllm.LLM.instances[-1]
+    llm.out_of_memory_on = "kv_cache"
+    with pytest.raises(RuntimeError, match="out of memory") as err:
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    msg = str(err.value)
+    assert "50.0 of 140.0 GiB free" in msg and "up to 70.0 GiB" in msg, msg
+    for fix in ("rollout.gpu_memory_utilization", "trainer.offload_optimizer=true", "rollout.backend=native"):
+        assert fix in msg, msg
+
+    def unrelated_failure(tags=None):
+        raise RuntimeError("an unrelated failure")
+
+    monkeypatch.setattr(llm, "wake_up", unrelated_failure)
+    with pytest.raises(RuntimeError, match="^an unrelated failure$"):  # other errors pass through as they are
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
 
 
 def test_backend_asks_vllm_for_log_probs_only_when_needed(tiny, world_of_one, monkeypatch):
