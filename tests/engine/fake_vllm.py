@@ -117,7 +117,7 @@ class _Engine:
 
 
 class RequestOutput(types.SimpleNamespace):
-    """vllm/outputs.py RequestOutput's fields the backend reads (weak-referenceable, for `outputs_alive`)."""
+    """vllm/outputs.py RequestOutput's fields the backend reads (weak-referenceable, for `LLM.outputs_alive_at_sleep`)."""
 
 
 class LLM:

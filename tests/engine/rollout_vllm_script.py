@@ -15,7 +15,9 @@ the 3D-HybridEngine hands its rollout shards to both backends, and:
   moves log-probs by ~0.1 nat: measured on one H200, native vs training max 1.16 / mean 0.12, vLLM vs
   training 0.57 / 0.093 (wrong weights would differ by several nats);
 - vLLM sampling (n=2, T=1) repeats under a seed, changes with it, and its log-probs are no further from the
-  training forward than the native engine's sampled log-probs are (same SLACK rule); a stop token ends a row with finish reason "stop";
+  training forward than the native engine's sampled log-probs are (same SLACK rule; H200: 0.56 / 0.11 vs
+  0.64 / 0.11 on one GPU, 1.10 / 0.11 vs 1.16 / 0.12 at TP=2); a stop token ends a row with finish reason
+  "stop";
 - weights are reloaded at every rollout (the output layer zeroed in training -> uniform log-probs) and the
   KV cache is released after it (free memory back to where it was).
 Rank 0 prints `RESULT {json}`.
