@@ -275,6 +275,9 @@ class RewardConfig:
     combine: str = "model"
     """With model_path: `model` (the model's score alone; reward.fn must be empty) or `sum` (model score +
     the reward.fn / built-in rule score)."""
+    gsm8k_method: str = "strict"
+    """How the built-in GSM8K rule reads answers: `strict` / `flexible` (verl's gsm8k.compute_score methods,
+    string equality) or `numeric` (the number after the last `####`, compared as a number)."""
 
 
 @dataclass

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from omegaconf import OmegaConf
 
 DEFAULTS = {
-    "reward": {"fn": ""},
+    "reward": {"fn": "", "gsm8k_method": "strict"},
     "data": {"train_files": [], "max_prompt_len": 512, "bad_rows": "error"},
     "model": {"path": "", "tokenizer_path": ""},
     "reward_check": {"responses": [], "num_rows": 5},
@@ -68,7 +68,7 @@ def run(cfg: dict) -> int:
 
     rows, counts = read_prompt_rows(cfg["data"]["train_files"], cfg["data"]["bad_rows"])
     rows = rows[: cfg["reward_check"]["num_rows"]]
-    reward_fn = build_reward_fn(cfg["reward"]["fn"])
+    reward_fn = build_reward_fn(cfg["reward"]["fn"], cfg["reward"]["gsm8k_method"])
     print(f"reward: {reward_fn.name}; {counts['rows']} rows read, {counts['bad']} bad rows skipped")
 
     tokenizer_path = cfg["model"]["tokenizer_path"] or cfg["model"]["path"]

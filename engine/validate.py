@@ -405,9 +405,11 @@ def _validate_trainer(cfg: TrainConfig) -> None:
 
 def _validate_reward(cfg: TrainConfig) -> None:
     from engine.reward_model import check_reward_model_dir
+    from engine.rewards.gsm8k import METHODS as GSM8K_METHODS
 
     r = cfg.reward
     _one_of("reward.combine", r.combine, ("model", "sum"))
+    _one_of("reward.gsm8k_method", r.gsm8k_method, GSM8K_METHODS)
     if not r.model_path:
         return
     why = check_reward_model_dir(r.model_path)

@@ -6,7 +6,7 @@ rule expects (used by `engine.reward_check` to show that a perfect answer scores
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 # A data_source matches a registered name exactly, or as a prefix followed by one of these
@@ -19,8 +19,8 @@ class RuleReward:
     name: str
     sources: tuple[str, ...]
     """Lower-case data_source names (or prefixes) this rule scores."""
-    score: Callable[[str, str], float]
-    """(solution_str, ground_truth) -> score."""
+    score: Callable[..., float]
+    """(solution_str, ground_truth, **options) -> score; options are the rule's own settings (e.g. `method`)."""
     oracle: Callable[[str], str]
     """ground_truth -> a response that scores 1.0."""
 
@@ -76,7 +76,13 @@ def get_rule(data_source: str) -> RuleReward:
 
 
 def rule_reward(
-    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: dict | None = None,
+    options: Mapping[str, Mapping[str, str]] | None = None,
 ) -> float:
-    """The built-in reward: dispatch on data_source (the function used when reward.fn is empty)."""
-    return get_rule(data_source).score(solution_str, ground_truth)
+    """The built-in reward: dispatch on data_source (the function used when reward.fn is empty); `options`
+    maps a rule name to its keyword settings, e.g. {"gsm8k": {"method": "strict"}}."""
+    rule = get_rule(data_source)
+    return rule.score(solution_str, ground_truth, **(options or {}).get(rule.name, {}))

@@ -9,6 +9,7 @@ Every output is checked: one finite number per response; errors name the functio
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -165,8 +166,10 @@ def load_user_fn(spec: str) -> UserRewardFn:
     return fn
 
 
-def build_reward_fn(fn_spec: str = "") -> RewardFn:
-    """`reward.fn` -> RewardFn; empty means the built-in rules dispatched by data_source."""
+def build_reward_fn(fn_spec: str = "", gsm8k_method: str = "strict") -> RewardFn:
+    """`reward.fn` -> RewardFn; empty means the built-in rules dispatched by data_source, GSM8K read with
+    `gsm8k_method` (`reward.gsm8k_method`)."""
     if not fn_spec or not fn_spec.strip():
-        return RewardFn(rule_reward, BUILTIN_NAME, builtin=True)
+        options = {"gsm8k": {"method": gsm8k_method}}
+        return RewardFn(functools.partial(rule_reward, options=options), BUILTIN_NAME, builtin=True)
     return RewardFn(load_user_fn(fn_spec), f"reward.fn={fn_spec.strip()!r}")

@@ -1,6 +1,7 @@
 """engine.rewards (rules, dispatch, user functions, output checks) and the engine.reward_check CLI."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -34,15 +35,72 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         ("#### 72", "1,072", 0.0),
     ],
 )
-def test_gsm8k(response, truth, score):
-    assert gsm8k_score(response, truth) == score
+def test_gsm8k_numeric(response, truth, score):
+    assert gsm8k_score(response, truth, method="numeric") == score
 
 
 def test_gsm8k_extract_and_bad_ground_truth():
     assert extract_gsm8k_answer("x #### -1,024.5 apples") == "-1024.5"
     assert extract_gsm8k_answer("no marker") is None
     with pytest.raises(ValueError, match="gsm8k ground truth 'seven' is not a number"):
-        gsm8k_score("#### 7", "seven")
+        gsm8k_score("#### 7", "seven", method="numeric")
+    assert gsm8k_score("#### 7", "seven") == 0.0  # strict compares strings, as verl does
+
+
+def _verl_gsm8k(solution_str, ground_truth, method="strict"):
+    """verl's gsm8k.compute_score (verl/utils/reward_score/gsm8k.py), restated for an independent check."""
+    solution_str = solution_str[-300:]
+    if method == "strict":
+        found = re.findall("#### (\\-?[0-9\\.\\,]+)", solution_str)
+        answer = found[-1].replace(",", "").replace("$", "") if found else None
+    else:
+        answer = None
+        for answer in reversed(re.findall("(\\-?[0-9\\.\\,]+)", solution_str)):
+            if answer not in ["", "."]:
+                break
+    return 0.0 if answer is None else float(answer == ground_truth)
+
+
+_GSM8K_RESPONSES = [
+    "48 + 24 = 72\n#### 72",
+    "#### 1,000",
+    "#### $1,234.50.",
+    "#### 1,234.5",
+    "so it is #### -5",
+    "#### 72.0",
+    "#### 72 apples",
+    "####72",
+    "the answer is 72",
+    "the answer is 72.",
+    "#### 3 first, then #### 4",
+    "x" * 400 + " #### 72",
+    "#### 72 " + "y" * 400,
+    "#### 72 and then 1,000 more.",
+    "",
+    ". .",
+]
+
+
+@pytest.mark.parametrize("method", ["strict", "flexible"])
+@pytest.mark.parametrize("truth", ["72", "1000", "1234.5", "-5", "4"])
+def test_gsm8k_matches_verl(method, truth):
+    for response in _GSM8K_RESPONSES:
+        expected = _verl_gsm8k(response, truth, method)
+        assert gsm8k_score(response, truth, method=method) == expected, (response, truth, method)
+
+
+def test_gsm8k_default_is_verl_strict():
+    assert gsm8k_score("#### 72", "72") == 1.0
+    assert gsm8k_score("#### 72.0", "72") == 0.0  # numeric would say 1.0
+    assert gsm8k_score("#### $72", "72") == 0.0
+    assert gsm8k_score("the answer is 72", "72", method="flexible") == 1.0
+    assert gsm8k_score("#### 72", "Natalia sold 48/2 = 24 clips.\n#### 72") == 1.0  # raw answer as truth
+    fn = build_reward_fn("")
+    assert fn(["openai/gsm8k"], ["#### 72.0"], ["72"]).tolist() == [0.0]
+    fn = build_reward_fn("", gsm8k_method="numeric")
+    assert fn(["openai/gsm8k"], ["#### 72.0"], ["72"]).tolist() == [1.0]
+    with pytest.raises(ValueError, match="gsm8k method 'loose'"):
+        gsm8k_score("#### 72", "72", method="loose")
 
 
 @pytest.mark.parametrize(
