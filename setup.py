@@ -39,7 +39,8 @@ setup(
         "tqdm>=4.66",
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.6"],
+        "test": ["pytest>=8", "ruff>=0.6", "matplotlib>=3.7"],
+        "plot": ["matplotlib>=3.7"],
         "vllm": ["vllm>=0.26,<0.27"],
         "te": ["transformer-engine[pytorch]>=2.0"],
         "wandb": ["wandb>=0.17"],
