@@ -9,10 +9,22 @@ built-in rule expects: "#### 42" for gsm8k, "\\boxed{x}" for math, the digits fo
 raw ground truth for other data sources) and every given response, and prints a table. With a tokenizer
 it also shows each prompt's length after the chat template. Exit status 1 if any score failed.
 Arguments are `key=value` (OmegaConf dotlist), independent of the trainer's Hydra config.
+
+A dry run that generates (as verl users do with a quick eval), with `reward_check.num_samples=K > 0`:
+
+    python -m engine.reward_check reward_check.num_samples=5 task=gsm8k model.path=DIR
+        [reward_check.sample_prompt="..." reward_check.data_source=openai/gsm8k reward_check.ground_truth=72]
+
+Every other argument is then a training override (groups like `task=`, `model=` included): the configured
+model (model.path or its random init) generates K responses per prompt with the configured rollout engine
+and sampling (`rollout.*`), for `reward_check.sample_prompt` or the first `reward_check.num_rows` rows of
+data.train_files (or the embedded task), and each response is printed with its score and the reward
+function's extra keys.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -24,6 +36,14 @@ DEFAULTS = {
     "model": {"path": "", "tokenizer_path": ""},
     "reward_check": {"responses": [], "num_rows": 5},
 }
+GENERATE_DEFAULTS = {
+    "num_samples": 0,
+    "num_rows": 5,
+    "sample_prompt": "",
+    "data_source": "",
+    "ground_truth": "",
+}
+"""`reward_check.*` keys of the generating dry run (num_samples > 0)."""
 
 
 def _flat_keys(tree: dict, prefix: str = "") -> list[str]:
@@ -101,12 +121,131 @@ def run(cfg: dict) -> int:
     return 1 if failed else 0
 
 
+def _split_generate_args(argv: Sequence[str]) -> tuple[dict, list[str]] | None:
+    """(reward_check generate settings, training overrides) when the arguments ask for a generating dry run
+    (`reward_check.num_samples` > 0), else None."""
+    settings, rest = dict(GENERATE_DEFAULTS), []
+    for arg in argv:
+        key, sep, value = arg.lstrip("+").partition("=")
+        name = key.removeprefix("reward_check.")
+        if key.startswith("reward_check.") and name in GENERATE_DEFAULTS and sep:
+            settings[name] = int(value) if name in ("num_samples", "num_rows") else value.strip('"')
+        else:
+            rest.append(arg)
+    return (settings, rest) if settings["num_samples"] > 0 else None
+
+
+def _train_config(overrides: list[str]):
+    """The training config composed as `python -m engine.train OVERRIDES` composes it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from engine.config import register_configs, to_dataclass
+
+    register_configs()
+    conf_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+    try:
+        with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
+            return to_dataclass(compose("train", overrides=overrides))
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ValueError(f"reward_check: {exc}") from None
+
+
+def generate_and_score(settings: dict, overrides: list[str]) -> int:
+    """Build the configured actor and rollout engine, generate `num_samples` responses per prompt, score them."""
+    import tempfile
+
+    from engine.data import PromptRecord, chat_prompt_ids, load_prompt_dataset, load_tokenizer
+    from engine.rewards import build_reward_fn
+    from engine.rollout import build_rollout_engine
+    from engine.rollout.base import SamplingParams
+    from engine.rollout_phase import rollout_replica
+    from engine.setup import _data_files, build_policy_chunks, model_shape
+    from engine.validate import validate
+    from parallel.hybrid_engine import HybridEngine
+    from parallel.state import destroy_distributed, init_distributed, world_size_from_env
+
+    cfg = _train_config(overrides)
+    dims = validate(cfg, world_size_from_env())
+    groups = init_distributed(dims, cfg.cluster.device, cfg.cluster.timeout_s, cfg.trainer.seed)
+    try:
+        with tempfile.TemporaryDirectory(prefix="reward_check-") as scratch:
+            tok_dir, train_files, _ = _data_files(cfg, scratch)
+            tokenizer = load_tokenizer(
+                tok_dir, key="model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
+            )
+            if settings["sample_prompt"]:
+                ids = chat_prompt_ids(tokenizer, [[{"role": "user", "content": settings["sample_prompt"]}]])[
+                    0
+                ]
+                records = [PromptRecord(ids, settings["data_source"], settings["ground_truth"], {}, 0)]
+            else:
+                records = load_prompt_dataset(
+                    train_files, tokenizer, cfg.data.max_prompt_len, cfg.data.bad_rows
+                )[0]
+                records = records[: settings["num_rows"]]
+            shape = model_shape(cfg.model, len(tokenizer), dims.tp)
+            chunks = build_policy_chunks(cfg, shape, groups)
+            sync = HybridEngine(
+                chunks, groups, shape.num_layers, shape.tie_embeddings, rollout_tp=cfg.rollout.tp
+            )
+            engine = build_rollout_engine(
+                cfg.rollout,
+                shape,
+                groups.device,
+                tokenizer.pad_token_id,
+                model_dir=cfg.model.path,
+                seed=cfg.trainer.seed,
+            )
+            weights = sync.to_rollout()
+            engine.set_weights(weights)
+            r, k = cfg.rollout, settings["num_samples"]
+            sampling = SamplingParams(
+                n=k, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                stop_token_ids=(tokenizer.eos_token_id,), ignore_eos=False, seed=cfg.trainer.seed, log_probs=False,
+            )  # fmt: skip
+            out = rollout_replica(engine, weights, [rec.prompt_ids for rec in records], sampling)
+            lengths = out.response_mask.sum(-1)
+            texts = [
+                tokenizer.decode(out.response_ids[i, : int(lengths[i])].tolist(), skip_special_tokens=True)
+                for i in range(len(lengths))
+            ]
+            rows = [records[i // k] for i in range(len(texts))]
+            reward_fn = build_reward_fn(cfg.reward.fn, cfg.reward.gsm8k_method)
+            result = reward_fn.score(
+                [x.data_source for x in rows],
+                texts,
+                [x.ground_truth for x in rows],
+                [x.extra_info for x in rows],
+            )
+            if groups.is_logging_rank:
+                print(
+                    f"reward: {reward_fn.name}; {len(records)} prompt(s) x {k} samples, rollout.backend={r.backend}"
+                )
+                for i, text in enumerate(texts):
+                    if i % k == 0:
+                        prompt = tokenizer.decode(records[i // k].prompt_ids, skip_special_tokens=True)
+                        print(
+                            f"\n=== prompt {i // k} (data_source={rows[i].data_source!r}): {_snippet(prompt, 200)}"
+                        )
+                    extras = "".join(f"  {key}={float(v[i]):.4g}" for key, v in result.extras.items())
+                    print(f"\n[prompt {i // k}, sample {i % k}] score={float(result.scores[i]):.4f}{extras}")
+                    print(text)
+    finally:
+        destroy_distributed()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(arg in ("-h", "--help") for arg in argv):
         print(__doc__)
         return 0
     try:
+        generate = _split_generate_args(argv)
+        if generate is not None:
+            return generate_and_score(*generate)
         cfg = parse_args(argv)
         if not cfg["data"]["train_files"]:
             raise ValueError(

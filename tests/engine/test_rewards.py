@@ -192,6 +192,9 @@ def boom(data_source, solution_str, ground_truth, extra_info):
 
 def two_args(data_source, solution_str):
     return 1.0
+
+def with_extra(data_source, solution_str, ground_truth, extra_info):
+    return {"score": float(solution_str == ground_truth), "length": len(solution_str)}
 """
 
 
@@ -311,3 +314,30 @@ def test_reward_check_in_process_with_tokenizer_and_user_fn(tmp_path, user_file,
     assert "ERROR ValueError: reward.fn=" in capsys.readouterr().out
     assert main(["data.trainfiles=[x]"]) == 2
     assert "bad argument 'data.trainfiles=[x]'" in capsys.readouterr().err
+
+
+def test_reward_check_generates_and_scores(tmp_path, user_file):
+    """The dry run builds the configured (random-init) model and native engine, samples K responses per
+    prompt and prints each with its score and the reward function's extra keys."""
+    args = [
+        "reward_check.num_samples=3",
+        'reward_check.sample_prompt="copy 1234"',
+        "reward_check.data_source=embedded/copy",
+        "reward_check.ground_truth=1234",
+        f"reward.fn={user_file}:with_extra",
+        "rollout.max_new_tokens=5",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.reward_check", *args],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300, env={**os.environ, "PYTHONPATH": REPO},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 prompt(s) x 3 samples, rollout.backend=native" in proc.stdout
+    assert "=== prompt 0 (data_source='embedded/copy'): " in proc.stdout and "copy 1234" in proc.stdout
+    scores = re.findall(r"\[prompt 0, sample (\d)\] score=(\d\.\d{4})  length=(\d+)", proc.stdout)
+    assert [s[0] for s in scores] == ["0", "1", "2"], proc.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "engine.reward_check", "reward_check.num_samples=2", "parallel.tp=3"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120, env={**os.environ, "PYTHONPATH": REPO},
+    )  # fmt: skip
+    assert bad.returncode == 2 and "parallel.tp" in bad.stderr
