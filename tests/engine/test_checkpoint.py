@@ -239,6 +239,7 @@ def test_random_init_config_json_reads_back_as_the_same_shape(overrides, tmp_pat
     [
         (["trainer.max_checkpoints=-1"], "trainer.max_checkpoints=-1: must be >= 0"),
         (["trainer.resume=auto"], "trainer.resume='auto': looks for checkpoints in trainer.output_dir"),
+        ([f"trainer.resume={CONF}", "trainer.overwrite=true"], "trainer.overwrite=True: has no effect"),
     ],
 )
 def test_checkpoint_keys_are_validated(overrides, message):
