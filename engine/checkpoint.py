@@ -10,7 +10,14 @@ On disk, under `<trainer.output_dir>/checkpoints/`:
 A save is atomic: every rank writes into `global_step_<N>.tmp-<random>/`, the ranks agree that all writes
 succeeded, then rank 0 renames the directory and replaces `latest` (written to a temporary file and
 `os.replace`d). A crash or a failing rank mid-save leaves `latest` and the checkpoint it names untouched;
-leftover temporary directories are never read and are removed by the next successful save.
+leftover temporary directories are never read and are removed by the next successful save. A save that
+runs out of disk space says so, naming the device, the file and the size needed.
+
+`trainer.resume=auto` takes the checkpoint `latest` names if it is usable (meta.json readable, every rank's
+file a complete archive), else the next older usable one, saying which it skipped and why; if checkpoints
+exist but none is usable it stops, naming each (engine/run_dir.py starts fresh instead with
+trainer.overwrite=true). A truncated file met while loading is named with its checkpoint and the previous
+complete checkpoint to resume from.
 
 What one rank's state holds, and how it goes back into the live objects, is engine/checkpoint_state.py.
 
@@ -24,12 +31,15 @@ The reference policy is not saved: it is rebuilt from `model.path` (or the seede
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import pickle
 import re
 import secrets
 import shutil
 import time
+import zipfile
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +70,7 @@ __all__ = [  # the state functions are re-exported: engine.export and tests impo
     "Checkpointer",
     "check_layout",
     "check_shape",
+    "checkpoint_problem",
     "complete_checkpoints",
     "cpu_copy",
     "find_checkpoint",
@@ -73,6 +84,7 @@ __all__ = [  # the state functions are re-exported: engine.export and tests impo
     "role_state_dict",
     "run_layout",
     "save_checkpoint",
+    "state_nbytes",
 ]
 
 FORMAT_VERSION = 1
@@ -159,11 +171,80 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def state_nbytes(state: Any) -> int:
+    """Bytes of the tensors in a (nested) state: about what torch.save writes for it."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, Mapping):
+        return sum(state_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_nbytes(v) for v in state)
+    return 0
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
+def _filesystem(path: str) -> str:
+    """The device and mount point that hold `path` (the mount point alone where /proc/mounts is unreadable)."""
+    mount = os.path.abspath(path)
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    device = None
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 1 and fields[1] == mount:
+                    device = fields[0]  # the last mount on a point is the visible one
+    except OSError:
+        pass
+    return f"{device} (mounted at {mount})" if device else mount
+
+
+def _disk_full(err: BaseException, directory: str, need: int) -> bool:
+    """Whether a failed write ran out of space: ENOSPC/EDQUOT anywhere in the exception chain, or a bare
+    error from torch's archive writer with less free space left than the file needs."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return isinstance(err, RuntimeError) and shutil.disk_usage(directory).free < need
+    except OSError:
+        return False
+
+
+def _write_file(path: str, write: Callable[[Any], None], need: int, binary: bool = True) -> None:
+    """Write `path` through `write(file)` and fsync it; running out of space raises a CheckpointError that
+    names the device, the file and how much it needs."""
+    try:
+        with open(path, "wb" if binary else "w") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as err:
+        directory = os.path.dirname(path)
+        if not _disk_full(err, directory, need):
+            raise
+        try:
+            free = f" ({_size(shutil.disk_usage(directory).free)} free there)"
+        except OSError:
+            free = ""
+        raise CheckpointError(
+            f"no space left on {_filesystem(directory)} writing {path}: this file needs about {_size(need)}"
+            f"{free}. Fix: free space there, or set trainer.output_dir on a larger filesystem, or keep fewer "
+            f"checkpoints (trainer.max_checkpoints; while one is written the previous ones stay)"
+        ) from err
+
+
 def _write_rank_file(path: str, state: Mapping[str, Any]) -> None:
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_file(path, lambda f: torch.save(state, f), state_nbytes(state))
 
 
 def _write_text_atomic(path: str, text: str) -> None:
@@ -202,13 +283,16 @@ def save_checkpoint(
     dist.broadcast_object_list(box, src=0, group=groups.world, device=groups.device)
     tmp = os.path.join(root, box[0])
     error: BaseException | None = None
+    nbytes = 0
     try:
         os.makedirs(tmp, exist_ok=True)
-        _write_rank_file(rank_file(tmp, groups.rank), state() if callable(state) else state)
+        rank_state = state() if callable(state) else state
+        nbytes = state_nbytes(rank_state)
+        _write_rank_file(rank_file(tmp, groups.rank), rank_state)
         if groups.rank == 0:
             meta = meta() if callable(meta) else meta
-            with open(os.path.join(tmp, META_FILE), "w") as f:
-                json.dump({**meta, "step": step, "format": FORMAT_VERSION}, f, indent=2)
+            text = json.dumps({**meta, "step": step, "format": FORMAT_VERSION}, indent=2)
+            _write_file(os.path.join(tmp, META_FILE), lambda f: f.write(text), len(text), binary=False)
     except Exception as err:  # every rank must reach the agreement below, whatever failed
         error = err
     failed = _failed_ranks(error is None, groups)
@@ -223,10 +307,13 @@ def save_checkpoint(
     if failed:
         if groups.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        sizes = torch.tensor([float(nbytes)], dtype=torch.float64, device=groups.device)
+        dist.all_reduce(sizes, group=groups.world)  # every rank is here: all saw the same `failed`
         raise CheckpointError(
             f"saving checkpoint {final} failed on rank(s) {failed}"
             + (f" (here: {type(error).__name__}: {error})" if error else "")
-            + f"; {os.path.join(root, LATEST_FILE)} still names the previous checkpoint"
+            + f"; {os.path.join(root, LATEST_FILE)} still names the previous checkpoint. The checkpoint "
+            f"needs about {_size(sizes.item())} (all ranks' files)"
         ) from error
     if groups.rank == 0:
         prune_checkpoints(root, max_checkpoints, keep=name)
@@ -273,31 +360,93 @@ def prune_checkpoints(root: str, max_checkpoints: int, keep: str) -> None:
 
 
 # ---- finding and reading ---------------------------------------------------------------------------------
-def latest_checkpoint(root: str) -> str | None:
-    """The checkpoint `root/latest` names; if that file is missing or names nothing complete (a crash
-    between the rename and its update), the highest-numbered complete checkpoint; None if there is none."""
+def checkpoint_problem(path: str) -> str | None:
+    """Why the checkpoint directory `path` cannot be resumed, found cheaply (meta.json readable and of this
+    format; every rank's file present and a complete archive: its end record is read, not the tensors);
+    None if it looks usable."""
+    file = os.path.join(path, META_FILE)
+    if not os.path.isfile(file):
+        return f"{META_FILE} is missing (the save did not complete)"
+    try:
+        with open(file) as f:
+            meta = json.load(f)
+        world = int(meta["layout"]["world_size"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{META_FILE} is unreadable, truncated or incomplete ({type(err).__name__}: {err})"
+    if meta.get("format") != FORMAT_VERSION:
+        return f"{META_FILE} has format {meta.get('format')!r}, this engine reads {FORMAT_VERSION}"
+    for rank in range(world):
+        shard = rank_file(path, rank)
+        if not os.path.isfile(shard):
+            return f"{os.path.basename(shard)} is missing (saved by {world} ranks)"
+        if not zipfile.is_zipfile(shard):
+            return f"{os.path.basename(shard)} is truncated or corrupt (not a complete torch archive)"
+    return None
+
+
+def _step_dirs(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every global_step_<N> directory under `root`, complete or not, by step."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, e)) for e in os.listdir(root) if (m := _STEP_DIR.match(e))]
+    return sorted(found)
+
+
+def latest_checkpoint(root: str, skipped: list[str] | None = None) -> str | None:
+    """The checkpoint `root/latest` names, else (that file missing or naming nothing) the highest-numbered
+    one; an unusable one (`checkpoint_problem`) is skipped for the next older one, with a note appended to
+    `skipped`. None if `root` holds no checkpoint directory; CheckpointError naming each one and why if
+    none of them is usable."""
+    paths = [p for _, p in _step_dirs(root)]
     latest = os.path.join(root, LATEST_FILE)
     if os.path.isfile(latest):
         with open(latest) as f:
-            path = os.path.join(root, f.read().strip())
-        if os.path.isfile(os.path.join(path, META_FILE)):
+            named = os.path.join(root, f.read().strip())
+        if named in paths:  # higher steps are left over from before a resume from an older checkpoint
+            paths = paths[: paths.index(named) + 1]
+    problems = []
+    for path in reversed(paths):
+        why = checkpoint_problem(path)
+        if why is None:
+            if skipped is not None:
+                skipped.extend(f"skipped {p}: {w}" for p, w in problems)
             return path
-    found = complete_checkpoints(root)
-    return found[-1][1] if found else None
+        problems.append((path, why))
+    if not problems:
+        return None
+    raise CheckpointError(
+        f"no usable checkpoint in {root}: "
+        + "; ".join(f"{p}: {w}" for p, w in problems)
+        + ". Fix: resume from a good checkpoint elsewhere with trainer.resume=PATH; or start fresh in a "
+        "new trainer.output_dir, or here with trainer.overwrite=true (removes them and metrics.jsonl)"
+    )
 
 
-def find_checkpoint(resume: str, output_dir: str) -> str | None:
+def _previous_checkpoint(path: str) -> str:
+    """A fix for an unreadable checkpoint: resume from the newest usable one before it, if there is one."""
+    root, name = os.path.split(os.path.normpath(path))
+    match = _STEP_DIR.match(name)
+    if match:
+        older = [p for s, p in _step_dirs(root) if s < int(match.group(1))]
+        for other in reversed(older):
+            if checkpoint_problem(other) is None:
+                return f"Fix: resume from the previous complete checkpoint, trainer.resume={other}"
+    return "Fix: resume from another checkpoint (trainer.resume=PATH), or start fresh without it"
+
+
+def find_checkpoint(resume: str, output_dir: str, skipped: list[str] | None = None) -> str | None:
     """The checkpoint directory `trainer.resume` asks for: None for `off`, or for `auto` when output_dir
-    has none; a path may name a checkpoint, a checkpoints directory or a run's output_dir."""
+    has none; a path may name a checkpoint, a checkpoints directory or a run's output_dir. Notes on
+    checkpoints passed over as unusable are appended to `skipped`."""
     if resume == "off":
         return None
     if resume == "auto":
-        return latest_checkpoint(os.path.join(output_dir, CHECKPOINTS_DIR))
+        return latest_checkpoint(os.path.join(output_dir, CHECKPOINTS_DIR), skipped)
     if os.path.isfile(os.path.join(resume, META_FILE)):
         return resume
     for root in (resume, os.path.join(resume, CHECKPOINTS_DIR)):
         if os.path.isfile(os.path.join(root, LATEST_FILE)):
-            found = latest_checkpoint(root)
+            found = latest_checkpoint(root, skipped)
             if found:
                 return found
     raise CheckpointError(
@@ -310,8 +459,14 @@ def read_meta(path: str) -> dict[str, Any]:
     file = os.path.join(path, META_FILE)
     if not os.path.isfile(file):
         raise CheckpointError(f"{path} is not a checkpoint: {META_FILE} is missing")
-    with open(file) as f:
-        meta = json.load(f)
+    try:
+        with open(file) as f:
+            meta = json.load(f)
+    except ValueError as err:
+        raise CheckpointError(
+            f"{file} is truncated or corrupt ({err}): checkpoint {path} cannot be read. "
+            + _previous_checkpoint(path)
+        ) from err
     if meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(
             f"{file}: checkpoint format {meta.get('format')!r}, this engine reads {FORMAT_VERSION}"
@@ -324,7 +479,13 @@ def read_rank_state(path: str, rank: int, mmap: bool = False) -> dict[str, Any]:
     file = rank_file(path, rank)
     if not os.path.isfile(file):
         raise CheckpointError(f"{file} is missing: the checkpoint is incomplete or was saved by fewer ranks")
-    return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, pickle.UnpicklingError) as err:
+        raise CheckpointError(
+            f"{file} is truncated or corrupt ({type(err).__name__}: {str(err).splitlines()[0]}): checkpoint "
+            f"{path} cannot be read. " + _previous_checkpoint(path)
+        ) from err
 
 
 def tokenizer_dir_of(c: Components) -> str:
@@ -365,10 +526,13 @@ class Checkpointer:
         # all ranks fail together if any failed (a lone failing rank would leave the others in a collective)
         box: list[Any] = [None]
         if g.rank == 0:
+            skipped: list[str] = []
             try:
-                box[0] = ("ok", find_checkpoint(self.t.resume, self.c.output_dir))
+                box[0] = ("ok", find_checkpoint(self.t.resume, self.c.output_dir, skipped))
             except CheckpointError as err:
                 box[0] = ("error", str(err))
+            for note in skipped:
+                self._say(note)
         dist.broadcast_object_list(box, src=0, group=g.world, device=g.device)
         kind, path = box[0]
         if kind == "error":

@@ -36,7 +36,11 @@ class TrainerConfig:
     test_freq: int = 0
     """Validate every N steps (0 = never)."""
     resume: str = "off"
-    """`auto` (latest checkpoint in output_dir, else start fresh), `off`, or a checkpoint path."""
+    """`auto` (latest usable checkpoint in output_dir, else start fresh), `off`, or a checkpoint path."""
+    overwrite: bool = False
+    """Let a fresh run (resume=off, or resume=auto finding no usable checkpoint) start in an output_dir that
+    holds an earlier run's metrics.jsonl or checkpoints: they (and its tensorboard/, hf_actor/) are removed
+    first. Without it such a start is refused."""
     export_hf: bool = False
     """After the last step, write the actor as a Hugging Face checkpoint to output_dir/hf_actor."""
     offload_reference: bool = False

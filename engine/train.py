@@ -1,7 +1,8 @@
 """Entry point: `python -m engine.train [algorithm=grpo] [model=tiny] [cluster=cpu] [key=value ...]`.
 
-Compose the config, validate it (before any process group exists), start the distributed state, build the
-components, train, and tear down in `finally`. Under torchrun every rank runs this same file.
+Compose the config, validate it (before any process group exists), start the distributed state, claim the
+output directory (engine/run_dir.py), build the components, train, and tear down in `finally`. Under
+torchrun every rank runs this same file.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from engine.config import register_configs, to_dataclass
+from engine.run_dir import claimed_output_dir
 from engine.validate import validate
 from parallel.launch import explain_rank_failures, read_launch_env
 from parallel.state import destroy_distributed, init_distributed, world_size_from_env
@@ -42,7 +44,8 @@ def main(raw: DictConfig) -> None:
 
         with explain_rank_failures(groups.rank, dims.world_size, cfg.cluster.timeout_s):
             output_dir = _output_dir(cfg.trainer.output_dir)
-            Trainer(build_components(cfg, groups, output_dir)).fit()
+            with claimed_output_dir(output_dir, cfg.trainer, groups):
+                Trainer(build_components(cfg, groups, output_dir)).fit()
     finally:
         destroy_distributed()
 

@@ -401,6 +401,13 @@ def _validate_trainer(cfg: TrainConfig) -> None:
             "is neither auto, off nor an existing checkpoint directory",
             "use trainer.resume=auto to continue from the latest checkpoint in trainer.output_dir",
         )
+    if t.overwrite and t.resume not in ("auto", "off"):
+        _fail(
+            "trainer.overwrite",
+            True,
+            f"has no effect with trainer.resume={t.resume} (a resumed run keeps the directory's outputs)",
+            "drop trainer.overwrite, or use trainer.resume=off to start fresh",
+        )
 
 
 def _validate_reward(cfg: TrainConfig) -> None:

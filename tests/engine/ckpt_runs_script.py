@@ -12,6 +12,8 @@ Rank 0 prints `RESULT {json}` lines that the pytest side (tests/engine/test_chec
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -30,6 +32,7 @@ from engine.export import unwrap
 from engine.models.hf import HFCheckpoint, read_hf_config
 from engine.offload import PARTS, device_bytes, offloaded
 from engine.parity import ParityConfig, compare_logits
+from engine.run_dir import OutputDirError, claimed_output_dir
 from engine.setup import build_components
 from engine.trainer import Trainer
 from engine.validate import validate
@@ -79,9 +82,10 @@ def run(name: str, overrides: list[str], expect: type[BaseException] | None = No
         cfg = to_dataclass(compose("train", [*SHORT, f"trainer.output_dir={ROOT}/{name}", *overrides]))
     groups = groups_for(cfg)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.trainer.seed)  # as a fresh process starts
-    c = build_components(cfg, groups, f"{ROOT}/{name}")
     try:
-        Trainer(c).fit()
+        with claimed_output_dir(f"{ROOT}/{name}", cfg.trainer, groups):
+            c = build_components(cfg, groups, f"{ROOT}/{name}")
+            Trainer(c).fit()
     except BaseException as err:
         if expect is None or not isinstance(err, expect):
             raise
@@ -215,6 +219,24 @@ def single_process() -> None:
     # keep-last-1 pruned step 2 and the killed save's directory
     assert ckpt_dirs("crash") == ["global_step_4", "latest"] and latest("crash") == "global_step_4"
     result(check="crash_resume_auto", world=1, max_abs_diff=worst)
+
+    # a fresh run in ref's directory is refused (its metrics and checkpoints would mix with ref's)
+    err = run("ref", ["trainer.total_steps=1"], expect=OutputDirError)
+    assert "holds an earlier run's outputs" in str(err) and "trainer.overwrite=true" in str(err), err
+    result(check="fresh_refused", message=str(err))
+
+    # the newest checkpoint's shard is truncated: resume=auto says so and continues from the one before
+    shutil.copytree(f"{ROOT}/ref/checkpoints", f"{ROOT}/damaged/checkpoints")
+    shard = f"{ROOT}/damaged/checkpoints/global_step_4/rank_0.pt"
+    os.truncate(shard, os.path.getsize(shard) // 2)
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        run("damaged", [*KL_CTRL, "trainer.save_freq=0", "trainer.resume=auto"])
+    assert f"skipped {ROOT}/damaged/checkpoints/global_step_4: rank_0.pt is truncated" in said.getvalue(), (
+        said.getvalue()
+    )
+    worst = assert_same_steps(metrics("ref"), metrics("damaged"), [4], "resume past a truncated checkpoint")
+    result(check="damaged_newest_skipped", max_abs_diff=worst)
 
     # resume=auto with nothing saved: a fresh start; the optimizer layout must match
     run("fresh", ["trainer.total_steps=1", "trainer.resume=auto"])

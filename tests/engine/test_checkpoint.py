@@ -9,6 +9,7 @@ float32 logits within 5e-5 of the megatron model's in transformers (measured: 0 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -24,6 +25,8 @@ from engine.checkpoint import (
     find_checkpoint,
     latest_checkpoint,
     prune_checkpoints,
+    read_meta,
+    read_rank_state,
 )
 from engine.config import ConfigError, ModelConfig, register_configs, to_dataclass
 from engine.models.builder import resolve_shape
@@ -46,10 +49,12 @@ def _results(out: str) -> dict[str, list[dict]]:
 @pytest.mark.slow
 def test_world1_resume_crash_offload_export(tmp_path):
     """One process: resume from a path (steps 3-4 equal), a crash mid-save then resume=auto, keep-last-N,
-    a layout mismatch, offload in the trainer (bit-identical), HF export at the end and by the CLI."""
+    a fresh run refused in a used directory, resume=auto past a truncated newest checkpoint, a layout
+    mismatch, offload in the trainer (bit-identical), HF export at the end and by the CLI."""
     found = _results(run_torchrun(SCRIPT, 1, [str(tmp_path / "runs")]))
     for check in ("export_parity", "offload_bytes", "resume_path", "offload_training", "crash_resume_auto"):
         assert check in found, f"missing {check}: {sorted(found)}"
+    assert {"fresh_refused", "damaged_newest_skipped"} <= set(found), sorted(found)
     assert found["export_parity"][0]["max_abs_diff"] <= 5e-5
     assert {"layout_mismatch", "export_cli", "done"} <= set(found)
 
@@ -66,12 +71,95 @@ def test_world4_tp2_and_pp2_resume_crash_mismatch_export(tmp_path):
 
 # ---- no processes ---------------------------------------------------------------------------------------
 def _fake_checkpoint(root: Path, step: int, complete: bool = True) -> Path:
+    """A one-rank checkpoint with real files (a torch archive, meta.json) holding only the step."""
     path = root / f"global_step_{step}"
     path.mkdir(parents=True)
-    (path / "rank_0.pt").write_bytes(b"x")
+    torch.save({"step": step, "w": torch.zeros(64)}, path / "rank_0.pt")
     if complete:
-        (path / "meta.json").write_text(json.dumps({"format": 1, "step": step}))
+        meta = {"format": 1, "step": step, "layout": {"world_size": 1}}
+        (path / "meta.json").write_text(json.dumps(meta))
     return path
+
+
+def _truncate(file: Path) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+
+
+def test_resume_auto_skips_an_unusable_newest_checkpoint_and_names_it(tmp_path):
+    root = tmp_path / "run" / "checkpoints"
+    two, three, four = (_fake_checkpoint(root, s) for s in (2, 3, 4))
+    (root / "latest").write_text("global_step_4\n")
+    _truncate(four / "rank_0.pt")
+    (three / "meta.json").unlink()
+    skipped: list[str] = []
+    assert find_checkpoint("auto", str(tmp_path / "run"), skipped) == str(two)
+    assert skipped == [
+        f"skipped {four}: rank_0.pt is truncated or corrupt (not a complete torch archive)",
+        f"skipped {three}: meta.json is missing (the save did not complete)",
+    ]
+
+
+def test_resume_auto_stops_when_no_checkpoint_is_usable(tmp_path):
+    """Every meta.json missing or unreadable: the run stops naming each checkpoint (it used to start fresh)."""
+    root = tmp_path / "run" / "checkpoints"
+    one, two = _fake_checkpoint(root, 1, complete=False), _fake_checkpoint(root, 2)
+    (two / "meta.json").write_text('{"format": 1, "st')  # truncated
+    with pytest.raises(CheckpointError) as err:
+        find_checkpoint("auto", str(tmp_path / "run"))
+    text = str(err.value)
+    for needle in (
+        f"{one}: meta.json is missing",
+        f"{two}: meta.json is unreadable",
+        "trainer.overwrite=true",
+    ):
+        assert needle in text, (needle, text)
+
+
+def test_truncated_shard_or_meta_names_the_file_and_the_previous_checkpoint(tmp_path):
+    two, three = _fake_checkpoint(tmp_path, 2), _fake_checkpoint(tmp_path, 3)
+    assert read_rank_state(str(three), 0)["step"] == 3
+    _truncate(three / "rank_0.pt")
+    with pytest.raises(CheckpointError) as err:
+        read_rank_state(str(three), 0)
+    text = str(err.value)
+    assert f"{three / 'rank_0.pt'} is truncated or corrupt" in text, text
+    assert f"checkpoint {three} cannot be read" in text and f"trainer.resume={two}" in text, text
+    _truncate(three / "meta.json")
+    with pytest.raises(CheckpointError) as err:
+        read_meta(str(three))
+    text = str(err.value)
+    assert f"{three / 'meta.json'} is truncated or corrupt" in text and f"trainer.resume={two}" in text, text
+
+
+def test_disk_full_during_a_save_names_the_device_the_file_and_the_size(tmp_path, monkeypatch):
+    """A world of one (gloo, in this process): the write of step 2 runs out of space (ENOSPC from the
+    low-level write); the error says so, and step 1 stays the latest."""
+    from trainer_run_script import SHORT, compose_config, distributed
+
+    from engine.checkpoint import save_checkpoint
+
+    state = {"step": 0, "w": torch.zeros(1024, 1024)}  # 4 MiB
+    root = str(tmp_path / "checkpoints")
+    os.makedirs(root)
+    with distributed(compose_config(SHORT)) as groups:
+        save_checkpoint(root, 1, state, {"layout": {"world_size": 1}}, groups, 2)
+        real_save = torch.save
+
+        def write_until_full(obj, f):  # torch writes part of the archive, then the device is full
+            f.write(b"\0" * 4096)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(torch, "save", write_until_full)
+        with pytest.raises(CheckpointError) as err:
+            save_checkpoint(root, 2, state, {"layout": {"world_size": 1}}, groups, 2)
+        monkeypatch.setattr(torch, "save", real_save)
+    text = str(err.value)
+    assert "no space left on " in text and "(mounted at " in text, text
+    assert f"writing {root}/global_step_2.tmp-" in text and "rank_0.pt: this file needs about 4.0 MiB" in text
+    assert "still names the previous checkpoint" in text and "needs about 4.0 MiB (all ranks' files)" in text
+    assert sorted(os.listdir(root)) == ["global_step_1", "latest"]
+    assert latest_checkpoint(root) == f"{root}/global_step_1"
 
 
 def test_prune_keeps_newest_n_and_the_one_just_saved_and_drops_leftovers(tmp_path):
@@ -153,6 +241,7 @@ def test_random_init_config_json_reads_back_as_the_same_shape(overrides, tmp_pat
     [
         (["trainer.max_checkpoints=-1"], "trainer.max_checkpoints=-1: must be >= 0"),
         (["trainer.resume=auto"], "trainer.resume='auto': looks for checkpoints in trainer.output_dir"),
+        ([f"trainer.resume={CONF}", "trainer.overwrite=true"], "trainer.overwrite=True: has no effect"),
     ],
 )
 def test_checkpoint_keys_are_validated(overrides, message):
