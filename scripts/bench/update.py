@@ -145,7 +145,7 @@ def one_update(role: MegatronRole, mbs: list[dict], loss_fn, device: torch.devic
     t1 = sync(device)
     stats = role.optimizer_step()
     t2 = sync(device)
-    loss = sum(float(o["pg_loss"]) for o in outs if "pg_loss" in o)
+    loss = sum(float(o["loss"]) for o in outs if "loss" in o)
     return {
         "fwd_bwd_s": t1 - t0,
         "update_s": t2 - t0,
