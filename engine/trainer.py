@@ -417,8 +417,10 @@ class Trainer:
         self, exp: Experience, seconds: dict[str, float], peak_gb: dict[str, float]
     ) -> dict[str, float]:
         g, c = self.c.groups, self.c
-        seq_lens = exp.prompt_lens + exp.response_mask.sum(-1).long()
-        flops = train_flops(c.shape, seq_lens) * self.cfg.algorithm.ppo_epochs
+        response_lens = exp.response_mask.sum(-1).long()
+        seq_lens = exp.prompt_lens + response_lens
+        # the actor's head is "response": logits at response positions only
+        flops = train_flops(c.shape, seq_lens, response_lens) * self.cfg.algorithm.ppo_epochs
         sums = torch.tensor([float(seq_lens.sum()), flops], dtype=torch.float64, device=g.device)
         dist.all_reduce(sums, group=g.dp)
         tokens, flops = sums.tolist()

@@ -244,6 +244,11 @@ def test_flops_hand_count():
     assert matmul_params(shape) == 2 * per_layer + 64 * 50
     lens = torch.tensor([10, 20])
     assert train_flops(shape, lens) == 6 * matmul_params(shape) * 30 + 12 * 2 * 64 * (100 + 400)
+    # the fused head computes logits at response positions only: 4 + 6 of the 30, the layers at all 30;
+    # attention not causal (every query against all keys)
+    assert train_flops(shape, lens, torch.tensor([4, 6])) == (
+        6 * 2 * per_layer * 30 + 6 * 64 * 50 * 10 + 12 * 2 * 64 * (100 + 400)
+    )
 
 
 def test_actor_loss_terms_are_logged_apart_from_the_total():
