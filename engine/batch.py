@@ -89,6 +89,8 @@ class Responses:
     """(rows,) <= 0, DAPO's overlong shaping (None = off)."""
     baseline_scores: torch.Tensor | None = None
     """(rows,) ReMax: shaped score of the greedy response to the row's prompt."""
+    reward_extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """(rows,) float32 per extra numeric key of a reward function's dict outputs (logged, not trained on)."""
 
     @property
     def num_groups(self) -> int:
@@ -106,6 +108,7 @@ class Responses:
             records=[self.records[g] for g in groups],
             n=self.n,
             **{f: None if t is None else t[rows] for f, t in pick.items()},
+            reward_extras={k: v[rows] for k, v in self.reward_extras.items()},
         )
 
     @staticmethod
@@ -121,10 +124,12 @@ class Responses:
                 tensors = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors]
             return torch.cat(tensors)
 
+        common = set.intersection(*(set(p.reward_extras) for p in parts))  # keys every round returned
         return Responses(
             records=[r for p in parts for r in p.records],
             n=parts[0].n,
             **{f: cat(f) for f in _ROW_FIELDS},
+            reward_extras={k: torch.cat([p.reward_extras[k] for p in parts]) for k in sorted(common)},
         )
 
 

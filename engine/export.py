@@ -6,7 +6,9 @@
 W is the world size the checkpoint was saved with (plain `python -m engine.export` when it is 1);
 CHECKPOINT is a `global_step_<N>` directory, or a run's output_dir / checkpoints directory (its latest).
 Every rank builds its chunks for the saved layout, copies its saved shard into them and
-`engine.models.hf.save_hf_checkpoint` gathers them into safetensors + config.json + tokenizer files.
+`engine.models.hf.save_hf_checkpoint` gathers them into safetensors + config.json + tokenizer files, written
+into a temporary directory next to OUT_DIR that then replaces OUT_DIR whole (an earlier export's files never
+mix with the new ones; a directory holding other files is refused).
 
 config.json: the source checkpoint's (`model.path`) when the run started from one, else one built from the
 architecture (`hf_config_from_shape`: Llama, or Qwen2 with QKV bias, or Qwen3 with QK-norm) so that
@@ -39,7 +41,7 @@ from engine.checkpoint import (
 )
 from engine.config import ModelConfig
 from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape
-from engine.models.hf import save_hf_checkpoint
+from engine.models.hf import HFCheckpointError, save_hf_checkpoint
 from engine.models.hf_config import hf_config_from_shape
 from engine.offload import all_onloaded
 from parallel.rollout_weights import global_param_names
@@ -150,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         export_checkpoint(path, args.out, groups, _DTYPES.get(args.dtype))
         if groups.rank == 0:
             print(f"exported {path} to {os.path.abspath(args.out)}", flush=True)
+    except HFCheckpointError as err:  # a user error: one line, no traceback
+        sys.exit(str(err))
     finally:
         destroy_distributed()
 

@@ -1,9 +1,14 @@
 """Training FLOPs of a batch of sequences and model FLOPs utilisation (MFU), for `perf/mfu/actor`.
 
-FLOPs of forward + backward, PaLM's convention (Chowdhery et al. 2022, appendix B): 6 x (matmul
-parameters) per token, plus 12 x layers x (heads x head_dim) x seq_len per token for attention scores and
-values (counted as if not causal, as verl and most MFU reports do). The input embedding is a lookup and
-counts nothing; the output layer counts. Only real tokens count, not padding.
+FLOPs of forward + backward, PaLM's convention (Chowdhery et al. 2022, appendix B):
+- matmuls: 6 x (parameters of the layers' attention and MLP projections) per token, and 6 x hidden x vocab
+  for the output layer only at the positions whose logits are computed (the actor's fused output head,
+  engine/models/output_head.py, computes them at response positions only, none at prompt positions);
+  the input embedding is a lookup and counts nothing;
+- attention scores and values: 12 x layers x (heads x head_dim) x seq_len per token, i.e. NOT causal:
+  every query is counted against all seq_len keys, as PaLM counts. A causal count (the work a causal kernel
+  does; verl's flops_counter counts it: 6 where this has 12) is half of this term.
+Only real tokens count, not padding.
 """
 
 from __future__ import annotations
@@ -21,13 +26,20 @@ def matmul_params(shape: ModelShape) -> int:
     return shape.num_layers * (attention + mlp) + h * shape.vocab_size
 
 
-def train_flops(shape: ModelShape, seq_lens: torch.Tensor) -> float:
-    """Forward + backward FLOPs over sequences of `seq_lens` (num_seqs,) real tokens."""
+def train_flops(shape: ModelShape, seq_lens: torch.Tensor, head_lens: torch.Tensor | None = None) -> float:
+    """Forward + backward FLOPs over sequences of `seq_lens` (num_seqs,) real tokens whose output layer
+    computes logits at `head_lens` (num_seqs,) positions each (None: at every position)."""
     lens = seq_lens.double()
+    head = lens if head_lens is None else head_lens.double()
+    output = shape.hidden_size * shape.vocab_size
     attention = (
         12 * shape.num_layers * shape.num_attention_heads * shape.head_dim * float((lens * lens).sum())
     )
-    return 6.0 * matmul_params(shape) * float(lens.sum()) + attention
+    return (
+        6.0 * (matmul_params(shape) - output) * float(lens.sum())
+        + 6.0 * output * float(head.sum())
+        + attention
+    )
 
 
 def mfu(flops: float, seconds: float, num_devices: int, peak_tflops: float) -> float:

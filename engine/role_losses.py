@@ -3,7 +3,12 @@ forward), the actor's policy loss (+ KL loss, entropy bonus), the critic's value
 from algorithms/.
 
 Each returns metric SUMS weighted by valid tokens plus `tokens`, so the trainer can average exactly over
-micro-batches and DP ranks; `pg_loss` is the micro-batch's share of the mini-batch loss (summed, not averaged).
+micro-batches and DP ranks. Metrics named `*loss` are instead the micro-batch's share of a mini-batch loss
+term (summed over micro-batches and DP, not averaged; engine/update_phase.py reports their mean per optimizer
+step). The actor's terms, as verl logs them, aggregated like the loss (`algorithm.loss_agg_mode`):
+    loss = pg_loss - entropy_coef * entropy_loss + kl_loss_coef * kl_loss
+`pg_loss` the policy-gradient term alone, `entropy_loss` the aggregated entropy, `kl_loss` the aggregated KL to
+the reference (0 without a KL loss); `loss` the total that is back-propagated.
 """
 
 from __future__ import annotations
@@ -14,8 +19,19 @@ from algorithms import agg_loss, get_kl_estimator, get_policy_loss, value_loss
 from engine.config import AlgorithmConfig
 from engine.policy import ResponseStats
 
-# the first name is the loss (summed over micro-batches), the others are sums weighted by valid tokens
-ACTOR_METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "rollout_kl")
+# names ending in "loss": shares of a mini-batch loss term (summed over micro-batches); the others: sums
+# weighted by valid tokens
+ACTOR_METRICS = (
+    "loss",
+    "pg_loss",
+    "entropy_loss",
+    "kl_loss",
+    "pg_clipfrac",
+    "pg_clipfrac_lower",
+    "ppo_kl",
+    "entropy",
+    "rollout_kl",
+)
 CRITIC_METRICS = ("vf_loss", "vf_clipfrac", "vpred_mean")
 
 
@@ -44,7 +60,7 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, kl_ref: bool, rollo
         old = mb.get(
             "old_log_probs", logp.detach()
         )  # on-policy single pass: old == current, no extra forward
-        loss, m = policy_loss(
+        pg_loss, m = policy_loss(
             logp,
             old,
             mb["advantages"],
@@ -57,21 +73,27 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, kl_ref: bool, rollo
             tis_cap=alg.tis_cap,
             **clip,
         )
+        loss = pg_loss
+        entropy_loss = agg_loss(
+            ent if alg.entropy_coef > 0 else ent.detach(), mask, alg.loss_agg_mode, normalizer
+        )
         if alg.entropy_coef > 0:
-            loss = loss - alg.entropy_coef * agg_loss(ent, mask, alg.loss_agg_mode, normalizer)
-        kl_mean = torch.zeros((), device=logp.device)
+            loss = loss - alg.entropy_coef * entropy_loss
+        kl_loss = torch.zeros((), device=logp.device)
         if kl_fn is not None and alg.kl_loss_coef > 0:
             kl = kl_fn(logp, mb["ref_log_probs"], mask)
-            loss = loss + alg.kl_loss_coef * agg_loss(kl, mask, alg.loss_agg_mode, normalizer)
-            kl_mean = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
+            kl_loss = agg_loss(kl, mask, alg.loss_agg_mode, normalizer)
+            loss = loss + alg.kl_loss_coef * kl_loss
         tokens = mask.sum()
         metrics = {
-            "pg_loss": loss.detach(),  # already this micro-batch's share of the mini-batch loss: summed, not averaged
+            "loss": loss.detach(),
+            "pg_loss": pg_loss.detach(),
+            "entropy_loss": entropy_loss.detach(),
+            "kl_loss": kl_loss.detach(),
             "pg_clipfrac": m["clipfrac"] * tokens,
             "pg_clipfrac_lower": m.get("clipfrac_lower", torch.zeros(())) * tokens,
             "ppo_kl": m["approx_kl"] * tokens,
             "entropy": (ent.detach() * mask).sum(),
-            "kl_loss": kl_mean * tokens,
             "tokens": tokens,
         }
         if rollout_log_probs:  # k1 KL(rollout || training forward)

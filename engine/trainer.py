@@ -47,6 +47,8 @@ from engine.rollout_phase import rollout_replica
 from engine.setup import Components
 from engine.update_phase import forward_rows, run_updates
 
+REWARD_EXTRA = "reward_extra/"  # exp.tensors key prefix of the reward function's numeric extras
+
 
 class Trainer:
     """Runs `trainer.total_steps` RL steps over `Components` built for this rank."""
@@ -140,8 +142,11 @@ class Trainer:
                 add = key.endswith("_s") and name in self.engine_stats
                 self.engine_stats[name] = float(value) + (self.engine_stats[name] if add else 0.0)
 
-    def _score(self, out: RolloutOutput, records, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Reward-function scores (rows,) and the overlong penalty (rows,) or None."""
+    def _score(
+        self, out: RolloutOutput, records, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """Reward-function scores (rows,), the overlong penalty (rows,) or None, and the reward function's
+        numeric extras {key: (rows,)} (engine/rewards/reward_fn.py)."""
         tok, alg = self.c.tokenizer, self.cfg.algorithm
         lengths = out.response_mask.sum(-1)
         texts = [
@@ -149,14 +154,15 @@ class Trainer:
             for r in range(out.response_ids.shape[0])
         ]
         rec = [records[r // n] for r in range(len(texts))]
-        scores = torch.zeros(len(texts), dtype=torch.float32)
+        scores, extras = torch.zeros(len(texts), dtype=torch.float32), {}
         if self.c.reward_fn is not None:
-            scores = self.c.reward_fn(
+            result = self.c.reward_fn.score(
                 [x.data_source for x in rec],
                 texts,
                 [x.ground_truth for x in rec],
                 [x.extra_info for x in rec],
             )
+            scores, extras = result.scores, result.extras
         if self.c.reward_model is not None:  # combine=model: alone; combine=sum: added to the rule score
             prompts = [r.prompt_ids for r in records]
             scores = scores + self.c.reward_model(
@@ -170,7 +176,7 @@ class Trainer:
                 buffer_len=alg.overlong_buffer_len,
                 penalty_factor=alg.overlong_penalty,
             ).to(scores.dtype)
-        return scores, penalty
+        return scores, penalty, extras
 
     def _responses(self, records, timer: PhaseTimer, round_index: int) -> Responses:
         """Roll out and score one batch of prompts (with ReMax's greedy baseline when needed)."""
@@ -178,10 +184,10 @@ class Trainer:
         remax = self.cfg.algorithm.adv_estimator == "remax"
         outs = self._rollout(records, timer, ("sample", "greedy") if remax else ("sample",), round_index)
         with timer.phase("reward"):
-            scores, penalty = self._score(outs[0], records, n)
+            scores, penalty, extras = self._score(outs[0], records, n)
             baseline = None
             if remax:
-                greedy, greedy_penalty = self._score(outs[1], records, 1)
+                greedy, greedy_penalty, _ = self._score(outs[1], records, 1)
                 if greedy_penalty is not None:
                     greedy = greedy + greedy_penalty
                 baseline = greedy.repeat_interleave(n)
@@ -196,6 +202,7 @@ class Trainer:
             scores=scores,
             overlong_penalty=penalty,
             baseline_scores=baseline,
+            reward_extras=extras,
         )
 
     def _collect(self, timer: PhaseTimer) -> tuple[Responses, dict[str, float]]:
@@ -244,6 +251,7 @@ class Trainer:
             exp.tensors["overlong_penalty"] = resp.overlong_penalty
         if resp.baseline_scores is not None:
             exp.tensors["baseline_scores"] = resp.baseline_scores
+        exp.tensors.update({f"{REWARD_EXTRA}{k}": v for k, v in resp.reward_extras.items()})
         return exp
 
     # ---- advantages and updates -----------------------------------------------------------------
@@ -388,14 +396,31 @@ class Trainer:
         if self.rollout_log_probs:
             mask = exp.response_mask.bool()
             out["rollout/logprob_mean"] = self._stats(exp.tensors["rollout_log_probs"][mask])[0]
+        out.update(self._reward_extra_metrics(exp))
         return out
+
+    def _reward_extra_metrics(self, exp: Experience) -> dict[str, float]:
+        """`reward/extra/<key>`: mean over the DP replicas' rows of each numeric extra of a dict-returning
+        reward function (the union of the replicas' keys: a replica without one contributes no rows)."""
+        g = self.c.groups
+        keys = sorted(k.removeprefix(REWARD_EXTRA) for k in exp.tensors if k.startswith(REWARD_EXTRA))
+        if g.dims.dp > 1:
+            gathered = [None] * g.dims.dp
+            dist.all_gather_object(gathered, keys, group=g.dp)
+            keys = sorted(set().union(*gathered))
+        empty = torch.zeros(0)
+        return {
+            f"reward/extra/{k}": self._stats(exp.tensors.get(f"{REWARD_EXTRA}{k}", empty))[0] for k in keys
+        }
 
     def _perf_metrics(
         self, exp: Experience, seconds: dict[str, float], peak_gb: dict[str, float]
     ) -> dict[str, float]:
         g, c = self.c.groups, self.c
-        seq_lens = exp.prompt_lens + exp.response_mask.sum(-1).long()
-        flops = train_flops(c.shape, seq_lens) * self.cfg.algorithm.ppo_epochs
+        response_lens = exp.response_mask.sum(-1).long()
+        seq_lens = exp.prompt_lens + response_lens
+        # the actor's head is "response": logits at response positions only
+        flops = train_flops(c.shape, seq_lens, response_lens) * self.cfg.algorithm.ppo_epochs
         sums = torch.tensor([float(seq_lens.sum()), flops], dtype=torch.float64, device=g.device)
         dist.all_reduce(sums, group=g.dp)
         tokens, flops = sums.tolist()

@@ -33,8 +33,9 @@ def run_updates(
     seed: int,
     temperature: float = 1.0,
 ) -> dict[str, float]:
-    """Run the updates; returns {metric_names[0]: mean loss per optimizer step, other names: means over
-    valid tokens of all updates, "grad_norm": mean, "lr": last}, identical on every rank."""
+    """Run the updates; returns {names ending in "loss": mean per optimizer step (loss_fn returns each
+    micro-batch's share), other names: means over valid tokens of all updates, "grad_norm": mean, "lr": last},
+    identical on every rank."""
     g = role.groups
     sums = torch.zeros(len(metric_names) + 1, dtype=torch.float64)
     grad_norms, lrs = [], []
@@ -66,8 +67,11 @@ def run_updates(
     dist.all_reduce(sums, group=g.world)
     sums = sums.cpu()
     tokens = max(float(sums[-1]), 1.0)
-    out = {name: float(sums[i]) / tokens for i, name in enumerate(metric_names)}
-    out[metric_names[0]] = float(sums[0]) / (alg.ppo_epochs * alg.num_mini_batches)
+    steps = alg.ppo_epochs * alg.num_mini_batches
+    out = {
+        name: float(sums[i]) / (steps if name.endswith("loss") else tokens)
+        for i, name in enumerate(metric_names)
+    }
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["lr"] = lrs[-1]
     return out

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 import shutil
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -318,13 +320,24 @@ def save_hf_checkpoint(
     `model.safetensors.index.json` when more than one), `hf_config` as config.json, and the tokenizer
     files of `src_dir` if given. Tensors keep the parameters' dtype unless `dtype` is set. A critic's
     value head is written as `score.weight` (plus a zero `score.bias` for *ForTokenClassification). Rank 0 holds at most one file's worth of tensors at a time.
+
+    The files go into a temporary directory next to `out_dir` that then replaces `out_dir` whole, so no file
+    of an earlier export survives (an older index.json would shadow a new single file). An existing
+    `out_dir` may hold only files an export writes; anything else is refused before any work
+    (HFCheckpointError on every rank), as replacing the directory would delete it.
     """
     rank0 = groups.rank == 0
     head_bias = any(a.endswith("ForTokenClassification") for a in hf_config.get("architectures") or [])
+    problem = [_foreign_entry_problem(out_dir) if rank0 else None]
+    if dist.is_initialized() and groups.dims.world_size > 1:
+        dist.broadcast_object_list(problem, src=0, group=groups.world, device=groups.device)
+    if problem[0]:
+        raise HFCheckpointError(problem[0])
+    tmp = f"{os.path.abspath(out_dir)}.tmp-{secrets.token_hex(6)}"
     if rank0:
-        os.makedirs(out_dir, exist_ok=True)
+        os.makedirs(tmp)
     if groups.dp_rank == 0:
-        writer = _ShardWriter(out_dir, max_shard_bytes) if rank0 else None
+        writer = _ShardWriter(tmp, max_shard_bytes) if rank0 else None
         for stage in range(groups.dims.pp):
             if groups.pp_rank == stage:
                 local = _local_hf_tensors(chunks, shape, groups, head_bias)
@@ -342,9 +355,37 @@ def save_hf_checkpoint(
                     writer.add(name, t.to(dtype or t.dtype).cpu())
         if rank0:
             writer.close()
-            _write_metadata(out_dir, src_dir, hf_config)
+            _write_metadata(tmp, src_dir, hf_config)
+            _replace_dir(tmp, out_dir)
     if dist.is_initialized():
         dist.barrier(group=groups.world)
+
+
+def _foreign_entry_problem(out_dir: str) -> str | None:
+    """Why `out_dir` cannot be replaced by an export (it holds something an export does not write), or None."""
+    if not os.path.exists(out_dir):
+        return None
+    if not os.path.isdir(out_dir):
+        return f"export target {out_dir} exists and is not a directory. Fix: choose another output path"
+    ours = {SINGLE_FILE, INDEX_FILE, HF_CONFIG_FILE, *TOKENIZER_FILES}
+    for entry in sorted(os.listdir(out_dir)):
+        if entry not in ours and not re.fullmatch(r"model-\d+-of-\d+\.safetensors", entry):
+            return (
+                f"export target {out_dir} holds {entry!r}, which an export does not write; the export replaces "
+                f"the whole directory. Fix: export into a new or empty directory, or move {entry!r} away"
+            )
+    return None
+
+
+def _replace_dir(tmp: str, out_dir: str) -> None:
+    """Rename the complete directory `tmp` to `out_dir`, replacing an earlier export there."""
+    old = None
+    if os.path.exists(out_dir):
+        old = f"{os.path.abspath(out_dir)}.old-{secrets.token_hex(6)}"
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_metadata(out_dir: str, src_dir: str | None, hf_config: dict[str, Any]) -> None:

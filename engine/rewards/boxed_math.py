@@ -1,8 +1,10 @@
 """Boxed math (MATH, MATH-500 and similar): the last `\\boxed{...}` of the response vs the ground truth.
 
-Deliberately simple: a normalised string compare (spaces, `\\left`/`\\right`, `\\!`-style spacing, `$`
-and a trailing `.` removed; `\\dfrac`/`\\tfrac` -> `\\frac`), no symbolic equivalence ("0.5" != "\\frac12").
-Score 1.0 if equal, else 0.0.
+Deliberately simple: a normalised string compare (spaces, `\\left`/`\\right`, `\\!`-style spacing and a
+trailing `.` removed; dollar, percent and degree marks removed with their backslash: `\\$18.90`, `$18.90`
+and `18.90` are equal, as are `50\\%`, `50%` and `50`, and `30^\\circ`, `30^{\\circ}` and `30`;
+`\\dfrac`/`\\tfrac` -> `\\frac`), no symbolic equivalence ("0.5" != "\\frac12", ".5" != "0.5") and no unit
+stripping (`5\\text{ cm}` != "5"). Score 1.0 if equal, else 0.0.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import re
 from engine.rewards.registry import register_rule
 
 _SIZING = re.compile(r"\\(?:left|right)(?![a-zA-Z])")
-_SPACING = re.compile(r"\\[!,;:]|\$")
+_SPACING = re.compile(r"\\[!,;:]")
+# MATH writes money as `\$`, percent as `\%`: the backslash goes with the mark
+_MARKS = re.compile(r"\\?[$%]|\^(?:\\circ|\{\\circ\})")
 
 
 def last_boxed(text: str) -> str | None:
@@ -37,7 +41,7 @@ def last_boxed(text: str) -> str | None:
 def normalize_math_answer(answer: str) -> str:
     answer = _SPACING.sub("", _SIZING.sub("", answer))
     answer = answer.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    return re.sub(r"\s+", "", answer).rstrip(".")
+    return _MARKS.sub("", re.sub(r"\s+", "", answer)).rstrip(".")
 
 
 @register_rule(

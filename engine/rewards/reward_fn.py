@@ -2,7 +2,9 @@
 
 A user function has verl's signature, so users bring theirs unchanged:
     fn(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> float | dict
-(a dict must hold "score"; its other numeric keys are returned as extras for logging).
+(a dict must hold "score"; its other numeric keys are returned as extras, which the trainer logs as
+`reward/extra/<key>`, the mean over the step's responses on all DP replicas; a key whose value is not a
+number, or that some response's dict lacks, is ignored).
 `reward.fn` is `module:function` (imported from sys.path) or `path/to/file.py:function`.
 Every output is checked: one finite number per response; errors name the function and the response.
 """

@@ -19,7 +19,8 @@ so every update gives both figures. Reported per variant (medians):
 - `fwd_bwd_s`, `fwd_bwd_tokens_per_s`, `fwd_bwd_mfu`: the schedule alone; `optimizer_s`: the difference;
 - MFU = 6 x params x tokens / seconds / 989e12 (H100/H200 dense bf16 peak), params = every parameter of the
   model once (a tied embedding is the lm_head and counts once; untied, both count), tokens = rows x seq;
-  attention score FLOPs not counted. `mfu_palm` adds them (engine/perf.py, the trainer's perf/mfu/actor);
+  attention score FLOPs not counted. `mfu_palm` adds them (not causal) and counts the output layer at the
+  response positions only (engine/perf.py, the trainer's perf/mfu/actor);
 - `peak_memory_gb` (max allocated during the timed updates), `grad_norm` and `loss` of the first update
   (equal across variants up to rounding: a numerics check), `skipped_steps`;
 - with `--profile`: one more update under torch.profiler; the top 30 CUDA kernels by total time (on CPU:
@@ -145,7 +146,7 @@ def one_update(role: MegatronRole, mbs: list[dict], loss_fn, device: torch.devic
     t1 = sync(device)
     stats = role.optimizer_step()
     t2 = sync(device)
-    loss = sum(float(o["pg_loss"]) for o in outs if "pg_loss" in o)
+    loss = sum(float(o["loss"]) for o in outs if "loss" in o)
     return {
         "fwd_bwd_s": t1 - t0,
         "update_s": t2 - t0,
@@ -201,7 +202,8 @@ def measure_variant(name: str, shape: ModelShape, groups: ProcessGroups, mbs, lo
         "skipped_steps": sum(r["skipped"] for r in warm + runs),
     }
     if device.type == "cuda":
-        palm = train_flops(shape, torch.full((args.rows,), args.seq))
+        rows = (args.rows,)  # the output layer at the response positions only, as the fused head computes
+        palm = train_flops(shape, torch.full(rows, args.seq), torch.full(rows, args.seq - args.prompt_len))
         out["mfu_palm"] = palm / med["update_s"] / PEAK_BF16_FLOPS
     if args.profile:
         path = os.path.join(args.out, f"profile_{name.replace('+', '_')}.txt")

@@ -20,7 +20,8 @@ from engine.dynamic_batch import MicroBatcher
 from engine.dynamic_sampling import GroupSelector
 from engine.models.builder import ModelShape
 from engine.perf import matmul_params, train_flops
-from engine.role_losses import response_values
+from engine.policy import ResponseStats
+from engine.role_losses import make_actor_loss, response_values
 from engine.validate import validate
 
 LENGTHS = [3, 2, 4, 1, 2, 4]  # 3 prompts x n=2
@@ -243,3 +244,32 @@ def test_flops_hand_count():
     assert matmul_params(shape) == 2 * per_layer + 64 * 50
     lens = torch.tensor([10, 20])
     assert train_flops(shape, lens) == 6 * matmul_params(shape) * 30 + 12 * 2 * 64 * (100 + 400)
+    # the fused head computes logits at response positions only: 4 + 6 of the 30, the layers at all 30;
+    # attention not causal (every query against all keys)
+    assert train_flops(shape, lens, torch.tensor([4, 6])) == (
+        6 * 2 * per_layer * 30 + 6 * 64 * 50 * 10 + 12 * 2 * 64 * (100 + 400)
+    )
+
+
+def test_actor_loss_terms_are_logged_apart_from_the_total():
+    """pg_loss is the policy-gradient term alone, entropy_loss and kl_loss the aggregated terms before their
+    coefficients, loss the back-propagated total; each micro-batch returns its share of the mini-batch's.
+    Hand count: token-mean over 5 valid tokens, ratio 1 (on-policy), k1 KL = logp - ref."""
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    logp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -1.5, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -2.0, 0.0], [-1.0, -1.0, -1.0]])
+    adv = torch.tensor([[1.0, 1.0, 0.0], [-2.0, -2.0, -2.0]])
+    ent = torch.tensor([[0.5, 1.0, 9.0], [2.0, 0.5, 1.0]], requires_grad=True)  # 9.0: padding
+    a = alg(entropy_coef=0.1, kl_loss_coef=0.5, kl_estimator="k1", loss_agg_mode="token-mean", tis_cap=0.0)
+    loss_fn = make_actor_loss(a, 5.0, kl_ref=True, rollout_log_probs=False)
+    pg, entropy, kl = (-1 - 1 + 2 + 2 + 2) / 5, (0.5 + 1 + 2 + 0.5 + 1) / 5, (0.5 + 0 + 0.5 - 0.5 + 0) / 5
+    expected = {"pg_loss": pg, "entropy_loss": entropy, "kl_loss": kl, "loss": pg - 0.1 * entropy + 0.5 * kl}
+    totals = dict.fromkeys(expected, 0.0)
+    for rows in ([0], [1]):  # two micro-batches of one mini-batch
+        mb = {"response_mask": mask[rows], "advantages": adv[rows], "ref_log_probs": ref[rows]}
+        loss, metrics = loss_fn(ResponseStats(logp[rows], ent[rows]), mb)
+        assert float(loss) == float(metrics["loss"])
+        for key in totals:
+            totals[key] += float(metrics[key])
+    for key, value in expected.items():
+        assert totals[key] == pytest.approx(value, abs=1e-6), key

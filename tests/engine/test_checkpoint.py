@@ -253,3 +253,35 @@ def test_checkpoint_keys_are_validated(overrides, message):
     with pytest.raises(ConfigError) as err:
         validate(cfg, world_size=1)
     assert message in str(err.value)
+
+
+def test_export_replaces_an_earlier_export_and_refuses_foreign_files(tmp_path):
+    """World size 1, in this process: a sharded export (index.json + several files), then a single-file
+    export of other weights into the same directory: the directory reads back the second export's weights
+    and holds only its files. A directory holding a file no export writes is refused and left as it was."""
+    from trainer_run_script import built_job
+
+    from engine.export import export_actor, unwrap
+    from engine.models.hf import INDEX_FILE, SINGLE_FILE, HFCheckpoint, HFCheckpointError, save_hf_checkpoint
+
+    out = str(tmp_path / "hf")
+    with built_job([], str(tmp_path / "run")) as c:
+        chunks = [unwrap(chunk) for chunk in c.actor.chunks]
+        save_hf_checkpoint(chunks, c.shape, c.groups, out, None, {}, max_shard_bytes=4096)
+        assert os.path.isfile(os.path.join(out, INDEX_FILE))
+        norm = chunks[0].decoder.final_layernorm.weight
+        with torch.no_grad():
+            norm.add_(1.0)
+        export_actor(c, out)
+        with HFCheckpoint(out) as ckpt:  # the engine's loader prefers an index.json when there is one
+            assert ckpt.source == os.path.join(out, SINGLE_FILE)
+            assert torch.equal(ckpt.tensor("model.norm.weight"), norm.detach())
+        assert not [f for f in os.listdir(out) if f.startswith("model-") or f == INDEX_FILE]
+        assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f or ".old-" in f]
+
+        with open(os.path.join(out, "notes.txt"), "w") as f:
+            f.write("not an export's")
+        before = sorted(os.listdir(out))
+        with pytest.raises(HFCheckpointError, match=r"holds 'notes.txt'.*Fix: export into a new or empty"):
+            export_actor(c, out)
+        assert sorted(os.listdir(out)) == before

@@ -116,6 +116,16 @@ def test_gsm8k_default_is_verl_strict():
         ("the answer is 3", "3", 0.0),  # no box
         (r"\boxed{\frac{1}{2}", r"\frac{1}{2}", 0.0),  # unbalanced
         (r"$\boxed{5}$", r"\boxed{5}", 1.0),  # ground truth given boxed
+        # money, percent and degree marks go with their backslash (MATH writes `\$18.90`), both ways
+        (r"\boxed{18.90}", r"\$18.90", 1.0),
+        (r"\boxed{\$18.90}", "18.90", 1.0),
+        (r"\boxed{\$18.90}", r"\$18.90", 1.0),
+        (r"\boxed{$18.90}", r"\$18.90", 1.0),
+        (r"\boxed{\$18.90}", "18.91", 0.0),
+        (r"\boxed{50\%}", "50", 1.0),
+        (r"\boxed{50}", r"50\%", 1.0),
+        (r"\boxed{30^\circ}", "30", 1.0),
+        (r"\boxed{30}", r"30^{\circ}", 1.0),
     ],
 )
 def test_boxed_math(response, truth, score):

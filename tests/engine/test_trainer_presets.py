@@ -7,6 +7,8 @@ than one interpreter per preset: a job here takes ~1 s after the first.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from trainer_run_script import CRITIC_KEYS, built_job, check_finite, read_metrics, run_job
@@ -60,6 +62,16 @@ JOBS = {
         (*BASE, *KL_REWARD, "timing/old_log_prob"),
     ),
 }
+# GRPO with an entropy bonus and a user reward returning a dict (tests/engine/dict_reward.py)
+JOBS["grpo_entropy_dict_reward"] = (
+    [
+        "algorithm=grpo",
+        "algorithm.entropy_coef=0.01",
+        f"reward.fn={os.path.join(os.path.dirname(__file__), 'dict_reward.py')}:score",
+    ],
+    2,
+    (*BASE, "actor/loss", "actor/entropy_loss", "actor/kl_loss", "reward/extra/acc"),
+)
 ROLLOUT_LOG_PROB_KEYS = ("actor/rollout_kl", "rollout/logprob_mean")
 
 
@@ -210,3 +222,17 @@ def test_critic_loads_its_backbone_from_the_checkpoint_with_a_zero_head(tmp_path
             critic["decoder.layers.0.mlp.linear_fc1.weight"],
             params(c.actor)["decoder.layers.0.mlp.linear_fc1.weight"],
         )
+
+
+def test_actor_loss_is_its_logged_terms_and_dict_reward_extras_are_logged(runs):
+    """actor/loss = pg_loss - entropy_coef * entropy_loss + kl_loss_coef * kl_loss (each a mean per optimizer
+    step); a dict reward's numeric extra `acc` (2 x score) is logged as reward/extra/acc, its string `note` not."""
+    trainer, rows = runs("grpo_entropy_dict_reward")
+    for row in rows:
+        total = row["actor/pg_loss"] - 0.01 * row["actor/entropy_loss"] + 0.001 * row["actor/kl_loss"]
+        assert row["actor/loss"] == pytest.approx(total, rel=1e-6, abs=1e-9)
+        assert row["actor/entropy_loss"] > 0 and row["actor/loss"] != row["actor/pg_loss"]
+        assert row["reward/extra/acc"] == pytest.approx(2 * row["reward/mean"], abs=1e-6)
+        assert not any(key.startswith("reward/extra/") and key != "reward/extra/acc" for key in row)
+    exp = trainer.last_experience
+    assert torch.equal(exp.tensors["reward_extra/acc"], 2 * exp.tensors["scores"])

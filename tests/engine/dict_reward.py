@@ -1,0 +1,12 @@
+"""A user reward (reward.fn) returning verl's dict form: the built-in rule's score, a numeric extra `acc`
+(twice the score, so its logged mean is checkable against reward/mean) and a non-numeric `note` (ignored)
+(tests/engine/test_trainer_presets.py)."""
+
+from __future__ import annotations
+
+from engine.rewards import rule_reward
+
+
+def score(data_source, solution_str, ground_truth, extra_info):
+    s = rule_reward(data_source, solution_str, ground_truth, extra_info)
+    return {"score": s, "acc": 2.0 * s, "note": "x"}
