@@ -1,10 +1,15 @@
 """Boxed math (MATH, MATH-500 and similar): the last `\\boxed{...}` of the response vs the ground truth.
 
-Deliberately simple: a normalised string compare (spaces, `\\left`/`\\right`, `\\!`-style spacing and a
-trailing `.` removed; dollar, percent and degree marks removed with their backslash: `\\$18.90`, `$18.90`
-and `18.90` are equal, as are `50\\%`, `50%` and `50`, and `30^\\circ`, `30^{\\circ}` and `30`;
-`\\dfrac`/`\\tfrac` -> `\\frac`), no symbolic equivalence ("0.5" != "\\frac12", ".5" != "0.5") and no unit
-stripping (`5\\text{ cm}` != "5"). Score 1.0 if equal, else 0.0.
+A normalised string compare with every normalisation of verl's `math_reward.strip_string` (MATH's own),
+so scores match verl's on its data, plus a few of our own:
+- verl's: line breaks and spaces removed; `\\!` removed; `\\\\` -> `\\`; `\\dfrac`/`\\tfrac` -> `\\frac`; `\\left`
+  and `\\right` removed; degrees (`^\\circ`, `^{\\circ}`), `\\$` and `\\%` removed; units written as a trailing
+  `\\text{ ...}` removed; a leading `.5` -> `0.5` (also after a space or `{`); a short left-hand side `x = `
+  removed; `\\sqrt3` -> `\\sqrt{3}`; `\\frac12` / `\\frac1b` -> `\\frac{1}{2}` / `\\frac{1}{b}`; an integer ratio
+  `a/b` -> `\\frac{a}{b}`; `0.5` -> `\\frac{1}{2}`.
+- ours: `\\,` `\\;` `\\:` spacing, a bare `$` or `%`, and a trailing `.` removed; `\\left`/`\\right` only as
+  whole commands (`\\leftarrow` stays).
+No other symbolic equivalence ("2/4" != "\\frac{1}{2}"). Score 1.0 if equal, else 0.0.
 """
 
 from __future__ import annotations
@@ -38,10 +43,50 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+_UNITS = "\\text{ "  # MATH writes units as a trailing `\text{ cm}`
+_SHORT_LHS = re.compile(r"^[^=]{0,2}=(?=[^=]*$)")  # `x = 5`, `k=5`: one `=` after at most two characters
+_SQRT_BARE = re.compile(r"\\sqrt(?!\{)(.)")
+_FRAC_BARE = re.compile(r"\\frac(?!\{)(.)(\{|.)?")
+_INT_RATIO = re.compile(r"^(-?\d+)/(-?\d+)$")
+
+
+def _fix_frac(match: re.Match) -> str:
+    first, second = match.group(1), match.group(2)
+    if second is None:  # `\frac1` at the end: nothing to fix
+        return match.group(0)
+    return f"\\frac{{{first}}}" + (second if second == "{" else f"{{{second}}}")
+
+
+def _int_ratio(answer: str) -> str:
+    match = _INT_RATIO.match(answer)
+    if match is None or answer != f"{int(match.group(1))}/{int(match.group(2))}":
+        return answer
+    return f"\\frac{{{int(match.group(1))}}}{{{int(match.group(2))}}}"
+
+
 def normalize_math_answer(answer: str) -> str:
+    answer = answer.replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
+    answer = answer.replace("tfrac", "frac").replace("dfrac", "frac")
     answer = _SPACING.sub("", _SIZING.sub("", answer))
-    answer = answer.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    return _MARKS.sub("", re.sub(r"\s+", "", answer)).rstrip(".")
+    answer = _MARKS.sub("", answer)
+    if _UNITS in answer:
+        answer = answer.split(_UNITS)[0]
+    answer = answer.replace(" .", " 0.").replace("{.", "{0.")
+    if answer.startswith("."):
+        answer = "0" + answer
+    answer = _SHORT_LHS.sub("", answer)
+    answer = _SQRT_BARE.sub(r"\\sqrt{\1}", answer)
+    answer = re.sub(r"\s+", "", answer).rstrip(".")
+    answer = _FRAC_BARE.sub(_fix_frac, answer)
+    if answer == "0.5":
+        answer = "\\frac{1}{2}"
+    return _int_ratio(answer)
+
+
+def boxed_answer(solution_str: str) -> str | None:
+    """The normalised content of the last box (what `boxed_math_score` compares), None without one."""
+    answer = last_boxed(solution_str)
+    return None if answer is None else normalize_math_answer(answer)
 
 
 @register_rule(
@@ -54,6 +99,7 @@ def normalize_math_answer(answer: str) -> str:
         "huggingfaceh4/math-500",
     ),
     oracle=lambda truth: f"\\boxed{{{truth}}}",
+    answer=boxed_answer,
 )
 def boxed_math_score(solution_str: str, ground_truth: str) -> float:
     truth = last_boxed(ground_truth) if "\\boxed" in ground_truth else ground_truth

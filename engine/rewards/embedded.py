@@ -10,7 +10,12 @@ from __future__ import annotations
 from engine.rewards.registry import register_rule
 
 
-@register_rule("embedded", sources=("embedded/copy", "embedded/target"), oracle=lambda truth: truth)
+@register_rule(
+    "embedded",
+    sources=("embedded/copy", "embedded/target"),
+    oracle=lambda truth: truth,
+    answer=lambda solution_str: solution_str.strip() or None,
+)
 def positional_score(solution_str: str, ground_truth: str) -> float:
     response, truth = solution_str.strip(), ground_truth.strip()
     if not truth:

@@ -61,7 +61,18 @@ def _truth_text(ground_truth: str) -> str:
     return found[-1].replace(",", "") if found else (extract_gsm8k_answer(ground_truth) or "")
 
 
-@register_rule("gsm8k", sources=("openai/gsm8k", "gsm8k"), oracle=lambda truth: f"#### {truth}")
+def gsm8k_answer(solution_str: str, method: str = "strict") -> str | None:
+    """The answer `gsm8k_score` compares (for `numeric`, the number in a canonical form: "1,000.0" -> "1000")."""
+    if method != "numeric":
+        return extract_verl_answer(solution_str, method)
+    number = extract_gsm8k_answer(solution_str)
+    value = _to_decimal(number) if number is not None else None
+    return None if value is None else format(value.normalize(), "f")
+
+
+@register_rule(
+    "gsm8k", sources=("openai/gsm8k", "gsm8k"), oracle=lambda truth: f"#### {truth}", answer=gsm8k_answer
+)
 def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict") -> float:
     if method not in METHODS:
         raise ValueError(f"gsm8k method {method!r}: expected one of {METHODS}")

@@ -23,20 +23,28 @@ class RuleReward:
     """(solution_str, ground_truth, **options) -> score; options are the rule's own settings (e.g. `method`)."""
     oracle: Callable[[str], str]
     """ground_truth -> a response that scores 1.0."""
+    answer: Callable[..., str | None] | None = None
+    """(solution_str, **options) -> the normalised final answer the rule would compare, None if there is none
+    (for majority votes in validation); None when the rule defines no answer."""
 
 
 _RULES: dict[str, RuleReward] = {}
 
 
-def register_rule(name: str, sources: tuple[str, ...], oracle: Callable[[str], str]):
-    """Decorator: register `score(solution_str, ground_truth) -> float` for `sources`."""
+def register_rule(
+    name: str,
+    sources: tuple[str, ...],
+    oracle: Callable[[str], str],
+    answer: Callable[..., str | None] | None = None,
+):
+    """Decorator: register `score(solution_str, ground_truth, **options) -> float` for `sources`."""
 
     def wrap(score: Callable[[str, str], float]) -> Callable[[str, str], float]:
         taken = {source for rule in _RULES.values() for source in rule.sources}
         clash = taken & {source.lower() for source in sources}
         if name in _RULES or clash:
             raise ValueError(f"rule reward {name!r} clashes with an existing registration ({clash or name})")
-        _RULES[name] = RuleReward(name, tuple(source.lower() for source in sources), score, oracle)
+        _RULES[name] = RuleReward(name, tuple(source.lower() for source in sources), score, oracle, answer)
         return score
 
     return wrap
@@ -86,3 +94,14 @@ def rule_reward(
     maps a rule name to its keyword settings, e.g. {"gsm8k": {"method": "strict"}}."""
     rule = get_rule(data_source)
     return rule.score(solution_str, ground_truth, **(options or {}).get(rule.name, {}))
+
+
+def rule_answer(
+    data_source: str, solution_str: str, options: Mapping[str, Mapping[str, str]] | None = None
+) -> str | None:
+    """The final answer the built-in rule for `data_source` reads from `solution_str` (None: no answer, or a rule
+    that defines none); `options` as for `rule_reward`."""
+    rule = find_rule(data_source)
+    if rule is None or rule.answer is None:
+        return None
+    return rule.answer(solution_str, **(options or {}).get(rule.name, {}))

@@ -132,6 +132,59 @@ def test_boxed_math(response, truth, score):
     assert boxed_math_score(response, truth) == score
 
 
+# Expected scores are what verl's `math_reward.compute_score` (verl commit b178a3c) returned on these pairs.
+VERL_MATH_SCORES = [
+    ("so \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\frac12}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{.5}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{1/2}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{2/4}", "\\frac{1}{2}", 0.0),
+    ("\\boxed{x = 5}", "5", 1.0),
+    ("\\boxed{k=5}", "5", 1.0),
+    ("\\boxed{xyz = 5}", "5", 0.0),
+    ("\\boxed{5\\text{ cm}}", "5", 1.0),
+    ("\\boxed{5 \\text{ cm}}", "5", 1.0),
+    ("\\boxed{50\\%}", "50", 1.0),
+    ("\\boxed{30^\\circ}", "30", 1.0),
+    ("\\boxed{30^{\\circ}}", "30", 1.0),
+    ("\\boxed{\\$18.90}", "18.90", 1.0),
+    ("\\boxed{18.90}", "\\$18.90", 1.0),
+    ("\\boxed{\\sqrt3}", "\\sqrt{3}", 1.0),
+    ("\\boxed{2\\sqrt{3}}", "2\\sqrt3", 1.0),
+    ("\\boxed{\\frac1{72}}", "\\frac{1}{72}", 1.0),
+    ("\\boxed{\\left( 1, 2 \\right)}", "(1,2)", 1.0),
+    ("\\boxed{\\tfrac{3}{4}}", "\\frac34", 1.0),
+    ("\\boxed{ 3 }", "3", 1.0),
+    ("\\boxed{3}", "4", 0.0),
+    ("\\boxed{-3}", "-3", 1.0),
+    ("\\boxed{\\{1,\\!2\\}}", "\\{1,2\\}", 1.0),
+    ("\\boxed{10}", "10.0", 0.0),
+    ("no box 5", "5", 0.0),
+    ("\\boxed 7$", "7", 1.0),
+    ("\\boxed{\\infty}", "\\infty", 1.0),
+    ("\\boxed{\\pi}", "\\pi", 1.0),
+    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\dfrac{\\sqrt3}{2}", 1.0),
+]
+
+
+@pytest.mark.parametrize("response, truth, verl_score", VERL_MATH_SCORES)
+def test_boxed_math_scores_like_verl(response, truth, verl_score):
+    assert boxed_math_score(response, truth) == verl_score
+
+
+def test_rule_answers_for_majority_votes():
+    from engine.rewards import rule_answer
+
+    assert rule_answer("math", r"so \boxed{\dfrac12}.") == r"\frac{1}{2}"
+    assert rule_answer("openai/gsm8k", "#### 1,000") == "1000"
+    assert rule_answer("openai/gsm8k", "#### 1,000.0", {"gsm8k": {"method": "numeric"}}) == "1000"
+    assert rule_answer("openai/gsm8k", "no answer") is None
+    assert rule_answer("embedded/copy", " 1234 ") == "1234"
+    assert rule_answer("unknown/source", "x") is None
+
+
 def test_last_boxed_nested():
     assert last_boxed(r"a \boxed{\frac{a}{b^{2}}} b") == r"\frac{a}{b^{2}}"
 
