@@ -86,7 +86,7 @@ class MegatronRole:
             for c in chunks:
                 c.eval()
                 c.requires_grad_(False)
-            self.chunks, self.optimizer, self.scheduler, self.optim = chunks, None, None, None
+            self.chunks, self.optimizer, self.scheduler = chunks, None, None
             return
         config.calculate_per_token_loss = True
         ddp_config = DistributedDataParallelConfig(
@@ -126,7 +126,6 @@ class MegatronRole:
         # megatron's schedule multiplies each micro-batch loss by this before its backward; the optimizer
         # divides the gradients by the same scale (float16's dynamic loss scale; 1 for bfloat16/float32)
         config.grad_scale_func = self.optimizer.scale_loss
-        self.optim = optim
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if optim.lr_warmup_steps else optim.lr,
