@@ -5,7 +5,8 @@ On disk, under `<trainer.output_dir>/checkpoints/`:
     global_step_<N>/rank_<r>.pt   what rank r needs to continue: its shards of every trainable role (parameters
                                   by global name, optimizer state, LR schedule), data position, RNG states, the
                                   step and the trainer's extra state (e.g. a KL controller)
-    global_step_<N>/meta.json     step, layout, the resolved model config, what an HF export needs
+    global_step_<N>/meta.json     step, layout, the resolved model config, the run's whole config, what an HF
+                                  export needs
     latest                        one line: the name of the newest complete checkpoint
 A save is atomic: every rank writes into `global_step_<N>.tmp-<random>/`, the ranks agree that all writes
 succeeded, then rank 0 renames the directory and replaces `latest` (written to a temporary file and
@@ -26,6 +27,8 @@ vpp, dp, world size, distributed optimizer); anything else is refused with a mes
 change layout: export to Hugging Face (`python -m engine.export`) and start a new run from it (`model.path`).
 Multi-node runs need `trainer.output_dir` on a filesystem every rank sees (rank 0 renames what all wrote).
 The reference policy is not saved: it is rebuilt from `model.path` (or the seeded init) exactly as at start.
+A resumed run follows its own config, not the saved one (LR schedule, Adam settings, trainer.total_steps: see
+`load_role_state`); the resume message lists every config key whose value differs from the checkpoint's.
 """
 
 from __future__ import annotations
@@ -72,8 +75,10 @@ __all__ = [  # the state functions are re-exported: engine.export and tests impo
     "check_shape",
     "checkpoint_problem",
     "complete_checkpoints",
+    "config_changes",
     "cpu_copy",
     "find_checkpoint",
+    "flat_config",
     "latest_checkpoint",
     "layer_ranges",
     "load_params",
@@ -150,6 +155,30 @@ def resolved_model_config(model: ModelConfig, shape: ModelShape) -> ModelConfig:
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     arch = {k: v for k, v in shape_fields(shape).items() if k in fields}
     return dataclasses.replace(model, **arch)
+
+
+def flat_config(cfg: Any) -> dict[str, Any]:
+    """A config dataclass as {dotted key: value}, values as JSON reads them back (tuples become lists)."""
+
+    def walk(prefix: str, node: Any, out: dict[str, Any]) -> dict[str, Any]:
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                walk(f"{prefix}{key}.", value, out)
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    return walk("", json.loads(json.dumps(dataclasses.asdict(cfg))), {})
+
+
+def config_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """`key: saved -> now` for every key whose value differs between two flat configs, sorted by key."""
+    missing = "(absent)"
+    return [
+        f"{key}: {saved.get(key, missing)!r} -> {now.get(key, missing)!r}"
+        for key in sorted(saved.keys() | now.keys())
+        if saved.get(key, missing) != now.get(key, missing)
+    ]
 
 
 def check_shape(saved: Mapping[str, Any], shape: ModelShape, path: str) -> None:
@@ -553,7 +582,21 @@ class Checkpointer:
             raise CheckpointError(f"resuming from {path} failed on rank(s) {failed} (see their messages)")
         self.saved_step = step
         self._say(f"resumed from {path} at step {step}")
+        self._say_config_changes(path)
         return step
+
+    def _say_config_changes(self, path: str) -> None:
+        if not self.groups.is_logging_rank:
+            return
+        saved = read_meta(path).get("config")
+        if saved is None:
+            self._say("the checkpoint stores no config to compare this run's with")
+            return
+        changes = config_changes(saved, flat_config(self.c.cfg))
+        self._say(
+            f"{len(changes)} config key(s) differ from the checkpoint's; this run uses its own values"
+            + "".join(f"\n  {line}" for line in changes)
+        )
 
     def _load(self, path: str) -> int:
         meta = read_meta(path)
@@ -589,6 +632,7 @@ class Checkpointer:
             "roles": sorted(self.roles),
             "shape": shape_fields(c.shape),
             "model": dataclasses.asdict(resolved_model_config(c.cfg.model, c.shape)),
+            "config": flat_config(c.cfg),
             "source_hf_config": source,
             "tokenizer_dir": tokenizer_dir_of(c),
             "special_token_ids": {

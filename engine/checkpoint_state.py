@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.policy import MegatronRole, sub_optimizers, use_fused_adam
+from engine.policy import MegatronRole, sub_optimizers, torch_optimizers, use_fused_adam
 from parallel.layout import TrainLayout
 from parallel.rollout_weights import global_param_names
 from parallel.state import ProcessGroups
@@ -114,11 +114,26 @@ def _unshare_state(optimizer: torch.optim.Optimizer) -> None:
                 seen.add(id(value))
 
 
+def _hyperparameters(role: MegatronRole) -> list[list[dict[str, Any]]]:
+    """Every setting of the role's torch param groups (betas, eps, max_lr/min_lr, wd_mult, ...), per optimizer."""
+    return [
+        [{k: v for k, v in group.items() if k != "params"} for group in inner.param_groups]
+        for inner in torch_optimizers(role.optimizer)
+    ]
+
+
 @torch.no_grad()
 def load_role_state(role: MegatronRole, state: Mapping[str, Any], where: str) -> None:
     """Load a saved role state into the live role (parameters in place, see `load_params`), then its
-    optimizer and LR schedule."""
+    optimizer state and the position in the LR schedule.
+
+    The current config decides every hyperparameter: megatron's and torch's `load_state_dict` restore the
+    saved param groups (betas, eps, weight decay, max/min lr), so the groups' settings as built from the
+    config are put back after it, and the schedule (built from the config) is only moved to the saved
+    count of applied optimizer steps. From the checkpoint come the parameters, Adam's moments and step
+    counters, fp32 main parameters and the float16 loss scaler's state."""
     load_params(global_param_names(role.chunks, _layer_ranges(role)), state["model"], where)
+    built = _hyperparameters(role)
     subs = sub_optimizers(role.optimizer)
     if len(subs) != len(state["optimizer"]):
         raise CheckpointError(
@@ -129,15 +144,13 @@ def load_role_state(role: MegatronRole, state: Mapping[str, Any], where: str) ->
         if _is_distributed(sub):
             sub.load_parameter_state_from_dp_reshardable(_mark_unpadded(entry["param_state"]))
         _unshare_state(sub.optimizer)
+    for inner, groups in zip(torch_optimizers(role.optimizer), built):
+        for group, settings in zip(inner.param_groups, groups):
+            group.update(settings)
     if role.groups.device.type == "cuda":
         use_fused_adam(role.optimizer)
-    try:
-        role.scheduler.load_state_dict(state["scheduler"])
-    except AssertionError as err:
-        raise CheckpointError(
-            f"{where}: the LR schedule differs from the checkpoint's ({err}). Fix: resume with the same "
-            f"optim.*, trainer.total_steps, algorithm.ppo_epochs and algorithm.num_mini_batches"
-        ) from None
+    role.scheduler.num_steps = 0
+    role.scheduler.step(increment=int(state["scheduler"]["num_steps"]))  # sets lr and weight decay
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

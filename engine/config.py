@@ -197,6 +197,8 @@ class OptimConfig:
     """Global grad-norm clip (0 = off)."""
     distributed_optimizer: bool = False
     """Shard optimizer state over DP ranks (megatron's distributed optimizer)."""
+    initial_loss_scale: float = 65536.0
+    """model.dtype=float16: the dynamic loss scale to start from (halved after overflows, which skip the step)."""
 
 
 @dataclass

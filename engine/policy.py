@@ -50,11 +50,14 @@ class ResponseStats:
 
 @dataclass
 class StepStats:
-    """Result of one optimizer step."""
+    """Result of one optimizer step: `skipped` when float16 gradients overflowed (no update, the LR schedule
+    does not advance, `grad_norm` is 0); `loss_scale` is the scale the next backward multiplies the loss by
+    (1 unless model.dtype=float16)."""
 
     grad_norm: float
     lr: float
     skipped: bool
+    loss_scale: float = 1.0
 
 
 class MegatronRole:
@@ -113,12 +116,16 @@ class MegatronRole:
                 fp16=shape.dtype == torch.float16,
                 params_dtype=shape.dtype,
                 use_distributed_optimizer=optim.distributed_optimizer,
+                initial_loss_scale=optim.initial_loss_scale,
             ),
             self.chunks,
             use_gloo_process_groups=groups.device.type == "cpu",  # NCCL runs create no gloo groups
         )
         if groups.device.type == "cuda":
             use_fused_adam(self.optimizer)
+        # megatron's schedule multiplies each micro-batch loss by this before its backward; the optimizer
+        # divides the gradients by the same scale (float16's dynamic loss scale; 1 for bfloat16/float32)
+        config.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if optim.lr_warmup_steps else optim.lr,
@@ -190,7 +197,12 @@ class MegatronRole:
         lr = self.optimizer.param_groups[0]["lr"]
         if ok:
             self.scheduler.step(increment=1)
-        return StepStats(grad_norm=float(grad_norm or 0.0), lr=float(lr), skipped=not ok)
+        return StepStats(
+            grad_norm=float(grad_norm or 0.0),
+            lr=float(lr),
+            skipped=not ok,
+            loss_scale=float(self.optimizer.get_loss_scale()),
+        )
 
     def broadcast_from_last_stage(
         self, tensor: torch.Tensor | None, shape: tuple, dtype: torch.dtype

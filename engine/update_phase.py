@@ -34,11 +34,12 @@ def run_updates(
     temperature: float = 1.0,
 ) -> dict[str, float]:
     """Run the updates; returns {names ending in "loss": mean per optimizer step (loss_fn returns each
-    micro-batch's share), other names: means over valid tokens of all updates, "grad_norm": mean, "lr": last},
-    identical on every rank."""
+    micro-batch's share), other names: means over valid tokens of all updates, "grad_norm": mean over the
+    applied optimizer steps (0 if none), "lr": last, "loss_scale": after the last optimizer step,
+    "skipped_steps": optimizer steps skipped because float16 gradients overflowed}, identical on every rank."""
     g = role.groups
     sums = torch.zeros(len(metric_names) + 1, dtype=torch.float64)
-    grad_norms, lrs = [], []
+    grad_norms, lrs, skipped = [], [], 0
     rows_per_mini = exp.num_rows // alg.num_mini_batches
     gen = torch.Generator().manual_seed(seed)
     for _ in range(alg.ppo_epochs):
@@ -58,7 +59,10 @@ def run_updates(
                     [float(o[k]) for k in metric_names] + [float(o["tokens"])], dtype=torch.float64
                 )
             stats = role.optimizer_step()
-            grad_norms.append(stats.grad_norm)
+            if stats.skipped:
+                skipped += 1
+            else:
+                grad_norms.append(stats.grad_norm)
             lrs.append(stats.lr)
     # metrics live on the last PP stage, once per TP group: sum them onto every rank
     if not (g.is_last_stage and g.tp_rank == 0):
@@ -72,8 +76,10 @@ def run_updates(
         name: float(sums[i]) / (steps if name.endswith("loss") else tokens)
         for i, name in enumerate(metric_names)
     }
-    out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    out["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
     out["lr"] = lrs[-1]
+    out["loss_scale"] = stats.loss_scale
+    out["skipped_steps"] = skipped
     return out
 
 

@@ -372,6 +372,7 @@ def _validate_optim(cfg: TrainConfig) -> None:
         _fail("optim.clip_grad", o.clip_grad, "must be >= 0", "use 1.0, or 0 to turn clipping off")
     if o.lr_warmup_steps < 0:
         _fail("optim.lr_warmup_steps", o.lr_warmup_steps, "must be >= 0", "use 0 for no warm-up")
+    _positive("optim.initial_loss_scale", o.initial_loss_scale)
     _positive("cluster.peak_tflops", cfg.cluster.peak_tflops)
 
 

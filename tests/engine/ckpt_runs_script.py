@@ -43,6 +43,7 @@ ROOT = sys.argv[1]
 CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf")
 SHORT = [
     "trainer.total_steps=4",
+    "optim.lr_decay=linear",  # the LR changes every step: a resume must land on the right point of it
     "trainer.progress_bar=false",
     "trainer.loggers=[jsonl]",
     "data.batch_size=8",
@@ -185,6 +186,7 @@ def single_process() -> None:
     run("resumed", [*KL_CTRL, f"trainer.resume={ROOT}/ref/checkpoints/global_step_2"])
     worst = assert_same_steps(metrics("ref"), metrics("resumed"), [3, 4], "resume from path")
     result(check="resume_path", world=1, max_abs_diff=worst)
+    resume_with_changed_config()
 
     # the trainer with both offloads on (and saving through them) trains bit-identically
     run(
@@ -264,6 +266,40 @@ def single_process() -> None:
     assert read_hf_config(f"{ROOT}/ref/hf_actor") == read_hf_config(f"{ROOT}/cli_export")
     assert os.path.isfile(f"{ROOT}/cli_export/tokenizer.json")
     result(check="export_cli", tensors=len(a.file_of))
+
+
+def resume_with_changed_config() -> None:
+    """A 2-step PPO run resumed with trainer.total_steps=4 and other optim.* follows the current config: the
+    actor's and critic's LR at steps 3-4 equal a fresh 4-step run's with that config, the param groups hold
+    its betas/eps/weight decay, and the resume message names every changed key."""
+    ppo = ["algorithm=ppo", "trainer.save_freq=2"]
+    changed = ["optim.lr=0.002", "optim.adam_beta1=0.8", "optim.adam_eps=1e-06", "optim.weight_decay=0.01"]
+    run("two_steps", [*ppo, "trainer.total_steps=2"])
+    run("fresh_changed", [*ppo, *changed])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        c = run("extended", [*ppo, *changed, f"trainer.resume={ROOT}/two_steps/checkpoints/global_step_2"])
+    want = {r["step"]: r for r in metrics("fresh_changed")}
+    got = {r["step"]: r for r in metrics("extended")}
+    assert sorted(got) == [3, 4], sorted(got)
+    lrs = {}
+    for key in ("actor/lr", "critic/lr"):
+        lrs[key] = [got[step][key] for step in (3, 4)]
+        assert lrs[key] == [want[step][key] for step in (3, 4)] and min(lrs[key]) > 0, (key, got, want)
+    for role in (c.actor, c.critic):
+        for group in role.optimizer.param_groups:
+            assert group["betas"] == (0.8, 0.999) and group["eps"] == 1e-06, group
+            assert group["weight_decay"] == 0.01 * group["wd_mult"], group
+    text = printed.getvalue()
+    for line in (
+        "trainer.total_steps: 2 -> 4",
+        "optim.lr: 0.001 -> 0.002",
+        "optim.adam_beta1: 0.9 -> 0.8",
+        "optim.adam_eps: 1e-08 -> 1e-06",
+        "optim.weight_decay: 0.0 -> 0.01",
+    ):
+        assert line in text, (line, text)
+    result(check="resume_changed_config", lrs=lrs, message=text.strip().splitlines()[-8:])
 
 
 # ---- world size 4 ----------------------------------------------------------------------------------------

@@ -48,11 +48,19 @@ def _results(out: str) -> dict[str, list[dict]]:
 
 @pytest.mark.slow
 def test_world1_resume_crash_offload_export(tmp_path):
-    """One process: resume from a path (steps 3-4 equal), a crash mid-save then resume=auto, keep-last-N,
-    a fresh run refused in a used directory, resume=auto past a truncated newest checkpoint, a layout
-    mismatch, offload in the trainer (bit-identical), HF export at the end and by the CLI."""
+    """One process: resume from a path (steps 3-4 equal), a resume with a longer run and other optim.*
+    (the LR follows the current config), a crash mid-save then resume=auto, keep-last-N, a fresh run
+    refused in a used directory, resume=auto past a truncated newest checkpoint, a layout mismatch,
+    offload in the trainer (bit-identical), HF export at the end and by the CLI."""
     found = _results(run_torchrun(SCRIPT, 1, [str(tmp_path / "runs")]))
-    for check in ("export_parity", "offload_bytes", "resume_path", "offload_training", "crash_resume_auto"):
+    for check in (
+        "export_parity",
+        "offload_bytes",
+        "resume_path",
+        "resume_changed_config",
+        "offload_training",
+        "crash_resume_auto",
+    ):
         assert check in found, f"missing {check}: {sorted(found)}"
     assert {"fresh_refused", "damaged_newest_skipped"} <= set(found), sorted(found)
     assert found["export_parity"][0]["max_abs_diff"] <= 5e-5

@@ -69,6 +69,7 @@ BAD = [
     (["optim.lr=0"], 1, "optim.lr"),
     (["optim.lr_decay=step"], 1, "optim.lr_decay"),
     (["optim.min_lr=1"], 1, "optim.min_lr"),
+    (["optim.initial_loss_scale=0"], 1, "optim.initial_loss_scale"),
     (["trainer.loggers=[console,mlflow]"], 1, "trainer.loggers"),
     (["trainer.resume=/no/such/checkpoint"], 1, "trainer.resume"),
     (["cluster.device=tpu"], 1, "cluster.device"),
