@@ -284,6 +284,27 @@ def _validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
         _fail("rollout.gpu_memory_utilization", r.gpu_memory_utilization, "must lie in (0, 1)", "use 0.5")
     if not r.log_probs:
         _validate_without_rollout_log_probs(cfg)
+    if r.backend == "vllm" and r.log_probs:
+        _validate_vllm_log_probs(cfg)
+
+
+def _validate_vllm_log_probs(cfg: TrainConfig) -> None:
+    """vLLM's log-probs are taken before temperature or after top-p/top-k truncation
+    (engine/rollout/vllm_backend.py): refuse the sampling settings where neither is the full distribution at the
+    temperature, which the training forward computes."""
+    from engine.rollout.vllm_backend import full_log_probs_mode
+
+    r = cfg.rollout
+    if full_log_probs_mode(r.temperature, r.top_p, r.top_k) is None:
+        _fail(
+            "rollout.temperature",
+            r.temperature,
+            f"with rollout.backend=vllm and rollout.top_p={r.top_p}, rollout.top_k={r.top_k}, vLLM returns "
+            "log-probs either before temperature or over the top-p/top-k truncated distribution, never the "
+            "full distribution at the temperature that the training forward computes",
+            "set rollout.temperature=1.0, or rollout.top_p=1.0 and rollout.top_k=0, or rollout.log_probs=false "
+            "(not with algorithm.tis_cap > 0), or rollout.backend=native",
+        )
 
 
 def _validate_without_rollout_log_probs(cfg: TrainConfig) -> None:

@@ -118,6 +118,29 @@ def test_vllm_needs_rollout_tp_one_or_full():
     _validate_rollout(cfg, ParallelDims(world_size=4, tp=4))
 
 
+def test_vllm_log_probs_with_truncation_need_temperature_one():
+    """vLLM's log-probs are raw (before temperature) or processed (after top-p/top-k truncation): with top-p or
+    top-k at T != 1 neither is the full distribution at T, so rollout.log_probs must be off there."""
+    from engine.validate import _validate_rollout
+    from parallel.dims import ParallelDims
+
+    dims = ParallelDims(world_size=1, tp=1)
+    for overrides in (["rollout.top_p=0.9"], ["rollout.top_k=20"], ["rollout.temperature=0.7"]):
+        cfg = composed("rollout.backend=vllm", *overrides)
+        cfg.cluster.device = "cuda"  # checked on its own before this rule; pretend a GPU is visible
+        _validate_rollout(cfg, dims)
+    cfg = composed("rollout.backend=vllm", "rollout.top_p=0.9", "rollout.temperature=0.7")
+    cfg.cluster.device = "cuda"
+    with pytest.raises(
+        ConfigError, match=r"rollout.temperature=0.7.*rollout.top_p=0.9.*Fix: set rollout.temp"
+    ):
+        _validate_rollout(cfg, dims)
+    cfg.rollout.log_probs = False
+    _validate_rollout(cfg, dims)
+    cfg.rollout.backend, cfg.rollout.log_probs = "native", True  # the native sampler gives them at any T
+    _validate_rollout(cfg, dims)
+
+
 def test_rollout_log_probs_off_runs_the_old_forward_for_a_kl_in_the_reward_and_refuses_tis():
     """Without rollout log-probs a KL in the reward gets the policy's log-probs from the old-log-prob forward
     (engine/config.py needs_old_log_prob_forward, the rule the trainer applies); only TIS, which needs the
