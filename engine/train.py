@@ -15,7 +15,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from engine.config import register_configs, to_dataclass
-from engine.validate import validate
+from engine.metrics import run_header
+from engine.validate import ignored_key_warnings, validate
 from parallel.launch import explain_rank_failures, read_launch_env
 from parallel.state import destroy_distributed, init_distributed, world_size_from_env
 
@@ -35,6 +36,7 @@ def main(raw: DictConfig) -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lines list every parameter bucket
     cfg = to_dataclass(raw)
     dims = validate(cfg, world_size_from_env())
+    warnings = ignored_key_warnings(cfg)
     groups = init_distributed(dims, cfg.cluster.device, cfg.cluster.timeout_s, cfg.trainer.seed)
     try:
         from engine.setup import build_components
@@ -42,6 +44,8 @@ def main(raw: DictConfig) -> None:
 
         with explain_rank_failures(groups.rank, dims.world_size, cfg.cluster.timeout_s):
             output_dir = _output_dir(cfg.trainer.output_dir)
+            if groups.rank == 0:
+                print(run_header(cfg, dims, output_dir, warnings), flush=True)
             Trainer(build_components(cfg, groups, output_dir)).fit()
     finally:
         destroy_distributed()

@@ -446,3 +446,74 @@ def _validate_reward(cfg: TrainConfig) -> None:
             "would be ignored: reward.combine=model scores with the reward model alone",
             "set reward.combine=sum to add it to the model's score, or reward.fn=''",
         )
+
+
+def _ignored_key_rules(cfg: TrainConfig) -> list[tuple[str, bool, str]]:
+    """(key, whether this combination of settings ignores it, why) for the keys that only some runs read."""
+    a, r, d, t = cfg.algorithm, cfg.rollout, cfg.data, cfg.trainer
+    not_gae = a.adv_estimator != "gae"
+    gae_only = "only algorithm.adv_estimator=gae (PPO) has a critic"
+    kl_rewardless = "it drives the KL-in-reward coefficient, and algorithm.kl_in_reward=false"
+    return [
+        ("critic.path", not_gae, gae_only),
+        ("critic.lr", not_gae, gae_only),
+        ("critic.lr_warmup_steps", not_gae, gae_only),
+        ("algorithm.value_clip", not_gae, gae_only),
+        ("algorithm.lam", not_gae, "GAE's lambda: only algorithm.adv_estimator=gae reads it"),
+        (
+            "algorithm.gamma",
+            a.adv_estimator not in ("gae", "reinforce_pp"),
+            f"algorithm.adv_estimator={a.adv_estimator} scores whole responses (no discounting)",
+        ),
+        (
+            "algorithm.norm_adv_by_std",
+            a.adv_estimator != "grpo",
+            "only algorithm.adv_estimator=grpo divides by the group std",
+        ),
+        ("algorithm.kl_ctrl", not a.kl_in_reward, kl_rewardless),
+        (
+            "algorithm.kl_target",
+            not a.kl_in_reward or a.kl_ctrl != "adaptive",
+            "only algorithm.kl_ctrl=adaptive",
+        ),
+        (
+            "algorithm.kl_horizon",
+            not a.kl_in_reward or a.kl_ctrl != "adaptive",
+            "only algorithm.kl_ctrl=adaptive",
+        ),
+        (
+            "algorithm.kl_estimator",
+            a.kl_loss_coef == 0 and not a.kl_in_reward,
+            "no KL is computed (algorithm.kl_loss_coef=0, algorithm.kl_in_reward=false)",
+        ),
+        ("algorithm.clip_ratio_c", a.policy_loss == "gspo", "algorithm.policy_loss=gspo has no dual clip"),
+        ("algorithm.overlong_penalty", a.overlong_buffer_len == 0, "algorithm.overlong_buffer_len=0 (off)"),
+        ("algorithm.max_sampling_rounds", not a.dynamic_sampling, "algorithm.dynamic_sampling=false"),
+        ("optim.min_lr", cfg.optim.lr_decay == "constant", "optim.lr_decay=constant never decays to it"),
+        ("rollout.keep_rollout_weights", r.weight_sync == "naive", "rollout.weight_sync=naive gathers anew"),
+        ("rollout.gpu_memory_utilization", r.backend != "vllm", "only rollout.backend=vllm reads it"),
+        (
+            "rollout.kv_cache_memory_fraction",
+            r.backend != "native" or cfg.cluster.device != "cuda",
+            "only rollout.backend=native on cluster.device=cuda reads it",
+        ),
+        ("rollout.val_temperature", t.test_freq == 0, "trainer.test_freq=0: no validation"),
+        ("trainer.max_checkpoints", t.save_freq == 0, "trainer.save_freq=0: no checkpoints"),
+        ("data.embedded_task", bool(d.train_files), "data.train_files is set"),
+        ("data.embedded_digits", bool(d.train_files), "data.train_files is set"),
+        ("reward.combine", not cfg.reward.model_path, "no reward.model_path"),
+        ("cluster.peak_tflops", cfg.cluster.device == "cpu", "no MFU is computed on CPU"),
+    ]
+
+
+def ignored_key_warnings(cfg: TrainConfig) -> list[str]:
+    """One warning line per key set to a value other than the schema's default that this run ignores (the
+    entry point prints them once, on rank 0, in the run header)."""
+    default = TrainConfig()
+    lines = []
+    for key, ignored, why in _ignored_key_rules(cfg):
+        group, name = key.split(".")
+        value = getattr(getattr(cfg, group), name)
+        if ignored and value != getattr(getattr(default, group), name):
+            lines.append(f"warning: {key}={value!r} is ignored: {why}")
+    return lines
