@@ -84,6 +84,7 @@ def _validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
             "is not a directory",
             "point model.path at a local Hugging Face checkpoint directory",
         )
+    _validate_tokenizer_source(cfg)
     _one_of("model.dtype", m.dtype, DTYPES)
     for key, value in (
         ("model.num_layers", m.num_layers),
@@ -135,6 +136,25 @@ def _validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
             longest,
             f"must be <= model.max_position_embeddings={m.max_position_embeddings}",
             "shorten prompts/responses or raise model.max_position_embeddings",
+        )
+
+
+def _validate_tokenizer_source(cfg: TrainConfig) -> None:
+    """An empty model.tokenizer_path means model.path's tokenizer (the embedded task included): refuse a
+    model.path without one rather than tokenise with something else."""
+    from engine.data import TOKENIZER_FILES
+
+    m = cfg.model
+    if m.tokenizer_path or not m.path or not os.path.isdir(m.path):
+        return
+    if not any(os.path.isfile(os.path.join(m.path, name)) for name in TOKENIZER_FILES):
+        _fail(
+            "model.path",
+            m.path,
+            f"model.tokenizer_path is empty, so the tokenizer is model.path's, but {m.path} has no tokenizer "
+            f"files (looked for {', '.join(TOKENIZER_FILES)})",
+            f"save the model's tokenizer into {m.path} (tokenizer.save_pretrained), or set "
+            "model.tokenizer_path to a directory that has one",
         )
 
 

@@ -186,9 +186,11 @@ def test_adaptive_kl_coefficient_moves(runs):
 def test_critic_loads_its_backbone_from_the_checkpoint_with_a_zero_head(tmp_path):
     import hf_tiny
 
+    from engine.tasks import build_embedded_tokenizer
     from engine.trainer import Trainer
 
     actor_dir = hf_tiny.save_tiny("qwen2", str(tmp_path / "actor"), seed=0)
+    build_embedded_tokenizer(actor_dir)  # the embedded task tokenises with model.path's tokenizer
     critic_dir = hf_tiny.save_tiny("qwen2", str(tmp_path / "critic"), seed=7, head="token")
 
     def params(role):
