@@ -17,7 +17,8 @@ Advantages (algorithms/advantages.py). Names: gae, grpo, rloo, opo, reinforce_pp
         grpo                   scores_b, group_index_b; norm_by_std (False = Dr.GRPO), eps
         rloo, opo, reinforce_pp_baseline   scores_b, group_index_b
         reinforce_pp           token_rewards_bt; gamma (always whitened)
-        remax                  scores_b, baseline_scores_b (score of the greedy response to the same prompt)
+        remax                  token_rewards_bt, baseline_scores_b (score of the greedy response to the same
+                               prompt): reward-to-go minus baseline per token, as verl's remax
     scores_b (batch,) float: one reward per response (with KL in the reward: the sum over valid tokens of
     token_rewards_bt). group_index_b (batch,) int: prompt id per response; groups need not be adjacent,
     but a group must be entirely in the call. A group of one has no baseline (advantage = its score).

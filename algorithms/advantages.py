@@ -23,12 +23,12 @@ Inputs (a missing required one raises ValueError naming it; unused ones are igno
     opo                    scores_b, group_index_b        s - sum(len * s) / sum(len) over the group
     reinforce_pp           token_rewards_bt               discounted return-to-go, whitened over valid tokens
     reinforce_pp_baseline  scores_b, group_index_b        s - group mean, whitened over valid tokens
-    remax                  scores_b, baseline_scores_b    s - baseline_s
+    remax                  token_rewards_bt, baseline_s   reward-to-go of the token rewards - baseline_s (verl)
 
 Outputs: advantages_bt and returns_bt, both (batch, resp_len), zero on padding. returns_bt is the value
 target (GAE: advantages + values before whitening; reinforce_pp: discounted return-to-go; the outcome
-estimators: the score on every valid token). If KL is in the reward, pass the KL-shaped sequence reward
-as scores_b (the sum of token_rewards_bt over valid tokens), as verl does.
+estimators: the score on every valid token; remax: the reward-to-go). If KL is in the reward, pass the
+KL-shaped sequence reward as scores_b (the sum of token_rewards_bt over valid tokens), as verl does.
 
 Departures and choices, on purpose:
 - A group of one response has no baseline: its advantage is its raw score (grpo, rloo, opo,
@@ -305,8 +305,15 @@ def remax_advantages(
     whiten: bool = True,
     eps: float = 1e-6,
 ) -> tuple[Tensor, Tensor]:
-    """ReMax (Li et al. 2023): score minus the score of the greedy response to the same prompt."""
+    """ReMax (Li et al. 2023) as verl's compute_remax_outcome_advantage: at each valid token, the (undiscounted)
+    reward-to-go of the token rewards minus the score of the greedy response to the same prompt. Without a KL
+    in the reward that is score - baseline on every token; with it, each token's advantage carries only the KL
+    penalties of the tokens from it onwards. returns_bt: the reward-to-go."""
     mask_bt = check_mask(mask_bt)
-    scores_b = _check_scores(scores_b, mask_bt)
+    rewards_bt = check_like_mask(token_rewards_bt, "token_rewards_bt", mask_bt)
     baseline_scores_b = _check_scores(baseline_scores_b, mask_bt, "baseline_scores_b")
-    return _outcome(scores_b, scores_b - baseline_scores_b, mask_bt)
+    zero = torch.zeros((), dtype=rewards_bt.dtype, device=rewards_bt.device)
+    rewards_bt = torch.where(mask_bt, rewards_bt, zero)
+    returns_bt = torch.where(mask_bt, rewards_bt.flip(-1).cumsum(-1).flip(-1), zero)  # (batch, resp_len)
+    advantages_bt = torch.where(mask_bt, returns_bt - baseline_scores_b[:, None].to(returns_bt.dtype), zero)
+    return advantages_bt, returns_bt

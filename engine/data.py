@@ -253,7 +253,8 @@ def load_tokenizer(path: str, key: str = "model.path"):
         )
     if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
         raise ValueError(
-            f"{key}={path}: no tokenizer files (looked for {list(TOKENIZER_FILES)}). Fix: save the tokenizer there"
+            f"{key}={path}: no tokenizer files (looked for {list(TOKENIZER_FILES)}). Fix: save the model's "
+            "tokenizer there (tokenizer.save_pretrained), or set model.tokenizer_path to a directory that has one"
         )
     from transformers import AutoTokenizer
 

@@ -15,6 +15,20 @@ import time
 import torch
 
 
+def run_header(cfg, dims, output_dir: str, warnings: list[str]) -> str:
+    """The lines a run prints once (rank 0) when it starts: the presets (model.name, algorithm.name,
+    cluster.name) and what they resolve to, the layout, the output directory, then `warnings` (one per line).
+    `cfg`: engine.config.TrainConfig; `dims`: parallel.dims.ParallelDims."""
+    m, a, r = cfg.model, cfg.algorithm, cfg.rollout
+    lines = [
+        f"run: model={m.name} ({m.path or 'random init'}) algorithm={a.name} (adv_estimator={a.adv_estimator}, "
+        f"policy_loss={a.policy_loss}) cluster={cfg.cluster.name} ({cfg.cluster.device})",
+        f"run: world {dims.world_size} = tp {dims.tp} x pp {dims.pp} x dp {dims.dp}; rollout {r.backend} tp {r.tp}; "
+        f"{cfg.trainer.total_steps} steps of {cfg.data.batch_size} prompts x {r.n}; output_dir {output_dir}",
+    ]
+    return "\n".join(lines + list(warnings))
+
+
 class PhaseTimer:
     """Wall-clock seconds per phase of a step (`timing/<phase>`), device-synchronised on GPU; on CUDA also
     the peak allocated memory of each phase (`perf/max_memory_allocated_gb/<phase>`: the peak statistics

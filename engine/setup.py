@@ -56,15 +56,15 @@ class Components:
 def _data_files(cfg: TrainConfig, output_dir: str) -> tuple[str, list[str], list[str]]:
     """Tokenizer dir, train files and val files; the embedded task writes its own into output_dir."""
     d = cfg.data
+    tok = cfg.model.tokenizer_path or cfg.model.path  # model.path's tokenizer unless one is named
     if d.train_files:
-        tok = cfg.model.tokenizer_path or cfg.model.path
         if not tok:
             raise ValueError(
                 "data.train_files is set but no tokenizer: set model.path or model.tokenizer_path"
             )
         return tok, list(d.train_files), list(d.val_files)
     root = os.path.join(output_dir, "embedded")
-    tok = cfg.model.tokenizer_path or build_embedded_tokenizer(os.path.join(root, "tokenizer"))
+    tok = tok or build_embedded_tokenizer(os.path.join(root, "tokenizer"))  # random init: the character one
     seed = cfg.trainer.seed
     train = write_embedded_dataset(root, d.embedded_task, EMBEDDED_TRAIN_ROWS, d.embedded_digits, seed)
     val = write_embedded_dataset(
@@ -175,7 +175,9 @@ def _variable_shapes(roles: list[MegatronRole | None], cfg: TrainConfig, pp: int
 def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -> Components:
     dims = groups.dims
     tok_dir, train_files, val_files = _data_files(cfg, output_dir)
-    tokenizer = load_tokenizer(tok_dir, key="model.tokenizer_path")
+    tokenizer = load_tokenizer(
+        tok_dir, key="model.path" if tok_dir == cfg.model.path else "model.tokenizer_path"
+    )
     records, counts = load_prompt_dataset(train_files, tokenizer, cfg.data.max_prompt_len, cfg.data.bad_rows)
     if groups.is_logging_rank and (counts["too_long"] or counts["bad"]):
         print(

@@ -16,8 +16,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from engine.config import register_configs, to_dataclass
+from engine.metrics import run_header
 from engine.run_dir import claimed_output_dir
-from engine.validate import validate
+from engine.startup import errors_only, kernels_line
+from engine.validate import ignored_key_warnings, validate
 from parallel.launch import explain_rank_failures, read_launch_env
 from parallel.state import destroy_distributed, init_distributed, world_size_from_env
 
@@ -35,8 +37,11 @@ def _output_dir(configured: str) -> str:
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(raw: DictConfig) -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lines list every parameter bucket
+    if read_launch_env().rank != 0:
+        errors_only()
     cfg = to_dataclass(raw)
     dims = validate(cfg, world_size_from_env())
+    warnings = ignored_key_warnings(cfg)
     groups = init_distributed(dims, cfg.cluster.device, cfg.cluster.timeout_s, cfg.trainer.seed)
     try:
         from engine.setup import build_components
@@ -44,6 +49,9 @@ def main(raw: DictConfig) -> None:
 
         with explain_rank_failures(groups.rank, dims.world_size, cfg.cluster.timeout_s):
             output_dir = _output_dir(cfg.trainer.output_dir)
+            if groups.rank == 0:
+                print(run_header(cfg, dims, output_dir, warnings), flush=True)
+                print(kernels_line(groups.device.type), flush=True)
             with claimed_output_dir(output_dir, cfg.trainer, groups):
                 Trainer(build_components(cfg, groups, output_dir)).fit()
     finally:

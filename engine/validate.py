@@ -84,6 +84,7 @@ def _validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
             "is not a directory",
             "point model.path at a local Hugging Face checkpoint directory",
         )
+    _validate_tokenizer_source(cfg)
     _one_of("model.dtype", m.dtype, DTYPES)
     for key, value in (
         ("model.num_layers", m.num_layers),
@@ -135,6 +136,25 @@ def _validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
             longest,
             f"must be <= model.max_position_embeddings={m.max_position_embeddings}",
             "shorten prompts/responses or raise model.max_position_embeddings",
+        )
+
+
+def _validate_tokenizer_source(cfg: TrainConfig) -> None:
+    """An empty model.tokenizer_path means model.path's tokenizer (the embedded task included): refuse a
+    model.path without one rather than tokenise with something else."""
+    from engine.data import TOKENIZER_FILES
+
+    m = cfg.model
+    if m.tokenizer_path or not m.path or not os.path.isdir(m.path):
+        return
+    if not any(os.path.isfile(os.path.join(m.path, name)) for name in TOKENIZER_FILES):
+        _fail(
+            "model.path",
+            m.path,
+            f"model.tokenizer_path is empty, so the tokenizer is model.path's, but {m.path} has no tokenizer "
+            f"files (looked for {', '.join(TOKENIZER_FILES)})",
+            f"save the model's tokenizer into {m.path} (tokenizer.save_pretrained), or set "
+            "model.tokenizer_path to a directory that has one",
         )
 
 
@@ -284,6 +304,27 @@ def _validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
         _fail("rollout.gpu_memory_utilization", r.gpu_memory_utilization, "must lie in (0, 1)", "use 0.5")
     if not r.log_probs:
         _validate_without_rollout_log_probs(cfg)
+    if r.backend == "vllm" and r.log_probs:
+        _validate_vllm_log_probs(cfg)
+
+
+def _validate_vllm_log_probs(cfg: TrainConfig) -> None:
+    """vLLM's log-probs are taken before temperature or after top-p/top-k truncation
+    (engine/rollout/vllm_backend.py): refuse the sampling settings where neither is the full distribution at the
+    temperature, which the training forward computes."""
+    from engine.rollout.vllm_backend import full_log_probs_mode
+
+    r = cfg.rollout
+    if full_log_probs_mode(r.temperature, r.top_p, r.top_k) is None:
+        _fail(
+            "rollout.temperature",
+            r.temperature,
+            f"with rollout.backend=vllm and rollout.top_p={r.top_p}, rollout.top_k={r.top_k}, vLLM returns "
+            "log-probs either before temperature or over the top-p/top-k truncated distribution, never the "
+            "full distribution at the temperature that the training forward computes",
+            "set rollout.temperature=1.0, or rollout.top_p=1.0 and rollout.top_k=0, or rollout.log_probs=false "
+            "(not with algorithm.tis_cap > 0), or rollout.backend=native",
+        )
 
 
 def _validate_without_rollout_log_probs(cfg: TrainConfig) -> None:
@@ -435,3 +476,74 @@ def _validate_reward(cfg: TrainConfig) -> None:
             "would be ignored: reward.combine=model scores with the reward model alone",
             "set reward.combine=sum to add it to the model's score, or reward.fn=''",
         )
+
+
+def _ignored_key_rules(cfg: TrainConfig) -> list[tuple[str, bool, str]]:
+    """(key, whether this combination of settings ignores it, why) for the keys that only some runs read."""
+    a, r, d, t = cfg.algorithm, cfg.rollout, cfg.data, cfg.trainer
+    not_gae = a.adv_estimator != "gae"
+    gae_only = "only algorithm.adv_estimator=gae (PPO) has a critic"
+    kl_rewardless = "it drives the KL-in-reward coefficient, and algorithm.kl_in_reward=false"
+    return [
+        ("critic.path", not_gae, gae_only),
+        ("critic.lr", not_gae, gae_only),
+        ("critic.lr_warmup_steps", not_gae, gae_only),
+        ("algorithm.value_clip", not_gae, gae_only),
+        ("algorithm.lam", not_gae, "GAE's lambda: only algorithm.adv_estimator=gae reads it"),
+        (
+            "algorithm.gamma",
+            a.adv_estimator not in ("gae", "reinforce_pp"),
+            f"algorithm.adv_estimator={a.adv_estimator} scores whole responses (no discounting)",
+        ),
+        (
+            "algorithm.norm_adv_by_std",
+            a.adv_estimator != "grpo",
+            "only algorithm.adv_estimator=grpo divides by the group std",
+        ),
+        ("algorithm.kl_ctrl", not a.kl_in_reward, kl_rewardless),
+        (
+            "algorithm.kl_target",
+            not a.kl_in_reward or a.kl_ctrl != "adaptive",
+            "only algorithm.kl_ctrl=adaptive",
+        ),
+        (
+            "algorithm.kl_horizon",
+            not a.kl_in_reward or a.kl_ctrl != "adaptive",
+            "only algorithm.kl_ctrl=adaptive",
+        ),
+        (
+            "algorithm.kl_estimator",
+            a.kl_loss_coef == 0 and not a.kl_in_reward,
+            "no KL is computed (algorithm.kl_loss_coef=0, algorithm.kl_in_reward=false)",
+        ),
+        ("algorithm.clip_ratio_c", a.policy_loss == "gspo", "algorithm.policy_loss=gspo has no dual clip"),
+        ("algorithm.overlong_penalty", a.overlong_buffer_len == 0, "algorithm.overlong_buffer_len=0 (off)"),
+        ("algorithm.max_sampling_rounds", not a.dynamic_sampling, "algorithm.dynamic_sampling=false"),
+        ("optim.min_lr", cfg.optim.lr_decay == "constant", "optim.lr_decay=constant never decays to it"),
+        ("rollout.keep_rollout_weights", r.weight_sync == "naive", "rollout.weight_sync=naive gathers anew"),
+        ("rollout.gpu_memory_utilization", r.backend != "vllm", "only rollout.backend=vllm reads it"),
+        (
+            "rollout.kv_cache_memory_fraction",
+            r.backend != "native" or cfg.cluster.device != "cuda",
+            "only rollout.backend=native on cluster.device=cuda reads it",
+        ),
+        ("rollout.val_temperature", t.test_freq == 0, "trainer.test_freq=0: no validation"),
+        ("trainer.max_checkpoints", t.save_freq == 0, "trainer.save_freq=0: no checkpoints"),
+        ("data.embedded_task", bool(d.train_files), "data.train_files is set"),
+        ("data.embedded_digits", bool(d.train_files), "data.train_files is set"),
+        ("reward.combine", not cfg.reward.model_path, "no reward.model_path"),
+        ("cluster.peak_tflops", cfg.cluster.device == "cpu", "no MFU is computed on CPU"),
+    ]
+
+
+def ignored_key_warnings(cfg: TrainConfig) -> list[str]:
+    """One warning line per key set to a value other than the schema's default that this run ignores (the
+    entry point prints them once, on rank 0, in the run header)."""
+    default = TrainConfig()
+    lines = []
+    for key, ignored, why in _ignored_key_rules(cfg):
+        group, name = key.split(".")
+        value = getattr(getattr(cfg, group), name)
+        if ignored and value != getattr(getattr(default, group), name):
+            lines.append(f"warning: {key}={value!r} is ignored: {why}")
+    return lines

@@ -28,7 +28,7 @@ def build_rollout_engine(
             kv_cache_memory_fraction=r.kv_cache_memory_fraction,
         )
     if r.backend == "vllm":
-        from engine.rollout.vllm_backend import VllmRollout
+        from engine.rollout.vllm_backend import VllmRollout, full_log_probs_mode
 
         return VllmRollout(
             shape,
@@ -40,5 +40,7 @@ def build_rollout_engine(
             seed=seed,
             model_dir=model_dir or None,
             enforce_eager=not r.cuda_graphs,
+            # None (truncation at T != 1): engine/validate.py allows it only with rollout.log_probs=false
+            logprobs_mode=full_log_probs_mode(r.temperature, r.top_p, r.top_k) or "processed_logprobs",
         )
     raise ValueError(f"rollout.backend={r.backend!r} is not one of native, vllm")

@@ -30,10 +30,16 @@ used for some configurations, loops over seeded requests in Python at every step
 Log-probs: requested (`logprobs=0`: the sampled token's only) only when `SamplingParams.log_probs` is set,
 since they cost vLLM ~40% of its generation speed (one H200, Qwen2.5-0.5B: 37.6k -> 22.9k tokens/s;
 scripts/bench/vllm_sampling_cost.py); otherwise `logprobs=None` and `RolloutOutput.log_probs` is None.
-`logprobs_mode="processed_logprobs"`, i.e. after temperature and, where top-k/top-p are set, over the
-truncated distribution (vLLM renormalises there); without truncation this is the contract of
-engine/rollout/base.py (full-vocabulary softmax(logits / T); T = 1 when greedy, where vLLM applies no
-temperature).
+The contract of engine/rollout/base.py is the full-vocabulary softmax(logits / T) (T = 1 when greedy). vLLM
+0.26 offers two log-prob modes per engine (its V2 runner accepts only these two; vllm/v1/worker/gpu/sample/
+sampler.py): "raw_logprobs", log_softmax of the model's logits before temperature, and "processed_logprobs",
+log_softmax of the logits after temperature AND after top-k/top-p set the dropped tokens to -inf (so over the
+truncated, renormalised distribution). Neither is the full distribution at T != 1 with top-k/top-p on, and the
+sampled token's log-prob alone cannot be converted (that needs the dropped mass). `full_log_probs_mode` picks
+the mode that gives the contract for the run's sampling settings: processed without truncation (or greedy:
+vLLM turns top-k/top-p off and applies no temperature), raw with truncation at T = 1; it returns None for
+truncation at T != 1, which engine/validate.py refuses while rollout.log_probs is on and `generate` refuses
+for any request that asks for log-probs the engine's mode cannot give.
 """
 
 from __future__ import annotations
@@ -100,6 +106,21 @@ def row_seed(seed: int, row: int) -> int:
     return (seed * 1_000_003 + row) % (2**63 - 1)
 
 
+def full_log_probs_mode(temperature: float, top_p: float, top_k: int) -> str | None:
+    """vLLM's `logprobs_mode` whose log-probs are the full-vocabulary softmax(logits / temperature) for requests
+    sampled this way (module docstring), or None where neither mode gives them (top-k/top-p at T != 1)."""
+    if temperature == 0.0 or (top_p >= 1.0 and top_k <= 0):
+        return "processed_logprobs"
+    return "raw_logprobs" if temperature == 1.0 else None
+
+
+def _gives_full_log_probs(mode: str, sampling: SamplingParams) -> bool:
+    """Whether an engine in `mode` returns the contract's log-probs for `sampling` (module docstring)."""
+    if mode == "raw_logprobs":  # before temperature: right at T = 1, and greedy (the contract's T = 1)
+        return sampling.temperature in (0.0, 1.0)
+    return full_log_probs_mode(sampling.temperature, sampling.top_p, sampling.top_k) == "processed_logprobs"
+
+
 def _sampled_log_probs(completion) -> list[float]:
     """Log-prob of each generated token from a vLLM CompletionOutput requested with logprobs=0 (one
     {token id: Logprob} dict per generated token, the sampled token's entry always present)."""
@@ -155,7 +176,7 @@ class VllmRollout(RolloutEngine):
     `rollout_tp`: `rollout.tp` (vLLM's tensor_parallel_size). `model_dir`: a directory with the model's
     config.json (model.path), or None to write one from `shape`. `gpu_memory_utilization`, `max_num_seqs`:
     the `rollout.*` keys. `enforce_eager`: skip torch.compile and CUDA graphs (faster start, slower decode;
-    `rollout.cuda_graphs=false`).
+    `rollout.cuda_graphs=false`). `logprobs_mode`: vLLM's, from `full_log_probs_mode` of the run's sampling.
     """
 
     def __init__(
@@ -172,6 +193,7 @@ class VllmRollout(RolloutEngine):
         model_dir: str | None = None,
         enforce_eager: bool = False,
         sleep_level: int = 2,
+        logprobs_mode: str = "processed_logprobs",
     ):
         vllm = import_vllm()
         device = torch.device(device)
@@ -190,6 +212,7 @@ class VllmRollout(RolloutEngine):
         self.max_model_len = max_model_len or shape.max_position_embeddings
         self.sleep_level = sleep_level
         self.gpu_memory_utilization = gpu_memory_utilization
+        self.logprobs_mode = logprobs_mode
         # external_launcher needs the engine core in this process (vLLM asserts it; set it rather than fail)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # vLLM's worker takes cuda:LOCAL_RANK as its device; with one GPU per task (SLURM) that is not ours
@@ -207,7 +230,7 @@ class VllmRollout(RolloutEngine):
                 enable_sleep_mode=True,
                 enforce_eager=enforce_eager,
                 seed=seed,
-                logprobs_mode="processed_logprobs",
+                logprobs_mode=logprobs_mode,
             )
         self._vllm = vllm
         self.uses_v2_model_runner = bool(self.llm.llm_engine.vllm_config.use_v2_model_runner)
@@ -338,6 +361,14 @@ class VllmRollout(RolloutEngine):
         if self.weights is None:
             raise RuntimeError("VllmRollout.generate called before set_weights()")
         check_sampling(sampling)
+        if sampling.log_probs and not _gives_full_log_probs(self.logprobs_mode, sampling):
+            raise ValueError(
+                f"vLLM with logprobs_mode={self.logprobs_mode} cannot return log-probs of the full distribution at "
+                f"temperature={sampling.temperature} with top_p={sampling.top_p}, top_k={sampling.top_k} (raw: "
+                "before temperature; processed: over the top-p/top-k truncated distribution). Fix: "
+                "rollout.temperature=1.0, or rollout.top_p=1.0 and rollout.top_k=0, or rollout.log_probs=false, "
+                "or rollout.backend=native"
+            )
         new = sampling.max_new_tokens
         check_prompts(prompts, self.max_model_len - new, self.shape.vocab_size)
         rows = len(prompts) * sampling.n

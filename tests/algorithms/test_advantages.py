@@ -63,8 +63,22 @@ def test_opo_hand_example():
 
 def test_remax_hand_example():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    adv, _ = run("remax", mask_bt=mask, scores_b=t([1.0, 0.0]), baseline_scores_b=t([0.5, 0.5]))
+    rewards = t([[0.0, 1.0, GARBAGE], [0.0, GARBAGE, GARBAGE]])  # the score at the last valid token
+    adv, ret = run("remax", mask_bt=mask, token_rewards_bt=rewards, baseline_scores_b=t([0.5, 0.5]))
     torch.testing.assert_close(adv, t([[0.5, 0.5, 0.0], [-0.5, 0.0, 0.0]]), atol=0, rtol=0)
+    torch.testing.assert_close(ret, t([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]), atol=0, rtol=0)
+
+
+def test_remax_with_kl_in_the_reward_is_verls_reward_to_go():
+    """Score 1, baseline 0.5, KL penalties 0.1, 0.2, 0.3 (the last token's reward 1 - 0.3): verl's
+    compute_remax_outcome_advantage gives reward-to-go minus baseline per token, [0.4, 0.5, 0.7] - 0.5; the
+    KL-shaped sequence reward minus the baseline would be -0.1 on every token."""
+    mask = torch.tensor([[1, 1, 1, 0]])
+    rewards = t([[-0.1, -0.2, 0.7, 0.0]])
+    kwargs = dict(mask_bt=mask, token_rewards_bt=rewards, baseline_scores_b=t([0.5]))
+    adv, ret = run("remax", scores_b=rewards.sum(-1), **kwargs)  # what engine/advantage_phase.py passes
+    torch.testing.assert_close(adv, t([[-0.1, 0.0, 0.2, 0.0]]), atol=1e-12, rtol=0)
+    torch.testing.assert_close(ret, t([[0.4, 0.5, 0.7, 0.0]]), atol=1e-12, rtol=0)
 
 
 def test_reinforce_pp_baseline_hand_example():
@@ -255,6 +269,7 @@ def test_unknown_name_lists_known_ones():
         ("gae", {"values_bt": None}, "values_bt"),
         ("reinforce_pp", {"token_rewards_bt": torch.zeros(6, dtype=F64)}, "token_rewards_bt"),
         ("remax", {"baseline_scores_b": None}, "baseline_scores_b"),
+        ("remax", {"token_rewards_bt": None}, "token_rewards_bt"),
         ("opo", {"mask_bt": torch.ones(6)}, "mask_bt"),
     ],
 )

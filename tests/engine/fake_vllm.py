@@ -8,7 +8,12 @@ a tag that is not asleep makes wake_up a no-op), the external launcher's environ
 (vllm/v1/executor/uniproc_executor.py), stop checks (vllm/v1/core/sched/utils.py) and the output objects
 (vllm/outputs.py, vllm/logprobs.py; with `logprobs=None` a completion's `logprobs` and `cumulative_logprob` are
 None, as vllm/v1/engine/logprobs.py `LogprobsProcessor.from_new_request` leaves them). Its "model" draws tokens from the request seed alone: it checks how the
-backend drives vLLM, not numerics (the GPU tests do that).
+backend drives vLLM, not numerics (the GPU tests do that), unless a test hands `install` a `logits_fn`
+(token ids -> next-token logits): then each step runs vLLM 0.26's sampler (vllm/v1/worker/gpu/sample/
+sampler.py) on those logits: float32, temperature (not when greedy), top-k then top-p set dropped tokens to
+-inf (vllm/v1/sample/ops/topk_topp_sampler.py), a seeded draw; and the sampled token's log-prob follows
+`logprobs_mode`: "raw_logprobs" (vLLM's default) is log_softmax of the logits as the model returned them,
+"processed_logprobs" log_softmax of the logits the token was drawn from (after temperature and truncation).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import random
 import sys
 import types
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -84,8 +90,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be non-negative or -1, got {value}.")
         if not all(isinstance(t, int) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must contain only integers, got {self.stop_token_ids}.")
-        if self.temperature < 1e-5 and self.n > 1:
-            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+        if self.temperature < 1e-5:  # greedy: vLLM turns truncation off
+            self.top_p, self.top_k = 1.0, 0
+            if self.n > 1:
+                raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise ValueError(f"seed {self.seed} does not fit the sampler's int64 seeds")
 
@@ -120,10 +128,28 @@ class RequestOutput(types.SimpleNamespace):
     """vllm/outputs.py RequestOutput's fields the backend reads (weak-referenceable, for `LLM.outputs_alive_at_sleep`)."""
 
 
+def _top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """vllm/v1/sample/ops/topk_topp_sampler.py `apply_top_k_top_p` on one row (vocab,): the k largest logits
+    kept (ties included), then the smallest set of the most likely tokens whose mass reaches top_p (sorted
+    ascending, the tokens whose cumulative probability stays <= 1 - top_p dropped, the most likely kept)."""
+    if 0 < top_k < logits.numel():
+        logits = logits.masked_fill(logits < logits.topk(top_k).values[-1], float("-inf"))
+    if top_p < 1.0:
+        ascending, index = logits.sort()
+        drop = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[-1] = False
+        logits = logits.clone()
+        logits[index[drop]] = float("-inf")
+    return logits
+
+
 class LLM:
     instances: list[LLM] = []
     model_params: dict[str, torch.Tensor] = {}
     """Set by the test before the backend builds its LLM: the parameters vLLM's model would have."""
+    logits_fn: Callable[[list[int]], torch.Tensor] | None = None
+    """Set by the test: token ids -> next-token logits (vocab,), the model the sampler runs on (module
+    docstring); None: tokens from the request seed alone."""
 
     def __init__(self, model: str, **kwargs):
         unknown = set(kwargs) - ENGINE_ARGS
@@ -131,6 +157,12 @@ class LLM:
             raise TypeError(f"LLM() got unexpected keyword arguments {sorted(unknown)}")
         if kwargs.get("logprobs_mode", "raw_logprobs") not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={kwargs['logprobs_mode']!r}")
+        self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")
+        if self.logprobs_mode not in (
+            "processed_logprobs",
+            "raw_logprobs",
+        ):  # as the V2 model runner's Sampler
+            raise NotImplementedError(f"Unsupported logprobs_mode: {self.logprobs_mode}")
         if kwargs.get("distributed_executor_backend") == "external_launcher":
             if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
                 raise AssertionError("please set VLLM_ENABLE_V1_MULTIPROCESSING=0")
@@ -200,20 +232,12 @@ class LLM:
         ids = prompt["prompt_token_ids"]
         if not all(0 <= t < self.vocab_size for t in ids):
             raise ValueError("prompt token id out of vocabulary")
-        rng = random.Random(sp.seed) if sp.seed is not None else random
-        tokens, reason = [], "length"
-        for step in range(sp.max_tokens):
-            if sp.temperature == 0.0:
-                tokens.append((sum(ids) + 7 * step) % self.vocab_size)
-            else:
-                tokens.append(rng.randrange(self.vocab_size))
-            if tokens[-1] in sp.stop_token_ids:
-                reason = "stop"
-                break
+        tokens, token_logprobs = self._sample(ids, sp) if LLM.logits_fn else self._draw(ids, sp)
+        reason = "stop" if tokens[-1] in sp.stop_token_ids else "length"
         logprobs, cumulative = None, None  # logprobs=None: vLLM computes and returns none
         if sp.logprobs is not None:
-            logprobs = [{t: Logprob(-1.0 - 0.01 * j, rank=1)} for j, t in enumerate(tokens)]
-            cumulative = sum(step[t].logprob for step, t in zip(logprobs, tokens))
+            logprobs = [{t: Logprob(lp, rank=1)} for t, lp in zip(tokens, token_logprobs)]
+            cumulative = sum(token_logprobs)
         prompt_logprobs = None
         if sp.prompt_logprobs is not None:
             prompt_logprobs = [None] + [{t: Logprob(-0.5 - 0.01 * j)} for j, t in enumerate(ids[1:], 1)]
@@ -230,11 +254,50 @@ class LLM:
             request_id=str(index), prompt_token_ids=ids, prompt_logprobs=prompt_logprobs, outputs=[completion]
         )
 
+    def _draw(self, ids: list[int], sp: SamplingParams) -> tuple[list[int], list[float]]:
+        """No model: tokens from the request seed (greedy: from the prompt), made-up log-probs."""
+        rng = random.Random(sp.seed) if sp.seed is not None else random
+        tokens = []
+        for step in range(sp.max_tokens):
+            if sp.temperature == 0.0:
+                tokens.append((sum(ids) + 7 * step) % self.vocab_size)
+            else:
+                tokens.append(rng.randrange(self.vocab_size))
+            if tokens[-1] in sp.stop_token_ids:
+                break
+        return tokens, [-1.0 - 0.01 * j for j in range(len(tokens))]
 
-def install(monkeypatch, model_params: dict[str, torch.Tensor]) -> None:
-    """Make `import vllm` (and the submodules the backend imports) return this fake for one test."""
+    def _sample(self, ids: list[int], sp: SamplingParams) -> tuple[list[int], list[float]]:
+        """vLLM 0.26's sampler on `logits_fn` (module docstring)."""
+        gen = torch.Generator().manual_seed(sp.seed if sp.seed is not None else random.randrange(2**63))
+        tokens, token_logprobs = [], []
+        for _ in range(sp.max_tokens):
+            with torch.no_grad():
+                raw = LLM.logits_fn(ids + tokens).float()  # (vocab,)
+            if sp.temperature < 1e-5:
+                processed = raw
+                token = int(raw.argmax())
+            else:
+                processed = _top_k_top_p(raw / sp.temperature, sp.top_k, sp.top_p)
+                token = int(torch.multinomial(processed.softmax(-1), 1, generator=gen))
+            chosen = raw if self.logprobs_mode == "raw_logprobs" else processed
+            tokens.append(token)
+            token_logprobs.append(float(chosen.log_softmax(-1)[token]))
+            if token in sp.stop_token_ids:
+                break
+        return tokens, token_logprobs
+
+
+def install(
+    monkeypatch,
+    model_params: dict[str, torch.Tensor],
+    logits_fn: Callable[[list[int]], torch.Tensor] | None = None,
+) -> None:
+    """Make `import vllm` (and the submodules the backend imports) return this fake for one test; `logits_fn`:
+    the model its sampler runs on (module docstring)."""
     LLM.instances.clear()
     LLM.model_params = model_params
+    monkeypatch.setattr(LLM, "logits_fn", staticmethod(logits_fn) if logits_fn else None)
     root = types.ModuleType("vllm")
     root.LLM, root.SamplingParams, root.__version__ = LLM, SamplingParams, "0.26.0"
     inputs = types.ModuleType("vllm.inputs")

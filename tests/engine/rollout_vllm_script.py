@@ -18,6 +18,9 @@ the 3D-HybridEngine hands its rollout shards to both backends, and:
   training forward than the native engine's sampled log-probs are (same SLACK rule; H200: 0.56 / 0.11 vs
   0.64 / 0.11 on one GPU, 1.10 / 0.11 vs 1.16 / 0.12 at TP=2); a stop token ends a row with finish reason
   "stop";
+- with top_p=0.7 and top_k=64 at T=1 (the engine built with `full_log_probs_mode`'s "raw_logprobs") vLLM's
+  log-probs are still the full distribution's: as close to the training forward as in the row above (the
+  truncated, renormalised distribution's would be higher by -log(kept mass) >= ~0.3 nat per token);
 - weights are reloaded at every rollout (the output layer zeroed in training -> uniform log-probs) and the
   KV cache is released after it (free memory back to where it was).
 Rank 0 prints `RESULT {json}`.
@@ -44,7 +47,7 @@ from engine.policy import MegatronRole
 from engine.role_losses import log_prob_fn
 from engine.rollout.base import SamplingParams
 from engine.rollout.native import NativeRollout
-from engine.rollout.vllm_backend import VllmRollout
+from engine.rollout.vllm_backend import VllmRollout, full_log_probs_mode
 from engine.rollout_phase import rollout_replica
 from parallel.dims import ParallelDims
 from parallel.hybrid_engine import HybridEngine
@@ -82,7 +85,14 @@ def main(model_dir: str) -> None:
     native.set_weights(weights)
     t0 = time.perf_counter()
     engine = VllmRollout(
-        shape, groups.device, world, PAD, model_dir=model_dir, gpu_memory_utilization=0.3, enforce_eager=True
+        shape,
+        groups.device,
+        world,
+        PAD,
+        model_dir=model_dir,
+        gpu_memory_utilization=0.3,
+        enforce_eager=True,
+        logprobs_mode=full_log_probs_mode(1.0, 0.7, 64),  # every sampled rollout below is at T = 1
     )
     engine.set_weights(weights)
     report = {"world": world, "model": model_dir, "vllm_start_s": round(time.perf_counter() - t0, 1)}
@@ -138,6 +148,12 @@ def main(model_dir: str) -> None:
     limit = (max(LOGP_MAX, SLACK * floor[0]), max(LOGP_MEAN, SLACK * floor[1]))
     got = report["vllm_sampled_vs_training_logp"]
     assert got[0] <= limit[0] and got[1] <= limit[1], ("sampled", limit, report)
+
+    truncated = rollout_replica(engine, weights, prompts, replace(sampling, top_p=0.7, top_k=64))
+    got = report["vllm_top_p_vs_training_logp"] = masked_diff(
+        truncated.log_probs, training_log_probs(actor, prompts, truncated, 2), truncated.response_mask
+    )
+    assert got[0] <= limit[0] and got[1] <= limit[1], ("top_p", limit, report)
 
     stop = int(theirs.response_ids[0, 3])
     stopped = rollout_replica(engine, weights, prompts, replace(greedy, stop_token_ids=(stop,)))

@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from engine.config import ConfigError, TrainConfig, register_configs, to_dataclass
-from engine.validate import validate
+from engine.validate import ignored_key_warnings, validate
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 register_configs()
@@ -117,6 +117,62 @@ def test_vllm_needs_rollout_tp_one_or_full():
         _validate_rollout(cfg, ParallelDims(world_size=4, tp=4))
     cfg.rollout.tp = 4
     _validate_rollout(cfg, ParallelDims(world_size=4, tp=4))
+
+
+def test_vllm_log_probs_with_truncation_need_temperature_one():
+    """vLLM's log-probs are raw (before temperature) or processed (after top-p/top-k truncation): with top-p or
+    top-k at T != 1 neither is the full distribution at T, so rollout.log_probs must be off there."""
+    from engine.validate import _validate_rollout
+    from parallel.dims import ParallelDims
+
+    dims = ParallelDims(world_size=1, tp=1)
+    for overrides in (["rollout.top_p=0.9"], ["rollout.top_k=20"], ["rollout.temperature=0.7"]):
+        cfg = composed("rollout.backend=vllm", *overrides)
+        cfg.cluster.device = "cuda"  # checked on its own before this rule; pretend a GPU is visible
+        _validate_rollout(cfg, dims)
+    cfg = composed("rollout.backend=vllm", "rollout.top_p=0.9", "rollout.temperature=0.7")
+    cfg.cluster.device = "cuda"
+    with pytest.raises(
+        ConfigError, match=r"rollout.temperature=0.7.*rollout.top_p=0.9.*Fix: set rollout.temp"
+    ):
+        _validate_rollout(cfg, dims)
+    cfg.rollout.log_probs = False
+    _validate_rollout(cfg, dims)
+    cfg.rollout.backend, cfg.rollout.log_probs = "native", True  # the native sampler gives them at any T
+    _validate_rollout(cfg, dims)
+
+
+@pytest.mark.parametrize(
+    "preset", ["grpo", "dr_grpo", "dapo", "gspo", "ppo", "reinforce_pp", "remax", "rloo"]
+)
+def test_presets_set_no_ignored_keys(preset):
+    assert ignored_key_warnings(composed(f"algorithm={preset}")) == []
+
+
+def test_keys_a_combination_ignores_get_one_warning_each():
+    """A key counts as set when it differs from the schema default; one line per ignored key, naming it, its
+    value and why."""
+    cfg = composed(
+        "algorithm=rloo",
+        "critic.lr=1e-5",
+        "critic.path=/ckpt",
+        "algorithm.norm_adv_by_std=false",
+        "algorithm.lam=0.9",
+    )
+    lines = ignored_key_warnings(cfg)
+    assert lines == [
+        "warning: critic.path='/ckpt' is ignored: only algorithm.adv_estimator=gae (PPO) has a critic",
+        "warning: critic.lr=1e-05 is ignored: only algorithm.adv_estimator=gae (PPO) has a critic",
+        "warning: algorithm.lam=0.9 is ignored: GAE's lambda: only algorithm.adv_estimator=gae reads it",
+        "warning: algorithm.norm_adv_by_std=False is ignored: only algorithm.adv_estimator=grpo divides by the "
+        "group std",
+    ]
+    # the same keys where the combination reads them: no warning
+    assert ignored_key_warnings(composed("algorithm=ppo", "critic.lr=1e-5", "algorithm.lam=0.9")) == []
+    assert ignored_key_warnings(composed("algorithm=grpo", "algorithm.norm_adv_by_std=false")) == []
+    assert ignored_key_warnings(composed("optim.min_lr=1e-5")) == [
+        "warning: optim.min_lr=1e-05 is ignored: optim.lr_decay=constant never decays to it"
+    ]
 
 
 def test_rollout_log_probs_off_runs_the_old_forward_for_a_kl_in_the_reward_and_refuses_tis():

@@ -177,6 +177,37 @@ def test_load_tokenizer_errors_and_pad(tmp_path):
     assert tok.eos_token_id == 1 and tok.pad_token_id == 1
 
 
+def test_empty_tokenizer_path_means_the_tokenizer_of_model_path(tmp_path):
+    """model.tokenizer_path empty: model.path's tokenizer, the embedded task included; a model.path without
+    tokenizer files is a validation error naming the directory and the fix (not the character tokenizer)."""
+    import hf_tiny
+
+    from engine.config import ConfigError, TrainConfig
+    from engine.setup import _data_files
+    from engine.validate import validate
+
+    model = hf_tiny.save_tiny("qwen2", str(tmp_path / "model"))
+    cfg = TrainConfig()
+    cfg.model.path = model
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=1)
+    message = str(err.value)
+    assert f"model.path={model!r}" in message and f"{model} has no tokenizer files" in message, message
+    assert "Fix: save the model's tokenizer into" in message and "model.tokenizer_path" in message, message
+    assert _data_files(cfg, str(tmp_path / "out"))[0] == model  # setup loads it, whose error says the same
+
+    own = build_embedded_tokenizer(str(tmp_path / "tok"))
+    cfg.model.tokenizer_path = own  # a named tokenizer: model.path needs none
+    validate(cfg, world_size=1)
+    assert _data_files(cfg, str(tmp_path / "out"))[0] == own
+    cfg.model.tokenizer_path = ""
+    build_embedded_tokenizer(model)  # now model.path has a tokenizer: the embedded task uses it
+    validate(cfg, world_size=1)
+    assert _data_files(cfg, str(tmp_path / "out"))[0] == model
+    cfg.model.path = ""  # random init: the embedded character tokenizer, written under the output dir
+    assert _data_files(cfg, str(tmp_path / "out"))[0] == str(tmp_path / "out" / "embedded" / "tokenizer")
+
+
 def records(n):
     return [PromptRecord([i], "s", str(i), {}, i) for i in range(n)]
 

@@ -56,6 +56,17 @@ def test_temperature_scales_the_distribution_and_the_log_probs():
     assert (freq - sharpened.exp()).abs().max() < 0.03
 
 
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.8), (3, 1.0), (3, 0.8)])
+def test_truncated_draws_at_a_temperature_keep_full_vocab_log_probs(top_k, top_p):
+    """The log-prob of a token drawn under top-k/top-p at T != 1 is log_softmax(logits / T) over the whole
+    vocabulary, as the training forward computes it (not the truncated, renormalised distribution's)."""
+    logits = torch.randn(64, 40, generator=torch.Generator().manual_seed(1)) * 3
+    sampling = SamplingParams(temperature=0.6, top_k=top_k, top_p=top_p)
+    tokens, logp = sample_tokens(logits, sampling, torch.Generator().manual_seed(0))
+    full = (logits / 0.6).log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(logp, full, atol=1e-5, rtol=0)
+
+
 def test_greedy_takes_the_argmax_with_temperature_one_log_probs():
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, -1.0, 2.5]])
     tokens, logp = sample_tokens(logits, SamplingParams(temperature=0.0), torch.Generator())

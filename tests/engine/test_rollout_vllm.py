@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from distributed import run_torchrun
 from rollout_tp_script import expected_vllm_params, hf_tensors
-from test_rollout_native import rollout_weights_from_hf
+from test_rollout_native import hf_log_probs, rollout_weights_from_hf
 
 from engine.config import RolloutConfig
 from engine.models.hf_config import model_config_from_hf
@@ -224,6 +224,47 @@ def test_backend_asks_vllm_for_log_probs_only_when_needed(tiny, world_of_one, mo
     assert bare.finish_reasons == full.finish_reasons
     assert rollout_replica(engine, weights, prompts, replace(sampling, log_probs=False)).log_probs is None
     assert torch.equal(rollout_replica(engine, weights, prompts, sampling).log_probs, full.log_probs)
+
+
+def test_log_probs_are_the_full_distribution_at_the_temperature_on_both_backends(
+    tiny, world_of_one, monkeypatch
+):
+    """With top-p/top-k the rollout log-prob is still log_softmax(logits / T) over the whole vocabulary (what the
+    training forward computes), on vLLM (the fake runs vLLM 0.26's sampler and log-prob modes on the
+    transformers model) as on the native engine: T = 1 with top_p < 1 and top_k (vLLM's raw log-probs), T = 0.7
+    without truncation (processed); T = 0.7 with top_p < 1 is refused (neither mode gives it). float32, 1e-4."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.rollout.native import NativeRollout
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny["qwen2"], dtype=torch.float32).eval()
+    shape, weights = rollout_weights_from_hf(tiny["qwen2"])
+    params = expected_vllm_params(hf_tensors(tiny["qwen2"]), shape.vocab_size, 1, 0)
+    fake_vllm.install(monkeypatch, params, logits_fn=lambda ids: hf(torch.tensor([ids])).logits[0, -1])
+    native = NativeRollout(shape, torch.device("cpu"), pad_id=0)
+    native.set_weights(weights)
+    prompts = [[1, 2, 3], [4, 5]]
+    for temperature, top_p, top_k in ((1.0, 0.7, 0), (1.0, 0.9, 20), (0.7, 1.0, 0)):
+        cfg = RolloutConfig(
+            backend="vllm", cuda_graphs=False, temperature=temperature, top_p=top_p, top_k=top_k
+        )
+        engine = build_rollout_engine(cfg, shape, torch.device("cuda", 0), 0, model_dir=tiny["qwen2"])
+        engine.set_weights(weights)
+        sampling = SamplingParams(
+            n=2, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=6, seed=3
+        )
+        for name, out in (
+            ("vllm", engine.generate(prompts, sampling)),
+            ("native", native.generate(prompts, sampling)),
+        ):
+            for row in range(4):
+                ref = hf_log_probs(hf, prompts[row // 2], out.response_ids[row].tolist(), temperature)
+                torch.testing.assert_close(out.log_probs[row], ref, atol=1e-4, rtol=0, msg=f"{name} {cfg}")
+    sampling = replace(sampling, top_p=0.9)
+    with pytest.raises(ValueError, match=r"temperature=0.7 with top_p=0.9.*Fix: rollout.temperature=1.0"):
+        engine.generate(prompts, sampling)
+    assert engine.generate(prompts, replace(sampling, log_probs=False)).log_probs is None
+    assert vllm_backend.full_log_probs_mode(0.7, 0.9, 0) is None
 
 
 def test_vllm_model_checks_before_vllm_starts(tiny, tmp_path):

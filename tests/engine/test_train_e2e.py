@@ -71,7 +71,7 @@ def check_metrics(rows: list[dict], steps: int) -> None:
 def test_single_process_run(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.train", f"trainer.output_dir={out}", *SHORT_RUN],
+        [sys.executable, "-m", "engine.train", f"trainer.output_dir={out}", *SHORT_RUN, "critic.lr=1e-4"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -79,6 +79,16 @@ def test_single_process_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     check_metrics(read_metrics(str(out)), 3)
+    # the run header: the presets' names, then one line per key this combination ignores
+    header = [line for line in proc.stdout.splitlines() if line.startswith(("run: ", "warning: "))]
+    assert (
+        header[0].startswith("run: model=tiny (random init) algorithm=grpo")
+        and "cluster=cpu (cpu)" in header[0]
+    )
+    assert header[1].startswith("run: world 1 = tp 1 x pp 1 x dp 1") and str(out) in header[1]
+    assert header[2:] == [
+        "warning: critic.lr=0.0001 is ignored: only algorithm.adv_estimator=gae (PPO) has a critic"
+    ]
 
 
 def test_four_rank_tp2_pp2_rollout_tp2_run(tmp_path):

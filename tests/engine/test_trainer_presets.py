@@ -172,8 +172,9 @@ def test_ppo_critic_values_feed_gae(runs):
 def test_remax_baseline_is_the_greedy_score(runs):
     exp = runs("remax")[0].last_experience
     mask = exp.response_mask
-    seq_reward = exp.tensors["token_rewards"].sum(-1)
-    expected = (seq_reward - exp.tensors["baseline_scores"])[:, None] * mask
+    # the preset has a KL in the reward: verl's form, each token's reward-to-go minus the baseline
+    to_go = (exp.tensors["token_rewards"] * mask).flip(-1).cumsum(-1).flip(-1)
+    expected = (to_go - exp.tensors["baseline_scores"][:, None]) * mask
     torch.testing.assert_close(exp.tensors["advantages"], expected, rtol=1e-6, atol=1e-7)
     n = 4  # one greedy baseline per prompt
     assert torch.equal(
@@ -198,9 +199,11 @@ def test_adaptive_kl_coefficient_moves(runs):
 def test_critic_loads_its_backbone_from_the_checkpoint_with_a_zero_head(tmp_path):
     import hf_tiny
 
+    from engine.tasks import build_embedded_tokenizer
     from engine.trainer import Trainer
 
     actor_dir = hf_tiny.save_tiny("qwen2", str(tmp_path / "actor"), seed=0)
+    build_embedded_tokenizer(actor_dir)  # the embedded task tokenises with model.path's tokenizer
     critic_dir = hf_tiny.save_tiny("qwen2", str(tmp_path / "critic"), seed=7, head="token")
 
     def params(role):
