@@ -56,6 +56,9 @@ class TrainerConfig:
     padded only to its own longest row; replaces micro_batch_size. Must fit the longest sequence."""
     progress_bar: bool = True
     """Show a progress bar on the logging rank."""
+    plot: bool = True
+    """At the end of the run, draw metrics.jsonl into output_dir/metrics.png (`python -m engine.plot`; needs
+    matplotlib and the jsonl logger, and says so in one line when either is missing)."""
 
 
 @dataclass

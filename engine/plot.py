@@ -127,6 +127,16 @@ def write_plot(output_dir: str, out_file: str = "") -> str:
     return out_file
 
 
+def plot_at_end(output_dir: str) -> str:
+    """What the trainer prints after its last step: the PNG written, or why there is none."""
+    try:
+        return f"plot: {write_plot(output_dir)}"
+    except ImportError:
+        return "plot: skipped, matplotlib is not installed (pip install matplotlib, or trainer.plot=false)"
+    except (FileNotFoundError, ValueError) as exc:
+        return f"plot: skipped, {exc}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", help="a run's trainer.output_dir (holding metrics.jsonl)")

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from engine.config import register_configs, to_dataclass
 from engine.metrics import run_header
+from engine.plot import plot_at_end
 from engine.run_dir import claimed_output_dir
 from engine.startup import errors_only, kernels_line
 from engine.validate import ignored_key_warnings, validate
@@ -54,6 +55,8 @@ def main(raw: DictConfig) -> None:
                 print(kernels_line(groups.device.type), flush=True)
             with claimed_output_dir(output_dir, cfg.trainer, groups):
                 Trainer(build_components(cfg, groups, output_dir)).fit()
+                if cfg.trainer.plot and groups.is_logging_rank:
+                    print(plot_at_end(output_dir), flush=True)
     finally:
         destroy_distributed()
 

@@ -89,11 +89,20 @@ def test_single_process_run(tmp_path):
     assert header[2:] == [
         "warning: critic.lr=0.0001 is ignored: only algorithm.adv_estimator=gae (PPO) has a critic"
     ]
+    # a quiet start: one line names the kernels instead of megatron-core's fallback warnings
+    assert [line for line in proc.stdout.splitlines() if line.startswith("kernels: ")] == [
+        "kernels: attention torch SDPA, RMSNorm torch, RoPE eager, output head chunked, Adam torch "
+        "(no Transformer Engine, no Apex: megatron-core's local fallbacks)"
+    ]
+    assert "Apex" not in proc.stderr and "UserWarning" not in proc.stderr, proc.stderr[-2000:]
+    # the picture of the run, written at the end
+    assert f"plot: {out}/metrics.png" in proc.stdout
+    assert (out / "metrics.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_four_rank_tp2_pp2_rollout_tp2_run(tmp_path):
     out = tmp_path / "run4"
-    run_torchrun(
+    output = run_torchrun(
         "-m",
         4,
         [
@@ -106,3 +115,9 @@ def test_four_rank_tp2_pp2_rollout_tp2_run(tmp_path):
         ],
     )
     check_metrics(read_metrics(str(out)), 3)
+    # ranks other than 0 print nothing but errors (torchrun's --tee prefixes each line with its rank)
+    others = [
+        line for line in output.splitlines() if line.startswith(("[default1]", "[default2]", "[default3]"))
+    ]
+    assert not [line for line in others if line.split(":", 1)[-1].strip()], others[:10]
+    assert sum(line.startswith("[default0]:run: model=") for line in output.splitlines()) == 1
