@@ -103,6 +103,9 @@ class RolloutConfig:
     """Keep generating past EOS (benchmarks fix response lengths this way)."""
     val_temperature: float = 0.0
     """Temperature for validation rollouts (0 = greedy)."""
+    val_n: int = 1
+    """Validation: besides the val_temperature response, k > 1 responses per prompt sampled like training's
+    (temperature, top_p, top_k), logged as val/<data_source>/mean@k, best@k and maj@k."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of GPU memory for weights + KV cache."""
     max_num_seqs: int = 256

@@ -20,6 +20,7 @@ are not logged (absent, not zero).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,7 @@ from engine.rollout.base import RolloutOutput, SamplingParams
 from engine.rollout_phase import rollout_replica
 from engine.setup import Components
 from engine.update_phase import forward_rows, run_updates
+from engine.validation import decode_responses, per_source_means, response_answers, sample_metrics
 
 REWARD_EXTRA = "reward_extra/"  # exp.tensors key prefix of the reward function's numeric extras
 
@@ -121,6 +123,7 @@ class Trainer:
             "sample": self._sampling(False, seed),
             "greedy": self._sampling(True, seed, temperature=0.0),
             "val": self._sampling(True, seed),
+            "val_sample": replace(self._sampling(False, seed), n=self.cfg.rollout.val_n, log_probs=False),
         }
         outs = []
         for kind in kinds:
@@ -440,15 +443,31 @@ class Trainer:
         return out
 
     def validate(self) -> dict[str, float]:
-        """Mean reward over the validation prompts, greedy (or rollout.val_temperature) sampling."""
-        c = self.c
+        """Validation rewards (engine/validation.py): at rollout.val_temperature, overall and per data source,
+        and with rollout.val_n = k > 1 mean@k, best@k and maj@k of k sampled responses per prompt."""
+        c, k = self.c, self.cfg.rollout.val_n
         timer = PhaseTimer(c.groups.device)
-        scores = []
+        scores, per_prompt = [], []
         for records in c.val_batches:
-            (out,) = self._rollout(records, timer, ("val",))
-            scores.append(self._score(out, records, 1)[0])
+            outs = self._rollout(records, timer, ("val", "val_sample") if k > 1 else ("val",))
+            values = {"reward": self._score(outs[0], records, 1)[0]}
+            scores.append(values["reward"])
+            if k > 1:
+                sampled = self._score(outs[1], records, k)[0]
+                answers = None
+                if self.cfg.reward.fn == "" and c.reward_model is None:
+                    texts = decode_responses(c.tokenizer, outs[1].response_ids, outs[1].response_mask)
+                    sources = [records[i // k].data_source for i in range(len(texts))]
+                    answers = response_answers(sources, texts, self.cfg.reward.gsm8k_method)
+                values.update(sample_metrics(sampled.view(len(records), k), answers))
+            per_prompt.append(([r.data_source for r in records], values))
         mean, std, _, _ = self._stats(torch.cat(scores))
-        return {"val/reward_mean": mean, "val/reward_std": std, "timing/testing": sum(timer.seconds.values())}
+        return {
+            "val/reward_mean": mean,
+            "val/reward_std": std,
+            **per_source_means(per_prompt, c.groups.dp),
+            "timing/testing": sum(timer.seconds.values()),
+        }
 
     def fit(self) -> None:
         c, t = self.c, self.cfg.trainer

@@ -296,6 +296,7 @@ def _validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
     if r.top_k < 0:
         _fail("rollout.top_k", r.top_k, "must be >= 0", "use 0 to turn top-k off")
     _positive("rollout.max_new_tokens", r.max_new_tokens)
+    _positive("rollout.val_n", r.val_n)
     if r.val_temperature < 0:
         _fail("rollout.val_temperature", r.val_temperature, "must be >= 0", "use 0 for greedy validation")
     if not 0.0 < r.kv_cache_memory_fraction < 1.0:

@@ -72,6 +72,13 @@ JOBS["grpo_entropy_dict_reward"] = (
     2,
     (*BASE, "actor/loss", "actor/entropy_loss", "actor/kl_loss", "reward/extra/acc"),
 )
+# validation with k sampled responses per prompt: per data source mean@k, best@k, maj@k
+VAL_AT_K = tuple(f"val/embedded/copy/{name}" for name in ("reward", "mean@3", "best@3", "maj@3"))
+JOBS["grpo_val_at_k"] = (
+    ["algorithm=grpo", "trainer.total_steps=1", "trainer.test_freq=1", "rollout.val_n=3"],
+    1,
+    (*BASE, "val/reward_mean", *VAL_AT_K),
+)
 ROLLOUT_LOG_PROB_KEYS = ("actor/rollout_kl", "rollout/logprob_mean")
 
 
@@ -239,3 +246,10 @@ def test_actor_loss_is_its_logged_terms_and_dict_reward_extras_are_logged(runs):
         assert not any(key.startswith("reward/extra/") and key != "reward/extra/acc" for key in row)
     exp = trainer.last_experience
     assert torch.equal(exp.tensors["reward_extra/acc"], 2 * exp.tensors["scores"])
+
+
+def test_validation_at_k_per_data_source(runs):
+    (row,) = runs("grpo_val_at_k")[1]
+    reward, mean, best, maj = (row[key] for key in VAL_AT_K)
+    assert reward == row["val/reward_mean"]  # one data source: its greedy reward is the overall one
+    assert 0.0 <= mean <= best <= 1.0 and 0.0 <= maj <= best
