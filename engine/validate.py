@@ -335,6 +335,37 @@ def _validate_batches(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"must divide the sequences per mini-batch per DP rank (batch_size/dp/num_mini_batches*rollout.n = {seqs_per_mini})",
             f"use a divisor of {seqs_per_mini}",
         )
+    _validate_interleaved_schedule(cfg, dims, seqs_per_mini)
+
+
+def _validate_interleaved_schedule(cfg: TrainConfig, dims: ParallelDims, seqs_per_mini: int) -> None:
+    """parallel.vpp > 1: megatron's interleaved schedule (in groups of pp micro-batches, its default) needs a
+    count of micro-batches per call that is a positive multiple of parallel.pp. The update's count is fixed
+    by the config; forward-only calls (old/ref log-probs, values, reward model, validation, ReMax greedy)
+    take any row count: engine/update_phase.py `forward_rows` pads their micro-batch count at run time."""
+    if dims.vpp == 1:
+        return
+    mbs, pp = cfg.trainer.micro_batch_size, dims.pp
+    count = seqs_per_mini // mbs
+    if count % pp == 0:
+        return
+    fits = [
+        d for d in range(1, seqs_per_mini + 1) if seqs_per_mini % d == 0 and (seqs_per_mini // d) % pp == 0
+    ]
+    fix = (
+        f"use trainer.micro_batch_size in {fits}"
+        if fits
+        else f"make the sequences per mini-batch a multiple of {pp} (raise data.batch_size or rollout.n, or "
+        "lower algorithm.num_mini_batches)"
+    )
+    _fail(
+        "trainer.micro_batch_size",
+        mbs,
+        f"gives {count} micro-batches per update (sequences per mini-batch per DP rank: batch_size/dp/"
+        f"num_mini_batches*rollout.n = {seqs_per_mini}), but the interleaved pipeline schedule "
+        f"(parallel.vpp={dims.vpp}) needs a positive multiple of parallel.pp={pp}",
+        f"{fix}, or set parallel.vpp=1",
+    )
 
 
 def _validate_token_budget(cfg: TrainConfig, dims: ParallelDims) -> None:

@@ -137,3 +137,24 @@ def test_rollout_log_probs_off_runs_the_old_forward_for_a_kl_in_the_reward_and_r
     assert not needs_old_log_prob_forward(composed("algorithm=grpo").algorithm, rollout_log_probs=False)
     with pytest.raises(ConfigError, match=r"algorithm.tis_cap=0\.5.*Fix: set rollout.log_probs=true, or "):
         validate(composed("rollout.log_probs=false", "algorithm.tis_cap=0.5"), world_size=1)
+
+
+def test_interleaved_pipeline_needs_a_multiple_of_pp_micro_batches_per_update():
+    """parallel.vpp > 1: megatron's interleaved schedule takes a positive multiple of pp micro-batches per
+    call; the update's count (sequences per mini-batch / trainer.micro_batch_size) is checked up front."""
+    two = ("parallel.pp=2", "parallel.vpp=2", "model.num_layers=4")  # 16 prompts x 8 = 128 sequences
+    validate(composed(*two, "trainer.micro_batch_size=32"), world_size=2)  # 4 micro-batches
+    with pytest.raises(
+        ConfigError, match=r"trainer.micro_batch_size=128: gives 1 micro-batches.*parallel.pp=2"
+    ):
+        validate(composed(*two, "trainer.micro_batch_size=128"), world_size=2)
+    four = ("parallel.pp=4", "parallel.vpp=2", "model.num_layers=8")
+    with pytest.raises(ConfigError, match=r"Fix: use trainer.micro_batch_size in \[1, 2, 4, 8, 16, 32\]"):
+        validate(composed(*four, "trainer.micro_batch_size=64"), world_size=4)
+    with pytest.raises(ConfigError, match="make the sequences per mini-batch a multiple of 4"):
+        validate(
+            composed(*four, "data.batch_size=2", "rollout.n=3", "trainer.micro_batch_size=1"), world_size=4
+        )
+    # a token budget varies the count at run time: refused with vpp > 1
+    with pytest.raises(ConfigError, match="trainer.max_tokens_per_micro_batch=.*interleaved"):
+        validate(composed(*two, "trainer.max_tokens_per_micro_batch=4096"), world_size=2)
