@@ -6,6 +6,7 @@ config groups so that the first message a user sees is about the first thing the
 
 from __future__ import annotations
 
+import json
 import os
 
 from engine.config import (
@@ -94,7 +95,8 @@ def _validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
     ):
         _positive(key, value)
     if m.path:
-        return  # the architecture comes from config.json; checked when it is read
+        _validate_checkpoint_positions(cfg, "model.path", m.path)
+        return  # the rest of the architecture comes from config.json; checked when it is read
     if m.head_dim == 0 and m.hidden_size % m.num_attention_heads:
         _fail(
             "model.hidden_size",
@@ -135,6 +137,30 @@ def _validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
             longest,
             f"must be <= model.max_position_embeddings={m.max_position_embeddings}",
             "shorten prompts/responses or raise model.max_position_embeddings",
+        )
+
+
+def _validate_checkpoint_positions(cfg: TrainConfig, key: str, path: str) -> None:
+    """The checkpoint directory `path` (set by `key`) holds the longest sequence: its config.json's
+    max_position_embeddings >= data.max_prompt_len + rollout.max_new_tokens. Reads the JSON file only."""
+    file = os.path.join(path, "config.json")
+    fix = f"point {key} at a checkpoint saved with save_pretrained (it writes config.json)"
+    if not os.path.isfile(file):
+        _fail(key, path, f"has no config.json ({file} is missing)", fix)
+    try:
+        with open(file) as f:
+            limit = int(json.load(f)["max_position_embeddings"])
+    except KeyError:
+        _fail(key, path, f"{file} has no max_position_embeddings", fix)
+    except (OSError, ValueError, TypeError) as err:
+        _fail(key, path, f"{file} is not a readable JSON config ({type(err).__name__}: {err})", fix)
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    if longest > limit:
+        _fail(
+            "data.max_prompt_len + rollout.max_new_tokens",
+            longest,
+            f"must be <= max_position_embeddings={limit} of {key}={path!r} ({file})",
+            "lower data.max_prompt_len or rollout.max_new_tokens to fit the model's positions",
         )
 
 
@@ -204,6 +230,8 @@ def _validate_algorithm(cfg: TrainConfig) -> None:
             "is not a directory",
             "point critic.path at a local Hugging Face checkpoint directory, or leave it empty for model.path",
         )
+    if cfg.critic.path and a.adv_estimator == "gae":  # the critic exists only for GAE
+        _validate_checkpoint_positions(cfg, "critic.path", cfg.critic.path)
 
 
 def _validate_kl_in_reward(cfg: TrainConfig) -> None:
@@ -441,6 +469,8 @@ def _validate_reward(cfg: TrainConfig) -> None:
     _one_of("reward.combine", r.combine, ("model", "sum"))
     if not r.model_path:
         return
+    if os.path.isdir(r.model_path):
+        _validate_checkpoint_positions(cfg, "reward.model_path", r.model_path)
     why = check_reward_model_dir(r.model_path)
     if why:
         _fail(
