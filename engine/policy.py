@@ -152,6 +152,7 @@ class MegatronRole:
             self.optimizer.zero_grad()
         b, s = micro_batches[0]["tokens"].shape
         g = self.groups
+        check_pipeline_micro_batches(micro_batches, g.dims.pp, g.dims.vpp, self.config.variable_seq_lengths)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -215,6 +216,27 @@ class MegatronRole:
             tensor = torch.empty(shape, dtype=dtype, device=g.device)
         dist.broadcast(tensor.contiguous(), src=g.pp_last_rank, group=g.pp)
         return tensor
+
+
+def check_pipeline_micro_batches(micro_batches: list[dict], pp: int, vpp: int, variable_shapes: bool) -> None:
+    """Refuse micro-batches megatron's pipeline schedules would mishandle: at PP > 1 without shape exchange
+    the stages size every receive buffer from the first micro-batch (a different shape is read wrongly, with
+    no error), and the interleaved schedule needs a micro-batch count that is a multiple of pp."""
+    if pp == 1:
+        return
+    first = tuple(micro_batches[0]["tokens"].shape)
+    other = next((tuple(mb["tokens"].shape) for mb in micro_batches if mb["tokens"].shape != first), None)
+    if other is not None and not variable_shapes:
+        raise ValueError(
+            f"micro-batches of shapes {first} and {other} in one pipeline-parallel call (pp={pp}): the stages "
+            "would receive activations sized for the first; pad the micro-batches to one shape or set the "
+            "role's config.variable_seq_lengths"
+        )
+    if vpp > 1 and len(micro_batches) % pp:
+        raise ValueError(
+            f"{len(micro_batches)} micro-batches in one interleaved pipeline call (pp={pp}, vpp={vpp}): "
+            f"megatron's schedule needs a positive multiple of {pp}"
+        )
 
 
 def sub_optimizers(optimizer) -> list:

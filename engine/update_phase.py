@@ -83,19 +83,41 @@ def run_updates(
     return out
 
 
+def pipeline_rows(num_rows: int, micro_batch_size: int, pp: int, vpp: int) -> torch.Tensor:
+    """Row indices for a forward-only call with fixed micro-batches at PP > 1: 0..num_rows-1, then the last
+    row repeated until every micro-batch is full (the stages size their receive buffers from the first
+    micro-batch) and, under the interleaved schedule (vpp > 1), until the count of micro-batches is a
+    multiple of pp (megatron's rule with its default group of pp micro-batches). The caller drops the
+    repeats: positions >= num_rows."""
+    num_mbs = max(-(-num_rows // micro_batch_size), 1)
+    if vpp > 1:
+        num_mbs = -(-num_mbs // pp) * pp
+    rows = torch.arange(num_mbs * micro_batch_size)
+    return rows.clamp(max=num_rows - 1)
+
+
 def forward_rows(
     role: MegatronRole, exp: Experience, fn: LossFn, key: str, batcher: MicroBatcher, temperature: float = 1.0
 ) -> torch.Tensor:
     """Forward-only pass over all rows: `fn`'s (b, T) output `key`, reassembled in row order (rows, T) on
-    every PP stage, on CPU."""
+    every PP stage, on CPU. Any row count works: at PP > 1 fixed micro-batches are padded with repeated
+    rows whose outputs are dropped (`pipeline_rows`); token-budget micro-batches exchange shapes instead."""
     g = role.groups
-    mbs = batcher(exp, torch.arange(exp.num_rows))
+    num_rows = exp.num_rows
+    rows = torch.arange(num_rows)
+    if g.dims.pp > 1 and not batcher.max_tokens and num_rows:
+        rows = pipeline_rows(num_rows, batcher.micro_batch_size, g.dims.pp, g.dims.vpp)
+    mbs = batcher(exp, rows)
     outs = role.run(mbs, fn, forward_only=True, temperature=temperature)
     shape = tuple(exp.response_ids.shape)
     local = None
     if outs:
         local = torch.zeros(shape, dtype=torch.float32)
+        start = 0
         for mb, o in zip(mbs, outs):
-            local[mb["rows"]] = o[key].float().cpu()
+            # the micro-batch's rows, in order; the padded tail of `rows` (positions >= num_rows) is dropped
+            keep = max(min(len(mb["rows"]), num_rows - start), 0)
+            local[mb["rows"][:keep]] = o[key][:keep].float().cpu()
+            start += len(mb["rows"])
         local = local.to(g.device)
     return role.broadcast_from_last_stage(local, shape, torch.float32).cpu()

@@ -6,6 +6,7 @@ config groups so that the first message a user sees is about the first thing the
 
 from __future__ import annotations
 
+import json
 import os
 
 from engine.config import (
@@ -95,7 +96,8 @@ def _validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
     ):
         _positive(key, value)
     if m.path:
-        return  # the architecture comes from config.json; checked when it is read
+        _validate_checkpoint_positions(cfg, "model.path", m.path)
+        return  # the rest of the architecture comes from config.json; checked when it is read
     if m.head_dim == 0 and m.hidden_size % m.num_attention_heads:
         _fail(
             "model.hidden_size",
@@ -155,6 +157,30 @@ def _validate_tokenizer_source(cfg: TrainConfig) -> None:
             f"files (looked for {', '.join(TOKENIZER_FILES)})",
             f"save the model's tokenizer into {m.path} (tokenizer.save_pretrained), or set "
             "model.tokenizer_path to a directory that has one",
+        )
+
+
+def _validate_checkpoint_positions(cfg: TrainConfig, key: str, path: str) -> None:
+    """The checkpoint directory `path` (set by `key`) holds the longest sequence: its config.json's
+    max_position_embeddings >= data.max_prompt_len + rollout.max_new_tokens. Reads the JSON file only."""
+    file = os.path.join(path, "config.json")
+    fix = f"point {key} at a checkpoint saved with save_pretrained (it writes config.json)"
+    if not os.path.isfile(file):
+        _fail(key, path, f"has no config.json ({file} is missing)", fix)
+    try:
+        with open(file) as f:
+            limit = int(json.load(f)["max_position_embeddings"])
+    except KeyError:
+        _fail(key, path, f"{file} has no max_position_embeddings", fix)
+    except (OSError, ValueError, TypeError) as err:
+        _fail(key, path, f"{file} is not a readable JSON config ({type(err).__name__}: {err})", fix)
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    if longest > limit:
+        _fail(
+            "data.max_prompt_len + rollout.max_new_tokens",
+            longest,
+            f"must be <= max_position_embeddings={limit} of {key}={path!r} ({file})",
+            "lower data.max_prompt_len or rollout.max_new_tokens to fit the model's positions",
         )
 
 
@@ -224,6 +250,8 @@ def _validate_algorithm(cfg: TrainConfig) -> None:
             "is not a directory",
             "point critic.path at a local Hugging Face checkpoint directory, or leave it empty for model.path",
         )
+    if cfg.critic.path and a.adv_estimator == "gae":  # the critic exists only for GAE
+        _validate_checkpoint_positions(cfg, "critic.path", cfg.critic.path)
 
 
 def _validate_kl_in_reward(cfg: TrainConfig) -> None:
@@ -377,6 +405,37 @@ def _validate_batches(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"must divide the sequences per mini-batch per DP rank (batch_size/dp/num_mini_batches*rollout.n = {seqs_per_mini})",
             f"use a divisor of {seqs_per_mini}",
         )
+    _validate_interleaved_schedule(cfg, dims, seqs_per_mini)
+
+
+def _validate_interleaved_schedule(cfg: TrainConfig, dims: ParallelDims, seqs_per_mini: int) -> None:
+    """parallel.vpp > 1: megatron's interleaved schedule (in groups of pp micro-batches, its default) needs a
+    count of micro-batches per call that is a positive multiple of parallel.pp. The update's count is fixed
+    by the config; forward-only calls (old/ref log-probs, values, reward model, validation, ReMax greedy)
+    take any row count: engine/update_phase.py `forward_rows` pads their micro-batch count at run time."""
+    if dims.vpp == 1:
+        return
+    mbs, pp = cfg.trainer.micro_batch_size, dims.pp
+    count = seqs_per_mini // mbs
+    if count % pp == 0:
+        return
+    fits = [
+        d for d in range(1, seqs_per_mini + 1) if seqs_per_mini % d == 0 and (seqs_per_mini // d) % pp == 0
+    ]
+    fix = (
+        f"use trainer.micro_batch_size in {fits}"
+        if fits
+        else f"make the sequences per mini-batch a multiple of {pp} (raise data.batch_size or rollout.n, or "
+        "lower algorithm.num_mini_batches)"
+    )
+    _fail(
+        "trainer.micro_batch_size",
+        mbs,
+        f"gives {count} micro-batches per update (sequences per mini-batch per DP rank: batch_size/dp/"
+        f"num_mini_batches*rollout.n = {seqs_per_mini}), but the interleaved pipeline schedule "
+        f"(parallel.vpp={dims.vpp}) needs a positive multiple of parallel.pp={pp}",
+        f"{fix}, or set parallel.vpp=1",
+    )
 
 
 def _validate_token_budget(cfg: TrainConfig, dims: ParallelDims) -> None:
@@ -462,6 +521,8 @@ def _validate_reward(cfg: TrainConfig) -> None:
     _one_of("reward.gsm8k_method", r.gsm8k_method, GSM8K_METHODS)
     if not r.model_path:
         return
+    if os.path.isdir(r.model_path):
+        _validate_checkpoint_positions(cfg, "reward.model_path", r.model_path)
     why = check_reward_model_dir(r.model_path)
     if why:
         _fail(

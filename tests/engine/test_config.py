@@ -194,3 +194,64 @@ def test_rollout_log_probs_off_runs_the_old_forward_for_a_kl_in_the_reward_and_r
     assert not needs_old_log_prob_forward(composed("algorithm=grpo").algorithm, rollout_log_probs=False)
     with pytest.raises(ConfigError, match=r"algorithm.tis_cap=0\.5.*Fix: set rollout.log_probs=true, or "):
         validate(composed("rollout.log_probs=false", "algorithm.tis_cap=0.5"), world_size=1)
+
+
+def test_interleaved_pipeline_needs_a_multiple_of_pp_micro_batches_per_update():
+    """parallel.vpp > 1: megatron's interleaved schedule takes a positive multiple of pp micro-batches per
+    call; the update's count (sequences per mini-batch / trainer.micro_batch_size) is checked up front."""
+    two = ("parallel.pp=2", "parallel.vpp=2", "model.num_layers=4")  # 16 prompts x 8 = 128 sequences
+    validate(composed(*two, "trainer.micro_batch_size=32"), world_size=2)  # 4 micro-batches
+    with pytest.raises(
+        ConfigError, match=r"trainer.micro_batch_size=128: gives 1 micro-batches.*parallel.pp=2"
+    ):
+        validate(composed(*two, "trainer.micro_batch_size=128"), world_size=2)
+    four = ("parallel.pp=4", "parallel.vpp=2", "model.num_layers=8")
+    with pytest.raises(ConfigError, match=r"Fix: use trainer.micro_batch_size in \[1, 2, 4, 8, 16, 32\]"):
+        validate(composed(*four, "trainer.micro_batch_size=64"), world_size=4)
+    with pytest.raises(ConfigError, match="make the sequences per mini-batch a multiple of 4"):
+        validate(
+            composed(*four, "data.batch_size=2", "rollout.n=3", "trainer.micro_batch_size=1"), world_size=4
+        )
+    # a token budget varies the count at run time: refused with vpp > 1
+    with pytest.raises(ConfigError, match="trainer.max_tokens_per_micro_batch=.*interleaved"):
+        validate(composed(*two, "trainer.max_tokens_per_micro_batch=4096"), world_size=2)
+
+
+def test_checkpoint_positions_must_hold_prompt_plus_response(tmp_path):
+    """With model.path (and critic.path under GAE, reward.model_path) the checkpoint's config.json gives
+    max_position_embeddings; data.max_prompt_len + rollout.max_new_tokens (64 + 5 by default) must fit.
+    A missing, unreadable or incomplete config.json is an error naming the file."""
+    import json
+    import re
+
+    def checkpoint(name: str, text: str | None = None, **config) -> str:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config) if text is None else text)
+        return str(path)
+
+    def refused(overrides: list[str], message: str) -> None:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate(composed(*overrides), world_size=1)
+
+    short = checkpoint("short", max_position_embeddings=64)
+    long = checkpoint("long", max_position_embeddings=128)
+    validate(composed(f"model.path={long}"), world_size=1)
+    validate(composed(f"model.path={short}", "data.max_prompt_len=59"), world_size=1)  # exactly 64
+    rule = "data.max_prompt_len + rollout.max_new_tokens=69: must be <= max_position_embeddings=64 of "
+    refused([f"model.path={short}"], f"{rule}model.path='{short}' ({short}/config.json). Fix: lower")
+    refused([f"model.path={long}", "algorithm=ppo", f"critic.path={short}"], f"{rule}critic.path='{short}'")
+    reward = checkpoint(
+        "reward", max_position_embeddings=64, architectures=["Qwen2ForSequenceClassification"]
+    )
+    refused([f"reward.model_path={reward}"], f"{rule}reward.model_path='{reward}'")
+
+    (tmp_path / "empty").mkdir()
+    empty = str(tmp_path / "empty")
+    refused(
+        [f"model.path={empty}"], f"model.path='{empty}': has no config.json ({empty}/config.json is missing)"
+    )
+    broken = checkpoint("broken", text="{not json")
+    refused([f"model.path={broken}"], f"{broken}/config.json is not a readable JSON config (JSONDecodeError")
+    keyless = checkpoint("keyless", hidden_size=8)
+    refused([f"model.path={keyless}"], f"{keyless}/config.json has no max_position_embeddings")

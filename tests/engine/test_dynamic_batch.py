@@ -57,3 +57,18 @@ def test_token_budget_gives_the_same_loss_and_gradient(tmp_path, mode):
     assert parity["loss_diff"] <= 1e-5 * abs(parity["loss_fixed"]), parity
     assert parity["grad_diff"] <= 1e-5 * parity["grad_scale"], parity
     assert parity["tokens_budget"] < 0.7 * parity["tokens_fixed"], parity
+
+
+@pytest.mark.parametrize("pp,vpp", [(2, 1), (2, 2), (4, 2)])
+def test_pipeline_rows_fill_micro_batches_and_the_interleaved_count(pp, vpp):
+    """Forward-only calls at PP > 1 (engine/update_phase.py forward_rows): every row once in order, then the
+    last row repeated to whole micro-batches, and for vpp > 1 to a count that is a multiple of pp."""
+    from engine.update_phase import pipeline_rows
+
+    for num_rows in range(1, 41):
+        rows = pipeline_rows(num_rows, 5, pp, vpp)
+        count = len(rows) // 5
+        assert len(rows) % 5 == 0 and torch.equal(rows[:num_rows], torch.arange(num_rows))
+        assert (rows[num_rows:] == num_rows - 1).all()
+        assert count == -(-num_rows // 5) or (vpp > 1 and count % pp == 0 and count - pp < -(-num_rows // 5))
+        assert vpp == 1 or count % pp == 0

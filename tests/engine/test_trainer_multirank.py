@@ -1,7 +1,9 @@
 """The trainer at world size 4, in ONE torchrun launch (tests/engine/trainer_run_script.py): PPO with its
 critic at TP=2 x PP=2 (3 steps, validation on the last), DAPO with dynamic sampling across 2 DP replicas
 and token-budget micro-batches, ReMax at PP=2 with 2 mini-batches and token-budget micro-batches, GRPO scored
-by a reward model (reward.model_path) at TP=2 x PP=2 equal to transformers' scores, then the loss/gradient parity of token-budget vs fixed micro-batches at TP=2 x PP=2 (stages exchange shapes).
+by a reward model (reward.model_path) at TP=2 x PP=2 equal to transformers' scores, the forward-only paths
+(old/ref log-probs, values, reward scores) with a short last micro-batch at PP=2 and PP=2 x VPP=2 equal to
+PP=1, then the loss/gradient parity of token-budget vs fixed micro-batches at TP=2 x PP=2 (stages exchange shapes).
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp
 
     from engine.tasks.embedded import EMBEDDED_VOCAB
 
-    hf_tiny.save_tiny(
-        "qwen2", str(tmp_path / "reward_model"), seed=3, head="sequence", vocab_size=len(EMBEDDED_VOCAB)
-    )
+    vocab = len(EMBEDDED_VOCAB)
+    hf_tiny.save_tiny("qwen2", str(tmp_path / "reward_model"), seed=3, head="sequence", vocab_size=vocab)
+    hf_tiny.save_tiny("qwen2", str(tmp_path / "policy"), seed=4, vocab_size=vocab)
+    hf_tiny.save_tiny("qwen2", str(tmp_path / "critic"), seed=5, head="token", vocab_size=vocab)
     out = run_torchrun(SCRIPT, 4, [str(tmp_path)])
     for job in ("ppo_tp2_pp2", "dapo_tp2_dp2_budget", "remax_pp2_dp2_budget", "grpo_reward_model_tp2_pp2"):
         assert f"job {job} ok" in out, out[-4000:]
     # float32 at TP=2 x PP=2 against transformers: summation order only
     assert float(out.split("reward_model_max_abs_diff ", 1)[1].split()[0]) <= 1e-4, out[-4000:]
+    # a short last micro-batch at PP=2 and PP=2 x VPP=2 gives the PP=1 result on every forward path
+    remainder = json.loads(out.split("pp_remainder ", 1)[1].splitlines()[0])
+    assert remainder.pop("pp2/update_short_last_refused") == 1.0, remainder
+    assert len(remainder) == 8 and max(remainder.values()) <= 1e-5, remainder  # float32, summation order
     parity = json.loads(out.split("parity ", 1)[1].splitlines()[0])
     # float32: the splits differ only in summation order
     assert parity["loss_diff"] <= 1e-5 * abs(parity["loss_fixed"]), parity

@@ -3,7 +3,8 @@ distributed state, build, fit, tear down), without a new interpreter per job.
 
 Imported by tests (world size 1), and run under torchrun by tests/engine/test_trainer_multirank.py
 (world size 4): every rank runs the same sequence of short jobs, each checked for finite metrics, then the
-dynamic-batching gradient parity at TP=2 x PP=2 (fixed vs token-budget micro-batches).
+forward-only paths with a short last micro-batch at PP=2 (and VPP=2) against PP=1, and the dynamic-batching
+gradient parity at TP=2 x PP=2 (fixed vs token-budget micro-batches).
 """
 
 from __future__ import annotations
@@ -178,6 +179,68 @@ def dynamic_batch_parity(
         }
 
 
+REMAINDER_LAYOUTS = (("pp1", 1, 1), ("pp2_vpp2", 2, 2), ("pp2", 2, 1))  # pp2 last: its refusal check
+
+
+def pipeline_remainder_parity(out_root: str, keep_process_group: bool = False) -> dict[str, float]:
+    """Every forward-only path (actor old log-probs, reference log-probs, critic values, reward-model scores)
+    over 24 rows cut into micro-batches of 10 (the last one short) at PP=2 and PP=2 x VPP=2 against PP=1,
+    from the Hugging Face checkpoints under `out_root` (policy/, critic/, reward_model/: the same weights at
+    every layout). Returns the largest absolute difference per layout and role; also checks that an update
+    call whose micro-batches differ in shape at PP=2 is refused rather than run."""
+    from engine.dynamic_batch import MicroBatcher
+    from engine.reward_model import last_token_value_fn
+    from engine.role_losses import log_prob_fn, value_fn
+    from engine.setup import build_components
+    from engine.tasks.embedded import build_embedded_tokenizer
+    from engine.update_phase import forward_rows
+
+    tokenizer = build_embedded_tokenizer(os.path.join(out_root, "remainder_tokenizer"))
+    results: dict[str, dict[str, torch.Tensor]] = {}
+    diffs: dict[str, float] = {}
+    for name, pp, vpp in REMAINDER_LAYOUTS:
+        output_dir = os.path.join(out_root, f"remainder_{name}")
+        cfg = compose_config(
+            [
+                *SHORT,
+                "algorithm=ppo",
+                "data.max_prompt_len=24",
+                "rollout.max_new_tokens=12",
+                f"parallel.pp={pp}",
+                f"parallel.vpp={vpp}",
+                f"model.path={os.path.join(out_root, 'policy')}",
+                f"model.tokenizer_path={tokenizer}",
+                f"critic.path={os.path.join(out_root, 'critic')}",
+                f"reward.model_path={os.path.join(out_root, 'reward_model')}",
+                f"trainer.output_dir={output_dir}",
+            ]
+        )
+        with distributed(cfg, keep_process_group) as groups:
+            c = build_components(cfg, groups, output_dir)
+            exp = skewed_experience(
+                7, 24, 12, c.shape.vocab_size, c.tokenizer.pad_token_id
+            )  # the same rows on every rank
+            batcher = MicroBatcher(10, 0, 1, groups.device)  # 10 + 10 + 4 rows
+            got = {
+                "old_log_probs": forward_rows(c.actor, exp, log_prob_fn, "log_probs", batcher, 0.8),
+                "ref_log_probs": forward_rows(c.reference, exp, log_prob_fn, "log_probs", batcher, 0.8),
+                "values": forward_rows(c.critic, exp, value_fn, "values", batcher),
+                "scores": forward_rows(c.reward_model.role, exp, last_token_value_fn, "score", batcher)[:, 0],
+            }
+            results[name] = got
+            for role, value in got.items():
+                if name != "pp1":
+                    diffs[f"{name}/{role}"] = float((value - results["pp1"][role]).abs().max())
+            if name == "pp2":
+                try:
+                    c.actor.run(batcher(exp, torch.arange(24)), log_prob_fn, forward_only=False)
+                except ValueError as err:
+                    diffs["pp2/update_short_last_refused"] = float("micro-batches of shapes" in str(err))
+                else:
+                    diffs["pp2/update_short_last_refused"] = 0.0
+    return diffs
+
+
 def read_metrics(output_dir: str) -> list[dict]:
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -248,6 +311,9 @@ def main(out_root: str) -> None:
             exp = trainer.last_experience
             diff = (exp.tensors["scores"] - hf_tiny.hf_reward_scores(reward_model, exp)).abs().max()
             print(f"reward_model_max_abs_diff {float(diff)}", flush=True)
+    remainder = pipeline_remainder_parity(out_root, True)
+    if rank == 0:
+        print("pp_remainder " + json.dumps(remainder), flush=True)
     parity = dynamic_batch_parity(
         ["parallel.tp=2", "parallel.pp=2"], os.path.join(out_root, "parity"), 64, True
     )
