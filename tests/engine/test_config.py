@@ -38,6 +38,22 @@ def test_unknown_key_fails_at_compose():
         composed("trainer.totl_steps=3")
 
 
+@pytest.mark.parametrize(
+    "override,hint",
+    [
+        ("+trainer.totl_steps=3", "did you mean trainer.total_steps=3?"),
+        ("+rollout.max_tokens=16", "did you mean rollout.max_new_tokens=16?"),
+        ("+foo=1", "foo=1: not a key"),
+    ],
+)
+def test_appended_unknown_key_is_refused_with_the_closest_key(override, hint):
+    """Hydra's `+key=value` (its own fix for an unknown key) appends to the composed config; the schema is
+    closed, so the key is refused instead of silently ignored."""
+    with pytest.raises(ConfigError, match="not a key of the configuration") as err:
+        composed(override)
+    assert hint in str(err.value)
+
+
 BAD = [
     # (overrides, world size, text the message must contain)
     (["parallel.tp=3"], 4, "parallel.tp * parallel.pp"),
