@@ -8,10 +8,14 @@ YAML under conf/ holds values only; every key a user can set is declared here wi
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+
+from engine.errors import UserError
 
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "opo")
 GROUP_RELATIVE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo")
@@ -110,10 +114,10 @@ class RolloutConfig:
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = field(default_factory=list)
-    """Parquet files in the RLHF schema; empty = the embedded task."""
-    val_files: list[str] = field(default_factory=list)
-    """Parquet files for validation; empty = a held-out embedded set when training on it."""
+    train_files: Any = field(default_factory=list)
+    """Parquet files in the RLHF schema: one path or a list (`~` expands); empty = the embedded task."""
+    val_files: Any = field(default_factory=list)
+    """Parquet files for validation, as train_files; empty = a held-out embedded set when training on it."""
     batch_size: int = 16
     """Prompts per step (global, across DP ranks)."""
     max_prompt_len: int = 64
@@ -318,8 +322,10 @@ def needs_old_log_prob_forward(alg: AlgorithmConfig, rollout_log_probs: bool = T
     return alg.ppo_epochs > 1 or alg.num_mini_batches > 1 or (alg.kl_in_reward and not rollout_log_probs)
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value or combination that cannot work; the message says which key and how to fix it."""
+
+    exit_status = 2
 
 
 def to_dataclass(cfg: DictConfig | TrainConfig) -> TrainConfig:
@@ -332,7 +338,22 @@ def to_dataclass(cfg: DictConfig | TrainConfig) -> TrainConfig:
     schema = OmegaConf.to_container(OmegaConf.structured(TrainConfig))
     for key, value in _unknown_keys(OmegaConf.to_container(cfg, resolve=False), schema, ""):
         raise ConfigError(unknown_key_message(key, value))
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
+    out = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
+    out.data.train_files = _file_list("data.train_files", out.data.train_files)
+    out.data.val_files = _file_list("data.val_files", out.data.val_files)
+    return out
+
+
+def _file_list(key: str, value: object) -> list[str]:
+    """One path (verl's `data.train_files=~/data/train.parquet`) or a list of paths, as a list with `~`
+    expanded."""
+    paths = [value] if isinstance(value, str) else value
+    if not isinstance(paths, (list, tuple)) or not all(isinstance(p, str) and p for p in paths):
+        raise ConfigError(
+            f"{key}={value!r}: must be a path or a list of paths. Fix: {key}=/data/train.parquet or "
+            f"{key}=[/data/a.parquet,/data/b.parquet]"
+        )
+    return [os.path.expanduser(p) for p in paths]
 
 
 def _unknown_keys(given: dict, schema: dict, prefix: str):

@@ -7,6 +7,8 @@ components, train, and tear down in `finally`. Under torchrun every rank runs th
 from __future__ import annotations
 
 import logging
+import os
+import re
 import sys
 
 import hydra
@@ -15,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from engine.config import register_configs, to_dataclass
+from engine.errors import exit_on_user_error, report_user_errors
 from engine.validate import validate
 from parallel.launch import explain_rank_failures, read_launch_env
 from parallel.state import destroy_distributed, init_distributed, world_size_from_env
@@ -31,6 +34,7 @@ def _output_dir(configured: str) -> str:
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+@exit_on_user_error
 def main(raw: DictConfig) -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lines list every parameter bucket
     cfg = to_dataclass(raw)
@@ -58,6 +62,15 @@ def _quiet_hydra_on_other_ranks() -> None:
         ]
 
 
+def _expand_home_in_overrides(argv: list[str]) -> list[str]:
+    """`key=~/path` (and `~/` items of `key=[...]`) with the home directory: Hydra's grammar refuses `~` in
+    unquoted values, and the shell does not expand it after a dotted key."""
+    home = os.path.expanduser("~")
+    return [re.sub(r"(?<=[=\[,])~(?=/|,|\]|$)", lambda _: home, arg) if "=" in arg else arg for arg in argv]
+
+
 if __name__ == "__main__":
     _quiet_hydra_on_other_ranks()
-    main()
+    sys.argv[1:] = _expand_home_in_overrides(sys.argv[1:])
+    launch = read_launch_env()
+    report_user_errors(main, launch.rank, launch.world_size)

@@ -46,6 +46,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     _validate_optim(cfg)
     _validate_trainer(cfg)
     _validate_reward(cfg)
+    _validate_optional_packages(cfg)
     return dims
 
 
@@ -425,3 +426,22 @@ def _validate_reward(cfg: TrainConfig) -> None:
             "would be ignored: reward.combine=model scores with the reward model alone",
             "set reward.combine=sum to add it to the model's score, or reward.fn=''",
         )
+
+
+def _validate_optional_packages(cfg: TrainConfig) -> None:
+    """Optional dependencies the config asks for, found (not imported) now rather than after the models exist."""
+    import importlib.util
+
+    wanted = [
+        (f"trainer.loggers={cfg.trainer.loggers}", name, f"drop {name} from trainer.loggers")
+        for name in ("tensorboard", "wandb")
+        if name in cfg.trainer.loggers
+    ]
+    if cfg.rollout.backend == "vllm":
+        wanted.append(("rollout.backend=vllm", "vllm", "use rollout.backend=native"))
+    for setting, package, alternative in wanted:
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"{setting}: needs the Python package {package!r}, which is not installed. Fix: "
+                f"pip install -e '.[{package}]' (setup.py's extra; or pip install {package}), or {alternative}"
+            )

@@ -153,3 +153,15 @@ def test_rollout_log_probs_off_runs_the_old_forward_for_a_kl_in_the_reward_and_r
     assert not needs_old_log_prob_forward(composed("algorithm=grpo").algorithm, rollout_log_probs=False)
     with pytest.raises(ConfigError, match=r"algorithm.tis_cap=0\.5.*Fix: set rollout.log_probs=true, or "):
         validate(composed("rollout.log_probs=false", "algorithm.tis_cap=0.5"), world_size=1)
+
+
+def test_data_files_take_one_path_or_a_list_and_expand_home(monkeypatch, tmp_path):
+    """verl's `data.train_files=~/data/train.parquet` (one path) and lists; `~` expands (the command line's
+    unquoted `~` is expanded by engine.train: tests/engine/test_user_errors.py)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    one = composed('data.train_files="~/data/train.parquet"', "data.val_files=/data/test.parquet").data
+    assert one.train_files == [f"{tmp_path}/data/train.parquet"] and one.val_files == ["/data/test.parquet"]
+    many = composed('data.train_files=["~/a.parquet",/b.parquet]').data
+    assert many.train_files == [f"{tmp_path}/a.parquet", "/b.parquet"] and many.val_files == []
+    with pytest.raises(ConfigError, match=r"data.train_files=3: must be a path or a list of paths. Fix:"):
+        composed("data.train_files=3")
