@@ -249,6 +249,9 @@ class AlgorithmConfig:
     with dropped groups (logged as dynamic_sampling/filler_groups)."""
     overlong_buffer_len: int = 0
     """DAPO: soft overlong penalty over the last N of rollout.max_new_tokens tokens (0 = off; <= max_new_tokens)."""
+    overlong_buffer_frac: float = 0.0
+    """DAPO: the overlong buffer as a fraction of rollout.max_new_tokens (rounded down, at least 1 token), used
+    when overlong_buffer_len is 0 (0 = off)."""
     overlong_penalty: float = 1.0
     """DAPO: penalty factor at max length."""
     ppo_epochs: int = 1
@@ -320,6 +323,13 @@ def needs_old_log_prob_forward(alg: AlgorithmConfig, rollout_log_probs: bool = T
     reward needs the policy's log-probs and the rollout returns none (`rollout.log_probs=false`): one forward
     costs less than vLLM charges for returning them (scripts/bench/README.md, "Rollout")."""
     return alg.ppo_epochs > 1 or alg.num_mini_batches > 1 or (alg.kl_in_reward and not rollout_log_probs)
+
+
+def overlong_buffer_tokens(alg: AlgorithmConfig, max_new_tokens: int) -> int:
+    """The overlong buffer in tokens: algorithm.overlong_buffer_len, else overlong_buffer_frac of max_new_tokens."""
+    if alg.overlong_buffer_len > 0 or alg.overlong_buffer_frac <= 0:
+        return alg.overlong_buffer_len
+    return max(1, int(alg.overlong_buffer_frac * max_new_tokens))
 
 
 class ConfigError(UserError, ValueError):

@@ -186,8 +186,15 @@ def _validate_algorithm(cfg: TrainConfig) -> None:
             f"the overlong penalty ramps over the last overlong_buffer_len of rollout.max_new_tokens="
             f"{cfg.rollout.max_new_tokens} tokens, so it must lie in [0, rollout.max_new_tokens]",
             f"set algorithm.overlong_buffer_len<={cfg.rollout.max_new_tokens} (e.g. a quarter of "
-            "rollout.max_new_tokens; the dapo preset's 4096 assumes 16k-token responses), raise "
-            "rollout.max_new_tokens, or use 0 to turn overlong shaping off",
+            "rollout.max_new_tokens), use algorithm.overlong_buffer_frac (a fraction of it) with "
+            "overlong_buffer_len=0, raise rollout.max_new_tokens, or use 0 to turn overlong shaping off",
+        )
+    if not 0.0 <= a.overlong_buffer_frac <= 1.0:
+        _fail(
+            "algorithm.overlong_buffer_frac",
+            a.overlong_buffer_frac,
+            "is a fraction of rollout.max_new_tokens, so it must lie in [0, 1]",
+            "use 0.2 (DAPO's 4096 of 20480 tokens), or 0 to turn overlong shaping off",
         )
     if a.overlong_penalty < 0:
         _fail("algorithm.overlong_penalty", a.overlong_penalty, "must be >= 0", "use 1.0 (DAPO)")
