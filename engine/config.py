@@ -7,10 +7,15 @@ YAML under conf/ holds values only; every key a user can set is declared here wi
 
 from __future__ import annotations
 
+import difflib
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+
+from engine.errors import UserError
 
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "opo")
 GROUP_RELATIVE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo")
@@ -119,10 +124,10 @@ class RolloutConfig:
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = field(default_factory=list)
-    """Parquet files in the RLHF schema; empty = the embedded task."""
-    val_files: list[str] = field(default_factory=list)
-    """Parquet files for validation; empty = a held-out embedded set when training on it."""
+    train_files: Any = field(default_factory=list)
+    """Parquet files in the RLHF schema: one path or a list (`~` expands); empty = the embedded task."""
+    val_files: Any = field(default_factory=list)
+    """Parquet files for validation, as train_files; empty = a held-out embedded set when training on it."""
     batch_size: int = 16
     """Prompts per step (global, across DP ranks)."""
     max_prompt_len: int = 64
@@ -256,6 +261,9 @@ class AlgorithmConfig:
     with dropped groups (logged as dynamic_sampling/filler_groups)."""
     overlong_buffer_len: int = 0
     """DAPO: soft overlong penalty over the last N of rollout.max_new_tokens tokens (0 = off; <= max_new_tokens)."""
+    overlong_buffer_frac: float = 0.0
+    """DAPO: the overlong buffer as a fraction of rollout.max_new_tokens (rounded down, at least 1 token), used
+    when overlong_buffer_len is 0 (0 = off)."""
     overlong_penalty: float = 1.0
     """DAPO: penalty factor at max length."""
     ppo_epochs: int = 1
@@ -332,12 +340,77 @@ def needs_old_log_prob_forward(alg: AlgorithmConfig, rollout_log_probs: bool = T
     return alg.ppo_epochs > 1 or alg.num_mini_batches > 1 or (alg.kl_in_reward and not rollout_log_probs)
 
 
-class ConfigError(ValueError):
+def overlong_buffer_tokens(alg: AlgorithmConfig, max_new_tokens: int) -> int:
+    """The overlong buffer in tokens: algorithm.overlong_buffer_len, else overlong_buffer_frac of max_new_tokens."""
+    if alg.overlong_buffer_len > 0 or alg.overlong_buffer_frac <= 0:
+        return alg.overlong_buffer_len
+    return max(1, int(alg.overlong_buffer_frac * max_new_tokens))
+
+
+class ConfigError(UserError, ValueError):
     """A configuration value or combination that cannot work; the message says which key and how to fix it."""
+
+    exit_status = 2
 
 
 def to_dataclass(cfg: DictConfig | TrainConfig) -> TrainConfig:
-    """The composed DictConfig as a plain TrainConfig object (typed attribute access everywhere else)."""
+    """The composed DictConfig as a plain TrainConfig object (typed attribute access everywhere else).
+
+    Keys the schema does not declare are refused: Hydra's `+key=value` appends them to the composed config
+    without complaint, and they would be ignored."""
     if isinstance(cfg, TrainConfig):
         return cfg
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
+    schema = OmegaConf.to_container(OmegaConf.structured(TrainConfig))
+    for key, value in _unknown_keys(OmegaConf.to_container(cfg, resolve=False), schema, ""):
+        raise ConfigError(unknown_key_message(key, value))
+    out = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
+    out.data.train_files = _file_list("data.train_files", out.data.train_files)
+    out.data.val_files = _file_list("data.val_files", out.data.val_files)
+    return out
+
+
+def _file_list(key: str, value: object) -> list[str]:
+    """One path (verl's `data.train_files=~/data/train.parquet`) or a list of paths, as a list with `~`
+    expanded."""
+    paths = [value] if isinstance(value, str) else value
+    if not isinstance(paths, (list, tuple)) or not all(isinstance(p, str) and p for p in paths):
+        raise ConfigError(
+            f"{key}={value!r}: must be a path or a list of paths. Fix: {key}=/data/train.parquet or "
+            f"{key}=[/data/a.parquet,/data/b.parquet]"
+        )
+    return [os.path.expanduser(p) for p in paths]
+
+
+def _unknown_keys(given: dict, schema: dict, prefix: str):
+    """(dotted key, value) of every key in `given` that `schema` lacks, depth first."""
+    for key, value in given.items():
+        if key not in schema:
+            yield f"{prefix}{key}", value
+        elif isinstance(schema[key], dict) and isinstance(value, dict):
+            yield from _unknown_keys(value, schema[key], f"{prefix}{key}.")
+
+
+def _schema_keys(schema: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in schema.items():
+        keys += _schema_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+    return keys
+
+
+def unknown_key_message(key: str, value: object) -> str:
+    """The ConfigError text for a key the schema does not declare, with the closest declared key."""
+    known = _schema_keys(OmegaConf.to_container(OmegaConf.structured(TrainConfig)))
+    parent, _, leaf = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == parent}
+    close = [siblings[m] for m in difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)]
+    close = close or difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    if close:
+        fix = f"did you mean {close[0]}={value!r}?"
+    elif siblings:
+        fix = f"use one of {', '.join(siblings.values())}"
+    else:
+        fix = "remove it"
+    return (
+        f"{key}={value!r}: not a key of the configuration (every key is declared in engine/config.py; "
+        f"keys cannot be added with +). Fix: {fix} (`python -m engine.train --cfg job` prints every key)"
+    )

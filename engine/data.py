@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.errors import DataError, DataFileNotFoundError
+
 REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 BAD_ROWS_MODES = ("error", "skip")
@@ -120,16 +122,16 @@ def _read_columns(path: str, where: str) -> dict[str, list]:
     import pyarrow.parquet as pq
 
     if not os.path.isfile(path):
-        raise FileNotFoundError(
+        raise DataFileNotFoundError(
             f"{where}: file not found. Fix: pass existing parquet files, e.g. {where.split('[')[0]}=[/data/train.parquet]"
         )
     try:
         names = pq.read_schema(path).names
     except Exception as exc:  # pyarrow raises several types for unreadable files
-        raise ValueError(f"{where}: cannot read as parquet ({type(exc).__name__}: {exc})") from exc
+        raise DataError(f"{where}: cannot read as parquet ({type(exc).__name__}: {exc})") from exc
     missing = [name for name in REQUIRED_COLUMNS if name not in names]
     if missing:
-        raise ValueError(
+        raise DataError(
             f"{where}: column(s) {missing} missing (all rows); found {names}. Fix: write the RLHF schema "
             "(prompt, data_source, reward_model, optional extra_info)"
         )
@@ -150,11 +152,11 @@ def read_prompt_rows(
     an empty file list or a missing required column always raises, naming `files_key`.
     """
     if bad_rows not in BAD_ROWS_MODES:
-        raise ValueError(f"bad_rows={bad_rows!r}: must be one of {list(BAD_ROWS_MODES)}")
+        raise DataError(f"bad_rows={bad_rows!r}: must be one of {list(BAD_ROWS_MODES)}")
     if isinstance(files, str):
         files = [files]
     if not files:
-        raise ValueError(
+        raise DataError(
             f"{files_key} is empty: give at least one parquet file, e.g. {files_key}=[/data/train.parquet]"
         )
     rows: list[PromptRow] = []
@@ -179,7 +181,7 @@ def read_prompt_rows(
                 if bad_rows == "skip":
                     counts["bad"] += 1
                     continue
-                raise ValueError(
+                raise DataError(
                     f"{where}: row {row_i}: field '{bad.field_name}' {bad.problem}. Fix: {bad.fix}; "
                     "or load with bad_rows='skip' to skip and count such rows"
                 ) from None
@@ -190,7 +192,7 @@ def read_prompt_rows(
 def chat_prompt_ids(tokenizer, conversations: Sequence[list[dict[str, str]]]) -> list[list[int]]:
     """Token ids of each conversation with the generation prompt, as transformers' apply_chat_template gives."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
+        raise DataError(
             f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template. Fix: use a chat/instruct "
             "checkpoint, or add a chat_template (chat_template.jinja) to the tokenizer directory"
         )
@@ -238,7 +240,7 @@ def load_prompt_dataset(
             if too_long
             else ""
         )
-        raise ValueError(f"{files_key}: no prompt left after loading ({counts}){hint}")
+        raise DataError(f"{files_key}: no prompt left after loading ({counts}){hint}")
     return records, counts
 
 
@@ -248,11 +250,11 @@ def load_tokenizer(path: str, key: str = "model.path"):
     The eos id is `tokenizer.eos_token_id` (guaranteed set). Raises ValueError naming `key` and `path`.
     """
     if not path or not os.path.isdir(path):
-        raise ValueError(
+        raise DataError(
             f"{key}={path!r}: not a directory. Fix: point {key} at a local Hugging Face checkpoint directory"
         )
     if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        raise ValueError(
+        raise DataError(
             f"{key}={path}: no tokenizer files (looked for {list(TOKENIZER_FILES)}). Fix: save the model's "
             "tokenizer there (tokenizer.save_pretrained), or set model.tokenizer_path to a directory that has one"
         )
@@ -261,9 +263,9 @@ def load_tokenizer(path: str, key: str = "model.path"):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
-        raise ValueError(f"{key}={path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
+        raise DataError(f"{key}={path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
     if tokenizer.eos_token_id is None:
-        raise ValueError(
+        raise DataError(
             f"{key}={path}: the tokenizer has no eos token. Fix: set eos_token in tokenizer_config.json"
         )
     if tokenizer.pad_token_id is None:
@@ -291,12 +293,12 @@ class PromptLoader:
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
         if batch_size < 1 or batch_size % dp_size:
-            raise ValueError(
+            raise DataError(
                 f"data.batch_size={batch_size} must be a positive multiple of the data-parallel size {dp_size} "
                 f"(dp = world / (tp * pp)); use e.g. data.batch_size={max(1, batch_size // dp_size) * dp_size}"
             )
         if len(records) < batch_size:
-            raise ValueError(
+            raise DataError(
                 f"data.batch_size={batch_size} is larger than the dataset ({len(records)} prompts after "
                 "filtering by data.max_prompt_len); lower data.batch_size or add data"
             )
@@ -349,7 +351,7 @@ class PromptLoader:
             key: (state[key], value) for key, value in now.items() if key in state and state[key] != value
         }
         if changed:
-            raise ValueError(
+            raise DataError(
                 f"cannot resume the prompt loader: (saved, now) differ for {changed}. Fix: resume with the same "
                 "trainer.seed, data.train_files, data.max_prompt_len and data.batch_size, or start a fresh run"
             )

@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from engine.errors import UserError
+
 if TYPE_CHECKING:
     from engine.config import TrainerConfig
     from parallel.state import ProcessGroups
@@ -37,7 +39,7 @@ CHECKPOINTS_DIR = "checkpoints"
 RUN_OUTPUTS = (METRICS_FILE, CHECKPOINTS_DIR, "tensorboard", "hf_actor")
 
 
-class OutputDirError(RuntimeError):
+class OutputDirError(UserError, RuntimeError):
     """trainer.output_dir cannot be used by this run; the message names the directory, why, and the fixes."""
 
 

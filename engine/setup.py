@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.config import ModelConfig, TrainConfig
+from engine.config import ConfigError, ModelConfig, TrainConfig
 from engine.data import PromptLoader, PromptRecord, load_prompt_dataset, load_tokenizer
 from engine.metrics import MetricsLogger
 from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape
@@ -59,7 +59,7 @@ def _data_files(cfg: TrainConfig, output_dir: str) -> tuple[str, list[str], list
     tok = cfg.model.tokenizer_path or cfg.model.path  # model.path's tokenizer unless one is named
     if d.train_files:
         if not tok:
-            raise ValueError(
+            raise ConfigError(
                 "data.train_files is set but no tokenizer: set model.path or model.tokenizer_path"
             )
         return tok, list(d.train_files), list(d.val_files)
@@ -115,7 +115,7 @@ def build_critic(
     if path != cfg.model.path:
         shape = model_shape(replace(cfg.model, path=path), vocab_size, groups.dims.tp)
         if shape.vocab_size < vocab_size:
-            raise ValueError(
+            raise ConfigError(
                 f"critic.path={path!r} has a vocabulary of {shape.vocab_size} tokens, fewer than the "
                 f"tokenizer's {vocab_size}: point critic.path at a model of the actor's family"
             )
@@ -141,13 +141,13 @@ def build_reward_model(cfg: TrainConfig, vocab_size: int, groups: ProcessGroups,
     path = cfg.reward.model_path
     shape = model_shape(replace(cfg.model, path=path), vocab_size, groups.dims.tp)
     if shape.vocab_size < vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"reward.model_path={path!r} has a vocabulary of {shape.vocab_size} tokens, fewer than the "
             f"tokenizer's {vocab_size}: the reward model must share the actor's tokenizer"
         )
     with HFCheckpoint(path) as ckpt:
         if "score.weight" not in ckpt:
-            raise ValueError(
+            raise ConfigError(
                 f"reward.model_path={path!r} has no score.weight: point it at a trained reward model "
                 "(*ForSequenceClassification with num_labels=1)"
             )

@@ -8,6 +8,8 @@ torchrun every rank runs this same file.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import sys
 
 import hydra
@@ -16,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from engine.config import register_configs, to_dataclass
+from engine.errors import exit_on_user_error, report_user_errors
 from engine.metrics import run_header
 from engine.plot import plot_at_end
 from engine.run_dir import claimed_output_dir
@@ -36,6 +39,7 @@ def _output_dir(configured: str) -> str:
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+@exit_on_user_error
 def main(raw: DictConfig) -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO lines list every parameter bucket
     if read_launch_env().rank != 0:
@@ -72,6 +76,15 @@ def _quiet_hydra_on_other_ranks() -> None:
         ]
 
 
+def _expand_home_in_overrides(argv: list[str]) -> list[str]:
+    """`key=~/path` (and `~/` items of `key=[...]`) with the home directory: Hydra's grammar refuses `~` in
+    unquoted values, and the shell does not expand it after a dotted key."""
+    home = os.path.expanduser("~")
+    return [re.sub(r"(?<=[=\[,])~(?=/|,|\]|$)", lambda _: home, arg) if "=" in arg else arg for arg in argv]
+
+
 if __name__ == "__main__":
     _quiet_hydra_on_other_ranks()
-    main()
+    sys.argv[1:] = _expand_home_in_overrides(sys.argv[1:])
+    launch = read_launch_env()
+    report_user_errors(main, launch.rank, launch.world_size)

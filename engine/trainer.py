@@ -29,7 +29,7 @@ from algorithms import make_kl_controller, overlong_penalty
 from engine.advantage_phase import compute_advantages
 from engine.batch import Experience, Responses, build_experience
 from engine.checkpoint import Checkpointer
-from engine.config import needs_old_log_prob_forward
+from engine.config import needs_old_log_prob_forward, overlong_buffer_tokens
 from engine.dynamic_batch import MicroBatcher
 from engine.dynamic_sampling import GroupSelector
 from engine.metrics import PhaseTimer
@@ -172,11 +172,11 @@ class Trainer:
                 prompts, out.response_ids, out.response_mask, n, self.batcher
             )
         penalty = None
-        if alg.overlong_buffer_len > 0:
+        if overlong_buffer_tokens(alg, self.cfg.rollout.max_new_tokens) > 0:
             penalty = overlong_penalty(
                 lengths,
                 max_len=self.cfg.rollout.max_new_tokens,
-                buffer_len=alg.overlong_buffer_len,
+                buffer_len=overlong_buffer_tokens(alg, self.cfg.rollout.max_new_tokens),
                 penalty_factor=alg.overlong_penalty,
             ).to(scores.dtype)
         return scores, penalty, extras

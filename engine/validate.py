@@ -47,6 +47,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     _validate_optim(cfg)
     _validate_trainer(cfg)
     _validate_reward(cfg)
+    _validate_optional_packages(cfg)
     return dims
 
 
@@ -231,8 +232,15 @@ def _validate_algorithm(cfg: TrainConfig) -> None:
             f"the overlong penalty ramps over the last overlong_buffer_len of rollout.max_new_tokens="
             f"{cfg.rollout.max_new_tokens} tokens, so it must lie in [0, rollout.max_new_tokens]",
             f"set algorithm.overlong_buffer_len<={cfg.rollout.max_new_tokens} (e.g. a quarter of "
-            "rollout.max_new_tokens; the dapo preset's 4096 assumes 16k-token responses), raise "
-            "rollout.max_new_tokens, or use 0 to turn overlong shaping off",
+            "rollout.max_new_tokens), use algorithm.overlong_buffer_frac (a fraction of it) with "
+            "overlong_buffer_len=0, raise rollout.max_new_tokens, or use 0 to turn overlong shaping off",
+        )
+    if not 0.0 <= a.overlong_buffer_frac <= 1.0:
+        _fail(
+            "algorithm.overlong_buffer_frac",
+            a.overlong_buffer_frac,
+            "is a fraction of rollout.max_new_tokens, so it must lie in [0, 1]",
+            "use 0.2 (DAPO's 4096 of 20480 tokens), or 0 to turn overlong shaping off",
         )
     if a.overlong_penalty < 0:
         _fail("algorithm.overlong_penalty", a.overlong_penalty, "must be >= 0", "use 1.0 (DAPO)")
@@ -609,3 +617,22 @@ def ignored_key_warnings(cfg: TrainConfig) -> list[str]:
         if ignored and value != getattr(getattr(default, group), name):
             lines.append(f"warning: {key}={value!r} is ignored: {why}")
     return lines
+
+
+def _validate_optional_packages(cfg: TrainConfig) -> None:
+    """Optional dependencies the config asks for, found (not imported) now rather than after the models exist."""
+    import importlib.util
+
+    wanted = [
+        (f"trainer.loggers={cfg.trainer.loggers}", name, f"drop {name} from trainer.loggers")
+        for name in ("tensorboard", "wandb")
+        if name in cfg.trainer.loggers
+    ]
+    if cfg.rollout.backend == "vllm":
+        wanted.append(("rollout.backend=vllm", "vllm", "use rollout.backend=native"))
+    for setting, package, alternative in wanted:
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"{setting}: needs the Python package {package!r}, which is not installed. Fix: "
+                f"pip install -e '.[{package}]' (setup.py's extra; or pip install {package}), or {alternative}"
+            )

@@ -16,6 +16,8 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from engine.errors import UserError
+
 if TYPE_CHECKING:
     import torch
 
@@ -33,7 +35,7 @@ _MEGATRON_LLAMA3_ROPE = {
 }
 
 
-class HFCheckpointError(ValueError):
+class HFCheckpointError(UserError, ValueError):
     """A Hugging Face checkpoint the engine cannot load; the message names the file, key or tensor and a fix."""
 
 

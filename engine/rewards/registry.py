@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from engine.errors import RewardFnError
+
 # A data_source matches a registered name exactly, or as a prefix followed by one of these
 # (so "gsm8k_train" and "math/level5" match, "mathematics" does not match "math").
 _PREFIX_SEPARATORS = "/_-:."
@@ -75,7 +77,7 @@ def get_rule(data_source: str) -> RuleReward:
     """Like `find_rule`, but an unknown data_source raises ValueError listing the known names."""
     rule = find_rule(data_source)
     if rule is None:
-        raise ValueError(
+        raise RewardFnError(
             f"no built-in reward for data_source={data_source!r}; known (exact or as prefix): {known_sources()}. "
             "Fix: set reward.fn=module:function or reward.fn=path/to/file.py:function with "
             "fn(data_source, solution_str, ground_truth, extra_info) -> float"

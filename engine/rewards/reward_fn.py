@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.errors import RewardFnCallError, RewardFnError
 from engine.rewards.registry import get_rule, rule_reward
 
 UserRewardFn = Callable[[str, str, str, dict], "float | dict"]
@@ -83,8 +84,9 @@ class RewardFn:
             try:
                 out = self.fn(*args)
             except Exception as exc:
-                raise RuntimeError(
-                    f"{self.name} raised {type(exc).__name__} on response {i} (data_source={args[0]!r}): {exc}"
+                raise RewardFnCallError(
+                    f"{self.name} raised {type(exc).__name__} on response {i} (data_source={args[0]!r}){_where(exc)}: "
+                    f"{exc}. Fix: the function must return a number for every response"
                 ) from exc
             score, extra = self._check_output(out, i, args[0])
             scores.append(score)
@@ -104,15 +106,28 @@ class RewardFn:
         extra = {}
         if isinstance(out, Mapping):
             if "score" not in out:
-                raise ValueError(where.format(f"a dict without 'score' (keys {sorted(out)})") + expected)
+                raise RewardFnCallError(
+                    where.format(f"a dict without 'score' (keys {sorted(out)})") + expected
+                )
             extra = {k: float(v) for k, v in out.items() if k != "score" and _as_number(v) is not None}
             out = out["score"]
         score = _as_number(out)
         if score is None:
-            raise TypeError(where.format(f"{type(out).__name__} {str(out)[:40]!r}") + expected)
+            raise RewardFnCallError(where.format(f"{type(out).__name__} {str(out)[:40]!r}") + expected)
         if not math.isfinite(score):
-            raise ValueError(where.format(f"{score}") + expected)
+            raise RewardFnCallError(where.format(f"{score}") + expected)
         return score, extra
+
+
+def _where(exc: BaseException) -> str:
+    """` at file:line in function` of the innermost frame of `exc` (the user's code: no traceback is shown)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return ""
+    code = tb.tb_frame.f_code
+    return f" at {code.co_filename}:{tb.tb_lineno} in {code.co_name}"
 
 
 def _as_number(value) -> float | None:
@@ -128,11 +143,11 @@ def load_user_fn(spec: str) -> UserRewardFn:
     """Import the function named by `reward.fn` (`module:function` or `path/to/file.py:function`)."""
     target, sep, fn_name = spec.strip().rpartition(":")
     if not sep or not target or not fn_name:
-        raise ValueError(f"reward.fn={spec!r}: expected 'module:function' or 'path/to/file.py:function'")
+        raise RewardFnError(f"reward.fn={spec!r}: expected 'module:function' or 'path/to/file.py:function'")
     if target.endswith(".py") or "/" in target or os.sep in target:
         path = os.path.abspath(target)
         if not os.path.isfile(path):
-            raise ValueError(f"reward.fn={spec!r}: file {path} not found")
+            raise RewardFnError(f"reward.fn={spec!r}: file {path} not found")
         # A stable, unique module name: two files called reward.py must not overwrite each other.
         module_name = "engine_user_reward_" + hashlib.sha1(path.encode()).hexdigest()[:12]
         module_spec = importlib.util.spec_from_file_location(module_name, path)
@@ -142,25 +157,27 @@ def load_user_fn(spec: str) -> UserRewardFn:
             module_spec.loader.exec_module(module)
         except Exception as exc:
             del sys.modules[module_name]
-            raise ValueError(
+            raise RewardFnError(
                 f"reward.fn={spec!r}: importing {path} failed: {type(exc).__name__}: {exc}"
             ) from exc
     else:
         try:
             module = importlib.import_module(target)
         except Exception as exc:
-            raise ValueError(
+            raise RewardFnError(
                 f"reward.fn={spec!r}: cannot import module {target!r} ({type(exc).__name__}: {exc}). "
                 "Fix: put it on PYTHONPATH, or give a file: reward.fn=path/to/file.py:function"
             ) from exc
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         names = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
-        raise ValueError(f"reward.fn={spec!r}: {target} has no function {fn_name!r}; its functions: {names}")
+        raise RewardFnError(
+            f"reward.fn={spec!r}: {target} has no function {fn_name!r}; its functions: {names}"
+        )
     try:
         inspect.signature(fn).bind("data_source", "solution_str", "ground_truth", {})
     except TypeError as exc:
-        raise ValueError(
+        raise RewardFnError(
             f"reward.fn={spec!r}: {fn_name} must accept (data_source, solution_str, ground_truth, extra_info): {exc}"
         ) from exc
     except ValueError:  # builtins without a signature: let the first call tell

@@ -41,6 +41,7 @@ SCHEMA = {
     "tis_cap": 0.0,
     "dynamic_sampling": False,
     "overlong_buffer_len": 0,
+    "overlong_buffer_frac": 0.0,
     "overlong_penalty": 1.0,
     "ppo_epochs": 1,
     "num_mini_batches": 1,
@@ -88,7 +89,7 @@ def test_presets_carry_their_signature_settings():
     assert load("dr_grpo")[1]["norm_adv_by_std"] is False
     assert load("dr_grpo")[1]["loss_agg_mode"] == "seq-mean-token-sum-norm"
     dapo = load("dapo")[1]
-    assert dapo["clip_ratio_high"] == 0.28 and dapo["dynamic_sampling"] and dapo["overlong_buffer_len"] > 0
+    assert dapo["clip_ratio_high"] == 0.28 and dapo["dynamic_sampling"] and dapo["overlong_buffer_frac"] > 0
     gspo = load("gspo")[1]
     assert gspo["policy_loss"] == "gspo" and gspo["clip_ratio_high"] < 1e-3
     assert gspo["loss_agg_mode"] == "seq-mean-token-mean"

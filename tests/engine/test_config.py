@@ -28,14 +28,33 @@ def test_default_config_is_valid():
     assert cfg.algorithm.name == "grpo" and cfg.model.name == "tiny" and cfg.cluster.name == "cpu"
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo"])
+@pytest.mark.parametrize(
+    "algorithm", sorted(name[:-5] for name in os.listdir(os.path.join(CONF, "algorithm")))
+)
 def test_presets_compose_and_validate(algorithm):
+    """Every conf/algorithm preset validates with the default job as is (no other override)."""
     validate(composed(f"algorithm={algorithm}"), world_size=1)
 
 
 def test_unknown_key_fails_at_compose():
     with pytest.raises(Exception, match="trainer.totl_steps|totl_steps"):
         composed("trainer.totl_steps=3")
+
+
+@pytest.mark.parametrize(
+    "override,hint",
+    [
+        ("+trainer.totl_steps=3", "did you mean trainer.total_steps=3?"),
+        ("+rollout.max_tokens=16", "did you mean rollout.max_new_tokens=16?"),
+        ("+foo=1", "foo=1: not a key"),
+    ],
+)
+def test_appended_unknown_key_is_refused_with_the_closest_key(override, hint):
+    """Hydra's `+key=value` (its own fix for an unknown key) appends to the composed config; the schema is
+    closed, so the key is refused instead of silently ignored."""
+    with pytest.raises(ConfigError, match="not a key of the configuration") as err:
+        composed(override)
+    assert hint in str(err.value)
 
 
 BAD = [
@@ -255,3 +274,15 @@ def test_checkpoint_positions_must_hold_prompt_plus_response(tmp_path):
     refused([f"model.path={broken}"], f"{broken}/config.json is not a readable JSON config (JSONDecodeError")
     keyless = checkpoint("keyless", hidden_size=8)
     refused([f"model.path={keyless}"], f"{keyless}/config.json has no max_position_embeddings")
+
+
+def test_data_files_take_one_path_or_a_list_and_expand_home(monkeypatch, tmp_path):
+    """verl's `data.train_files=~/data/train.parquet` (one path) and lists; `~` expands (the command line's
+    unquoted `~` is expanded by engine.train: tests/engine/test_user_errors.py)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    one = composed('data.train_files="~/data/train.parquet"', "data.val_files=/data/test.parquet").data
+    assert one.train_files == [f"{tmp_path}/data/train.parquet"] and one.val_files == ["/data/test.parquet"]
+    many = composed('data.train_files=["~/a.parquet",/b.parquet]').data
+    assert many.train_files == [f"{tmp_path}/a.parquet", "/b.parquet"] and many.val_files == []
+    with pytest.raises(ConfigError, match=r"data.train_files=3: must be a path or a list of paths. Fix:"):
+        composed("data.train_files=3")

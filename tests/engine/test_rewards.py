@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from engine.errors import RewardFnCallError
 from engine.rewards import build_reward_fn, find_rule, rule_reward
 from engine.rewards.boxed_math import boxed_math_score, last_boxed
 from engine.rewards.embedded import positional_score
@@ -292,9 +293,13 @@ def test_user_fn_from_file_and_module(user_file, user_module):
     [
         ("nan", ValueError, r"returned nan for response 1"),
         ("inf", ValueError, r"returned inf for response 0"),
-        ("text", TypeError, r"returned str '1.0' for response 0"),
+        ("text", RewardFnCallError, r"returned str '1.0' for response 0"),
         ("no_score", ValueError, r"returned a dict without 'score' \(keys \['reward'\]\) for response 0"),
-        ("boom", RuntimeError, r"raised KeyError on response 0"),
+        (
+            "boom",
+            RewardFnCallError,
+            r"raised KeyError on response 0 \(data_source='s'\) at .*my_reward.py:\d+ in boom",
+        ),
     ],
 )
 def test_user_fn_bad_outputs_name_the_function(user_file, name, error, message):
@@ -374,7 +379,7 @@ def test_reward_check_in_process_with_tokenizer_and_user_fn(tmp_path, user_file,
     assert "(15 tokens; longer than data.max_prompt_len, dropped)" in out
     assert out.count("oracle") == 3 and "1.0000" in out
     assert main([*args, f"reward.fn={user_file}:nan", 'reward_check.responses=["bad"]']) == 1
-    assert "ERROR ValueError: reward.fn=" in capsys.readouterr().out
+    assert "ERROR RewardFnCallError: reward.fn=" in capsys.readouterr().out
     assert main(["data.trainfiles=[x]"]) == 2
     assert "bad argument 'data.trainfiles=[x]'" in capsys.readouterr().err
 

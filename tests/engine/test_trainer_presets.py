@@ -34,7 +34,7 @@ JOBS = {
     "grpo": (["algorithm=grpo"], 2, (*BASE, "actor/kl_loss", "timing/ref")),
     "dr_grpo": (["algorithm=dr_grpo"], 2, BASE),
     "dapo": (
-        ["algorithm=dapo", "algorithm.overlong_buffer_len=2"],
+        ["algorithm=dapo"],  # as is: its overlong buffer is a fraction of rollout.max_new_tokens
         2,
         (*BASE, "dynamic_sampling/dropped_groups", "dynamic_sampling/rounds", "reward/overlong_penalty_mean"),
     ),
