@@ -408,6 +408,7 @@ def _validate_reward(cfg: TrainConfig) -> None:
 
     r = cfg.reward
     _one_of("reward.combine", r.combine, ("model", "sum"))
+    _validate_reward_fn(cfg)
     if not r.model_path:
         return
     why = check_reward_model_dir(r.model_path)
@@ -425,3 +426,15 @@ def _validate_reward(cfg: TrainConfig) -> None:
             "would be ignored: reward.combine=model scores with the reward model alone",
             "set reward.combine=sum to add it to the model's score, or reward.fn=''",
         )
+
+
+def _validate_reward_fn(cfg: TrainConfig) -> None:
+    """Import the user's reward.fn now, not after the models are built: a wrong path or name fails in seconds."""
+    if not cfg.reward.fn.strip():
+        return
+    from engine.rewards import load_user_fn
+
+    try:
+        load_user_fn(cfg.reward.fn)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

@@ -125,11 +125,17 @@ def load_user_fn(spec: str) -> UserRewardFn:
     """Import the function named by `reward.fn` (`module:function` or `path/to/file.py:function`)."""
     target, sep, fn_name = spec.strip().rpartition(":")
     if not sep or not target or not fn_name:
-        raise ValueError(f"reward.fn={spec!r}: expected 'module:function' or 'path/to/file.py:function'")
+        raise ValueError(
+            f"reward.fn={spec!r}: expected 'module:function' or 'path/to/file.py:function'. Fix: name the "
+            "function after a colon, e.g. reward.fn=my_reward.py:score"
+        )
     if target.endswith(".py") or "/" in target or os.sep in target:
         path = os.path.abspath(target)
         if not os.path.isfile(path):
-            raise ValueError(f"reward.fn={spec!r}: file {path} not found")
+            raise ValueError(
+                f"reward.fn={spec!r}: file {path} not found. Fix: give the path of an existing .py file "
+                "(relative paths start at the working directory)"
+            )
         # A stable, unique module name: two files called reward.py must not overwrite each other.
         module_name = "engine_user_reward_" + hashlib.sha1(path.encode()).hexdigest()[:12]
         module_spec = importlib.util.spec_from_file_location(module_name, path)
@@ -140,7 +146,8 @@ def load_user_fn(spec: str) -> UserRewardFn:
         except Exception as exc:
             del sys.modules[module_name]
             raise ValueError(
-                f"reward.fn={spec!r}: importing {path} failed: {type(exc).__name__}: {exc}"
+                f"reward.fn={spec!r}: importing {path} failed: {type(exc).__name__}: {exc}. Fix: make the "
+                "file import cleanly (python path/to/file.py shows the traceback)"
             ) from exc
     else:
         try:
@@ -153,12 +160,16 @@ def load_user_fn(spec: str) -> UserRewardFn:
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         names = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
-        raise ValueError(f"reward.fn={spec!r}: {target} has no function {fn_name!r}; its functions: {names}")
+        raise ValueError(
+            f"reward.fn={spec!r}: {target} has no function {fn_name!r}; its functions: {names}. Fix: name one "
+            "of them after the colon"
+        )
     try:
         inspect.signature(fn).bind("data_source", "solution_str", "ground_truth", {})
     except TypeError as exc:
         raise ValueError(
-            f"reward.fn={spec!r}: {fn_name} must accept (data_source, solution_str, ground_truth, extra_info): {exc}"
+            f"reward.fn={spec!r}: {fn_name} must accept (data_source, solution_str, ground_truth, extra_info): "
+            f"{exc}. Fix: give it these four parameters"
         ) from exc
     except ValueError:  # builtins without a signature: let the first call tell
         pass
