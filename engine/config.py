@@ -275,6 +275,9 @@ class RewardConfig:
     combine: str = "model"
     """With model_path: `model` (the model's score alone; reward.fn must be empty) or `sum` (model score +
     the reward.fn / built-in rule score)."""
+    timeout_s: float = 300.0
+    """Seconds reward.fn may take for one batch of responses before the run stops with the function's name
+    and the response it was on; reward.fn then runs in a child process per rank. 0 = no limit (in process)."""
 
 
 @dataclass

@@ -231,7 +231,7 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
     )
     reward_fn = None
     if not reward_model or cfg.reward.combine == "sum":
-        reward_fn = build_reward_fn(cfg.reward.fn)
+        reward_fn = build_reward_fn(cfg.reward.fn, cfg.reward.timeout_s)
         reward_fn.check_data_sources([r.data_source for r in records])
     logger = MetricsLogger(
         output_dir,

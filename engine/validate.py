@@ -429,7 +429,15 @@ def _validate_reward(cfg: TrainConfig) -> None:
 
 
 def _validate_reward_fn(cfg: TrainConfig) -> None:
-    """Import the user's reward.fn now, not after the models are built: a wrong path or name fails in seconds."""
+    """reward.timeout_s >= 0; import the user's reward.fn now, not after the models are built (seconds, not
+    minutes, to learn of a wrong path or name)."""
+    if cfg.reward.timeout_s < 0:
+        _fail(
+            "reward.timeout_s",
+            cfg.reward.timeout_s,
+            "must be >= 0",
+            "give seconds per batch, or 0 for no limit",
+        )
     if not cfg.reward.fn.strip():
         return
     from engine.rewards import load_user_fn

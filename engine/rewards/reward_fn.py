@@ -75,6 +75,17 @@ class RewardFn:
                 f"{len(ground_truths)} ground_truths, {len(extra_infos)} extra_infos"
             )
         self.check_data_sources(data_sources)
+        scores, extras = self._score_lists(data_sources, responses, ground_truths, extra_infos)
+        return _as_result(scores, extras)
+
+    def _score_lists(
+        self,
+        data_sources: Sequence[str],
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        extra_infos: Sequence[dict],
+    ) -> tuple[list[float], list[dict[str, float]]]:
+        """The checked score and numeric extras of each response, in this process."""
         scores, extras = [], []
         for i, args in enumerate(zip(data_sources, responses, ground_truths, extra_infos)):
             try:
@@ -86,14 +97,7 @@ class RewardFn:
             score, extra = self._check_output(out, i, args[0])
             scores.append(score)
             extras.append(extra)
-        common = set.intersection(*(set(extra) for extra in extras)) if extras else set()
-        return RewardResult(
-            scores=torch.tensor(scores, dtype=torch.float32),
-            extras={
-                key: torch.tensor([extra[key] for extra in extras], dtype=torch.float32)
-                for key in sorted(common)
-            },
-        )
+        return scores, extras
 
     def _check_output(self, out, i: int, data_source: str) -> tuple[float, dict[str, float]]:
         where = f"{self.name} returned {{}} for response {i} (data_source={data_source!r})"
@@ -110,6 +114,16 @@ class RewardFn:
         if not math.isfinite(score):
             raise ValueError(where.format(f"{score}") + expected)
         return score, extra
+
+
+def _as_result(scores: list[float], extras: list[dict[str, float]]) -> RewardResult:
+    common = set.intersection(*(set(extra) for extra in extras)) if extras else set()
+    return RewardResult(
+        scores=torch.tensor(scores, dtype=torch.float32),
+        extras={
+            key: torch.tensor([extra[key] for extra in extras], dtype=torch.float32) for key in sorted(common)
+        },
+    )
 
 
 def _as_number(value) -> float | None:
@@ -176,8 +190,21 @@ def load_user_fn(spec: str) -> UserRewardFn:
     return fn
 
 
-def build_reward_fn(fn_spec: str = "") -> RewardFn:
-    """`reward.fn` -> RewardFn; empty means the built-in rules dispatched by data_source."""
+def user_fn_name(fn_spec: str) -> str:
+    """How messages name the user's function: `reward.fn='<spec>'`."""
+    return f"reward.fn={fn_spec.strip()!r}"
+
+
+def build_reward_fn(fn_spec: str = "", timeout_s: float = 0.0) -> RewardFn:
+    """`reward.fn` -> RewardFn; empty means the built-in rules dispatched by data_source (in this process).
+
+    With `timeout_s` > 0 a user function runs in a child process that is stopped when one batch takes longer
+    (`engine.rewards.worker`); with 0 it runs in this process, without a limit.
+    """
     if not fn_spec or not fn_spec.strip():
         return RewardFn(rule_reward, BUILTIN_NAME, builtin=True)
-    return RewardFn(load_user_fn(fn_spec), f"reward.fn={fn_spec.strip()!r}")
+    if timeout_s > 0:
+        from engine.rewards.worker import ProcessRewardFn
+
+        return ProcessRewardFn(fn_spec, timeout_s)
+    return RewardFn(load_user_fn(fn_spec), user_fn_name(fn_spec))

@@ -73,6 +73,7 @@ BAD = [
     (["trainer.resume=/no/such/checkpoint"], 1, "trainer.resume"),
     (["cluster.device=tpu"], 1, "cluster.device"),
     (["rollout.log_probs=false", "algorithm.tis_cap=2"], 1, "rollout.log_probs=False: algorithm.tis_cap=2.0"),
+    (["reward.timeout_s=-1"], 1, "reward.timeout_s=-1.0: must be >= 0"),
     (["reward.fn=score"], 1, "reward.fn='score': expected 'module:function'"),
     (["reward.fn=/no/such/reward.py:score"], 1, "reward.fn='/no/such/reward.py:score': file"),
     (["reward.fn=engine.rewards.gsm8k:no_such_fn"], 1, "has no function 'no_such_fn'"),
