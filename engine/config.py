@@ -298,6 +298,9 @@ class RewardConfig:
     gsm8k_method: str = "strict"
     """How the built-in GSM8K rule reads answers: `strict` / `flexible` (verl's gsm8k.compute_score methods,
     string equality) or `numeric` (the number after the last `####`, compared as a number)."""
+    timeout_s: float = 300.0
+    """Seconds reward.fn may take for one batch of responses before the run stops with the function's name
+    and the response it was on; reward.fn then runs in a child process per rank. 0 = no limit (in process)."""
 
 
 @dataclass

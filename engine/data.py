@@ -118,6 +118,25 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
 
 
+def _expand_files(files: Sequence[str], files_key: str) -> list[tuple[str, str]]:
+    """(where, path) for each parquet file: a directory stands for its `*.parquet` files, sorted by name."""
+    out = []
+    for file_i, path in enumerate(map(str, files)):
+        where = f"{files_key}[{file_i}]={path}"
+        if not os.path.isdir(path):
+            out.append((where, path))
+            continue
+        names = sorted(name for name in os.listdir(path) if name.endswith(".parquet"))
+        inside = [name for name in names if os.path.isfile(os.path.join(path, name))]
+        if not inside:
+            raise ValueError(
+                f"{where}: a directory with no *.parquet files. Fix: put the parquet files in it, or list the "
+                f"files themselves, e.g. {files_key}=[/data/train.parquet]"
+            )
+        out.extend((f"{where}: {name}", os.path.join(path, name)) for name in inside)
+    return out
+
+
 def _read_columns(path: str, where: str) -> dict[str, list]:
     import pyarrow.parquet as pq
 
@@ -137,6 +156,11 @@ def _read_columns(path: str, where: str) -> dict[str, list]:
         )
     wanted = [*REQUIRED_COLUMNS, *(["extra_info"] if "extra_info" in names else [])]
     table = pq.read_table(path, columns=wanted)
+    if table.num_rows == 0:
+        raise ValueError(
+            f"{where}: the file has no rows. Fix: write the prompts into it, or remove it from "
+            f"{where.split('[')[0]}"
+        )
     columns = {name: table.column(name).to_pylist() for name in wanted}
     columns.setdefault("extra_info", [None] * table.num_rows)
     return columns
@@ -148,8 +172,10 @@ def read_prompt_rows(
     """Read and validate the rows of `files` (parquet, RLHF schema), in order; no tokenisation.
 
     Returns the valid rows and counts {"rows", "bad"}. A malformed row raises ValueError naming the file,
-    the row and the field (bad_rows="error"), or is skipped and counted (bad_rows="skip"). A missing file,
-    an empty file list or a missing required column always raises, naming `files_key`.
+    the row and the field (bad_rows="error"), or is skipped and counted (bad_rows="skip"). A directory in
+    `files` stands for the `*.parquet` files in it, sorted by name. A missing file, a file with no rows, a
+    directory with no parquet file, an empty file list or a missing required column always raises, naming
+    `files_key` and the file.
     """
     if bad_rows not in BAD_ROWS_MODES:
         raise DataError(f"bad_rows={bad_rows!r}: must be one of {list(BAD_ROWS_MODES)}")
@@ -161,9 +187,8 @@ def read_prompt_rows(
         )
     rows: list[PromptRow] = []
     counts = {"rows": 0, "bad": 0}
-    for file_i, path in enumerate(files):
-        where = f"{files_key}[{file_i}]={path}"
-        columns = _read_columns(str(path), where)
+    for where, path in _expand_files(files, files_key):
+        columns = _read_columns(path, where)
         for row_i, (prompt, source, reward_model, extra) in enumerate(
             zip(columns["prompt"], columns["data_source"], columns["reward_model"], columns["extra_info"])
         ):
@@ -222,6 +247,7 @@ def load_prompt_dataset(
     Returns (records, counts) with counts {"rows", "kept", "too_long", "bad"}. Raises ValueError as
     `read_prompt_rows` does, and when no prompt is left.
     """
+    files = [files] if isinstance(files, str) else list(map(str, files))
     rows, counts = read_prompt_rows(files, bad_rows, files_key)
     records: list[PromptRecord] = []
     too_long, shortest = 0, None
@@ -240,7 +266,7 @@ def load_prompt_dataset(
             if too_long
             else ""
         )
-        raise DataError(f"{files_key}: no prompt left after loading ({counts}){hint}")
+        raise DataError(f"{files_key}={files}: no prompt left after loading ({counts}){hint}")
     return records, counts
 
 

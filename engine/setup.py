@@ -233,7 +233,9 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
     )
     reward_fn = None
     if not reward_model or cfg.reward.combine == "sum":
-        reward_fn = build_reward_fn(cfg.reward.fn, cfg.reward.gsm8k_method)
+        reward_fn = build_reward_fn(
+            cfg.reward.fn, gsm8k_method=cfg.reward.gsm8k_method, timeout_s=cfg.reward.timeout_s
+        )
         reward_fn.check_data_sources([r.data_source for r in records])
     logger = MetricsLogger(
         output_dir,

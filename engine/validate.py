@@ -86,7 +86,6 @@ def _validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
             "is not a directory",
             "point model.path at a local Hugging Face checkpoint directory",
         )
-    _validate_tokenizer_source(cfg)
     _one_of("model.dtype", m.dtype, DTYPES)
     for key, value in (
         ("model.num_layers", m.num_layers),
@@ -98,6 +97,7 @@ def _validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
         _positive(key, value)
     if m.path:
         _validate_checkpoint_positions(cfg, "model.path", m.path)
+        _validate_tokenizer_source(cfg)
         return  # the rest of the architecture comes from config.json; checked when it is read
     if m.head_dim == 0 and m.hidden_size % m.num_attention_heads:
         _fail(
@@ -527,6 +527,7 @@ def _validate_reward(cfg: TrainConfig) -> None:
     r = cfg.reward
     _one_of("reward.combine", r.combine, ("model", "sum"))
     _one_of("reward.gsm8k_method", r.gsm8k_method, GSM8K_METHODS)
+    _validate_reward_fn(cfg)
     if not r.model_path:
         return
     if os.path.isdir(r.model_path):
@@ -636,3 +637,23 @@ def _validate_optional_packages(cfg: TrainConfig) -> None:
                 f"{setting}: needs the Python package {package!r}, which is not installed. Fix: "
                 f"pip install -e '.[{package}]' (setup.py's extra; or pip install {package}), or {alternative}"
             )
+
+
+def _validate_reward_fn(cfg: TrainConfig) -> None:
+    """reward.timeout_s >= 0; import the user's reward.fn now, not after the models are built (seconds, not
+    minutes, to learn of a wrong path or name)."""
+    if cfg.reward.timeout_s < 0:
+        _fail(
+            "reward.timeout_s",
+            cfg.reward.timeout_s,
+            "must be >= 0",
+            "give seconds per batch, or 0 for no limit",
+        )
+    if not cfg.reward.fn.strip():
+        return
+    from engine.rewards import load_user_fn
+
+    try:
+        load_user_fn(cfg.reward.fn)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

@@ -21,6 +21,7 @@ import os
 import re
 import socket
 import sys
+import traceback
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -370,13 +371,18 @@ def failure_note(message: str, rank: int, world_size: int, timeout_s: float) -> 
             f"{where}: another rank closed its connection, so it most likely exited; the first rank that failed "
             f"has the cause in its log (look for the earliest traceback, or an OOM kill in the scheduler's log)"
         )
-    if any(marker in text for marker in _TIMED_OUT) or "nccl" in text:
+    if is_timeout(message) or "nccl" in text:
         return (
             f"{where}: a collective waited longer than cluster.timeout_s={timeout_s:g}s: another rank is stuck "
             f"or died without closing its connections; its log has the cause. Fix: if a phase is legitimately "
             f"slow (a large checkpoint save, first compilation), raise cluster.timeout_s"
         )
     return None
+
+
+def is_timeout(message: str) -> bool:
+    """Whether an error message says that a collective (or the store) timed out."""
+    return any(marker in message.lower() for marker in _TIMED_OUT)
 
 
 @contextmanager
@@ -386,11 +392,22 @@ def explain_rank_failures(rank: int, world_size: int, timeout_s: float) -> Itera
     The note turns a bare gloo/NCCL error into 'which rank, what probably happened, what to do'. It is printed
     at once, not attached to the traceback: the launcher stops the surviving ranks within a fraction of a
     second of the first failure, often before their tracebacks (printed after teardown) get out.
+    After a timeout the note also names the ranks that did not arrive (`parallel.arrival`); this rank then
+    prints its traceback and exits at once (os._exit(1)): a teardown that waits on the missing rank would
+    only delay the launcher's stop of the job.
     """
     try:
         yield
     except Exception as err:
         note = failure_note(str(err), rank, world_size, timeout_s) if world_size > 1 else None
+        if note and is_timeout(str(err)):
+            from parallel.arrival import report_missing_ranks
+
+            print(f"{note}.{report_missing_ranks(rank, world_size)}", file=sys.stderr, flush=True)
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         if note:
             print(note, file=sys.stderr, flush=True)
         raise

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from parallel.arrival import publish_process
 from parallel.dims import ParallelDims
 from parallel.launch import cuda_device_index, export_launch_env, read_launch_env
 
@@ -113,6 +114,8 @@ def init_distributed(
         raise RuntimeError(
             f"the job has {dist.get_world_size()} ranks but the layout was validated for {dims.world_size}"
         )
+    if dist.get_world_size() > 1:
+        publish_process(dist.get_rank())  # lets a rank that times out name and stop a stuck peer
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,

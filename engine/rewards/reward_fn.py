@@ -79,6 +79,17 @@ class RewardFn:
                 f"{len(ground_truths)} ground_truths, {len(extra_infos)} extra_infos"
             )
         self.check_data_sources(data_sources)
+        scores, extras = self._score_lists(data_sources, responses, ground_truths, extra_infos)
+        return _as_result(scores, extras)
+
+    def _score_lists(
+        self,
+        data_sources: Sequence[str],
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        extra_infos: Sequence[dict],
+    ) -> tuple[list[float], list[dict[str, float]]]:
+        """The checked score and numeric extras of each response, in this process."""
         scores, extras = [], []
         for i, args in enumerate(zip(data_sources, responses, ground_truths, extra_infos)):
             try:
@@ -91,14 +102,7 @@ class RewardFn:
             score, extra = self._check_output(out, i, args[0])
             scores.append(score)
             extras.append(extra)
-        common = set.intersection(*(set(extra) for extra in extras)) if extras else set()
-        return RewardResult(
-            scores=torch.tensor(scores, dtype=torch.float32),
-            extras={
-                key: torch.tensor([extra[key] for extra in extras], dtype=torch.float32)
-                for key in sorted(common)
-            },
-        )
+        return scores, extras
 
     def _check_output(self, out, i: int, data_source: str) -> tuple[float, dict[str, float]]:
         where = f"{self.name} returned {{}} for response {i} (data_source={data_source!r})"
@@ -130,6 +134,16 @@ def _where(exc: BaseException) -> str:
     return f" at {code.co_filename}:{tb.tb_lineno} in {code.co_name}"
 
 
+def _as_result(scores: list[float], extras: list[dict[str, float]]) -> RewardResult:
+    common = set.intersection(*(set(extra) for extra in extras)) if extras else set()
+    return RewardResult(
+        scores=torch.tensor(scores, dtype=torch.float32),
+        extras={
+            key: torch.tensor([extra[key] for extra in extras], dtype=torch.float32) for key in sorted(common)
+        },
+    )
+
+
 def _as_number(value) -> float | None:
     """A real number (bool, int, float, numpy scalar, one-element tensor) as float, else None."""
     if isinstance(value, torch.Tensor):
@@ -143,11 +157,17 @@ def load_user_fn(spec: str) -> UserRewardFn:
     """Import the function named by `reward.fn` (`module:function` or `path/to/file.py:function`)."""
     target, sep, fn_name = spec.strip().rpartition(":")
     if not sep or not target or not fn_name:
-        raise RewardFnError(f"reward.fn={spec!r}: expected 'module:function' or 'path/to/file.py:function'")
+        raise RewardFnError(
+            f"reward.fn={spec!r}: expected 'module:function' or 'path/to/file.py:function'. Fix: name the "
+            "function after a colon, e.g. reward.fn=my_reward.py:score"
+        )
     if target.endswith(".py") or "/" in target or os.sep in target:
         path = os.path.abspath(target)
         if not os.path.isfile(path):
-            raise RewardFnError(f"reward.fn={spec!r}: file {path} not found")
+            raise RewardFnError(
+                f"reward.fn={spec!r}: file {path} not found. Fix: give the path of an existing .py file "
+                "(relative paths start at the working directory)"
+            )
         # A stable, unique module name: two files called reward.py must not overwrite each other.
         module_name = "engine_user_reward_" + hashlib.sha1(path.encode()).hexdigest()[:12]
         module_spec = importlib.util.spec_from_file_location(module_name, path)
@@ -158,7 +178,8 @@ def load_user_fn(spec: str) -> UserRewardFn:
         except Exception as exc:
             del sys.modules[module_name]
             raise RewardFnError(
-                f"reward.fn={spec!r}: importing {path} failed: {type(exc).__name__}: {exc}"
+                f"reward.fn={spec!r}: importing {path} failed: {type(exc).__name__}: {exc}. Fix: make the "
+                "file import cleanly (python path/to/file.py shows the traceback)"
             ) from exc
     else:
         try:
@@ -172,23 +193,38 @@ def load_user_fn(spec: str) -> UserRewardFn:
     if not callable(fn):
         names = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
         raise RewardFnError(
-            f"reward.fn={spec!r}: {target} has no function {fn_name!r}; its functions: {names}"
+            f"reward.fn={spec!r}: {target} has no function {fn_name!r}; its functions: {names}. Fix: name one "
+            "of them after the colon"
         )
     try:
         inspect.signature(fn).bind("data_source", "solution_str", "ground_truth", {})
     except TypeError as exc:
         raise RewardFnError(
-            f"reward.fn={spec!r}: {fn_name} must accept (data_source, solution_str, ground_truth, extra_info): {exc}"
+            f"reward.fn={spec!r}: {fn_name} must accept (data_source, solution_str, ground_truth, extra_info): "
+            f"{exc}. Fix: give it these four parameters"
         ) from exc
     except ValueError:  # builtins without a signature: let the first call tell
         pass
     return fn
 
 
-def build_reward_fn(fn_spec: str = "", gsm8k_method: str = "strict") -> RewardFn:
-    """`reward.fn` -> RewardFn; empty means the built-in rules dispatched by data_source, GSM8K read with
-    `gsm8k_method` (`reward.gsm8k_method`)."""
+def user_fn_name(fn_spec: str) -> str:
+    """How messages name the user's function: `reward.fn='<spec>'`."""
+    return f"reward.fn={fn_spec.strip()!r}"
+
+
+def build_reward_fn(fn_spec: str = "", gsm8k_method: str = "strict", timeout_s: float = 0.0) -> RewardFn:
+    """`reward.fn` -> RewardFn; empty means the built-in rules dispatched by data_source (in this process),
+    GSM8K read with `gsm8k_method` (`reward.gsm8k_method`).
+
+    With `timeout_s` > 0 a user function runs in a child process that is stopped when one batch takes longer
+    (`engine.rewards.worker`); with 0 it runs in this process, without a limit.
+    """
     if not fn_spec or not fn_spec.strip():
         options = {"gsm8k": {"method": gsm8k_method}}
         return RewardFn(functools.partial(rule_reward, options=options), BUILTIN_NAME, builtin=True)
-    return RewardFn(load_user_fn(fn_spec), f"reward.fn={fn_spec.strip()!r}")
+    if timeout_s > 0:
+        from engine.rewards.worker import ProcessRewardFn
+
+        return ProcessRewardFn(fn_spec, timeout_s)
+    return RewardFn(load_user_fn(fn_spec), user_fn_name(fn_spec))

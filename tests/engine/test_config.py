@@ -93,6 +93,11 @@ BAD = [
     (["trainer.resume=/no/such/checkpoint"], 1, "trainer.resume"),
     (["cluster.device=tpu"], 1, "cluster.device"),
     (["rollout.log_probs=false", "algorithm.tis_cap=2"], 1, "rollout.log_probs=False: algorithm.tis_cap=2.0"),
+    (["reward.timeout_s=-1"], 1, "reward.timeout_s=-1.0: must be >= 0"),
+    (["reward.fn=score"], 1, "reward.fn='score': expected 'module:function'"),
+    (["reward.fn=/no/such/reward.py:score"], 1, "reward.fn='/no/such/reward.py:score': file"),
+    (["reward.fn=engine.rewards.gsm8k:no_such_fn"], 1, "has no function 'no_such_fn'"),
+    (["reward.fn=no_such_module_x:score"], 1, "reward.fn='no_such_module_x:score': cannot import module"),
 ]
 
 
@@ -104,6 +109,12 @@ def test_bad_config_names_the_key(overrides, world, needle):
     message = str(err.value)
     assert needle in message
     assert "Fix:" in message or "launch" in message or "use" in message
+
+
+def test_reward_fn_is_imported_during_validation():
+    stall_reward = os.path.join(os.path.dirname(__file__), "stall_reward.py")
+    validate(composed(f"reward.fn={stall_reward}:score"), world_size=1)
+    validate(composed("reward.fn=engine.rewards:rule_reward"), world_size=1)
 
 
 def test_cli_prints_composed_config():
@@ -247,6 +258,7 @@ def test_checkpoint_positions_must_hold_prompt_plus_response(tmp_path):
         path = tmp_path / name
         path.mkdir()
         (path / "config.json").write_text(json.dumps(config) if text is None else text)
+        (path / "tokenizer_config.json").write_text("{}")  # model.path's tokenizer must exist too
         return str(path)
 
     def refused(overrides: list[str], message: str) -> None:

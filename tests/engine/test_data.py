@@ -267,3 +267,37 @@ def test_loader_errors():
 def test_files_as_single_string(tmp_path):
     path = write(tmp_path / "x.parquet", [make_row()])
     assert os.path.exists(path) and len(read_prompt_rows(path)[0]) == 1
+
+
+def test_empty_file_is_named(tmp_path, tokenizer):
+    good = write(tmp_path / "good.parquet", [make_row()])
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.Table.from_pylist([make_row()]).slice(0, 0), str(empty))
+    for files in ([str(empty)], [good, str(empty)]):
+        with pytest.raises(
+            ValueError, match=rf"data.train_files\[{len(files) - 1}\]={empty}: the file has no rows"
+        ):
+            load_prompt_dataset(files, tokenizer, max_prompt_len=64)
+
+
+def test_directory_reads_its_parquet_files_sorted(tmp_path, tokenizer):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write(shards / "b.parquet", [make_row("copy 2", truth="2")])
+    write(shards / "a.parquet", [make_row("copy 1", truth="1")])
+    (shards / "README.txt").write_text("not data")
+    single = write(tmp_path / "c.parquet", [make_row("copy 3", truth="3")])
+    records, counts = load_prompt_dataset([str(shards), single], tokenizer, max_prompt_len=64)
+    assert [r.ground_truth for r in records] == ["1", "2", "3"] and counts["rows"] == 3
+    bad = [dict(make_row(), data_source="")]
+    write(shards / "c.parquet", bad)
+    with pytest.raises(
+        ValueError, match=rf"data.train_files\[0\]={shards}: c.parquet: row 0: field 'data_source'"
+    ):
+        read_prompt_rows([str(shards)])
+    empty_dir = tmp_path / "nothing"
+    empty_dir.mkdir()
+    with pytest.raises(
+        ValueError, match=rf"data.val_files\[1\]={empty_dir}: a directory with no \*.parquet files"
+    ):
+        read_prompt_rows([single, str(empty_dir)], files_key="data.val_files")

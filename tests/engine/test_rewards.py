@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -409,3 +410,53 @@ def test_reward_check_generates_and_scores(tmp_path, user_file):
         capture_output=True, text=True, cwd=tmp_path, timeout=120, env={**os.environ, "PYTHONPATH": REPO},
     )  # fmt: skip
     assert bad.returncode == 2 and "parallel.tp" in bad.stderr
+
+
+WORKER_MODULE = """
+import os
+import time
+
+def score(data_source, solution_str, ground_truth, extra_info):
+    if solution_str == "hang":
+        time.sleep(3600)
+    if solution_str == "exit":
+        os._exit(3)
+    if solution_str == "boom":
+        raise KeyError("answer")
+    if solution_str == "text":
+        return "1.0"
+    return {"score": float(solution_str == ground_truth) + extra_info.get("bonus", 0), "acc": 1}
+"""
+
+
+def test_user_fn_in_a_process_stops_at_reward_timeout(tmp_path):
+    """reward.timeout_s > 0: the function runs in a child process; a batch that never ends fails in time,
+    naming the function and the response; errors and outputs are those of the in-process function."""
+    from engine.rewards.worker import ProcessRewardFn
+
+    path = tmp_path / "slow_reward.py"
+    path.write_text(WORKER_MODULE)
+    fn = build_reward_fn(f"{path}:score", timeout_s=2)
+    assert isinstance(fn, ProcessRewardFn)
+    result = fn.score(["s", "s"], ["a", "b"], ["a", "c"], [{}, {"bonus": 0.25}])
+    assert result.scores.tolist() == [1.0, 0.25] and result.extras["acc"].tolist() == [1.0, 1.0]
+    name = rf"reward.fn='{path}:score'"
+    with pytest.raises(RewardFnCallError, match=rf"{name} raised KeyError on response 1"):
+        fn(["s", "s"], ["a", "boom"], ["a", "a"], [{}, {}])
+    with pytest.raises(RewardFnCallError, match=rf"{name} returned str '1.0' for response 0"):
+        fn(["s"], ["text"], ["a"], [{}])
+    child = fn._proc.pid
+    start = time.monotonic()
+    with pytest.raises(
+        RewardFnCallError,
+        match=rf"{name} did not finish a batch of 3 responses within reward.timeout_s=2 s: "
+        r"it was on response 2 \(data_source='x'\) when stopped. Fix: .* raise reward.timeout_s",
+    ):
+        fn(["s", "s", "x"], ["a", "b", "hang"], ["a", "a", "a"], [{}, {}, {}])
+    assert time.monotonic() - start < 2 + 5
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)  # killed and reaped
+    with pytest.raises(
+        RewardFnCallError, match=rf"{name}: the reward process exited \(code 3\) while scoring"
+    ):
+        fn(["s"], ["exit"], ["a"], [{}])  # a new child after the timeout

@@ -3,7 +3,8 @@
     launch_dead_rank.py MODE TIMEOUT_S     (under torchrun, or two plain processes with RANK, WORLD_SIZE, ...)
 
 MODE `die`: rank 1 exits abruptly (os._exit(1)) while rank 0 waits in a collective. MODE `hang`: rank 1 stays
-alive but never joins (the test kills it). Rank 0 runs one all-reduce on megatron's DP group and one on the
+alive but never joins (the test kills it). MODE `stop`: rank 1 stops itself (SIGSTOP), as a debugger or an
+operator would. Rank 0 runs one all-reduce on megatron's DP group and one on the
 world group, prints `FAILED <group> <seconds>` for each, then re-raises the last error inside
 `explain_rank_failures` and tears down as `engine.train` does, so it exits non-zero with the note a user
 would see.
@@ -12,6 +13,7 @@ would see.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -32,6 +34,9 @@ def main() -> None:
             time.sleep(0.5)  # rank 0 is inside its collective by now
             print(f"DYING {time.time():.3f}", flush=True)
             os._exit(1)
+        if mode == "stop":
+            print(f"STOPPING {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(3600)  # hang: alive, connections open, never joining
     try:  # as in engine.train: the note, then the teardown (which must not hang either)
         with explain_rank_failures(groups.rank, groups.dims.world_size, timeout_s):

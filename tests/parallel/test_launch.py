@@ -291,6 +291,7 @@ def test_dead_or_hung_rank_without_launcher():
         assert TIMEOUT_S - 0.2 <= seconds <= TIMEOUT_S + 2.0, (group, seconds, hang)
     assert set(_failed(hang)) == {"dp", "world"}, hang
     assert f"rank 0 of 2: a collective waited longer than cluster.timeout_s={TIMEOUT_S:g}s" in hang
+    assert "Rank(s) [1] did not arrive" in hang and "Killed" not in hang  # no launcher: nobody is killed
 
 
 def test_dead_rank_under_torchrun():
@@ -310,6 +311,27 @@ def test_dead_rank_under_torchrun():
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*exitcode\s*:\s*1", out), out[-4000:]
     # the survivor explains itself before torchrun stops it (its collective fails within milliseconds)
     assert "rank 0 of 2: another rank closed its connection" in out, out[-4000:]
+
+
+def test_stopped_rank_under_torchrun_is_named_and_the_job_ends():
+    """World size 2 under torchrun: rank 1 stops itself (SIGSTOP), so it never answers torchrun's SIGTERM.
+    Rank 0's collectives time out; it names rank 1, kills it (same host, same agent) and exits, so the job
+    ends without torchrun's 30 s wait before SIGKILL."""
+    from parallel.arrival import REPORT_GRACE_S
+
+    env = _clean_env()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--tee=3"]
+    proc = subprocess.run(
+        [*cmd, DEAD_RANK, "stop", str(TIMEOUT_S)], env=env, capture_output=True, text=True, timeout=120
+    )
+    ended = time.time()
+    out = proc.stdout + proc.stderr
+    stopped = float(re.search(r"STOPPING ([\d.]+)", out).group(1))
+    assert proc.returncode != 0, out
+    # two collectives time out one after the other, then the reports are awaited
+    assert ended - stopped < 2 * TIMEOUT_S + REPORT_GRACE_S + 5.0, f"{ended - stopped:.1f} s\n{out[-4000:]}"
+    assert "Rank(s) [1] did not arrive" in out and "Killed rank(s) [1] on this host" in out, out[-4000:]
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*exitcode\s*:\s*-9", out), out[-4000:]
 
 
 # --- two "nodes" on one machine ------------------------------------------------------------------------
