@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from algorithms import make_kl_controller, overlong_penalty
-from engine.advantage_phase import compute_advantages
+from engine.advantage_phase import compute_advantages, dp_sum
 from engine.batch import Experience, Responses, build_experience
 from engine.checkpoint import Checkpointer
 from engine.config import needs_old_log_prob_forward
@@ -250,7 +250,7 @@ class Trainer:
     def _advantages(self, exp: Experience) -> dict[str, float]:
         alg, g = self.cfg.algorithm, self.c.groups
         kl_coef = self.kl_ctrl.value
-        exp.tensors.update(compute_advantages(exp, alg, kl_coef))
+        exp.tensors.update(compute_advantages(exp, alg, kl_coef, dp_sum(g.dp, g.device)))
         mask = exp.response_mask.bool()
         mean, std, lo, hi = self._stats(exp.tensors["advantages"][mask])
         out = {"actor/adv_mean": mean, "actor/adv_std": std, "actor/adv_min": lo, "actor/adv_max": hi}
