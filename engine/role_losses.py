@@ -17,6 +17,8 @@ from engine.policy import ResponseStats
 # the first name is the loss (summed over micro-batches), the others are sums weighted by valid tokens
 ACTOR_METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "rollout_kl")
 CRITIC_METRICS = ("vf_loss", "vf_clipfrac", "vpred_mean")
+# means over the first mini-batch only (run_updates' first_only): the rollout-vs-training gap before any update
+ACTOR_FIRST_MINI_BATCH_METRICS = ("rollout_kl",)
 
 
 def actor_metric_names(rollout_log_probs: bool) -> tuple[str, ...]:

@@ -35,6 +35,7 @@ from engine.metrics import PhaseTimer
 from engine.offload import RoleOffloader
 from engine.perf import mfu, train_flops
 from engine.role_losses import (
+    ACTOR_FIRST_MINI_BATCH_METRICS,
     CRITIC_METRICS,
     actor_metric_names,
     log_prob_fn,
@@ -284,6 +285,7 @@ class Trainer:
             max_len=self.cfg.rollout.max_new_tokens,
             seed=self.cfg.trainer.seed + self.step,
             temperature=self.cfg.rollout.temperature,
+            first_only=ACTOR_FIRST_MINI_BATCH_METRICS,
         )
         return {f"actor/{k}": v for k, v in out.items()}
 
