@@ -434,6 +434,7 @@ class Trainer:
             self.step = checkpointer.resume()
             c.logger.resume_at(self.step)
             self.ref_offload.offload()
+            save_metrics: dict[str, float] = {}  # the save after a step, logged on the next step's line
             while self.step < t.total_steps:
                 metrics = self.train_step()
                 if (
@@ -442,8 +443,9 @@ class Trainer:
                     and c.val_batches
                 ):
                     metrics.update(self.validate())
-                metrics.update(checkpointer.after_step(self.step))
-                c.logger.log(self.step, metrics)
+                metrics.update(save_metrics)
+                c.logger.log(self.step, metrics)  # written before the save: a kill during it keeps the line
+                save_metrics = checkpointer.after_step(self.step)
             checkpointer.finish(self.step)
         finally:
             c.logger.close()
