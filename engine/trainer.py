@@ -30,7 +30,7 @@ from engine.batch import Experience, Responses, build_experience
 from engine.checkpoint import Checkpointer
 from engine.config import needs_old_log_prob_forward
 from engine.dynamic_batch import MicroBatcher
-from engine.dynamic_sampling import GroupSelector
+from engine.dynamic_sampling import GroupSelector, global_order, replica_share
 from engine.metrics import PhaseTimer
 from engine.offload import RoleOffloader
 from engine.perf import mfu, train_flops
@@ -200,30 +200,30 @@ class Trainer:
         )
 
     def _collect(self, timer: PhaseTimer) -> tuple[Responses, dict[str, float]]:
-        """This replica's responses for the step; with dynamic sampling, further rounds while any replica
-        lacks informative groups (every rank draws every global batch, so loaders stay in step)."""
+        """This replica's responses for the step; with dynamic sampling, further rounds while the batch lacks
+        informative groups, selected over all replicas' responses (engine/dynamic_sampling.py)."""
         alg, g = self.cfg.algorithm, self.c.groups
         if not alg.dynamic_sampling:
             return self._responses(self.c.loader.next_batch(), timer, 0), {}
-        selector = GroupSelector(self.cfg.data.batch_size // g.dims.dp)
+        selector = GroupSelector(self.cfg.data.batch_size)
         rounds = 0
         while True:
-            records = self.c.loader.next_batch()
-            selector.add(self._responses(records if selector.missing else [], timer, rounds))
+            parts: list[Responses | None] = [None] * g.dims.dp
+            mine = self._responses(self.c.loader.next_batch(), timer, rounds)
+            dist.all_gather_object(parts, mine, group=g.dp)
+            selector.add(global_order(parts, alg.num_mini_batches))
             rounds += 1
             missing = torch.tensor(float(selector.missing), device=g.device)
             dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=g.world)
             if float(missing) == 0 or rounds >= alg.max_sampling_rounds:
                 break
-        responses, counts = selector.finish()
-        totals = torch.tensor([float(counts[k]) for k in ("generated", "dropped", "filler")], device=g.device)
-        dist.all_reduce(totals, group=g.dp)
-        generated, dropped, filler = totals.tolist()
+        batch, counts = selector.finish()  # the same on every replica: counts are global
+        responses = replica_share(batch, g.dp_rank, g.dims.dp, alg.num_mini_batches)
         return responses, {
             "dynamic_sampling/rounds": float(rounds),
-            "dynamic_sampling/generated_groups": generated,
-            "dynamic_sampling/dropped_groups": dropped,
-            "dynamic_sampling/filler_groups": filler,
+            "dynamic_sampling/generated_groups": float(counts["generated"]),
+            "dynamic_sampling/dropped_groups": float(counts["dropped"]),
+            "dynamic_sampling/filler_groups": float(counts["filler"]),
         }
 
     def _experience(self, resp: Responses) -> Experience:
