@@ -10,7 +10,8 @@ Unknown names and mismatched shapes raise ValueError naming the argument.
 Advantages (algorithms/advantages.py). Names: gae, grpo, rloo, opo, reinforce_pp, reinforce_pp_baseline, remax.
     get_advantage_estimator(name) -> fn; advantage_estimator_names() -> list[str]
     fn(*, mask_bt, scores_b=None, group_index_b=None, token_rewards_bt=None, values_bt=None,
-       baseline_scores_b=None, gamma=1.0, lam=1.0, norm_by_std=True, whiten=True, eps=1e-6)
+       baseline_scores_b=None, gamma=1.0, lam=1.0, norm_by_std=True, whiten=True, eps=1e-6,
+       reduce_sum=None)
        -> (advantages_bt, returns_bt), both (batch, resp_len), zero on padding; runs under no_grad.
     Same signature for all; each uses what it needs and raises ValueError if that is None:
         gae                    token_rewards_bt, values_bt; gamma, lam, whiten (advantage whitening)
@@ -23,7 +24,8 @@ Advantages (algorithms/advantages.py). Names: gae, grpo, rloo, opo, reinforce_pp
     token_rewards_bt). group_index_b (batch,) int: prompt id per response; groups need not be adjacent,
     but a group must be entirely in the call. A group of one has no baseline (advantage = its score).
     returns_bt: critic target for gae (advantages + values, before whitening).
-    Whitening uses the statistics of the tensors passed: call on the whole batch, not per micro-batch.
+    Whitening (verl's masked_whiten) uses the statistics of the whole batch: call on the whole batch, or on
+    each DP shard with reduce_sum (a function summing a tensor over the shards, e.g. an all_reduce over DP).
 
 Losses (algorithms/losses.py). Policy loss names: ppo, gspo. Agg modes: LOSS_AGG_MODES =
     ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm").
@@ -73,10 +75,11 @@ Wiring from the `algorithm` config (c), one step; lp/old_lp/ref_lp/rollout_lp ar
     ctrl = make_kl_controller(c.kl_ctrl, kl_coef=c.kl_reward_coef, target=c.kl_target, horizon=c.kl_horizon)  # once
     if c.kl_in_reward: kl_bt = get_kl_estimator(c.kl_estimator)(old_lp, ref_lp, mask_bt)
         token_rewards_bt = scores_to_token_rewards(scores_b, mask_bt, kl_bt=kl_bt, kl_coef=ctrl.value)
-        scores_b = token_rewards_bt.sum(-1); ctrl.update(current_kl, n_steps=batch)
+        scores_b = token_rewards_bt.sum(-1); ctrl.update(current_kl, n_steps=batch)  # current_kl over all of DP
     else: token_rewards_bt = scores_to_token_rewards(scores_b, mask_bt)
     adv_bt, ret_bt = get_advantage_estimator(c.adv_estimator)(mask_bt=..., scores_b=..., group_index_b=...,
-        token_rewards_bt=..., values_bt=..., gamma=c.gamma, lam=c.lam, norm_by_std=c.norm_adv_by_std)
+        token_rewards_bt=..., values_bt=..., gamma=c.gamma, lam=c.lam, norm_by_std=c.norm_adv_by_std,
+        reduce_sum=<sum over DP>)   # whitening over the whole batch
     per mini-batch: norm = sum over DP ranks of loss_normalizer(mask of this rank's mini-batch, c.loss_agg_mode, max_len)
     per micro-batch: pg, metrics = get_policy_loss(c.policy_loss)(lp, old_lp, adv_bt, mask_bt,
         loss_agg_mode=c.loss_agg_mode, global_normalizer=norm, clip_ratio_low=c.clip_ratio_low,

@@ -101,16 +101,32 @@ def masked_mean(x_bt: Tensor, mask_bt: Tensor) -> Tensor:
     return masked_sum(x_bt, mask_bt) / mask_bt.sum().clamp(min=1)
 
 
-def masked_whiten(x_bt: Tensor, mask_bt: Tensor, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / std over valid positions, zero on padding.
+def local_sum(x: Tensor) -> Tensor:
+    """The `reduce_sum` of a call that holds the whole batch: the tensor itself."""
+    return x
 
-    Unbiased (Bessel-corrected) variance, as verl's `masked_whiten`; needs at least two valid tokens.
+
+def masked_whiten(
+    x_bt: Tensor, mask_bt: Tensor, eps: float = 1e-8, reduce_sum: Callable[[Tensor], Tensor] | None = None
+) -> Tensor:
+    """(x - mean) / sqrt(var + eps) over valid positions of the whole batch, zero on padding.
+
+    verl's `masked_whiten`: masked mean, unbiased (Bessel-corrected) variance sum((x - mean)^2) / (N - 1),
+    eps 1e-8 inside the square root; needs at least two valid tokens. When the batch is sharded (DP),
+    `reduce_sum` sums a tensor over all shards (every shard calls it twice, in the same order); None = this
+    call holds the whole batch. The moments are float64, so the result does not depend on the split beyond
+    the rounding of x's dtype.
     """
-    num_valid = mask_bt.sum()
-    mean = masked_sum(x_bt, mask_bt) / num_valid.clamp(min=1)
-    centered_bt = torch.where(mask_bt, x_bt - mean, torch.zeros_like(x_bt))
-    var = centered_bt.square().sum() / (num_valid - 1).clamp(min=1)
-    return centered_bt * torch.rsqrt(var + eps)
+    reduce_sum = reduce_sum or local_sum
+    x64_bt = x_bt.double()
+    count_sum = reduce_sum(torch.stack([mask_bt.sum().double(), masked_sum(x64_bt, mask_bt)]))
+    num_valid = count_sum[0]
+    mean = count_sum[1] / num_valid.clamp(min=1)
+    centered_bt = torch.where(
+        mask_bt, x64_bt - mean, torch.zeros((), dtype=torch.float64, device=x_bt.device)
+    )
+    var = reduce_sum(centered_bt.square().sum().reshape(1))[0] / (num_valid - 1).clamp(min=1)
+    return (centered_bt * torch.rsqrt(var + eps)).to(x_bt.dtype)
 
 
 def broadcast_to_tokens(x_b: Tensor, mask_bt: Tensor) -> Tensor:

@@ -5,7 +5,7 @@ any of them with everything it has and let each one take what it needs:
 
     advantages_bt, returns_bt = get_advantage_estimator(name)(
         mask_bt=..., scores_b=..., group_index_b=..., token_rewards_bt=..., values_bt=...,
-        baseline_scores_b=..., gamma=..., lam=..., norm_by_std=..., whiten=...)
+        baseline_scores_b=..., gamma=..., lam=..., norm_by_std=..., whiten=..., reduce_sum=...)
 
 Inputs (a missing required one raises ValueError naming it; unused ones are ignored):
     mask_bt            (batch, resp_len) 1 on response tokens that are trained on, 0 on padding
@@ -15,6 +15,9 @@ Inputs (a missing required one raises ValueError naming it; unused ones are igno
     token_rewards_bt   (batch, resp_len) per-token reward, e.g. `kl.scores_to_token_rewards(...)`
     values_bt          (batch, resp_len) critic values
     baseline_scores_b  (batch,) reward of the greedy response to the same prompt (ReMax)
+    reduce_sum         whitening over a batch sharded across calls (DP replicas): a function that sums a
+                       tensor over all shards, e.g. an all_reduce over the DP group; None = the call holds
+                       the whole batch
 
     name                   needs                          advantage per valid token
     gae                    token_rewards_bt, values_bt    GAE(gamma, lam), whitened if `whiten`
@@ -35,8 +38,10 @@ Departures and choices, on purpose:
   reinforce_pp_baseline), as in verl. The group std is Bessel-corrected (torch.std), as in verl and TRL.
 - Padding inside a response (multi-turn observation tokens, mask 0) is skipped by the recursions of gae
   and reinforce_pp: the return flows across the hole unchanged.
-- Whitening (gae, reinforce_pp, reinforce_pp_baseline) uses statistics of the tensors passed in: call the
-  estimator on the whole batch, not per micro-batch, if the whitening must not depend on the split.
+- Whitening (gae, reinforce_pp, reinforce_pp_baseline) is verl's `masked_whiten` over the whole batch (verl
+  whitens on its driver): masked mean, Bessel-corrected variance, eps 1e-8. A sharded batch passes
+  `reduce_sum`, which every shard must call (the same estimator on every shard), so the advantages do not
+  depend on the number of shards; never call an estimator per micro-batch.
 All estimators run under torch.no_grad(): advantages are constants for the policy loss.
 """
 
@@ -121,6 +126,7 @@ def gae_advantages(
     norm_by_std: bool = True,
     whiten: bool = True,
     eps: float = 1e-6,
+    reduce_sum: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016) over valid tokens."""
     mask_bt = check_mask(mask_bt)
@@ -144,7 +150,7 @@ def gae_advantages(
     advantages_bt = torch.stack(advantages_t[::-1], dim=1)  # (batch, resp_len)
     returns_bt = torch.where(mask_bt, advantages_bt + values_bt, zero)
     if whiten:
-        return masked_whiten(advantages_bt, mask_bt), returns_bt
+        return masked_whiten(advantages_bt, mask_bt, reduce_sum=reduce_sum), returns_bt
     return torch.where(mask_bt, advantages_bt, zero), returns_bt
 
 
@@ -163,6 +169,7 @@ def grpo_advantages(
     norm_by_std: bool = True,
     whiten: bool = True,
     eps: float = 1e-6,
+    reduce_sum: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """GRPO (Shao et al. 2024): group-normalised score; `norm_by_std=False` is Dr.GRPO (Liu et al. 2025)."""
     mask_bt = check_mask(mask_bt)
@@ -193,6 +200,7 @@ def rloo_advantages(
     norm_by_std: bool = True,
     whiten: bool = True,
     eps: float = 1e-6,
+    reduce_sum: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """RLOO (Ahmadian et al. 2024): baseline is the mean score of the other responses to the prompt."""
     mask_bt = check_mask(mask_bt)
@@ -219,6 +227,7 @@ def opo_advantages(
     norm_by_std: bool = True,
     whiten: bool = True,
     eps: float = 1e-6,
+    reduce_sum: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """OPO (Hao et al. 2025): the length-weighted group mean score is the baseline; length = valid tokens."""
     mask_bt = check_mask(mask_bt)
@@ -247,6 +256,7 @@ def reinforce_pp_advantages(
     norm_by_std: bool = True,
     whiten: bool = True,
     eps: float = 1e-6,
+    reduce_sum: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025): discounted return-to-go of (KL-shaped) token rewards, globally whitened."""
     mask_bt = check_mask(mask_bt)
@@ -259,7 +269,7 @@ def reinforce_pp_advantages(
         running_b = torch.where(mask_bt[:, t], rewards_bt[:, t] + gamma * running_b, running_b)
         returns_t.append(running_b)
     returns_bt = torch.where(mask_bt, torch.stack(returns_t[::-1], dim=1), zero)  # (batch, resp_len)
-    return masked_whiten(returns_bt, mask_bt), returns_bt
+    return masked_whiten(returns_bt, mask_bt, reduce_sum=reduce_sum), returns_bt
 
 
 @register_advantage("reinforce_pp_baseline")
@@ -277,6 +287,7 @@ def reinforce_pp_baseline_advantages(
     norm_by_std: bool = True,
     whiten: bool = True,
     eps: float = 1e-6,
+    reduce_sum: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++ with baseline: score minus group mean, then whitened over all valid tokens."""
     mask_bt = check_mask(mask_bt)
@@ -285,7 +296,7 @@ def reinforce_pp_baseline_advantages(
     inverse_b, num_groups, count_b = _group_baseline_inputs(scores_b, group_index_b)
     mean_b = _group_sum(scores_b, inverse_b, num_groups) / count_b
     centered_b = torch.where(count_b > 1, scores_b - mean_b, scores_b)
-    advantages_bt = masked_whiten(broadcast_to_tokens(centered_b, mask_bt), mask_bt)
+    advantages_bt = masked_whiten(broadcast_to_tokens(centered_b, mask_bt), mask_bt, reduce_sum=reduce_sum)
     return advantages_bt, broadcast_to_tokens(scores_b, mask_bt)
 
 
@@ -304,6 +315,7 @@ def remax_advantages(
     norm_by_std: bool = True,
     whiten: bool = True,
     eps: float = 1e-6,
+    reduce_sum: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """ReMax (Li et al. 2023) as verl's compute_remax_outcome_advantage: at each valid token, the (undiscounted)
     reward-to-go of the token rewards minus the score of the greedy response to the same prompt. Without a KL

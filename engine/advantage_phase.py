@@ -1,10 +1,11 @@
 """From one replica's scored experience to advantages and returns, following the wiring recipe of
 algorithms/__init__.py: overlong shaping (already in the scores), KL in the reward, the estimator call.
 
-Pure tensor code on one replica's rows (no communication, no config beyond `AlgorithmConfig`): the
-trainer reduces `kl_seq_b` over DP for the KL controller. Whole prompt groups are always on one replica,
-so group-relative estimators see complete groups; whitening (gae, reinforce_pp*) uses this replica's
-tokens, as verl does per worker batch.
+Tensor code on one replica's rows (no config beyond `AlgorithmConfig`); the only communication is the
+`reduce_sum` the caller passes (`dp_sum`): whitening (gae, reinforce_pp*) takes the statistics of the
+whole batch over all DP replicas, as verl whitens the whole batch on its driver, so advantages do not depend
+on the DP size. The trainer reduces `kl_seq_b` over DP for the KL controller. Whole prompt groups are
+always on one replica, so group-relative estimators see complete groups.
 
 Which policy log-probs the KL in the reward uses: the old-log-prob forward when it runs; otherwise
 (ppo_epochs == 1 and num_mini_batches == 1, where that forward is skipped) the rollout engine's log-probs
@@ -14,7 +15,10 @@ the trainer runs the forward instead: engine/config.py `needs_old_log_prob_forwa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.distributed as dist
 
 from algorithms import get_advantage_estimator, get_kl_estimator, scores_to_token_rewards
 from engine.batch import Experience
@@ -33,13 +37,32 @@ def policy_log_probs(exp: Experience) -> torch.Tensor:
     return exp.tensors["rollout_log_probs"]
 
 
+def dp_sum(group: dist.ProcessGroup, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A `reduce_sum` for the estimators: the sum of a tensor over the DP replicas of `group` (all_reduce on
+    `device`, the result back on the tensor's device)."""
+
+    def reduce_sum(x: torch.Tensor) -> torch.Tensor:
+        total = x.to(device)
+        dist.all_reduce(total, group=group)
+        return total.to(x.device)
+
+    return reduce_sum
+
+
 @torch.no_grad()
-def compute_advantages(exp: Experience, alg: AlgorithmConfig, kl_coef: float) -> dict[str, torch.Tensor]:
+def compute_advantages(
+    exp: Experience,
+    alg: AlgorithmConfig,
+    kl_coef: float,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
     """Tensors to add to `exp.tensors`: advantages, returns, token_rewards (rows, T); with KL in the reward
     also kl (rows, T) and kl_seq (rows,), each row's token-mean KL (what the KL controller reads).
 
     Reads exp.tensors: scores, overlong_penalty (optional), baseline_scores (remax), values (gae),
-    ref_log_probs and old_log_probs/rollout_log_probs (KL in the reward).
+    ref_log_probs and old_log_probs/rollout_log_probs (KL in the reward). `reduce_sum`: sums a tensor over
+    the DP replicas (`dp_sum`), for whitening over the whole batch; None = these rows are the whole batch.
+    Collective when given: every replica calls it with the same config.
     """
     mask = exp.response_mask
     scores_b = exp.tensors["scores"]
@@ -64,6 +87,7 @@ def compute_advantages(exp: Experience, alg: AlgorithmConfig, kl_coef: float) ->
         gamma=alg.gamma,
         lam=alg.lam,
         norm_by_std=alg.norm_adv_by_std,
+        reduce_sum=reduce_sum,
     )
     out.update(advantages=advantages_bt, returns=returns_bt, token_rewards=token_rewards_bt)
     return out

@@ -665,12 +665,18 @@ class Checkpointer:
         return path
 
     def after_step(self, step: int) -> dict[str, float]:
-        """Save when `step` is a multiple of trainer.save_freq; returns `timing/save_checkpoint` if it did."""
+        """Save when `step` is a multiple of trainer.save_freq; returns `timing/save_checkpoint` if it did.
+
+        The trainer calls it after writing the step's metrics line (so a kill during the save keeps that line)
+        and logs the returned seconds on the next step's line; the last step's save prints its seconds."""
         if not self.t.save_freq or step % self.t.save_freq:
             return {}
         start = time.perf_counter()
         self.save(step)
-        return {"timing/save_checkpoint": time.perf_counter() - start}
+        seconds = time.perf_counter() - start
+        if step == self.t.total_steps:  # no further line to carry it
+            self._say(f"saved step {step} in {seconds:.1f} s")
+        return {"timing/save_checkpoint": seconds}
 
     def finish(self, step: int) -> None:
         """After the last step: save it (when trainer.save_freq > 0 and not saved yet), export the actor to

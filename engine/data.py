@@ -300,7 +300,8 @@ def load_tokenizer(path: str, key: str = "model.path"):
 
 
 class PromptLoader:
-    """Endless, deterministic batches of prompts; each DP rank gets its consecutive share of the global batch.
+    """Endless, deterministic batches of prompts; each DP rank gets its consecutive share of each mini-batch's
+    slice of the global batch (the whole batch with one mini-batch), so mini-batches do not depend on DP.
 
     Epoch e visits the records in the order of a permutation seeded by (seed, e) (identity if not
     shuffling), batch_size at a time; the incomplete tail is dropped, then epoch e+1 starts. The state
@@ -315,6 +316,7 @@ class PromptLoader:
         dp_rank: int,
         dp_size: int,
         shuffle: bool = True,
+        num_mini_batches: int = 1,
     ):
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
@@ -322,6 +324,11 @@ class PromptLoader:
             raise DataError(
                 f"data.batch_size={batch_size} must be a positive multiple of the data-parallel size {dp_size} "
                 f"(dp = world / (tp * pp)); use e.g. data.batch_size={max(1, batch_size // dp_size) * dp_size}"
+            )
+        if num_mini_batches < 1 or batch_size % (dp_size * num_mini_batches):
+            raise ValueError(
+                f"algorithm.num_mini_batches={num_mini_batches} must divide the prompts per DP rank "
+                f"(data.batch_size / dp = {batch_size // dp_size}); pick a divisor"
             )
         if len(records) < batch_size:
             raise DataError(
@@ -331,6 +338,8 @@ class PromptLoader:
         self.records = list(records)
         self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.num_mini_batches = num_mini_batches
+        """The update's mini-batches per step: each rank's share is cut per mini-batch (see next_batch)."""
         self._epoch, self._position = 0, 0
         self._order = self._permutation(0)
 
@@ -358,9 +367,16 @@ class PromptLoader:
         return [self.records[i] for i in self._order[start : start + self.batch_size]]
 
     def next_batch(self) -> list[PromptRecord]:
-        """This DP rank's batch_size // dp_size consecutive prompts of the next global batch."""
-        per_rank = self.batch_size // self.dp_size
-        return self.next_global_batch()[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+        """This DP rank's batch_size // dp_size prompts of the next global batch: for each of the
+        `num_mini_batches` consecutive slices of the global batch, this rank's consecutive share of it.
+
+        The update cuts each rank's rows into consecutive mini-batches, so mini-batch i over all ranks is
+        slice i of the global batch, whatever the DP size (with one mini-batch: consecutive shares)."""
+        batch = self.next_global_batch()
+        per_mini = self.batch_size // self.num_mini_batches
+        share = per_mini // self.dp_size
+        first = self.dp_rank * share
+        return [r for i in range(0, self.batch_size, per_mini) for r in batch[i + first : i + first + share]]
 
     def state_dict(self) -> dict[str, int]:
         return {

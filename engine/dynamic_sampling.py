@@ -1,9 +1,12 @@
-"""DAPO's dynamic sampling on one DP replica: keep the prompt groups whose rewards differ, over as many
-rollout rounds as it takes to fill the replica's share of the batch (or `algorithm.max_sampling_rounds`).
+"""DAPO's dynamic sampling over the whole batch: keep the prompt groups whose rewards differ, over as many
+rollout rounds as it takes to fill `data.batch_size` groups (or `algorithm.max_sampling_rounds`).
 
 A group whose responses all scored the same has zero group-relative advantage: it adds no gradient, only
-dilutes the loss normaliser. The trainer draws a further prompt batch while any replica is short (a
-collective decision: rollout rounds are collective), and a replica that is already full generates nothing.
+dilutes the loss normaliser. As verl does on its driver, the selection is global: every replica generates
+its share of each round, the trainer gathers all replicas' responses (`global_order` puts them back in the
+global batch's order), every replica runs the same `GroupSelector` on them, and `replica_share` hands each
+replica its part of the chosen groups in the prompt loader's layout. So the chosen groups, the counts and the
+mini-batches do not depend on the DP size.
 Departure, on purpose: when the round cap is hit the batch is completed with dropped groups (counted in
 `dynamic_sampling/filler_groups`) rather than failing the run (verl raises) or shrinking the batch (which
 would change the micro-batch layout mid-run). This module does no communication.
@@ -54,3 +57,28 @@ class GroupSelector:
                 run = []
         stats = {"generated": self.generated, "dropped": len(self.dropped), "filler": len(filler)}
         return Responses.concat(parts), stats
+
+
+def _mini_batch_slices(num_groups: int, dp_rank: int, dp_size: int, num_mini_batches: int) -> list[int]:
+    """Positions in a global batch of `num_groups` groups that replica `dp_rank` holds: its consecutive share
+    of each mini-batch's slice (engine/data.py PromptLoader.next_batch's layout)."""
+    per_mini = num_groups // num_mini_batches
+    share = per_mini // dp_size
+    return [i + dp_rank * share + j for i in range(0, num_groups, per_mini) for j in range(share)]
+
+
+def global_order(parts: list[Responses], num_mini_batches: int) -> Responses:
+    """One round's responses of all replicas (`parts[r]` from DP rank r, each its loader share) as the global
+    batch's groups in order."""
+    dp_size, num_groups = len(parts), sum(p.num_groups for p in parts)
+    share = num_groups // dp_size  # every replica draws the same number of prompts
+    order = [0] * num_groups  # global position -> index in the concatenation of the parts
+    for r in range(dp_size):
+        for g, pos in enumerate(_mini_batch_slices(num_groups, r, dp_size, num_mini_batches)):
+            order[pos] = r * share + g
+    return Responses.concat(parts).select(order)
+
+
+def replica_share(batch: Responses, dp_rank: int, dp_size: int, num_mini_batches: int) -> Responses:
+    """Replica `dp_rank`'s groups of the chosen global batch, in the prompt loader's layout."""
+    return batch.select(_mini_batch_slices(batch.num_groups, dp_rank, dp_size, num_mini_batches))

@@ -33,6 +33,8 @@ ACTOR_METRICS = (
     "rollout_kl",
 )
 CRITIC_METRICS = ("vf_loss", "vf_clipfrac", "vpred_mean")
+# means over the first mini-batch only (run_updates' first_only): the rollout-vs-training gap before any update
+ACTOR_FIRST_MINI_BATCH_METRICS = ("rollout_kl",)
 
 
 def actor_metric_names(rollout_log_probs: bool) -> tuple[str, ...]:

@@ -186,7 +186,13 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
             flush=True,
         )
     loader = PromptLoader(
-        records, cfg.data.batch_size, cfg.trainer.seed, groups.dp_rank, dims.dp, cfg.data.shuffle
+        records,
+        cfg.data.batch_size,
+        cfg.trainer.seed,
+        groups.dp_rank,
+        dims.dp,
+        cfg.data.shuffle,
+        num_mini_batches=cfg.algorithm.num_mini_batches,
     )
     val_records = (
         load_prompt_dataset(

@@ -26,16 +26,17 @@ import torch
 import torch.distributed as dist
 
 from algorithms import make_kl_controller, overlong_penalty
-from engine.advantage_phase import compute_advantages
+from engine.advantage_phase import compute_advantages, dp_sum
 from engine.batch import Experience, Responses, build_experience
 from engine.checkpoint import Checkpointer
 from engine.config import needs_old_log_prob_forward, overlong_buffer_tokens
 from engine.dynamic_batch import MicroBatcher
-from engine.dynamic_sampling import GroupSelector
+from engine.dynamic_sampling import GroupSelector, global_order, replica_share
 from engine.metrics import PhaseTimer
 from engine.offload import RoleOffloader
 from engine.perf import mfu, train_flops
 from engine.role_losses import (
+    ACTOR_FIRST_MINI_BATCH_METRICS,
     CRITIC_METRICS,
     actor_metric_names,
     log_prob_fn,
@@ -209,30 +210,30 @@ class Trainer:
         )
 
     def _collect(self, timer: PhaseTimer) -> tuple[Responses, dict[str, float]]:
-        """This replica's responses for the step; with dynamic sampling, further rounds while any replica
-        lacks informative groups (every rank draws every global batch, so loaders stay in step)."""
+        """This replica's responses for the step; with dynamic sampling, further rounds while the batch lacks
+        informative groups, selected over all replicas' responses (engine/dynamic_sampling.py)."""
         alg, g = self.cfg.algorithm, self.c.groups
         if not alg.dynamic_sampling:
             return self._responses(self.c.loader.next_batch(), timer, 0), {}
-        selector = GroupSelector(self.cfg.data.batch_size // g.dims.dp)
+        selector = GroupSelector(self.cfg.data.batch_size)
         rounds = 0
         while True:
-            records = self.c.loader.next_batch()
-            selector.add(self._responses(records if selector.missing else [], timer, rounds))
+            parts: list[Responses | None] = [None] * g.dims.dp
+            mine = self._responses(self.c.loader.next_batch(), timer, rounds)
+            dist.all_gather_object(parts, mine, group=g.dp)
+            selector.add(global_order(parts, alg.num_mini_batches))
             rounds += 1
             missing = torch.tensor(float(selector.missing), device=g.device)
             dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=g.world)
             if float(missing) == 0 or rounds >= alg.max_sampling_rounds:
                 break
-        responses, counts = selector.finish()
-        totals = torch.tensor([float(counts[k]) for k in ("generated", "dropped", "filler")], device=g.device)
-        dist.all_reduce(totals, group=g.dp)
-        generated, dropped, filler = totals.tolist()
+        batch, counts = selector.finish()  # the same on every replica: counts are global
+        responses = replica_share(batch, g.dp_rank, g.dims.dp, alg.num_mini_batches)
         return responses, {
             "dynamic_sampling/rounds": float(rounds),
-            "dynamic_sampling/generated_groups": generated,
-            "dynamic_sampling/dropped_groups": dropped,
-            "dynamic_sampling/filler_groups": filler,
+            "dynamic_sampling/generated_groups": float(counts["generated"]),
+            "dynamic_sampling/dropped_groups": float(counts["dropped"]),
+            "dynamic_sampling/filler_groups": float(counts["filler"]),
         }
 
     def _experience(self, resp: Responses) -> Experience:
@@ -261,7 +262,7 @@ class Trainer:
     def _advantages(self, exp: Experience) -> dict[str, float]:
         alg, g = self.cfg.algorithm, self.c.groups
         kl_coef = self.kl_ctrl.value
-        exp.tensors.update(compute_advantages(exp, alg, kl_coef))
+        exp.tensors.update(compute_advantages(exp, alg, kl_coef, dp_sum(g.dp, g.device)))
         mask = exp.response_mask.bool()
         mean, std, lo, hi = self._stats(exp.tensors["advantages"][mask])
         out = {"actor/adv_mean": mean, "actor/adv_std": std, "actor/adv_min": lo, "actor/adv_max": hi}
@@ -295,6 +296,7 @@ class Trainer:
             max_len=self.cfg.rollout.max_new_tokens,
             seed=self.cfg.trainer.seed + self.step,
             temperature=self.cfg.rollout.temperature,
+            first_only=ACTOR_FIRST_MINI_BATCH_METRICS,
         )
         return {f"actor/{k}": v for k, v in out.items()}
 
@@ -476,6 +478,7 @@ class Trainer:
             self.step = checkpointer.resume()
             c.logger.resume_at(self.step)
             self.ref_offload.offload()
+            save_metrics: dict[str, float] = {}  # the save after a step, logged on the next step's line
             while self.step < t.total_steps:
                 metrics = self.train_step()
                 if (
@@ -484,8 +487,9 @@ class Trainer:
                     and c.val_batches
                 ):
                     metrics.update(self.validate())
-                metrics.update(checkpointer.after_step(self.step))
-                c.logger.log(self.step, metrics)
+                metrics.update(save_metrics)
+                c.logger.log(self.step, metrics)  # written before the save: a kill during it keeps the line
+                save_metrics = checkpointer.after_step(self.step)
             checkpointer.finish(self.step)
         finally:
             c.logger.close()

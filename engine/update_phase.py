@@ -32,13 +32,17 @@ def run_updates(
     max_len: int,
     seed: int,
     temperature: float = 1.0,
+    first_only: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """Run the updates; returns {names ending in "loss": mean per optimizer step (loss_fn returns each
     micro-batch's share), other names: means over valid tokens of all updates, "grad_norm": mean over the
     applied optimizer steps (0 if none), "lr": last, "loss_scale": after the last optimizer step,
-    "skipped_steps": optimizer steps skipped because float16 gradients overflowed}, identical on every rank."""
+    "skipped_steps": optimizer steps skipped because float16 gradients overflowed}, identical on every rank.
+    Names in `first_only` are means over the valid tokens of the first mini-batch of the first epoch instead:
+    the forward before any optimizer step (e.g. rollout_kl, which must not include the update's own drift)."""
     g = role.groups
     sums = torch.zeros(len(metric_names) + 1, dtype=torch.float64)
+    first_sums = None  # the first mini-batch's sums
     grad_norms, lrs, skipped = [], [], 0
     rows_per_mini = exp.num_rows // alg.num_mini_batches
     gen = torch.Generator().manual_seed(seed)
@@ -54,10 +58,14 @@ def run_updates(
             outs = role.run(
                 batcher(exp, rows, keys), make_loss(float(norm)), forward_only=False, temperature=temperature
             )
+            mini_sums = torch.zeros_like(sums)
             for o in outs:
-                sums += torch.tensor(
+                mini_sums += torch.tensor(
                     [float(o[k]) for k in metric_names] + [float(o["tokens"])], dtype=torch.float64
                 )
+            sums += mini_sums
+            if first_sums is None:
+                first_sums = mini_sums
             stats = role.optimizer_step()
             if stats.skipped:
                 skipped += 1
@@ -65,15 +73,18 @@ def run_updates(
                 grad_norms.append(stats.grad_norm)
             lrs.append(stats.lr)
     # metrics live on the last PP stage, once per TP group: sum them onto every rank
+    both = torch.cat([sums, first_sums])
     if not (g.is_last_stage and g.tp_rank == 0):
-        sums.zero_()
-    sums = sums.to(g.device)
-    dist.all_reduce(sums, group=g.world)
-    sums = sums.cpu()
-    tokens = max(float(sums[-1]), 1.0)
+        both.zero_()
+    both = both.to(g.device)
+    dist.all_reduce(both, group=g.world)
+    sums, first_sums = both.cpu().split(len(sums))
+    tokens, first_tokens = max(float(sums[-1]), 1.0), max(float(first_sums[-1]), 1.0)
     steps = alg.ppo_epochs * alg.num_mini_batches
     out = {
-        name: float(sums[i]) / (steps if name.endswith("loss") else tokens)
+        name: float(first_sums[i]) / first_tokens
+        if name in first_only
+        else float(sums[i]) / (steps if name.endswith("loss") else tokens)
         for i, name in enumerate(metric_names)
     }
     out["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)

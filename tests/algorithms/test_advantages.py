@@ -1,5 +1,7 @@
 """Advantage estimators: hand-computed examples, invariants, masking, bad input. CPU, float64."""
 
+import threading
+
 import pytest
 import torch
 
@@ -105,6 +107,81 @@ def test_reinforce_pp_hand_example():
     # whitened over 5 tokens: mean 0.97, unbiased var 1.668/4 = 0.417, std 0.6457554
     expected = t([[-0.9601159, -0.7278298, 0.0464572], [0.0464572, 1.5950313, 0.0]])
     torch.testing.assert_close(adv, expected, atol=1e-6, rtol=0)
+
+
+class ShardSum:
+    """`reduce_sum` for shards of one batch run in threads: each call waits for every shard's tensor and
+    returns their sum (what an all_reduce over DP does across processes)."""
+
+    def __init__(self, num_shards: int):
+        self.barrier = threading.Barrier(num_shards)
+        self.parts: dict[int, torch.Tensor] = {}
+
+    def of(self, shard: int):
+        def reduce_sum(x):
+            self.parts[shard] = x
+            self.barrier.wait()
+            total = sum(self.parts[i] for i in sorted(self.parts))
+            self.barrier.wait()  # every shard has read this round before the next one writes
+            return total
+
+        return reduce_sum
+
+
+def run_sharded(name, row_slices, **kwargs):
+    """Run estimator `name` on row shards of the batch in threads joined by `ShardSum`; outputs re-concatenated."""
+    sums, outs = ShardSum(len(row_slices)), [None] * len(row_slices)
+
+    def shard(i, rows):
+        part = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+        outs[i] = run(name, **part, reduce_sum=sums.of(i))
+
+    threads = [threading.Thread(target=shard, args=(i, rows)) for i, rows in enumerate(row_slices)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+def test_reinforce_pp_whitening_over_dp_shards_hand_example():
+    """Each row on its own shard (DP=2): whitened with the whole batch's statistics, as on one shard."""
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    rewards = t([[0.1, 0.0, 1.0], [0.0, 2.0, GARBAGE]])
+    adv, returns = run_sharded(
+        "reinforce_pp", [slice(0, 1), slice(1, 2)], mask_bt=mask, token_rewards_bt=rewards, gamma=0.5
+    )
+    torch.testing.assert_close(returns, t([[0.35, 0.5, 1.0], [1.0, 2.0, 0.0]]), atol=1e-12, rtol=0)
+    # the whole batch's 5 tokens: mean 0.97, unbiased var 1.668/4 = 0.417 (verl's masked_whiten); shard 0
+    # alone would give mean 0.6167, var 0.1158 and -0.7835 for its first token
+    expected = t([[-0.9601159, -0.7278298, 0.0464572], [0.0464572, 1.5950313, 0.0]])
+    torch.testing.assert_close(adv, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gae", "reinforce_pp", "reinforce_pp_baseline"])
+def test_whitening_does_not_depend_on_the_dp_split(name):
+    """16 rows as 1 x 16, 2 x 8 and 4 x 4 shards (one shard all padding): the same advantages, float32."""
+    gen = torch.Generator().manual_seed(0)
+    mask = (torch.arange(6) < torch.randint(1, 7, (16, 1), generator=gen)).long()
+    mask[4:8] = 0  # a shard with no valid token still takes part in the sums
+    inputs = dict(
+        mask_bt=mask,
+        scores_b=torch.randn(16, generator=gen),
+        group_index_b=torch.arange(16) // 4,
+        token_rewards_bt=torch.randn(16, 6, generator=gen),
+        values_bt=torch.randn(16, 6, generator=gen),
+        gamma=0.9,
+        lam=0.8,
+    )
+    whole = run(name, **inputs)
+    local = run(name, **{k: (v[:8] if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()})[0]
+    assert (local - whole[0][:8]).abs().max() > 0.05  # per-shard statistics would differ
+    for num_shards in (1, 2, 4):
+        rows = 16 // num_shards
+        shards = [slice(i * rows, (i + 1) * rows) for i in range(num_shards)]
+        adv, returns = run_sharded(name, shards, **inputs)
+        torch.testing.assert_close(adv, whole[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(returns, whole[1], atol=0, rtol=0)
 
 
 def test_gae_hand_example():

@@ -17,7 +17,7 @@ from engine.advantage_phase import compute_advantages
 from engine.batch import Responses, build_experience
 from engine.config import AlgorithmConfig, ConfigError
 from engine.dynamic_batch import MicroBatcher
-from engine.dynamic_sampling import GroupSelector
+from engine.dynamic_sampling import GroupSelector, global_order, replica_share
 from engine.models.builder import ModelShape
 from engine.perf import matmul_params, train_flops
 from engine.policy import ResponseStats
@@ -164,6 +164,39 @@ def test_dynamic_sampling_sees_the_overlong_penalty():
     selector = GroupSelector(num_groups=2)
     selector.add(r)
     assert selector.missing == 0
+
+
+def test_dynamic_sampling_chooses_the_same_mini_batches_at_every_dp_size():
+    """8 prompts x n=2 per round, 2 mini-batches; the selection runs on all replicas' responses (gathered,
+    here handed over directly), so DP=1, 2 and 4 train on the same groups in the same mini-batches."""
+    rounds = [
+        responses([0.0, 1, 1, 0, 0, 2, 1, 3, 1, 1, 0, 1, 2, 2, 0, 0], tag=0),  # 0, 1, 2, 3, 5 vary
+        responses([0.0, 1, 1, 1, 1, 0, 0, 0, 2, 1, 0, 0, 1, 0, 3, 3], tag=1),  # 0, 2, 4, 6 vary
+    ]
+
+    def minis(dp: int) -> list[list]:
+        selector = GroupSelector(num_groups=8)
+        for round_ in rounds:  # replica r holds the loader's share of each mini-batch's slice
+            per_rank = 4 // dp
+            parts = [
+                round_.select([i + r * per_rank + j for i in (0, 4) for j in range(per_rank)])
+                for r in range(dp)
+            ]
+            selector.add(global_order(parts, num_mini_batches=2))
+        batch, stats = selector.finish()
+        assert stats == {"generated": 16, "dropped": 7, "filler": 0}
+        shares = [replica_share(batch, r, dp, num_mini_batches=2).records for r in range(dp)]
+        per_rank = 4 // dp
+        return [sum((share[i * per_rank : (i + 1) * per_rank] for share in shares), []) for i in (0, 1)]
+
+    # the first 8 informative groups of the global order (per-replica quotas would take round 1's group 6)
+    expected = [
+        [("prompt", 0, g) for g in (0, 1, 2, 3)],
+        [("prompt", 0, 5), ("prompt", 1, 0), ("prompt", 1, 2), ("prompt", 1, 4)],
+    ]
+    assert minis(1) == expected
+    assert minis(2) == expected
+    assert minis(4) == expected
 
 
 def test_values_and_log_probs_read_the_same_positions():

@@ -240,6 +240,22 @@ def test_dp_ranks_take_consecutive_shares_of_the_global_batch():
         assert sum(shares, []) == indices(whole.next_batch())
 
 
+def test_mini_batches_are_the_same_prompts_at_every_dp_size():
+    """The update cuts each rank's rows into consecutive mini-batches: mini-batch i over all ranks must be
+    slice i of the global batch, as at DP=1 (the normaliser and the step then see the same prompts)."""
+    for dp in (1, 2, 4):
+        ranks = [PromptLoader(records(20), 8, 5, r, dp, num_mini_batches=2) for r in range(dp)]
+        whole = PromptLoader(records(20), 8, 5, 0, 1)
+        per_rank = 4 // dp  # prompts of one mini-batch on one rank
+        for _ in range(3):  # crosses an epoch boundary
+            shares = [indices(loader.next_batch()) for loader in ranks]
+            minis = [sum((share[i * per_rank : (i + 1) * per_rank] for share in shares), []) for i in (0, 1)]
+            global_batch = indices(whole.next_global_batch())
+            assert minis == [global_batch[:4], global_batch[4:]], dp
+    with pytest.raises(ValueError, match="algorithm.num_mini_batches=3 must divide"):
+        PromptLoader(records(20), 8, 5, 0, 2, num_mini_batches=3)
+
+
 @pytest.mark.parametrize("stop_after", [1, 2, 3])  # mid-epoch, exactly at the boundary, just after it
 def test_resume_gives_exactly_the_next_batch(stop_after):
     first = PromptLoader(records(10), 4, seed=3, dp_rank=1, dp_size=2)

@@ -7,6 +7,9 @@ of steps 5-6 (PPO: actor, critic, KL controller); the checkpoint holds parameter
 state, the data position and the RNG states, and a one-thread CPU run is deterministic. Excluded: timing/*
 and perf/* (wall clock). The stall is a user reward equal to the built-in rule (tests/engine/stall_reward.py), so the
 kill lands at a known point instead of racing a 0.1 s step.
+
+Also: a step's metrics line is written before that step's checkpoint (a save that fails keeps the line), and
+the save's seconds are logged on the next step's line.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 from trainer_run_script import SHORT, read_metrics, run_job
+
+from engine.checkpoint import CheckpointError
 
 REWARD = f"reward.fn={os.path.join(os.path.dirname(__file__), 'stall_reward.py')}:score"
 RUN = [*SHORT, REWARD, "algorithm=ppo", "trainer.save_freq=2", "trainer.total_steps=6"]
@@ -62,3 +68,19 @@ def test_sigkill_after_step_4_checkpoint_then_resume_auto_matches_uninterrupted(
         assert _comparable(row) == expected[row["step"]], row["step"]
     for key in ("reward/mean", "actor/grad_norm", "actor/pg_loss"):
         assert key in rows[-1]
+
+
+def test_step_line_is_written_before_its_checkpoint_and_the_save_time_on_the_next_line(tmp_path):
+    failing = tmp_path / "failing"
+    failing.mkdir()
+    (failing / "checkpoints").write_text("a file where the checkpoint directory goes: every save fails\n")
+    with pytest.raises(CheckpointError, match="global_step_1"):
+        run_job([*SHORT, "trainer.save_freq=1", "trainer.resume=off"], str(failing))
+    assert [row["step"] for row in read_metrics(str(failing))] == [1]
+
+    saved = tmp_path / "saved"
+    run_job([*SHORT, "trainer.save_freq=1", "trainer.total_steps=2"], str(saved))
+    rows = read_metrics(str(saved))
+    assert [row["step"] for row in rows] == [1, 2]
+    assert "timing/save_checkpoint" not in rows[0]  # step 1's save ran after its line
+    assert rows[1]["timing/save_checkpoint"] > 0

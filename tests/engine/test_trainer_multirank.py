@@ -3,7 +3,8 @@ critic at TP=2 x PP=2 (3 steps, validation on the last), DAPO with dynamic sampl
 and token-budget micro-batches, ReMax at PP=2 with 2 mini-batches and token-budget micro-batches, GRPO scored
 by a reward model (reward.model_path) at TP=2 x PP=2 equal to transformers' scores, the forward-only paths
 (old/ref log-probs, values, reward scores) with a short last micro-batch at PP=2 and PP=2 x VPP=2 equal to
-PP=1, then the loss/gradient parity of token-budget vs fixed micro-batches at TP=2 x PP=2 (stages exchange shapes).
+PP=1, then the loss/gradient parity of token-budget vs fixed micro-batches at TP=2 x PP=2 (stages exchange shapes), then
+the advantages of the same 16 rows at DP=1 and DP=2 (whitening summed over DP with gloo).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp
     assert parity["loss_diff"] <= 1e-5 * abs(parity["loss_fixed"]), parity
     assert parity["grad_diff"] <= 1e-5 * parity["grad_scale"], parity
     assert parity["tokens_budget"] < 0.7 * parity["tokens_fixed"], parity
+    # gae, reinforce_pp (KL in the reward), reinforce_pp_baseline, grpo: float64 moments, float32 advantages
+    dp_invariance = json.loads(out.split("dp_invariance ", 1)[1].splitlines()[0])
+    assert max(dp_invariance.values()) <= 1e-6, dp_invariance
     ppo = [json.loads(line) for line in (tmp_path / "ppo_tp2_pp2" / "metrics.jsonl").read_text().splitlines()]
     assert "val/reward_mean" in ppo[-1]
     assert all(row["actor/reward_kl_coef"] == 0.001 for row in ppo)

@@ -253,3 +253,27 @@ def test_validation_at_k_per_data_source(runs):
     reward, mean, best, maj = (row[key] for key in VAL_AT_K)
     assert reward == row["val/reward_mean"]  # one data source: its greedy reward is the overall one
     assert 0.0 <= mean <= best <= 1.0 and 0.0 <= maj <= best
+
+
+def test_rollout_kl_is_the_first_mini_batch_before_any_update(tmp_path):
+    """2 epochs x 2 mini-batches: actor/rollout_kl is the k1 gap between the rollout's log-probs and the
+    training forward on the first mini-batch's rows before any optimizer step (the old-log-prob forward of
+    the same weights), not an average over updates that includes their own drift."""
+    from engine.trainer import Trainer
+
+    overrides = ["algorithm=grpo", "algorithm.ppo_epochs=2", "algorithm.num_mini_batches=2", "optim.lr=0.05"]
+    with built_job(overrides, str(tmp_path)) as c:
+        trainer = Trainer(c)
+        metrics = trainer.train_step()
+        exp = trainer.last_experience
+    mask = exp.response_mask
+    gap_bt = (exp.tensors["rollout_log_probs"] - exp.tensors["old_log_probs"]) * mask  # before any update
+    rows_per_mini = exp.num_rows // 2
+    first = torch.randperm(2, generator=torch.Generator().manual_seed(trainer.cfg.trainer.seed)).tolist()[0]
+    rows = slice(first * rows_per_mini, (first + 1) * rows_per_mini)
+    expected = float(gap_bt[rows].sum() / mask[rows].sum())
+    # float32, the same weights in different micro-batches: summation order only (the gap itself is ~1e-8 on
+    # CPU, where rollout and training compute the same log-probs)
+    assert abs(metrics["actor/rollout_kl"] - expected) <= 1e-8 + 1e-5 * abs(expected), (metrics, expected)
+    # the updates did move the policy: an average over them would include that drift
+    assert metrics["actor/ppo_kl"] > 1e-3, metrics

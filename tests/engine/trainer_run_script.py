@@ -3,8 +3,9 @@ distributed state, build, fit, tear down), without a new interpreter per job.
 
 Imported by tests (world size 1), and run under torchrun by tests/engine/test_trainer_multirank.py
 (world size 4): every rank runs the same sequence of short jobs, each checked for finite metrics, then the
-forward-only paths with a short last micro-batch at PP=2 (and VPP=2) against PP=1, and the dynamic-batching
-gradient parity at TP=2 x PP=2 (fixed vs token-budget micro-batches).
+forward-only paths with a short last micro-batch at PP=2 (and VPP=2) against PP=1, the dynamic-batching
+gradient parity at TP=2 x PP=2 (fixed vs token-budget micro-batches), then the advantages of the same rows
+at DP=1 and DP=2.
 """
 
 from __future__ import annotations
@@ -241,6 +242,51 @@ def pipeline_remainder_parity(out_root: str, keep_process_group: bool = False) -
     return diffs
 
 
+def dp_advantage_invariance() -> dict[str, float]:
+    """The same 16 rows as DP=1 (each rank alone, all rows) and DP=2 (ranks {0, 1} and {2, 3}, 8 rows each,
+    whitening summed over the pair with gloo): the largest difference of advantages and returns per
+    estimator, over all ranks. Collective over the world (world size 4)."""
+    from dataclasses import replace
+
+    import torch.distributed as dist
+
+    from engine.advantage_phase import compute_advantages, dp_sum
+    from engine.config import AlgorithmConfig
+
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    exp = skewed_experience(7, 16, 12, 50, 0)
+    gen = torch.Generator().manual_seed(8)
+    mask = exp.response_mask
+    exp.tensors["scores"] = torch.randint(0, 3, (16,), generator=gen).float()
+    exp.tensors["values"] = torch.randn(16, 12, generator=gen) * mask
+    exp.tensors["ref_log_probs"] = exp.tensors["rollout_log_probs"] - 0.1 * torch.rand(16, 12, generator=gen)
+    half = slice(8 * (rank % 2), 8 * (rank % 2) + 8)
+    shard = replace(
+        exp,
+        tokens=exp.tokens[half],
+        prompt_lens=exp.prompt_lens[half],
+        response_ids=exp.response_ids[half],
+        response_mask=mask[half],
+        group_index=exp.group_index[half],
+        tensors={k: v[half] for k, v in exp.tensors.items()},
+    )
+    algs = {
+        "gae": AlgorithmConfig(adv_estimator="gae", gamma=0.9, lam=0.8),
+        "reinforce_pp_kl": AlgorithmConfig(adv_estimator="reinforce_pp", kl_in_reward=True, gamma=0.95),
+        "reinforce_pp_baseline": AlgorithmConfig(adv_estimator="reinforce_pp_baseline"),
+        "grpo": AlgorithmConfig(adv_estimator="grpo"),
+    }
+    diffs = []
+    for alg in algs.values():
+        full = compute_advantages(exp, alg, 0.05)
+        split = compute_advantages(shard, alg, 0.05, dp_sum(pairs[rank // 2], torch.device("cpu")))
+        diffs.append(max(float((full[k][half] - split[k]).abs().max()) for k in ("advantages", "returns")))
+    maxima = torch.tensor(diffs, dtype=torch.float64)
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    return dict(zip(algs, maxima.tolist()))
+
+
 def read_metrics(output_dir: str) -> list[dict]:
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -266,7 +312,7 @@ CRITIC_KEYS = (
 
 def main(out_root: str) -> None:
     """World size 4: the jobs below in sequence (the last scored by a reward model at TP=2 x PP=2), then the
-    dynamic-batching parity at TP=2 x PP=2."""
+    dynamic-batching parity at TP=2 x PP=2, then the DP=1 vs DP=2 advantages."""
     rank = int(os.environ.get("RANK", "0"))
     jobs = {
         "ppo_tp2_pp2": (
@@ -319,6 +365,9 @@ def main(out_root: str) -> None:
     )
     if rank == 0:
         print("parity " + json.dumps(parity), flush=True)
+    dp_invariance = dp_advantage_invariance()
+    if rank == 0:
+        print("dp_invariance " + json.dumps(dp_invariance), flush=True)
     destroy_distributed()
 
 
