@@ -133,3 +133,22 @@ def test_installs_what_whl_carries(tmp_path):
     lines = run("logprobs", "--dry-run", root=root).stdout.splitlines()
     assert lines[:3] == [f"install: bash .whl/install-on-gpu.sh {kind}" for kind in ("vllm", "base", "trl")]
     assert "install" not in run("logprobs", "--dry-run", "--no-install", root=root).stdout
+
+
+def readme_commands() -> list[list[str]]:
+    """Every `run.sh` command of scripts/bench/README.md: code lines (with their continuations) and inline."""
+    with open(os.path.join(ROOT, "scripts", "bench", "README.md")) as f:
+        text = f.read()
+    found = []
+    for line in re.findall(r"^bash scripts/bench/run\.sh ((?:.*\\\n)*.*)$", text, re.M):
+        found.append(line.replace("\\\n", " ").split(" #")[0].rstrip(" &"))
+    found += re.findall(r"`(?:bash scripts/bench/)?run\.sh ([a-z][^`]*)`", text)
+    return [shlex.split(c) for c in found]
+
+
+def test_every_readme_command_runs_dry():
+    commands = readme_commands()
+    assert len(commands) > 20
+    for cmd in commands:
+        for job in jobs("--devices", "0,1,2,3,4,5,6,7", *cmd):
+            check_command(job["cmd"])
