@@ -3,8 +3,8 @@ fused chunked head (engine/models/fused_logprobs.py) versus the unfused path it 
 every position from the output layer, an fp32 copy of the response window, megatron's
 vocab_parallel_cross_entropy and engine/models/logprobs.token_entropy), same inputs, one process, one run.
 
-    python scripts/bench/logprobs.py --hidden 896 --vocab 151936            # Qwen2.5-0.5B head, one GPU
-    python scripts/bench/logprobs.py --hidden 1536 --vocab 151936           # Qwen2.5-1.5B
+    python scripts/bench/logprobs.py --preset qwen2_5_0_5b --rows 21        # Qwen2.5-0.5B head, one GPU
+    python scripts/bench/logprobs.py --hidden 1536 --vocab 151936           # Qwen2.5-1.5B's head, by size
     python scripts/bench/logprobs.py --rows 4 --prompt-len 8 --response-len 16 --hidden 32 --vocab 512  # CPU
 
 Prints one JSON object: per method the median seconds of forward + backward (CUDA-synchronised), peak memory
@@ -24,6 +24,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from presets import model_preset  # noqa: E402
+
 from engine.models.fused_logprobs import linear_log_probs  # noqa: E402
 from engine.models.logprobs import token_entropy, token_log_probs  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
@@ -73,7 +76,11 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=896)
     ap.add_argument("--vocab", type=int, default=151_936)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--preset", help="conf/model/<preset>.yaml: takes --hidden and --vocab (if set) from it")
     args = ap.parse_args()
+    if args.preset:
+        model = model_preset(args.preset)
+        args.hidden, args.vocab = model["hidden_size"], model.get("vocab_size", args.vocab)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     for key, value in (

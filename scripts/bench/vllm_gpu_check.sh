@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call that checks rollout.backend=vllm end to end, cheapest and clearest failure first. Run from the
 # checkout root on 1 H200 with vllm 0.26 and the base wheels installed (../shared/device/README.md):
-#   OUT=/tmp/out bash scripts/bench/vllm_gpu_check.sh
+#   OUT=/tmp/out bash scripts/bench/vllm_gpu_check.sh      # or: bash scripts/bench/run.sh vllm
 # Steps (each under `timeout`, the next one runs whatever the previous gave; logs in $OUT/<step>.log):
 #   env    versions and the GPU
 #   smoke  our VllmRollout through build_rollout_engine on a tiny random Qwen2-shaped model (bf16, eager):
