@@ -3,7 +3,8 @@ float16's dynamic loss scale is applied to the loss and removed from the gradien
 skipped and counted, and the loss scale is logged for the actor and the critic.
 
 Tolerances (grad norm, relative to float32's): 2e-3 for float16 (2 x its machine epsilon 9.8e-4), 1.6e-2 for
-bfloat16 (2 x 7.8e-3).
+bfloat16 (2 x 7.8e-3). The same checks run on one CUDA GPU (NCCL, fused Adam, cuBLAS/SDPA kernels), marked
+`gpu`.
 """
 
 from __future__ import annotations
@@ -21,17 +22,21 @@ OVERFLOW = 2.0**100  # a loss scale that overflows float16 gradients whatever th
 PPO = ["algorithm=ppo", "data.max_prompt_len=24", "rollout.max_new_tokens=12"]
 
 
+GPU = ("cluster=single_gpu",)
+
+
 def _one_step(dtype: str, out: str, extra: tuple[str, ...] = ()) -> dict:
     """One actor and one critic optimizer step on the same seeded batch; their StepStats and whether the
     parameters changed."""
     with built_job([*PPO, f"model.dtype={dtype}", *extra], out) as c:
+        device = c.groups.device
         exp = skewed_experience(7, 16, 12, c.shape.vocab_size, c.tokenizer.pad_token_id)
         gen = torch.Generator().manual_seed(8)
         exp.tensors["values"] = torch.randn(exp.response_mask.shape, generator=gen) * exp.response_mask
         exp.tensors["returns"] = torch.randn(exp.response_mask.shape, generator=gen) * exp.response_mask
         alg = c.cfg.algorithm
         norm = float(loss_normalizer(exp.response_mask, alg.loss_agg_mode, max_len=12))
-        batcher = MicroBatcher(4, 0, 1, torch.device("cpu"))
+        batcher = MicroBatcher(4, 0, 1, device)
         rows = torch.arange(exp.num_rows)
         stats = {}
         for name, role, loss, keys in (
@@ -47,10 +52,12 @@ def _one_step(dtype: str, out: str, extra: tuple[str, ...] = ()) -> dict:
         return stats
 
 
-def test_float16_and_bfloat16_gradients_equal_float32s(tmp_path):
-    ref = _one_step("float32", str(tmp_path / "fp32"))
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_float16_and_bfloat16_gradients_equal_float32s(tmp_path, where):
+    extra = GPU if where == "cuda" else ()
+    ref = _one_step("float32", str(tmp_path / "fp32"), extra)
     for dtype in ("float16", "bfloat16"):
-        got = _one_step(dtype, str(tmp_path / dtype))
+        got = _one_step(dtype, str(tmp_path / dtype), extra)
         for role in ("actor", "critic"):
             (want, _, _), (step, changed, _) = ref[role], got[role]
             assert not step.skipped and changed, (dtype, role, step)
@@ -68,11 +75,13 @@ def test_float16_overflow_skips_the_step(tmp_path):
         assert step.grad_norm == 0.0
 
 
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("scale, skipped", [(65536, [0, 0]), (OVERFLOW, [1, 1])])
-def test_float16_run_logs_loss_scale_and_skipped_steps(tmp_path, scale, skipped):
+def test_float16_run_logs_loss_scale_and_skipped_steps(tmp_path, scale, skipped, where):
     """A 2-step PPO run: the loss scale and skipped optimizer steps of each step, actor and critic (the
     dynamic scaler halves after its second overflow in a row)."""
-    run_job([*PPO, "model.dtype=float16", f"optim.initial_loss_scale={scale}"], str(tmp_path))
+    extra = GPU if where == "cuda" else ()
+    run_job([*PPO, "model.dtype=float16", f"optim.initial_loss_scale={scale}", *extra], str(tmp_path))
     rows = read_metrics(str(tmp_path))
     scales = [float(scale), float(scale) / 2] if skipped[0] else [float(scale)] * 2
     for role in ("actor", "critic"):
