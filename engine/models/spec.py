@@ -16,6 +16,8 @@ modules swapped in, and fused kernels where megatron's own need TransformerEngin
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -125,15 +127,21 @@ def rope_reference(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return torch.cat((out, t_pass), dim=-1)
 
 
-_compiled_rope = None
+_compiled_rope: dict[torch.dtype, Callable] = {}
 
 
-def compiled_rope():
-    """`rope_reference` compiled by torch.compile (one kernel forward, one backward), built on first use."""
-    global _compiled_rope
-    if _compiled_rope is None:
-        _compiled_rope = torch.compile(rope_reference, fullgraph=True)
-    return _compiled_rope
+def compiled_rope(dtype: torch.dtype) -> Callable:
+    """`rope_reference` compiled by torch.compile (one kernel forward, one backward) for inputs of `dtype`,
+    built on first use. Each dtype compiles its own copy of the function: dynamo counts recompiles per code
+    object (8 at most, then fullgraph=True fails), and grad mode x shapes already take several, so a process
+    that trains models of several dtypes (float32, float16, bfloat16) would run out on one shared copy."""
+    if dtype not in _compiled_rope:
+        name = f"rope_reference_{str(dtype).removeprefix('torch.')}"
+        code = rope_reference.__code__.replace(co_name=name, co_qualname=name)
+        _compiled_rope[dtype] = torch.compile(
+            types.FunctionType(code, rope_reference.__globals__, name), fullgraph=True
+        )
+    return _compiled_rope[dtype]
 
 
 def fused_rope(
@@ -144,7 +152,7 @@ def fused_rope(
     `rope_reference` elsewhere (bit-equal to megatron's unfused path)."""
     if interleaved:
         raise ValueError("fused_rope: interleaved RoPE is not supported (no Llama/Qwen model uses it)")
-    return compiled_rope()(t, freqs) if t.is_cuda else rope_reference(t, freqs)
+    return compiled_rope(t.dtype)(t, freqs) if t.is_cuda else rope_reference(t, freqs)
 
 
 def install_rope_fusion() -> None:
