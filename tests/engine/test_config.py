@@ -61,7 +61,10 @@ BAD = [
     (["rollout.top_k=-1"], 1, "rollout.top_k"),
     (["model.num_attention_heads=6", "parallel.tp=4"], 4, "model.num_attention_heads"),
     (["model.num_query_groups=3"], 1, "model.num_query_groups"),
-    (["model.num_layers=3", "parallel.pp=2"], 2, "model.num_layers"),
+    (["model.num_layers=3", "parallel.pp=2", "parallel.vpp=3"], 2, "model.num_layers=3"),
+    (["model.num_layers=2", "parallel.pp=4"], 4, "model.num_layers=2"),
+    (["parallel.first_stage_layers=1"], 1, "parallel.first_stage_layers=1 needs parallel.pp > 1"),
+    (["model.num_layers=4", "parallel.pp=2", "parallel.last_stage_layers=4"], 2, "parallel.last_stage_layers=4"),
     (["model.path=/nonexistent/ckpt"], 1, "model.path"),
     (["model.dtype=fp8"], 1, "model.dtype"),
     (["data.max_prompt_len=1000"], 1, "data.max_prompt_len + rollout.max_new_tokens"),
@@ -75,6 +78,14 @@ BAD = [
     (["cluster.device=tpu"], 1, "cluster.device"),
     (["rollout.log_probs=false", "algorithm.tis_cap=2"], 1, "rollout.log_probs=False: algorithm.tis_cap=2.0"),
 ]
+
+
+def test_uneven_pipeline_stages_are_accepted():
+    """Layer counts that parallel.pp does not divide take megatron's uneven first/last stages."""
+    dims = validate(composed("model.num_layers=3", "parallel.pp=2"), world_size=2)
+    assert dims.stage_layer_counts(3) == (2, 1)
+    cfg = composed("model.num_layers=5", "parallel.pp=2", "parallel.first_stage_layers=1")
+    assert validate(cfg, world_size=2).stage_layer_counts(5) == (1, 4)
 
 
 @pytest.mark.parametrize("overrides,world,needle", BAD, ids=[" ".join(o) for o, _, _ in BAD])
