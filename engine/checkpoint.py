@@ -23,8 +23,10 @@ complete checkpoint to resume from.
 What one rank's state holds, and how it goes back into the live objects, is engine/checkpoint_state.py.
 
 What this module must not do: reshard. A checkpoint resumes only under the layout it was saved with (tp, pp,
-vpp, dp, world size, distributed optimizer); anything else is refused with a message pointing at the way to
-change layout: export to Hugging Face (`python -m engine.export`) and start a new run from it (`model.path`).
+vpp, first/last stage layers where set, dp, world size, distributed optimizer); anything else is refused with
+a message pointing at the way to change layout: export to Hugging Face (`python -m engine.export`) and start a
+new run from it (`model.path`). The automatic stage split (parallel/layout.py) is part of the format: a
+checkpoint of an uneven split resumes only under the same rule.
 Multi-node runs need `trainer.output_dir` on a filesystem every rank sees (rank 0 renames what all wrote).
 The reference policy is not saved: it is rebuilt from `model.path` (or the seeded init) exactly as at start.
 A resumed run follows its own config, not the saved one (LR schedule, Adam settings, trainer.total_steps: see
@@ -119,6 +121,8 @@ def run_layout(groups: ProcessGroups, distributed_optimizer: bool) -> dict[str, 
         "vpp": d.vpp,
         "dp": d.dp,
         "distributed_optimizer": bool(distributed_optimizer),
+        # only when set, so that checkpoints of the automatic split keep the layout they were saved with
+        **{k: getattr(d, k) for k in ("first_stage_layers", "last_stage_layers") if getattr(d, k)},
     }
 
 

@@ -18,7 +18,6 @@ import torch
 
 from engine.errors import UserError
 from engine.policy import MegatronRole, sub_optimizers, torch_optimizers, use_fused_adam
-from parallel.layout import TrainLayout
 from parallel.rollout_weights import global_param_names
 from parallel.state import ProcessGroups
 
@@ -41,8 +40,7 @@ def cpu_copy(obj: Any) -> Any:
 
 def layer_ranges(groups: ProcessGroups, num_layers: int) -> list[range]:
     """Global layer indices of this rank's chunks (one range per virtual stage)."""
-    d = groups.dims
-    return TrainLayout(tp=d.tp, pp=d.pp, dp=d.dp, vpp=d.vpp).layers(groups.pp_rank, num_layers)
+    return groups.dims.train_layout().layers(groups.pp_rank, num_layers)
 
 
 def _layer_ranges(role: MegatronRole) -> list[range]:

@@ -76,6 +76,10 @@ class ParallelConfig:
     """Virtual pipeline chunks per stage (interleaved 1F1B when > 1)."""
     sp: bool = False
     """Sequence parallelism inside TP groups."""
+    first_stage_layers: int = 0
+    """Transformer layers of the first pipeline stage (0 = automatic: parallel/layout.py stage_layer_counts)."""
+    last_stage_layers: int = 0
+    """Transformer layers of the last pipeline stage (0 = automatic); the middle stages share the rest equally."""
 
 
 @dataclass

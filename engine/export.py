@@ -146,7 +146,14 @@ def main(argv: list[str] | None = None) -> None:
             f"vpp={layout['vpp']}); this is {world}. Fix: torchrun --nproc_per_node={layout['world_size']} "
             f"-m engine.export {args.checkpoint} {args.out}"
         )
-    dims = ParallelDims(world_size=world, tp=layout["tp"], pp=layout["pp"], vpp=layout["vpp"])
+    dims = ParallelDims(
+        world_size=world,
+        tp=layout["tp"],
+        pp=layout["pp"],
+        vpp=layout["vpp"],
+        first_stage_layers=layout.get("first_stage_layers", 0),  # absent: the automatic split
+        last_stage_layers=layout.get("last_stage_layers", 0),
+    )
     groups = init_distributed(dims, args.device)
     try:
         export_checkpoint(path, args.out, groups, _DTYPES.get(args.dtype))

@@ -188,12 +188,20 @@ def main(argv: list[str]) -> int:
     if p.sp:
         raise SystemExit("parallel.sp=true: the parity check runs without sequence parallelism; drop it")
     shape = hf_model_shape(job.model.path, p.tp)  # config errors before any process group exists
-    if shape.num_layers % (p.pp * p.vpp):
+    dims = ParallelDims(
+        world_size=world_size_from_env(),
+        tp=p.tp,
+        pp=p.pp,
+        vpp=p.vpp,
+        first_stage_layers=p.first_stage_layers,
+        last_stage_layers=p.last_stage_layers,
+    )
+    try:
+        dims.stage_layer_counts(shape.num_layers)
+    except ValueError as err:
         raise SystemExit(
-            f"{job.model.path}/config.json: num_hidden_layers={shape.num_layers} is not divisible by "
-            f"parallel.pp * parallel.vpp = {p.pp * p.vpp}; pick a layout that divides the layer count"
-        )
-    dims = ParallelDims(world_size=world_size_from_env(), tp=p.tp, pp=p.pp, vpp=p.vpp)
+            f"{job.model.path}/config.json: num_hidden_layers={shape.num_layers}: {err}"
+        ) from None
     groups = init_distributed(dims, job.cluster.device, timeout_s=job.cluster.timeout_s)
     try:
         report = run_parity(job.model.path, groups, job.parity)

@@ -72,9 +72,29 @@ def _validate_parallel(cfg: TrainConfig, world_size: int) -> ParallelDims:
             pp=cfg.parallel.pp,
             vpp=cfg.parallel.vpp,
             sp=cfg.parallel.sp,
+            first_stage_layers=cfg.parallel.first_stage_layers,
+            last_stage_layers=cfg.parallel.last_stage_layers,
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def _validate_stage_layers(cfg: TrainConfig, dims: ParallelDims) -> None:
+    """Every model's layers split over the pipeline stages (megatron's uneven first/last stages): the
+    actor's (model.num_layers, or model.path's config.json), the critic's and the reward model's."""
+    counts = [] if cfg.model.path else [("model.num_layers", cfg.model.num_layers)]
+    for path in (cfg.model.path, cfg.critic.path, cfg.reward.model_path):
+        config_file = os.path.join(path, "config.json")
+        if path and os.path.isfile(config_file):
+            with open(config_file) as f:
+                num_layers = json.load(f).get("num_hidden_layers")  # absent: named when it is read
+            if isinstance(num_layers, int) and num_layers > 0:
+                counts.append((f"{config_file}: num_hidden_layers", num_layers))
+    for key, num_layers in counts:
+        try:
+            dims.stage_layer_counts(num_layers)
+        except ValueError as err:
+            raise ConfigError(f"{key}={num_layers}: {err}") from None
 
 
 def _validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
@@ -95,6 +115,7 @@ def _validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
         ("model.ffn_hidden_size", m.ffn_hidden_size),
     ):
         _positive(key, value)
+    _validate_stage_layers(cfg, dims)
     if m.path:
         _validate_checkpoint_positions(cfg, "model.path", m.path)
         _validate_tokenizer_source(cfg)
@@ -125,13 +146,6 @@ def _validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
                 f"must be divisible by parallel.tp={dims.tp}",
                 "lower parallel.tp or change the model",
             )
-    if m.num_layers % (dims.pp * dims.vpp):
-        _fail(
-            "model.num_layers",
-            m.num_layers,
-            f"must be divisible by parallel.pp * parallel.vpp = {dims.pp * dims.vpp}",
-            "change parallel.pp / parallel.vpp to divide the layer count",
-        )
     longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     if longest > m.max_position_embeddings:
         _fail(

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from parallel.layout import TrainLayout, check_stage_layer_keys
+
 
 class ParallelAxis(str, Enum):
     """Names of the mesh axes, used in messages and group dictionaries."""
@@ -31,6 +33,10 @@ class ParallelDims:
     """Virtual pipeline chunks per stage (`parallel.vpp`); >1 selects the interleaved schedule."""
     sp: bool = False
     """Sequence parallelism inside TP groups (`parallel.sp`)."""
+    first_stage_layers: int = 0
+    """Layers of the first pipeline stage (`parallel.first_stage_layers`); 0 = automatic."""
+    last_stage_layers: int = 0
+    """Layers of the last pipeline stage (`parallel.last_stage_layers`); 0 = automatic."""
 
     def __post_init__(self) -> None:
         for key, value in (("parallel.tp", self.tp), ("parallel.pp", self.pp), ("parallel.vpp", self.vpp)):
@@ -50,6 +56,7 @@ class ParallelDims:
             raise ValueError(
                 f"parallel.vpp={self.vpp} needs parallel.pp > 1 (interleaving needs stages). Fix: set parallel.pp >= 2 or parallel.vpp=1"
             )
+        check_stage_layer_keys(self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers)
         if self.sp and self.tp == 1:
             raise ValueError(
                 "parallel.sp=true needs parallel.tp > 1 (sequence parallelism splits inside TP). Fix: set parallel.tp >= 2 or parallel.sp=false"
@@ -59,6 +66,22 @@ class ParallelDims:
     def dp(self) -> int:
         """Data-parallel size."""
         return self.world_size // (self.tp * self.pp)
+
+    def train_layout(self) -> TrainLayout:
+        """The rank and layer math of this layout (`parallel/layout.py`)."""
+        return TrainLayout(
+            tp=self.tp,
+            pp=self.pp,
+            dp=self.dp,
+            vpp=self.vpp,
+            first_stage_layers=self.first_stage_layers,
+            last_stage_layers=self.last_stage_layers,
+        )
+
+    def stage_layer_counts(self, num_layers: int) -> tuple[int, ...]:
+        """Transformer layers of each pipeline stage for a `num_layers` model, or a ValueError naming the keys
+        (megatron's uneven first/last stages; the automatic rule is `parallel.layout.stage_layer_counts`)."""
+        return self.train_layout().stage_layer_counts(num_layers)
 
     @property
     def model_parallel_size(self) -> int:

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.hybrid_plan import MemberMeta, ParamMeta, RolloutTensor, Slot, TransitionPlan, plan_transition
-from parallel.layout import HybridLayout, RolloutLayout, TrainLayout
+from parallel.layout import HybridLayout, RolloutLayout
 from parallel.rollout_weights import RolloutWeights, global_param_names
 from parallel.state import ProcessGroups
 
@@ -100,7 +100,7 @@ class HybridEngine:
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     ):
         dims = groups.dims
-        train = TrainLayout(tp=dims.tp, pp=dims.pp, dp=dims.dp, vpp=dims.vpp)
+        train = dims.train_layout()
         self.layout = HybridLayout(train, RolloutLayout(tp=rollout_tp, pp=rollout_pp))  # validates rollout.*
         self.groups = groups
         self.keep_rollout_weights = keep_rollout_weights

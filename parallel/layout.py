@@ -21,8 +21,12 @@ Where this departs from the paper, and why:
   paper's example (t=4, p=1, d=2, t_g=2) comes out identical;
 - the SwiGLU fc1 is stored per TP shard as [gate_i; up_i], so a wider shard is a regrouping of the
   narrower ones, not their concatenation: `column_gated` placements have two blocks;
-- with vpp > 1, rollout stage s holds training stages [s*q, (s+1)*q), which is exactly megatron's
-  interleaved assignment at (p_g, vpp): `rollout_layers` returns one range per virtual chunk.
+- with vpp > 1, rollout stage s holds training stages [s*q, (s+1)*q), one contiguous range per virtual
+  chunk (`rollout_layers`); with even stages that is megatron's interleaved assignment at (p_g, vpp).
+
+Layers per stage (`stage_layer_counts`) follow megatron-core's uneven pipeline: the first and last stage may
+hold other counts than the equal middle stages, so layer counts that pp * vpp does not divide work; every
+mapping from layers to stages here goes through that one function.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
+from functools import cache
 
 
 class PartitionKind(str, Enum):
@@ -58,18 +63,102 @@ def _group_by(num_ranks: int, key: Callable[[int], tuple], order: Callable[[int]
     return sorted((sorted(g, key=order) for g in groups.values()), key=lambda g: g[0])
 
 
-def _interleaved_layers(num_stages: int, vpp: int, stage: int, num_layers: int) -> list[range]:
-    """Megatron's assignment: virtual chunk v of `stage` holds layers [(v*P + stage)*n, +n), n = L/(P*vpp)."""
-    if num_layers % (num_stages * vpp) != 0:
+def check_stage_layer_keys(pp: int, vpp: int, first_stage_layers: int, last_stage_layers: int) -> None:
+    """ValueError naming the key unless `parallel.first_stage_layers` / `parallel.last_stage_layers` are 0
+    (automatic) or a positive multiple of parallel.vpp at parallel.pp > 1."""
+    for key, value in (
+        ("parallel.first_stage_layers", first_stage_layers),
+        ("parallel.last_stage_layers", last_stage_layers),
+    ):
+        if value < 0:
+            raise ValueError(f"{key}={value} must be >= 0 (0 = automatic). Fix: set {key}=0")
+        if value and pp == 1:
+            raise ValueError(
+                f"{key}={value} needs parallel.pp > 1 (one stage holds every layer). Fix: set {key}=0"
+            )
+        if value % vpp:
+            raise ValueError(
+                f"{key}={value} must be a multiple of parallel.vpp={vpp} (each virtual chunk of a stage holds "
+                f"the same number of layers). Fix: set {key} to a multiple of {vpp} or 0"
+            )
+
+
+@cache  # pure; called per parameter by the reshard checks
+def stage_layer_counts(
+    num_layers: int, pp: int, vpp: int = 1, first_stage_layers: int = 0, last_stage_layers: int = 0
+) -> tuple[int, ...]:
+    """Transformer layers of each pipeline stage (all its virtual chunks together), or a ValueError naming
+    the keys and a fix.
+
+    megatron-core splits layers evenly, or, with `num_layers_in_first/last_pipeline_stage`, gives the first
+    and last stage their own counts and the middle stages equal shares. Every stage holds a multiple of `vpp`
+    layers (one equal share per virtual chunk). `first_stage_layers` / `last_stage_layers` fix those two
+    counts (`parallel.first_stage_layers` / `parallel.last_stage_layers`, 0 = automatic).
+
+    The automatic rule: the most layers on any stage is as small as possible (ceil(L / pp) in units of vpp:
+    the pipeline runs at the pace of its slowest stage); among such splits the last stage gets the fewest
+    layers, because it also runs the output layer (a vocabulary-sized matmul) and the loss, then the first
+    stage, which holds the most micro-batches in flight under 1F1B. A layer count that pp * vpp divides
+    gives the even split.
+    """
+    check_stage_layer_keys(pp, vpp, first_stage_layers, last_stage_layers)
+    if num_layers % vpp:
         raise ValueError(
-            f"num_layers={num_layers} must be divisible by parallel.pp * parallel.vpp = {num_stages}*{vpp}; "
-            f"choose a layer count that is a multiple of {num_stages * vpp} or smaller parallel.pp/vpp"
+            f"num_layers={num_layers} is not divisible by parallel.vpp={vpp}: every stage holds a multiple of "
+            f"parallel.vpp layers. Fix: set parallel.vpp to a divisor of {num_layers}"
         )
-    per_chunk = num_layers // (num_stages * vpp)
-    return [
-        range((v * num_stages + stage) * per_chunk, (v * num_stages + stage + 1) * per_chunk)
-        for v in range(vpp)
-    ]
+    if pp == 1:
+        return (num_layers,)
+    units = num_layers // vpp
+    if units < pp:
+        raise ValueError(
+            f"num_layers={num_layers} gives fewer than one layer per virtual chunk at parallel.pp={pp}, "
+            f"parallel.vpp={vpp} (needs >= {pp * vpp}). Fix: lower parallel.pp or parallel.vpp"
+        )
+    best = _best_split(units, pp, first_stage_layers // vpp, last_stage_layers // vpp)
+    if best is None:
+        rule = (
+            f"the two stages must add up to {num_layers}"
+            if pp == 2
+            else f"the {pp - 2} middle stages get equal shares: num_layers - first - last must be a positive "
+            f"multiple of {(pp - 2) * vpp}"
+        )
+        raise ValueError(
+            f"num_layers={num_layers} cannot be split over parallel.pp={pp} stages (parallel.vpp={vpp}) with "
+            f"parallel.first_stage_layers={first_stage_layers}, parallel.last_stage_layers={last_stage_layers}: "
+            f"{rule}. Fix: set both to 0 (automatic) or to counts that follow this rule"
+        )
+    first, middle, last = (n * vpp for n in best)
+    if vpp > 1 and pp == 2 and first != last:
+        raise ValueError(
+            f"num_layers={num_layers} needs uneven stages ({first}, {last}), which megatron-core cannot place "
+            f"with the interleaved schedule at parallel.pp=2 (its layer offset divides by the number of middle "
+            f"stages, here 0). Fix: set parallel.vpp=1, or parallel.pp >= 3, or a layer count that "
+            f"parallel.pp * parallel.vpp = {pp * vpp} divides"
+        )
+    return (first, *[middle] * (pp - 2), last)
+
+
+def _best_split(units: int, pp: int, first: int, last: int) -> tuple[int, int, int] | None:
+    """(first, middle, last) units of the automatic rule (see `stage_layer_counts`); fixed where non-zero."""
+    candidates = []
+    for f in [first] if first else range(1, units + 1):
+        for lst in [last] if last else range(1, units + 1):
+            rest = units - f - lst
+            if pp == 2 and rest == 0:
+                candidates.append((f, 0, lst))
+            elif pp > 2 and rest > 0 and rest % (pp - 2) == 0:
+                candidates.append((f, rest // (pp - 2), lst))
+    return min(candidates, key=lambda c: (max(c), c[2], c[0]), default=None)
+
+
+def _chunk_layers(counts: tuple[int, ...], vpp: int, stage: int) -> list[range]:
+    """Megatron's assignment: virtual chunk v of `stage` holds the layers after chunk v of the earlier stages,
+    i.e. [v*L/vpp + sum(n_s for s < stage), +n_stage), n_s = counts[s] / vpp."""
+    per_chunk = [c // vpp for c in counts]
+    row = sum(per_chunk)  # layers of one virtual chunk over all stages, L / vpp
+    start = sum(per_chunk[:stage])
+    return [range(v * row + start, v * row + start + per_chunk[stage]) for v in range(vpp)]
 
 
 @dataclass(frozen=True)
@@ -96,6 +185,10 @@ class TrainLayout:
     """Data-parallel size d (world size / (parallel.tp * parallel.pp))."""
     vpp: int = 1
     """Virtual pipeline chunks per stage (`parallel.vpp`); 1 means no interleaving."""
+    first_stage_layers: int = 0
+    """Layers of the first stage (`parallel.first_stage_layers`); 0 = `stage_layer_counts`' rule."""
+    last_stage_layers: int = 0
+    """Layers of the last stage (`parallel.last_stage_layers`); 0 = `stage_layer_counts`' rule."""
 
     def __post_init__(self) -> None:
         _check_positive("parallel.tp", self.tp)
@@ -107,6 +200,7 @@ class TrainLayout:
                 f"parallel.vpp={self.vpp} needs parallel.pp > 1 (the interleaved schedule splits stages); "
                 "set parallel.vpp=1 or parallel.pp >= 2"
             )
+        check_stage_layer_keys(self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers)
 
     @classmethod
     def from_world_size(cls, world_size: int, tp: int, pp: int, vpp: int = 1) -> TrainLayout:
@@ -154,16 +248,27 @@ class TrainLayout:
     ) -> list[list[int]]:
         return _group_by(self.world_size, lambda r: key(self.coords(r)), lambda r: order(self.coords(r)))
 
+    def stage_layer_counts(self, num_layers: int) -> tuple[int, ...]:
+        """Layers of each stage (see the module function `stage_layer_counts`)."""
+        return stage_layer_counts(
+            num_layers, self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers
+        )
+
     def layers(self, pp_rank: int, num_layers: int) -> list[range]:
         """Global layer indices held by stage `pp_rank`, one range per virtual chunk (megatron's order)."""
-        return _interleaved_layers(self.pp, self.vpp, pp_rank, num_layers)
+        return _chunk_layers(self.stage_layer_counts(num_layers), self.vpp, pp_rank)
 
     def stage_of_layer(self, layer: int, num_layers: int) -> int:
         """The training stage (pp_rank) that holds global layer index `layer`."""
         if not 0 <= layer < num_layers:
             raise ValueError(f"layer {layer} is outside 0..{num_layers - 1}")
-        _interleaved_layers(self.pp, self.vpp, 0, num_layers)  # validates divisibility
-        return (layer // (num_layers // (self.pp * self.vpp))) % self.pp
+        counts = self.stage_layer_counts(num_layers)
+        position = layer % (num_layers // self.vpp)  # index inside its row of virtual chunks
+        for stage, count in enumerate(counts):
+            position -= count // self.vpp
+            if position < 0:
+                return stage
+        raise AssertionError("unreachable: the stage counts add up to num_layers")
 
 
 @dataclass(frozen=True)
@@ -319,11 +424,12 @@ class HybridLayout:
         )
 
     def rollout_layers(self, rank: int, num_layers: int) -> list[range]:
-        """Layers held by `rank` in the rollout layout, one range per virtual chunk: megatron's interleaved
-        assignment at (p_g, vpp), which equals the union of training stages [s*q, (s+1)*q)."""
-        return _interleaved_layers(
-            self.rollout.pp, self.train.vpp, self.rollout_coords(rank).pp_rank, num_layers
-        )
+        """Layers held by `rank` in the rollout layout, one range per virtual chunk: the union of training
+        stages [s*q, (s+1)*q), which is contiguous inside each virtual chunk."""
+        q, s = self.pp_ratio, self.rollout_coords(rank).pp_rank
+        first = self.train.layers(s * q, num_layers)
+        last = self.train.layers((s + 1) * q - 1, num_layers)
+        return [range(a.start, b.stop) for a, b in zip(first, last)]
 
     def stage_positions(self, train_pp_rank: int) -> range:
         """Micro-DP positions of the members at training stage `train_pp_rank`; the i-th of them has tp offset

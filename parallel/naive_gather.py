@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel.layout import PartitionKind, TrainLayout
+from parallel.layout import PartitionKind
 from parallel.rollout_weights import RolloutWeights, global_param_names, partition_kind
 from parallel.state import ProcessGroups
 
@@ -35,7 +35,7 @@ class NaiveGather:
         self, chunks: list[torch.nn.Module], groups: ProcessGroups, num_layers: int, tie_embeddings: bool
     ):
         dims = groups.dims
-        layout = TrainLayout(tp=dims.tp, pp=dims.pp, dp=dims.dp, vpp=dims.vpp)
+        layout = dims.train_layout()
         self.groups = groups
         self.tie_embeddings = tie_embeddings
         self.local = global_param_names(chunks, layout.layers(groups.pp_rank, num_layers))

@@ -1,5 +1,6 @@
 """Build megatron-core `GPTModel`s (Llama/Qwen style: RMSNorm, SwiGLU, RoPE, GQA, optional QKV bias and
-QK-norm, tied or untied embeddings) from `ModelConfig`, sharded by megatron itself over TP/PP/VPP.
+QK-norm, tied or untied embeddings) from `ModelConfig`, sharded by megatron itself over TP/PP/VPP
+(uneven first/last stages where `ParallelDims.stage_layer_counts` says so).
 
 The actor and reference are plain GPTModels; the critic swaps the output layer for a scalar value head.
 This module builds modules only: it reads no checkpoint and wraps nothing in DDP.
@@ -90,6 +91,8 @@ def transformer_config(
     rope_fusion = (fusions or Fusions()).rope
     if rope_fusion:
         install_rope_fusion()  # before TransformerConfig: its checks look for the kernel
+    counts = dims.stage_layer_counts(shape.num_layers)
+    uneven = len(set(counts)) > 1  # else megatron's own even split
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -100,6 +103,8 @@ def transformer_config(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+        num_layers_in_first_pipeline_stage=counts[0] if uneven else None,
+        num_layers_in_last_pipeline_stage=counts[-1] if uneven else None,
         sequence_parallel=dims.sp,
         normalization="RMSNorm",
         layernorm_epsilon=shape.norm_eps,

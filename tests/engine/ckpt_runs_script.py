@@ -1,7 +1,8 @@
 """Checkpoint, resume, crash, offload and HF export checks on whole training runs, in one process group.
 
     torchrun --nproc_per_node=1 tests/engine/ckpt_runs_script.py ROOT    (world size 1)
-    torchrun --nproc_per_node=4 tests/engine/ckpt_runs_script.py ROOT    (world size 4: TP=2 and PP=2 x VPP=2)
+    torchrun --nproc_per_node=4 tests/engine/ckpt_runs_script.py ROOT    (world size 4: TP=2, PP=2 x VPP=2,
+                                                                          PP=2 with 3 layers)
 
 Each scenario builds the components exactly as `python -m engine.train` does (engine.setup) and runs
 `Trainer.fit`; megatron's parallel state is rebuilt when the layout changes. Runs are compared through their
@@ -27,8 +28,8 @@ from megatron.core import parallel_state, tensor_parallel
 
 import engine.checkpoint as checkpoint
 from engine.config import register_configs, to_dataclass
+from engine.export import export_checkpoint, unwrap
 from engine.export import main as export_main
-from engine.export import unwrap
 from engine.models.hf import HFCheckpoint, read_hf_config
 from engine.offload import PARTS, device_bytes, offloaded
 from engine.parity import ParityConfig, compare_logits
@@ -337,6 +338,29 @@ def four_ranks() -> None:
     )
     assert "differs in tp, pp, vpp" in str(err) and "model.path=" in str(err), err
     result(check="layout_mismatch", world=4, message=str(err))
+    uneven_stages()
+
+
+PP2_UNEVEN = ["parallel.pp=2", "model.num_layers=3"]  # dp=2; megatron's uneven stages: 2 layers, then 1
+
+
+def uneven_stages() -> None:
+    """PP=2 with 3 layers: resume from a path equals the uninterrupted run; the end-of-run HF export matches
+    the live model in transformers, and the export from the step-4 checkpoint equals it bit-exact."""
+    ref = run("pp2_uneven", [*PP2_UNEVEN, "trainer.save_freq=2", "trainer.export_hf=true"])
+    assert [len(unwrap(c).decoder.layers) for c in ref.actor.chunks] == [2 if ref.groups.pp_rank == 0 else 1]
+    diff = export_parity(ref, "pp2_uneven")
+    run("pp2_uneven_resumed", [*PP2_UNEVEN, f"trainer.resume={ROOT}/pp2_uneven/checkpoints/global_step_2"])
+    worst = assert_same_steps(metrics("pp2_uneven"), metrics("pp2_uneven_resumed"), [3, 4], "uneven resume")
+    # export_checkpoint is the CLI's body (a second process group cannot be started inside one torchrun at
+    # world size 4); the resumed run's groups have the checkpoint's layout
+    export_checkpoint(f"{ROOT}/pp2_uneven/checkpoints/global_step_4", f"{ROOT}/pp2_uneven_cli", _groups)
+    dist.barrier()
+    with HFCheckpoint(f"{ROOT}/pp2_uneven/hf_actor") as a, HFCheckpoint(f"{ROOT}/pp2_uneven_cli") as b:
+        assert set(a.file_of) == set(b.file_of) and "model.layers.2.mlp.up_proj.weight" in a.file_of
+        assert all(torch.equal(a.tensor(n), b.tensor(n)) for n in a.file_of)
+    assert read_hf_config(f"{ROOT}/pp2_uneven_cli")["num_hidden_layers"] == 3
+    result(check="uneven_stages", world=4, export_max_abs_diff=diff, resume_max_abs_diff=worst)
 
 
 if __name__ == "__main__":

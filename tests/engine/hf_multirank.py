@@ -10,7 +10,8 @@ the chain HF -> M(1,1) -> HF -> M(2,1) -> ... is checked at every hop against th
 - every saved tensor torch.equal to the original (names, dtypes, config.json too).
 Then: the critic (value head from `score.weight`, vs transformers' token classification head, and a zero
 head from a causal-LM checkpoint), a bfloat16 model's round trip, the largest tensor created while loading at TP=2, and the errors for
-weights that disagree with config.json; last the CLI (`engine.parity.main`), which prints its JSON line.
+weights that disagree with config.json; a 3-layer Qwen2 at TP2 x PP2 (megatron's uneven stages: parity and
+round trip); last the CLI (`engine.parity.main`, on the 3-layer model), which prints its JSON line.
 Rank 0 prints `RESULT {json}` lines that the pytest side reads.
 """
 
@@ -212,6 +213,18 @@ def errors(dirs: dict[str, str]) -> None:
         result(groups, kind="error", case=case, message=message)
 
 
+def uneven(src: str, out_root: str) -> None:
+    """3 layers at TP2 x PP2 (uneven stages: 2 layers, then 1): parity and a bit-exact round trip."""
+    groups = relayout(2, 2)
+    chunks, shape = build_and_load(src, groups)
+    assert [len(c.decoder.layers) for c in chunks] == [2 if groups.pp_rank == 0 else 1]
+    report = compare_logits(chunks, shape, src, groups, PARITY)
+    out = os.path.join(out_root, "qwen2_3l_tp2pp2")
+    save_hf_checkpoint(chunks, shape, groups, out, src, read_hf_config(src))
+    num = assert_same_checkpoint(src, out) if groups.rank == 0 else 0
+    result(groups, kind="uneven", tensors=num, **report)
+
+
 def cli(path: str) -> None:
     """Last: the user-facing `python -m engine.parity` entry at TP2 x PP2 (it tears the groups down)."""
     from engine.parity import main as parity_main
@@ -228,7 +241,7 @@ def cli(path: str) -> None:
 
 
 def main(root: str) -> None:
-    names = ("qwen2", "qwen3", "llama", "critic", "big", "bad_shape", "missing_layer")
+    names = ("qwen2", "qwen3", "llama", "critic", "big", "bad_shape", "missing_layer", "qwen2_3l")
     dirs = {name: os.path.join(root, name) for name in names}
     out_root = os.path.join(root, "out")
     try:
@@ -238,7 +251,8 @@ def main(root: str) -> None:
         bf16_round_trip(dirs["llama"], out_root)
         load_memory(dirs["big"])
         errors(dirs)
-        cli(dirs["llama"])
+        uneven(dirs["qwen2_3l"], out_root)
+        cli(dirs["qwen2_3l"])  # 3 layers: the CLI runs uneven stages too
     finally:
         destroy_distributed()
 

@@ -78,6 +78,8 @@ def make_all(root: str) -> dict[str, str]:
     """Every model the multi-rank script needs, under `root`; returns name -> directory."""
     dirs = {f: save_tiny(f, os.path.join(root, f), seed=i) for i, f in enumerate(FAMILIES)}
     dirs["critic"] = save_tiny("qwen2", os.path.join(root, "critic"), seed=7, head="token")
+    # 3 layers: PP=2 takes megatron's uneven stages (2 layers, then 1)
+    dirs["qwen2_3l"] = save_tiny("qwen2", os.path.join(root, "qwen2_3l"), seed=5, num_hidden_layers=3)
     # big enough to measure loading memory: embedding/lm_head 8 MiB each (vocab odd: padded at TP=2)
     dirs["big"] = save_tiny(
         "llama",

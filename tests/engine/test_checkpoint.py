@@ -70,11 +70,20 @@ def test_world1_resume_crash_offload_export(tmp_path):
 @pytest.mark.slow
 def test_world4_tp2_and_pp2_resume_crash_mismatch_export(tmp_path):
     """World size 4: TP=2 (distributed optimizer) resume and HF export, PP=2 x VPP=2 crash then resume=auto,
-    a TP=2 checkpoint refused under PP=2."""
+    a TP=2 checkpoint refused under PP=2; PP=2 with 3 layers (uneven stages) resumed and exported."""
     found = _results(run_torchrun(SCRIPT, 4, [str(tmp_path / "runs")]))
-    for check in ("export_parity", "resume_path", "crash_resume_auto", "layout_mismatch", "done"):
+    for check in (
+        "export_parity",
+        "resume_path",
+        "crash_resume_auto",
+        "layout_mismatch",
+        "uneven_stages",
+        "done",
+    ):
         assert check in found, f"missing {check}: {sorted(found)}"
     assert found["export_parity"][0]["max_abs_diff"] <= 5e-5
+    (uneven,) = found["uneven_stages"]
+    assert uneven["export_max_abs_diff"] <= 5e-5 and uneven["resume_max_abs_diff"] <= 1e-6
 
 
 # ---- no processes ---------------------------------------------------------------------------------------

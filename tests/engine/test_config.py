@@ -80,7 +80,14 @@ BAD = [
     (["rollout.top_k=-1"], 1, "rollout.top_k"),
     (["model.num_attention_heads=6", "parallel.tp=4"], 4, "model.num_attention_heads"),
     (["model.num_query_groups=3"], 1, "model.num_query_groups"),
-    (["model.num_layers=3", "parallel.pp=2"], 2, "model.num_layers"),
+    (["model.num_layers=3", "parallel.pp=2", "parallel.vpp=3"], 2, "model.num_layers=3"),
+    (["model.num_layers=2", "parallel.pp=4"], 4, "model.num_layers=2"),
+    (["parallel.first_stage_layers=1"], 1, "parallel.first_stage_layers=1 needs parallel.pp > 1"),
+    (
+        ["model.num_layers=4", "parallel.pp=2", "parallel.last_stage_layers=4"],
+        2,
+        "parallel.last_stage_layers=4",
+    ),
     (["model.path=/nonexistent/ckpt"], 1, "model.path"),
     (["model.dtype=fp8"], 1, "model.dtype"),
     (["data.max_prompt_len=1000"], 1, "data.max_prompt_len + rollout.max_new_tokens"),
@@ -99,6 +106,23 @@ BAD = [
     (["reward.fn=engine.rewards.gsm8k:no_such_fn"], 1, "has no function 'no_such_fn'"),
     (["reward.fn=no_such_module_x:score"], 1, "reward.fn='no_such_module_x:score': cannot import module"),
 ]
+
+
+def test_uneven_pipeline_stages_are_accepted():
+    """Layer counts that parallel.pp does not divide take megatron's uneven first/last stages."""
+    dims = validate(composed("model.num_layers=3", "parallel.pp=2"), world_size=2)
+    assert dims.stage_layer_counts(3) == (2, 1)
+    cfg = composed("model.num_layers=5", "parallel.pp=2", "parallel.first_stage_layers=1")
+    assert validate(cfg, world_size=2).stage_layer_counts(5) == (1, 4)
+
+
+def test_stage_split_of_a_checkpoint_names_its_config_file(tmp_path):
+    """A checkpoint's layer count is checked against the pipeline before any process group exists."""
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 3}')
+    cfg = composed("model.num_layers=6", "parallel.pp=2", "parallel.vpp=3", f"critic.path={tmp_path}")
+    with pytest.raises(ConfigError, match="Fix:") as err:
+        validate(cfg, world_size=2)
+    assert f"{tmp_path}/config.json: num_hidden_layers=3" in str(err.value)
 
 
 @pytest.mark.parametrize("overrides,world,needle", BAD, ids=[" ".join(o) for o, _, _ in BAD])

@@ -28,7 +28,10 @@ def test_hybrid_engine_reshard(world):
     assert summary["world"] == world
     assert summary["reshard"] and summary["training"]
     for key, fig in summary["reshard"].items():
-        assert fig["layer_sharded"] == fig["formula_sharded"], key
+        assert fig.get("uneven") or fig["layer_sharded"] == fig["formula_sharded"], key
+    uneven = [key for key, fig in summary["reshard"].items() if fig.get("uneven")]
+    assert uneven and all("L3" in key or "L10" in key for key in uneven), uneven  # 3 layers at PP=2 etc.
+    assert any("L3" in key for key in summary["training"]), summary["training"]
 
 
 def _members(layout: HybridLayout, group: list[int], tie: bool, num_layers: int = 4) -> list[MemberMeta]:

@@ -12,6 +12,7 @@ from parallel.layout import (
     PartitionKind,
     RolloutLayout,
     TrainLayout,
+    stage_layer_counts,
     validate_rollout,
 )
 
@@ -117,22 +118,42 @@ def test_exhaustive_layer_ownership():
                     assert any(layer in chunk for chunk in train.layers(train.coords(r).pp_rank, num_layers))
 
 
-@pytest.mark.parametrize("pp, vpp", [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2), (2, 4)])
-def test_layers_match_megatron_offsets(pp, vpp):
-    from megatron.core.transformer import TransformerConfig
+@pytest.mark.parametrize(
+    "num_layers, pp, vpp, first, last",
+    [
+        (16, 1, 1, 0, 0),
+        (16, 2, 1, 0, 0),
+        (16, 4, 1, 0, 0),
+        (16, 2, 2, 0, 0),
+        (16, 4, 2, 0, 0),
+        (16, 2, 4, 0, 0),
+        # uneven: megatron's num_layers_in_first/last_pipeline_stage, as engine/models/builder.py sets them
+        (3, 2, 1, 0, 0),
+        (28, 3, 1, 0, 0),
+        (80, 3, 1, 0, 0),
+        (30, 4, 1, 0, 0),
+        (9, 4, 1, 0, 0),
+        (10, 3, 2, 0, 0),
+        (14, 4, 2, 0, 0),
+        (8, 2, 1, 3, 0),
+        (12, 4, 2, 2, 2),
+    ],
+)
+def test_layers_match_megatron_offsets(num_layers, pp, vpp, first, last):
+    """Our ranges equal megatron's own offsets and layer counts for the config our builder makes."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    num_layers = 16
-    config = TransformerConfig(
-        num_layers=num_layers,
-        hidden_size=8,
-        num_attention_heads=2,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-        pipeline_dtype=torch.float32,
-    )
-    train = TrainLayout(tp=1, pp=pp, dp=1, vpp=vpp)
+    from engine.config import ModelConfig
+    from engine.models.builder import resolve_shape, transformer_config
+    from parallel.dims import ParallelDims
+
+    dims = ParallelDims(world_size=pp, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last)
+    shape = resolve_shape(ModelConfig(num_layers=num_layers, hidden_size=8, num_attention_heads=2), 16, 1)
+    config = transformer_config(shape, dims, init_std=0.02, recompute=False, on_cpu=True)
+    train = dims.train_layout()
+    held = sorted(i for s in range(pp) for chunk in train.layers(s, num_layers) for i in chunk)
+    assert held == list(range(num_layers))
     for stage in range(pp):
         for v, chunk in enumerate(train.layers(stage, num_layers)):
             vp_stage = v if vpp > 1 else None
@@ -140,6 +161,74 @@ def test_layers_match_megatron_offsets(pp, vpp):
             count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=stage)
             assert chunk == range(start, start + count)
             assert all(train.stage_of_layer(i, num_layers) == stage for i in chunk)
+
+
+def test_stage_layer_counts_rule():
+    """Uneven counts: the busiest stage as light as possible, then the last stage lightest, then the first."""
+    assert stage_layer_counts(3, 2) == (2, 1)
+    assert stage_layer_counts(28, 3) == (10, 10, 8)  # Qwen2.5-7B at PP=3
+    assert stage_layer_counts(80, 3) == (27, 27, 26)
+    assert stage_layer_counts(30, 4) == (8, 8, 8, 6)
+    assert stage_layer_counts(5, 4) == (2, 1, 1, 1)
+    assert stage_layer_counts(10, 3, vpp=2) == (4, 4, 2)
+    assert stage_layer_counts(16, 4, vpp=2) == (4, 4, 4, 4)
+    assert stage_layer_counts(8, 2, 1, 3) == (3, 5)  # parallel.first_stage_layers
+    assert stage_layer_counts(8, 3, 1, 0, 2) == (3, 3, 2)  # parallel.last_stage_layers
+    for num_layers in range(1, 41):
+        for pp in range(1, 9):
+            for vpp in (1, 2, 3) if pp > 1 else (1,):
+                uneven_interleaved_pp2 = pp == 2 and vpp > 1 and num_layers % (pp * vpp)
+                if num_layers % vpp or num_layers < pp * vpp or uneven_interleaved_pp2:
+                    with pytest.raises(ValueError, match="parallel.vpp|parallel.pp"):
+                        stage_layer_counts(num_layers, pp, vpp)
+                    continue
+                counts = stage_layer_counts(num_layers, pp, vpp)
+                assert sum(counts) == num_layers and all(c > 0 and c % vpp == 0 for c in counts)
+                assert len(set(counts[1:-1])) <= 1  # megatron: equal middle stages
+                if num_layers % (pp * vpp) == 0:
+                    assert set(counts) == {num_layers // pp}
+                units = num_layers // vpp
+                if units > (pp - 1) * -(-units // pp):  # the last stage can take the shortfall alone
+                    assert max(counts) == vpp * -(-units // pp)
+                assert counts[-1] <= counts[0]  # swapping first and last is always a valid split
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        ((3, 2, 2), "parallel.vpp=2"),  # 3 layers do not split into 2 equal virtual chunks
+        ((3, 4), "parallel.pp=4"),  # fewer layers than stages
+        ((4, 1, 1, 2), "parallel.first_stage_layers=2 needs parallel.pp > 1"),
+        ((8, 2, 2, 3), "parallel.first_stage_layers=3 must be a multiple of parallel.vpp=2"),
+        ((8, 2, 1, 8), "the two stages must add up to 8"),
+        ((8, 4, 1, 1, 2), "must be a positive multiple of 2"),
+        ((8, 2, 1, -1), "parallel.first_stage_layers=-1 must be >= 0"),
+        ((6, 2, 2), "cannot place with the interleaved schedule at parallel.pp=2"),
+    ],
+)
+def test_stage_layer_counts_errors_name_the_key(args, needle):
+    with pytest.raises(ValueError, match="Fix:") as err:
+        stage_layer_counts(*args)
+    assert needle in str(err.value)
+
+
+def test_uneven_layer_ownership_and_rollout_layers():
+    """Uneven stages: every layer has one owner, and a rollout stage holds exactly its training stages'
+    layers (contiguous per virtual chunk), for every (p, vpp, p_g) and every splittable layer count."""
+    for pp in (2, 3, 4, 6):
+        for vpp in (1, 2) if pp > 2 else (1,):
+            for num_layers in range(pp * vpp, 4 * pp * vpp + 1, vpp):
+                train = TrainLayout(tp=1, pp=pp, dp=1, vpp=vpp)
+                owners = {i: s for s in range(pp) for chunk in train.layers(s, num_layers) for i in chunk}
+                assert sorted(owners) == list(range(num_layers))
+                assert all(train.stage_of_layer(i, num_layers) == s for i, s in owners.items())
+                for p_g in _divisors(pp):
+                    layout = HybridLayout(train, RolloutLayout(1, p_g))
+                    for rank in range(pp):
+                        s = layout.rollout_coords(rank).pp_rank
+                        held = [i for chunk in layout.rollout_layers(rank, num_layers) for i in chunk]
+                        assert held == sorted(held) or vpp > 1
+                        assert set(held) == {i for i, o in owners.items() if o // layout.pp_ratio == s}
 
 
 def test_exhaustive_slices_tile_rollout_shards():
@@ -253,7 +342,7 @@ def test_pipeline_example():
         (lambda: TrainLayout(1, -1, 1), r"parallel\.pp=-1"),
         (lambda: TrainLayout(2, 1, 1, vpp=2), r"parallel\.vpp=2 needs parallel\.pp > 1"),
         (lambda: TrainLayout.from_world_size(6, tp=4, pp=1), r"parallel\.tp \* parallel\.pp"),
-        (lambda: TrainLayout(1, 2, 1).layers(0, 5), r"num_layers=5"),
+        (lambda: TrainLayout(1, 2, 1, vpp=2).layers(0, 5), r"num_layers=5 .*parallel\.vpp=2"),
         (
             lambda: HybridLayout(TrainLayout(4, 1, 1), RolloutLayout(2)).placement(0, "column_gated", 12),
             "parallel.tp",
