@@ -19,7 +19,8 @@ the 3D-HybridEngine hands its rollout shards to both backends, and:
   0.64 / 0.11 on one GPU, 1.10 / 0.11 vs 1.16 / 0.12 at TP=2); a stop token ends a row with finish reason
   "stop";
 - with top_p=0.7 and top_k=64 at T=1 (the engine built with `full_log_probs_mode`'s "raw_logprobs") vLLM's
-  log-probs are still the full distribution's: as close to the training forward as in the row above (the
+  log-probs are still the full distribution's: no further from the training forward than the native engine's
+  own truncated sampling (same SLACK rule), and their signed mean difference from it is below 0.1 nat (the
   truncated, renormalised distribution's would be higher by -log(kept mass) >= ~0.3 nat per token);
 - weights are reloaded at every rollout (the output layer zeroed in training -> uniform log-probs) and the
   KV cache is released after it (free memory back to where it was).
@@ -149,11 +150,26 @@ def main(model_dir: str) -> None:
     got = report["vllm_sampled_vs_training_logp"]
     assert got[0] <= limit[0] and got[1] <= limit[1], ("sampled", limit, report)
 
-    truncated = rollout_replica(engine, weights, prompts, replace(sampling, top_p=0.7, top_k=64))
+    # top-p / top-k: the floor is our engine's own truncated sampling (full-distribution log-probs, checked
+    # on CPU against log_softmax(logits / T)); a single tail token decides the max, so the discriminating
+    # figure is the signed mean: log-probs of the truncated, renormalised distribution would sit above the
+    # training forward's by -log(kept mass) on every token (>= ~0.3 nat here), the full distribution's by ~0
+    truncated_sampling = replace(sampling, top_p=0.7, top_k=64)
+    truncated = rollout_replica(engine, weights, prompts, truncated_sampling)
+    training = training_log_probs(actor, prompts, truncated, 2)
     got = report["vllm_top_p_vs_training_logp"] = masked_diff(
-        truncated.log_probs, training_log_probs(actor, prompts, truncated, 2), truncated.response_mask
+        truncated.log_probs, training, truncated.response_mask
     )
+    mask = truncated.response_mask
+    signed = float(((truncated.log_probs - training) * mask).sum() / mask.sum())
+    report["vllm_top_p_minus_training_mean"] = signed
+    mine = rollout_replica(native, weights, prompts, truncated_sampling)
+    floor = report["native_top_p_vs_training_logp"] = masked_diff(
+        mine.log_probs, training_log_probs(actor, prompts, mine, 2), mine.response_mask
+    )
+    limit = (max(LOGP_MAX, SLACK * floor[0]), max(LOGP_MEAN, SLACK * floor[1]))
     assert got[0] <= limit[0] and got[1] <= limit[1], ("top_p", limit, report)
+    assert abs(signed) < 0.1, ("top_p signed mean", report)
 
     stop = int(theirs.response_ids[0, 3])
     stopped = rollout_replica(engine, weights, prompts, replace(greedy, stop_token_ids=(stop,)))
