@@ -541,6 +541,13 @@ def _validate_reward(cfg: TrainConfig) -> None:
     r = cfg.reward
     _one_of("reward.combine", r.combine, ("model", "sum"))
     _one_of("reward.gsm8k_method", r.gsm8k_method, GSM8K_METHODS)
+    if r.model_path and r.combine == "model" and r.fn:
+        _fail(
+            "reward.fn",
+            r.fn,
+            "would be ignored: reward.combine=model scores with the reward model alone",
+            "set reward.combine=sum to add it to the model's score, or reward.fn=''",
+        )
     _validate_reward_fn(cfg)
     if not r.model_path:
         return
@@ -553,13 +560,6 @@ def _validate_reward(cfg: TrainConfig) -> None:
             r.model_path,
             why,
             "point it at a local HF reward model saved with save_pretrained (num_labels=1)",
-        )
-    if r.combine == "model" and r.fn:
-        _fail(
-            "reward.fn",
-            r.fn,
-            "would be ignored: reward.combine=model scores with the reward model alone",
-            "set reward.combine=sum to add it to the model's score, or reward.fn=''",
         )
 
 

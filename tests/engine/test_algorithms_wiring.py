@@ -222,8 +222,12 @@ def test_every_preset_validates_on_the_default_job(preset):
 
 
 BAD = [
-    # the dapo preset's 4096-token buffer against the default job's 5-token responses
-    (["algorithm=dapo"], "algorithm.overlong_buffer_len=4096", "rollout.max_new_tokens=5"),
+    # a 4096-token overlong buffer against the default job's 5-token responses
+    (
+        ["algorithm=dapo", "algorithm.overlong_buffer_len=4096"],
+        "algorithm.overlong_buffer_len=4096",
+        "rollout.max_new_tokens=5",
+    ),
     (["algorithm.kl_reward_coef=0.01"], "algorithm.kl_reward_coef=0.01", "algorithm.kl_in_reward"),
     (["algorithm.kl_in_reward=true"], "algorithm.kl_reward_coef=0.0", "positive"),
     (

@@ -32,7 +32,7 @@ def run(*args: str, root: str = ROOT) -> subprocess.CompletedProcess:
 
 
 def jobs(*args: str) -> list[dict]:
-    proc = run("--dry-run", "--out", "/o", *args)
+    proc = run("--dry-run", "--no-install", "--out", "/o", *args)  # a checkout's own .whl/ must not matter
     assert proc.returncode == 0, proc.stderr
     found = []
     for line in proc.stdout.splitlines():
