@@ -37,6 +37,10 @@ class SamplingParams:
     """Keep the k most likely tokens (0 = off)."""
     max_new_tokens: int = 16
     """Most tokens per response."""
+    max_new_tokens_per_prompt: tuple[int, ...] = ()
+    """Optional per-prompt limits, one per prompt, each in [1, max_new_tokens]: the prompt's n responses stop
+    there ("length") as vLLM's per-request max_tokens does; empty = max_new_tokens for every prompt.
+    Benchmarks draw long-tailed lengths this way (with ignore_eos); outputs stay max_new_tokens wide."""
     stop_token_ids: tuple[int, ...] = ()
     """Generation of a response ends after any of these (EOS included here)."""
     ignore_eos: bool = False
@@ -45,6 +49,12 @@ class SamplingParams:
     """Seed of the sampler; same seed and inputs give the same responses (on the same backend and device)."""
     log_probs: bool = True
     """Return the sampled tokens' log-probs (false: the backend may skip them; module docstring)."""
+
+    def limit_of(self, prompt: int) -> int:
+        """The most tokens prompt `prompt`'s responses may have."""
+        return (
+            self.max_new_tokens_per_prompt[prompt] if self.max_new_tokens_per_prompt else self.max_new_tokens
+        )
 
 
 @dataclass
@@ -97,6 +107,21 @@ def check_sampling(sampling: SamplingParams) -> None:
     for name, ok, rule in rules:
         if not ok:
             raise ValueError(f"SamplingParams.{name}={getattr(sampling, name)!r} {rule} (rollout.{name})")
+    limits = sampling.max_new_tokens_per_prompt
+    if limits and not all(1 <= x <= sampling.max_new_tokens for x in limits):
+        raise ValueError(
+            f"SamplingParams.max_new_tokens_per_prompt must lie in [1, max_new_tokens={sampling.max_new_tokens}], "
+            f"got {min(limits)}..{max(limits)}"
+        )
+
+
+def check_limits_match(prompts: list[list[int]], sampling: SamplingParams) -> None:
+    """Per-prompt limits, when given, are one per prompt."""
+    limits = sampling.max_new_tokens_per_prompt
+    if limits and len(limits) != len(prompts):
+        raise ValueError(
+            f"SamplingParams.max_new_tokens_per_prompt has {len(limits)} limits for {len(prompts)} prompts"
+        )
 
 
 def check_prompts(prompts: list[list[int]], max_len: int, vocab_size: int) -> None:

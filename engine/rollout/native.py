@@ -27,7 +27,14 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.builder import ModelShape
-from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts, check_sampling
+from engine.rollout.base import (
+    RolloutEngine,
+    RolloutOutput,
+    SamplingParams,
+    check_limits_match,
+    check_prompts,
+    check_sampling,
+)
 from engine.rollout.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for
 from engine.rollout.kv_cache import KVCachePool, compact_rows
 from engine.rollout.model import DecodeKernels, RolloutModel, rope_tables
@@ -64,6 +71,9 @@ class _Outputs:
     """(max_new_tokens, rows + 1) bool."""
     stopped: torch.Tensor
     """(rows + 1,) bool: a stop token was generated."""
+    limit: torch.Tensor | None = None
+    """(rows + 1,) int64: each row's most tokens (SamplingParams.max_new_tokens_per_prompt), None: no per-row
+    limits."""
 
 
 class NativeRollout(RolloutEngine):
@@ -168,6 +178,7 @@ class NativeRollout(RolloutEngine):
         if self.model is None:
             raise RuntimeError("NativeRollout.generate called before set_weights()")
         check_sampling(sampling)
+        check_limits_match(prompts, sampling)
         new = sampling.max_new_tokens
         check_prompts(prompts, self.shape.max_position_embeddings - new, self.shape.vocab_size)
         num_rows = len(prompts) * sampling.n
@@ -180,7 +191,8 @@ class NativeRollout(RolloutEngine):
             -(-(longest + new) // self.seq_align) * self.seq_align, self.shape.max_position_embeddings
         )
         slots = min(self.max_num_seqs, num_rows, self._budget_slots(seq_len))
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        # longest responses first (chunks of similar length), then longest prompts
+        order = sorted(range(len(prompts)), key=lambda i: (-sampling.limit_of(i), -len(prompts[i])))
         rows = [(p * sampling.n + j, p) for p in order for j in range(sampling.n)]
         self.last_stats = {
             "slots": slots,
@@ -196,6 +208,9 @@ class NativeRollout(RolloutEngine):
                 mask=torch.zeros(new, num_rows + 1, dtype=torch.bool, device=self.device),
                 stopped=torch.zeros(num_rows + 1, dtype=torch.bool, device=self.device),
             )
+            if sampling.max_new_tokens_per_prompt:
+                limits = [sampling.limit_of(r // sampling.n) for r in range(num_rows)] + [new]
+                out.limit = torch.tensor(limits, dtype=torch.long, device=self.device)
             gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
             stops = None
             if sampling.stop_token_ids and not sampling.ignore_eos:
@@ -279,11 +294,13 @@ class NativeRollout(RolloutEngine):
             ptrs = tuple(t.data_ptr() for t in self.weights.params.values())
             self.graphs.invalidate_unless((ptrs, self.pool.version, slots, seq_len, self._rows_version))
         cur = plen
-        for step in range(sampling.max_new_tokens):
+        steps = max(sampling.limit_of(p) for _, p in chunk)
+        rows_finish = stops is not None or out.limit is not None
+        for step in range(steps):
             self._record(step, logits, sampling, gen, stops, out, st)
-            if step == sampling.max_new_tokens - 1:
+            if step == steps - 1:
                 break
-            if stops is not None and (step + 1) % self.check_every == 0:
+            if rows_finish and (step + 1) % self.check_every == 0:
                 live = int(st.alive[:width].sum())
                 if live == 0:
                     break
@@ -305,6 +322,8 @@ class NativeRollout(RolloutEngine):
             hit = alive & torch.isin(tokens, stops)
             out.stopped.index_put_((where,), out.stopped[where] | hit)
             alive &= ~hit
+        if out.limit is not None:  # the row's last token by its own limit: "length"
+            alive &= out.limit[where] > step + 1
         st.tokens[:width] = torch.where(alive, tokens, self.pad_id)
 
     def _maybe_compact(self, live, width, cur, caches, st: _Rows, buckets, scratch) -> int:

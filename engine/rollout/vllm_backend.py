@@ -55,7 +55,14 @@ import torch.distributed as dist
 
 from engine.models.builder import ModelShape
 from engine.models.hf_config import hf_config_from_shape, model_config_from_hf
-from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, check_prompts, check_sampling
+from engine.rollout.base import (
+    RolloutEngine,
+    RolloutOutput,
+    SamplingParams,
+    check_limits_match,
+    check_prompts,
+    check_sampling,
+)
 from engine.rollout.vllm_weights import load_rollout_weights
 from parallel.rollout_weights import RolloutWeights
 
@@ -326,7 +333,7 @@ class VllmRollout(RolloutEngine):
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,  # 0 = off in vLLM too (-1 is accepted as well)
-                max_tokens=sampling.max_new_tokens,
+                max_tokens=sampling.limit_of(r // sampling.n),
                 stop_token_ids=[] if sampling.ignore_eos else list(sampling.stop_token_ids),
                 ignore_eos=True,  # stops are exactly stop_token_ids (no tokenizer, no EOS from generation_config)
                 logprobs=0 if sampling.log_probs else None,  # 0: the sampled token's log-prob only
@@ -361,6 +368,7 @@ class VllmRollout(RolloutEngine):
         if self.weights is None:
             raise RuntimeError("VllmRollout.generate called before set_weights()")
         check_sampling(sampling)
+        check_limits_match(prompts, sampling)
         if sampling.log_probs and not _gives_full_log_probs(self.logprobs_mode, sampling):
             raise ValueError(
                 f"vLLM with logprobs_mode={self.logprobs_mode} cannot return log-probs of the full distribution at "

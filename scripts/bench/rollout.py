@@ -9,7 +9,8 @@ random-init model and the same prompts, in one run; prints one JSON object.
 Model: a preset from conf/model/ (qwen2_5_0_5b, qwen2_5_1_5b, qwen2_5_7b in bfloat16, or the tiny CPU model
 in float32 with a 512-token vocabulary), weights drawn at random (std 0.02) directly in the rollout layout
 (TP=1); vLLM gets the same weights through its weight loader, transformers through the HF weight map.
-Sampling: temperature 1, no top-k/top-p, EOS ignored (every response is --new-tokens long). Each backend is
+Sampling: temperature 1, no top-k/top-p, EOS ignored (every response is --new-tokens long, or with
+`--lengths long_tail` as long as scripts/bench/workload.py draws it per prompt: same lengths for every backend). Each backend is
 warmed up on the same batch with 8 new tokens first; the timed call is one `generate` (CUDA-synchronised),
 including what a rollout pays each time: the native engine's KV cache allocation and CUDA-graph capture, and
 vLLM's wake-up, weight copy and sleep (reported separately as `wake_load_s` / `sleep_s`). A backend that is
@@ -38,6 +39,7 @@ from dataclasses import replace
 
 import torch
 from omegaconf import OmegaConf
+from workload import KINDS, describe, response_lengths  # scripts/bench/ is the script's directory
 
 from engine.config import ModelConfig
 from engine.models.builder import ModelShape, resolve_shape
@@ -72,6 +74,12 @@ def parse_args() -> argparse.Namespace:
         "--compare-shims", action="store_true", help="CPU: also time native with the shim overhead"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--lengths",
+        choices=KINDS,
+        default="fixed",
+        help="response lengths: fixed at --new-tokens, or long_tail up to it (scripts/bench/workload.py)",
+    )
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--profile", metavar="DIR", help="native: profile one more generate, kernel table in DIR")
     return ap.parse_args()
@@ -126,7 +134,7 @@ def synced(device: torch.device) -> float:
 
 def timed_generate(engine, prompts, sampling, device) -> tuple[object, float, float]:
     """(output, wall seconds, process CPU seconds) of one generate call after a warm-up."""
-    warm = replace(sampling, max_new_tokens=8)
+    warm = replace(sampling, max_new_tokens=8, max_new_tokens_per_prompt=())
     engine.generate(prompts, warm)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -309,8 +317,13 @@ def main() -> None:
     weights = random_rollout_weights(shape, device, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(0, shape.vocab_size, (args.prompts, args.prompt_len), generator=gen).tolist()
+    lengths = response_lengths(args.lengths, args.prompts, args.new_tokens, args.seed)
     sampling = SamplingParams(
-        temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=args.seed
+        temperature=1.0,
+        max_new_tokens=args.new_tokens,
+        max_new_tokens_per_prompt=tuple(lengths) if args.lengths != "fixed" else (),
+        ignore_eos=True,
+        seed=args.seed,
     )
     params = sum(t.numel() for t in weights.params.values())
     report = {
@@ -322,6 +335,7 @@ def main() -> None:
         "prompts": args.prompts,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "lengths": {"kind": args.lengths, **describe(lengths, args.new_tokens)},
         "max_num_seqs": args.max_num_seqs,
         "temperature": 1.0,
         "results": {},
@@ -350,7 +364,9 @@ def main() -> None:
         except Exception as err:  # still measure and report the other backends
             traceback.print_exc()
             results["vllm"] = {"error": f"{type(err).__name__}: {err}"[:2000]}
-    if "transformers" in wanted:
+    if "transformers" in wanted and sampling.max_new_tokens_per_prompt:
+        results["transformers"] = {"skipped": "generate has no per-row length limit"}
+    elif "transformers" in wanted:
         results["transformers"] = run_transformers(shape, weights, prompts, sampling, device, reference)
     key = "tokens_per_cpu_s" if device.type == "cpu" else "tokens_per_s"  # CPU: steadier on a shared machine
     base = results.get("transformers", {}).get(key)

@@ -256,3 +256,29 @@ def test_graph_mode_bookkeeping_equals_eager_on_cpu(tiny):
     assert graphed.last_stats["compactions"] >= 1 and len(graphed.graphs.buckets) >= 2
     assert torch.equal(out.response_ids, ref.response_ids) and out.finish_reasons == ref.finish_reasons
     torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("check_every", [1, 3])
+def test_per_prompt_limits_stop_each_prompts_rows(tiny, check_every):
+    """SamplingParams.max_new_tokens_per_prompt: every row of prompt p has exactly limit[p] tokens (EOS
+    ignored), finish reason "length", and the tokens it has are the ones an unlimited run samples first
+    (greedy); the batch is compacted as rows finish, and more chunks than one (max_num_seqs) work too."""
+    prompts = random_prompts(tiny["qwen2"][0].vocab_size)
+    limits = (7, 1, 3, 7, 2, 5)
+    sampling = SamplingParams(n=2, temperature=0.0, max_new_tokens=7, ignore_eos=True)
+    full = engine_for(tiny, "qwen2").generate(prompts, sampling)
+    for max_num_seqs in (32, 4):
+        engine = engine_for(tiny, "qwen2", max_num_seqs=max_num_seqs, check_every=check_every)
+        out = engine.generate(
+            prompts, SamplingParams(**{**sampling.__dict__, "max_new_tokens_per_prompt": limits})
+        )
+        lengths = out.response_mask.sum(-1).long().tolist()
+        assert lengths == [x for x in limits for _ in range(2)], lengths
+        assert out.finish_reasons == ["length"] * 12 and out.response_ids.shape == (12, 7)
+        for row, length in enumerate(lengths):
+            assert torch.equal(out.response_ids[row, :length], full.response_ids[row, :length]), row
+            assert out.response_ids[row, length:].eq(0).all() and out.log_probs[row, length:].eq(0).all()
+    with pytest.raises(ValueError, match=r"max_new_tokens_per_prompt must lie in \[1, max_new_tokens=7\]"):
+        engine.generate(
+            prompts, SamplingParams(max_new_tokens=7, max_new_tokens_per_prompt=(8, 1, 1, 1, 1, 1))
+        )

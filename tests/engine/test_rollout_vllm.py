@@ -165,6 +165,17 @@ def test_backend_drives_vllm_as_0_26_expects(tiny, world_of_one, monkeypatch):
         engine.generate(prompts, replace(sampling, stop_token_ids=(stop,), ignore_eos=True)).finish_reasons
         == ["length"] * 6
     )
+    # per-prompt limits (long-tailed benchmark workloads): each prompt's n rows stop at its own max_tokens
+    limited = engine.generate(
+        prompts, replace(sampling, max_new_tokens_per_prompt=(2, 6, 1), ignore_eos=True)
+    )
+    assert limited.response_mask.sum(-1).tolist() == [2, 2, 6, 6, 1, 1] and limited.response_ids.shape == (
+        6,
+        6,
+    )
+    assert limited.finish_reasons == ["length"] * 6
+    with pytest.raises(ValueError, match="2 limits for 3 prompts"):
+        engine.generate(prompts, replace(sampling, max_new_tokens_per_prompt=(2, 6)))
     greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=2))
     assert greedy.response_ids[:, 0].tolist() == [6 % shape.vocab_size, 9, 6]
     lp = engine.sequence_log_probs([[1, 2, 3], [4, 5]])

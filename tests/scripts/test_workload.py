@@ -1,0 +1,58 @@
+"""scripts/bench/workload.py: the long-tailed response lengths every engine is given, and the rollout bench
+enforcing them on CPU (native engine, tiny model)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+sys.path.insert(0, os.path.join(ROOT, "scripts", "bench"))
+
+from workload import describe, response_lengths  # noqa: E402
+
+
+def test_long_tail_lengths_are_seeded_and_long_tailed():
+    a = response_lengths("long_tail", 4096, 4096, seed=3)
+    assert a == response_lengths("long_tail", 4096, 4096, seed=3)  # every engine gets the same lengths
+    assert a != response_lengths("long_tail", 4096, 4096, seed=4)
+    stats = describe(a, 4096)
+    assert min(a) >= 1 and max(a) == 4096
+    assert 0.9 * 1024 <= stats["median"] <= 1.1 * 1024, stats  # median 0.25 x max
+    assert 0.04 <= stats["frac_at_max"] <= 0.06, stats  # ~5% at the limit
+    assert response_lengths("fixed", 3, 512) == [512, 512, 512]
+    with pytest.raises(ValueError, match="workload kind 'lognormal'"):
+        response_lengths("lognormal", 3, 512)
+
+
+def test_rollout_bench_enforces_the_lengths_on_cpu():
+    cmd = [
+        sys.executable,
+        "scripts/bench/rollout.py",
+        "--preset",
+        "tiny",
+        "--prompts",
+        "12",
+        "--prompt-len",
+        "8",
+    ]
+    cmd += [
+        "--new-tokens",
+        "24",
+        "--lengths",
+        "long_tail",
+        "--backends",
+        "native,transformers",
+        "--seed",
+        "5",
+    ]
+    env = {**os.environ, "MASTER_PORT": "29573", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    lengths = response_lengths("long_tail", 12, 24, seed=5)
+    assert report["lengths"]["total"] == sum(lengths) and report["lengths"]["kind"] == "long_tail"
+    assert report["results"]["native"]["tokens"] == sum(lengths)
+    assert "skipped" in report["results"]["transformers"]
