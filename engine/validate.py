@@ -86,8 +86,11 @@ def _validate_stage_layers(cfg: TrainConfig, dims: ParallelDims) -> None:
     for path in (cfg.model.path, cfg.critic.path, cfg.reward.model_path):
         config_file = os.path.join(path, "config.json")
         if path and os.path.isfile(config_file):
-            with open(config_file) as f:
-                num_layers = json.load(f).get("num_hidden_layers")  # absent: named when it is read
+            try:
+                with open(config_file) as f:
+                    num_layers = json.load(f).get("num_hidden_layers")  # absent: named when it is read
+            except (OSError, ValueError, AttributeError):  # unreadable: named by the positions check
+                continue
             if isinstance(num_layers, int) and num_layers > 0:
                 counts.append((f"{config_file}: num_hidden_layers", num_layers))
     for key, num_layers in counts:
@@ -115,9 +118,10 @@ def _validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
         ("model.ffn_hidden_size", m.ffn_hidden_size),
     ):
         _positive(key, value)
+    if m.path:
+        _validate_checkpoint_positions(cfg, "model.path", m.path)  # config.json readable first
     _validate_stage_layers(cfg, dims)
     if m.path:
-        _validate_checkpoint_positions(cfg, "model.path", m.path)
         _validate_tokenizer_source(cfg)
         return  # the rest of the architecture comes from config.json; checked when it is read
     if m.head_dim == 0 and m.hidden_size % m.num_attention_heads:

@@ -26,3 +26,21 @@ def run_torchrun(script: str, nproc: int, args: list[str] | None = None, timeout
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script} x{nproc} failed (rc={proc.returncode}):\n{out[-8000:]}")
     return out
+
+
+_LAUNCH_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+)
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This process's environment without the launch variables an in-process test may have exported (a
+    world of one exports MASTER_PORT; a child reusing it finds the port taken), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}

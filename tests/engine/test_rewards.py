@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from distributed import subprocess_env
 
 from engine.errors import RewardFnCallError
 from engine.rewards import build_reward_fn, find_rule, rule_reward
@@ -398,7 +399,7 @@ def test_reward_check_generates_and_scores(tmp_path, user_file):
     ]
     proc = subprocess.run(
         [sys.executable, "-m", "engine.reward_check", *args],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300, env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True, text=True, cwd=tmp_path, timeout=300, env=subprocess_env(PYTHONPATH=REPO),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "1 prompt(s) x 3 samples, rollout.backend=native" in proc.stdout
@@ -407,7 +408,7 @@ def test_reward_check_generates_and_scores(tmp_path, user_file):
     assert [s[0] for s in scores] == ["0", "1", "2"], proc.stdout
     bad = subprocess.run(
         [sys.executable, "-m", "engine.reward_check", "reward_check.num_samples=2", "parallel.tp=3"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120, env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True, text=True, cwd=tmp_path, timeout=120, env=subprocess_env(PYTHONPATH=REPO),
     )  # fmt: skip
     assert bad.returncode == 2 and "parallel.tp" in bad.stderr
 

@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from distributed import run_torchrun
+from distributed import run_torchrun, subprocess_env
 
 DOCUMENTED_KEYS = {
     "step",
@@ -75,7 +75,7 @@ def test_single_process_run(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        env=subprocess_env(),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     check_metrics(read_metrics(str(out)), 3)

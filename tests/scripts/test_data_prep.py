@@ -8,6 +8,7 @@ import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from distributed import subprocess_env
 
 from engine.data import read_prompt_rows
 from engine.rewards import build_reward_fn, find_rule
@@ -122,7 +123,7 @@ def test_task_gsm8k_trains_on_prepared_data(tmp_path):
         "data.batch_size=2", "trainer.micro_batch_size=4", "trainer.total_steps=1", "trainer.test_freq=1", f"trainer.output_dir={run_dir}",
         "trainer.progress_bar=false",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = subprocess_env()
     proc = subprocess.run(
         [sys.executable, "-m", "engine.train", *args],
         cwd=ROOT,
