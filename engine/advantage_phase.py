@@ -20,7 +20,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from algorithms import get_advantage_estimator, get_kl_estimator, scores_to_token_rewards
+from algorithms.advantages import get_advantage_estimator
+from algorithms.kl import get_kl_estimator, scores_to_token_rewards
 from engine.batch import Experience
 from engine.config import AlgorithmConfig
 

@@ -54,8 +54,6 @@ import torch.distributed as dist
 from engine.checkpoint_state import (
     CheckpointError,
     cpu_copy,
-    layer_ranges,
-    load_params,
     load_role_state,
     rng_state,
     role_state_dict,
@@ -70,29 +68,6 @@ from parallel.state import ProcessGroups
 if TYPE_CHECKING:  # engine.setup builds everything; importing it here at run time is not needed
     from engine.setup import Components
 
-__all__ = [  # the state functions are re-exported: engine.export and tests import them from here
-    "CheckpointError",
-    "Checkpointer",
-    "check_layout",
-    "check_shape",
-    "checkpoint_problem",
-    "complete_checkpoints",
-    "config_changes",
-    "cpu_copy",
-    "find_checkpoint",
-    "flat_config",
-    "latest_checkpoint",
-    "layer_ranges",
-    "load_params",
-    "load_role_state",
-    "prune_checkpoints",
-    "read_meta",
-    "read_rank_state",
-    "role_state_dict",
-    "run_layout",
-    "save_checkpoint",
-    "state_nbytes",
-]
 
 FORMAT_VERSION = 1
 CHECKPOINTS_DIR = "checkpoints"
@@ -683,13 +658,6 @@ class Checkpointer:
         return {"timing/save_checkpoint": seconds}
 
     def finish(self, step: int) -> None:
-        """After the last step: save it (when trainer.save_freq > 0 and not saved yet), export the actor to
-        Hugging Face format when trainer.export_hf."""
+        """After the last step: save it (when trainer.save_freq > 0 and not saved yet)."""
         if self.t.save_freq and self.saved_step != step:
             self._say(f"saved {self.save(step)}")
-        if self.t.export_hf:
-            from engine.export import export_actor  # engine.export reads checkpoints through this module
-
-            out = os.path.join(self.c.output_dir, "hf_actor")
-            export_actor(self.c, out)
-            self._say(f"exported the actor at step {step} to {out} (Hugging Face format)")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from algorithms import dynamic_sampling_keep_mask
+from algorithms.dapo import dynamic_sampling_keep_mask
 from engine.batch import Responses
 
 

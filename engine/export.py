@@ -31,18 +31,17 @@ from engine.checkpoint import (
     check_layout,
     check_shape,
     find_checkpoint,
-    layer_ranges,
-    load_params,
     rank_file,
     read_meta,
     read_rank_state,
     run_layout,
     tokenizer_dir_of,
 )
+from engine.checkpoint_state import layer_ranges, load_params
 from engine.config import ModelConfig
 from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape
-from engine.models.hf import HFCheckpointError, save_hf_checkpoint
-from engine.models.hf_config import hf_config_from_shape
+from engine.models.hf import save_hf_checkpoint
+from engine.models.hf_config import HFCheckpointError, hf_config_from_shape
 from engine.offload import all_onloaded
 from parallel.rollout_weights import global_param_names
 from parallel.state import ProcessGroups
@@ -95,6 +94,18 @@ def export_actor(c: Components, out_dir: str, dtype: torch.dtype | None = None) 
             hf_config_for(source, c.shape, special, dtype),
             dtype=dtype,
         )
+
+
+HF_ACTOR_DIR = "hf_actor"
+"""Where `trainer.export_hf=true` writes the actor, under the run's output directory."""
+
+
+def export_after_fit(c: Components, step: int) -> None:
+    """After the last step, when trainer.export_hf: write the actor to `<output_dir>/hf_actor` (collective)."""
+    out = os.path.join(c.output_dir, HF_ACTOR_DIR)
+    export_actor(c, out)
+    if c.groups.is_logging_rank:
+        print(f"checkpoint: exported the actor at step {step} to {out} (Hugging Face format)", flush=True)
 
 
 def model_config_from_meta(meta: Mapping[str, Any]) -> ModelConfig:

@@ -26,7 +26,8 @@ from omegaconf import OmegaConf
 
 from engine.config import ClusterConfig, ModelConfig, ParallelConfig
 from engine.models.builder import ModelShape, ValueHead, build_gpt_chunks, resolve_shape
-from engine.models.hf import check_tp_layout, load_hf_weights, model_config_from_hf
+from engine.models.hf import check_tp_layout, load_hf_weights
+from engine.models.hf_config import model_config_from_hf
 from parallel.dims import ParallelDims
 from parallel.state import ProcessGroups, destroy_distributed, init_distributed, world_size_from_env
 

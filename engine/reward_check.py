@@ -84,7 +84,8 @@ def _print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
 
 def run(cfg: dict) -> int:
     from engine.data import chat_prompt_ids, load_tokenizer, read_prompt_rows
-    from engine.rewards import build_reward_fn, find_rule
+    from engine.rewards.build import build_reward_fn
+    from engine.rewards.registry import find_rule
 
     rows, counts = read_prompt_rows(cfg["data"]["train_files"], cfg["data"]["bad_rows"])
     rows = rows[: cfg["reward_check"]["num_rows"]]
@@ -157,7 +158,7 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
     import tempfile
 
     from engine.data import PromptRecord, chat_prompt_ids, load_prompt_dataset, load_tokenizer
-    from engine.rewards import build_reward_fn
+    from engine.rewards.build import build_reward_fn
     from engine.rollout import build_rollout_engine
     from engine.rollout.base import SamplingParams
     from engine.rollout_phase import rollout_replica

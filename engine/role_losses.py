@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from algorithms import agg_loss, get_kl_estimator, get_policy_loss, value_loss
+from algorithms.kl import get_kl_estimator
+from algorithms.losses import agg_loss, get_policy_loss, value_loss
 from engine.config import AlgorithmConfig
 from engine.policy import ResponseStats
 

@@ -171,7 +171,8 @@ def prepare_output_dir(output_dir: str, t: TrainerConfig, say: Callable[[str], N
             f"trainer.output_dir, or here with trainer.overwrite=true (removes them)"
         )
     if t.resume == "auto" and t.overwrite:
-        from engine.checkpoint import CheckpointError, latest_checkpoint
+        from engine.checkpoint import latest_checkpoint
+        from engine.checkpoint_state import CheckpointError
 
         try:
             latest_checkpoint(os.path.join(output_dir, CHECKPOINTS_DIR))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,13 +17,18 @@ from engine.models.hf import HFCheckpoint, check_tp_layout, load_hf_weights
 from engine.models.hf_config import model_config_from_hf
 from engine.policy import MegatronRole
 from engine.reward_model import RewardModel
-from engine.rewards import build_reward_fn
+from engine.rewards.build import build_reward_fn
+from engine.rewards.reward_fn import RewardFn
 from engine.rollout import build_rollout_engine
 from engine.rollout.base import RolloutEngine
 from engine.tasks.embedded import build_embedded_tokenizer, write_embedded_dataset
 from parallel.hybrid_engine import HybridEngine
 from parallel.naive_gather import NaiveGather
+from parallel.rollout_weights import RolloutWeights, WeightSync
 from parallel.state import ProcessGroups
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 EMBEDDED_TRAIN_ROWS = 4096
 EMBEDDED_VAL_ROWS = 64
@@ -35,18 +41,19 @@ class Components:
     cfg: TrainConfig
     groups: ProcessGroups
     output_dir: str
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     shape: ModelShape
     actor: MegatronRole
     reference: MegatronRole | None
-    weight_sync: object
+    weight_sync: WeightSync
     rollout: RolloutEngine
-    reward_fn: object
+    reward_fn: RewardFn | None
     """Rule/user scores of decoded responses; None when reward.model_path scores alone (combine=model)."""
     loader: PromptLoader
     val_batches: list[list[PromptRecord]]
     logger: MetricsLogger
-    rollout_weights: object = None
+    rollout_weights: RolloutWeights | None = None
+    """The actor's rollout-layout weights between `weight_sync.to_rollout()` and `to_train()`, else None."""
     critic: MegatronRole | None = None
     """The value model; built only for algorithm.adv_estimator=gae."""
     reward_model: RewardModel | None = None

@@ -25,13 +25,15 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from algorithms import make_kl_controller, overlong_penalty
+from algorithms.dapo import overlong_penalty
+from algorithms.kl import make_kl_controller
 from engine.advantage_phase import compute_advantages, dp_sum
 from engine.batch import Experience, Responses, build_experience
 from engine.checkpoint import Checkpointer
 from engine.config import needs_old_log_prob_forward, overlong_buffer_tokens
 from engine.dynamic_batch import MicroBatcher
 from engine.dynamic_sampling import GroupSelector, global_order, replica_share
+from engine.export import export_after_fit
 from engine.metrics import PhaseTimer
 from engine.offload import RoleOffloader
 from engine.perf import mfu, train_flops
@@ -491,5 +493,7 @@ class Trainer:
                 c.logger.log(self.step, metrics)  # written before the save: a kill during it keeps the line
                 save_metrics = checkpointer.after_step(self.step)
             checkpointer.finish(self.step)
+            if t.export_hf:
+                export_after_fit(c, self.step)
         finally:
             c.logger.close()

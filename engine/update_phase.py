@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from algorithms import loss_normalizer
+from algorithms.losses import loss_normalizer
 from engine.batch import Experience
 from engine.config import AlgorithmConfig
 from engine.dynamic_batch import MicroBatcher

@@ -665,7 +665,7 @@ def _validate_reward_fn(cfg: TrainConfig) -> None:
         )
     if not cfg.reward.fn.strip():
         return
-    from engine.rewards import load_user_fn
+    from engine.rewards.reward_fn import load_user_fn
 
     try:
         load_user_fn(cfg.reward.fn)

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from engine.rewards import find_rule, rule_answer
+from engine.rewards.registry import find_rule, rule_answer
 
 
 def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:

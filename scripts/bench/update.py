@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from presets import model_config  # noqa: E402
 from profiling import kernel_table  # noqa: E402
 
-from algorithms import loss_normalizer  # noqa: E402
+from algorithms.losses import loss_normalizer
 from engine.batch import build_experience  # noqa: E402
 from engine.config import AlgorithmConfig, OptimConfig  # noqa: E402
 from engine.dynamic_batch import MicroBatcher  # noqa: E402

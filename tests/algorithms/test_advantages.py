@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from algorithms import advantage_estimator_names, get_advantage_estimator
+from algorithms.advantages import advantage_estimator_names, get_advantage_estimator
 
 F64 = torch.float64
 GARBAGE = 1e30  # huge but finite: must not reach any valid output

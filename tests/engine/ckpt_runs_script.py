@@ -30,7 +30,8 @@ import engine.checkpoint as checkpoint
 from engine.config import register_configs, to_dataclass
 from engine.export import export_checkpoint, unwrap
 from engine.export import main as export_main
-from engine.models.hf import HFCheckpoint, read_hf_config
+from engine.models.hf import HFCheckpoint
+from engine.models.hf_config import read_hf_config
 from engine.offload import PARTS, device_bytes, offloaded
 from engine.parity import ParityConfig, compare_logits
 from engine.run_dir import OutputDirError, claimed_output_dir

@@ -30,8 +30,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.models.builder import build_gpt_chunks
-from engine.models.hf import HFCheckpoint, HFCheckpointError, load_hf_weights, save_hf_checkpoint
-from engine.models.hf_config import read_hf_config
+from engine.models.hf import HFCheckpoint, load_hf_weights, save_hf_checkpoint
+from engine.models.hf_config import HFCheckpointError, read_hf_config
 from engine.parity import (
     ParityConfig,
     build_and_load,

@@ -12,7 +12,8 @@ import pytest
 import torch
 from trainer_run_script import compose_config
 
-from algorithms import get_advantage_estimator, get_kl_estimator
+from algorithms.advantages import get_advantage_estimator
+from algorithms.kl import get_kl_estimator
 from engine.advantage_phase import compute_advantages
 from engine.batch import Responses, build_experience
 from engine.config import AlgorithmConfig, ConfigError

@@ -19,7 +19,6 @@ import torch
 from distributed import run_torchrun
 
 from engine.checkpoint import (
-    CheckpointError,
     check_layout,
     complete_checkpoints,
     find_checkpoint,
@@ -28,6 +27,7 @@ from engine.checkpoint import (
     read_meta,
     read_rank_state,
 )
+from engine.checkpoint_state import CheckpointError
 from engine.config import ConfigError, ModelConfig, register_configs, to_dataclass
 from engine.models.builder import resolve_shape
 from engine.models.hf_config import hf_config_from_shape, model_config_from_hf
@@ -279,7 +279,8 @@ def test_export_replaces_an_earlier_export_and_refuses_foreign_files(tmp_path):
     from trainer_run_script import built_job
 
     from engine.export import export_actor, unwrap
-    from engine.models.hf import INDEX_FILE, SINGLE_FILE, HFCheckpoint, HFCheckpointError, save_hf_checkpoint
+    from engine.models.hf import INDEX_FILE, SINGLE_FILE, HFCheckpoint, save_hf_checkpoint
+    from engine.models.hf_config import HFCheckpointError
 
     out = str(tmp_path / "hf")
     with built_job([], str(tmp_path / "run")) as c:

@@ -138,7 +138,7 @@ def test_bad_config_names_the_key(overrides, world, needle):
 def test_reward_fn_is_imported_during_validation():
     stall_reward = os.path.join(os.path.dirname(__file__), "stall_reward.py")
     validate(composed(f"reward.fn={stall_reward}:score"), world_size=1)
-    validate(composed("reward.fn=engine.rewards:rule_reward"), world_size=1)
+    validate(composed("reward.fn=engine.rewards.registry:rule_reward"), world_size=1)
 
 
 def test_cli_prints_composed_config():

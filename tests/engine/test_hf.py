@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 
 from engine.config import ModelConfig, TrainConfig, register_configs, to_dataclass
 from engine.models.builder import ValueHead, resolve_shape
-from engine.models.hf import HFCheckpoint, HFCheckpointError, load_hf_weights, model_config_from_hf
+from engine.models.hf import HFCheckpoint, load_hf_weights
+from engine.models.hf_config import HFCheckpointError, model_config_from_hf
 from engine.models.hf_map import (
     WEIGHT_MAP,
     Split,

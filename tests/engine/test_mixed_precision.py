@@ -13,7 +13,7 @@ import pytest
 import torch
 from trainer_run_script import built_job, read_metrics, run_job, skewed_experience
 
-from algorithms import loss_normalizer
+from algorithms.losses import loss_normalizer
 from engine.dynamic_batch import MicroBatcher
 from engine.role_losses import make_actor_loss, make_critic_loss
 

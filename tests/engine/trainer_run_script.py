@@ -117,7 +117,7 @@ def dynamic_batch_parity(
     padded token counts of both splits."""
     from dataclasses import replace
 
-    from algorithms import loss_normalizer
+    from algorithms.losses import loss_normalizer
     from engine.dynamic_batch import MicroBatcher
     from engine.role_losses import make_actor_loss
     from engine.setup import build_components
