@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from algorithms.kl import get_kl_estimator
-from algorithms.losses import agg_loss, get_policy_loss, value_loss
+from algorithms.losses import agg_loss, get_policy_loss, policy_loss_traits, value_loss
 from engine.config import AlgorithmConfig
 from engine.policy import ResponseStats
 
@@ -54,7 +54,7 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, kl_ref: bool, rollo
     `actor_metric_names(rollout_log_probs)` (micro-batches carry `rollout_log_probs` exactly when it is true)."""
     policy_loss = get_policy_loss(alg.policy_loss)
     kl_fn = get_kl_estimator(alg.kl_estimator) if kl_ref else None
-    clip = {} if alg.policy_loss == "gspo" else {"clip_ratio_c": alg.clip_ratio_c}
+    clip = {"clip_ratio_c": alg.clip_ratio_c} if policy_loss_traits(alg.policy_loss).dual_clip else {}
 
     def loss_fn(stats: ResponseStats, mb: dict):
         mask = mb["response_mask"]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from algorithms.advantages import advantage_traits
 from engine.config import ConfigError, ModelConfig, TrainConfig
 from engine.data import PromptLoader, PromptRecord, load_prompt_dataset, load_tokenizer
 from engine.metrics import MetricsLogger
@@ -55,7 +56,7 @@ class Components:
     rollout_weights: RolloutWeights | None = None
     """The actor's rollout-layout weights between `weight_sync.to_rollout()` and `to_train()`, else None."""
     critic: MegatronRole | None = None
-    """The value model; built only for algorithm.adv_estimator=gae."""
+    """The value model; built only for an advantage estimator that needs one (gae)."""
     reward_model: RewardModel | None = None
     """The frozen reward model; built only when reward.model_path is set."""
 
@@ -168,7 +169,7 @@ def build_reward_model(cfg: TrainConfig, vocab_size: int, groups: ProcessGroups,
     )
     load_hf_weights(chunks, path, shape, groups)
     role = MegatronRole(chunks, groups, shape, None, head="values")
-    return RewardModel(role, pad_id, seq_multiple=groups.dims.tp if groups.dims.sp else 1)
+    return RewardModel(role, pad_id, seq_multiple=groups.dims.seq_multiple)
 
 
 def _variable_shapes(roles: list[MegatronRole | None], cfg: TrainConfig, pp: int) -> None:
@@ -220,7 +221,11 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
         reference = MegatronRole(ref_chunks, groups, shape, None)
     steps = cfg.trainer.total_steps * alg.ppo_epochs * alg.num_mini_batches
     actor = MegatronRole(actor_chunks, groups, shape, cfg.optim, total_optimizer_steps=steps)
-    critic = build_critic(cfg, shape, len(tokenizer), groups, steps) if alg.adv_estimator == "gae" else None
+    critic = (
+        build_critic(cfg, shape, len(tokenizer), groups, steps)
+        if advantage_traits(alg.adv_estimator).needs_critic
+        else None
+    )
     reward_model = None
     if cfg.reward.model_path:
         reward_model = build_reward_model(cfg, len(tokenizer), groups, tokenizer.pad_token_id)

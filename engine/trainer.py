@@ -25,6 +25,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from algorithms.advantages import advantage_traits
 from algorithms.dapo import overlong_penalty
 from algorithms.kl import make_kl_controller
 from engine.advantage_phase import compute_advantages, dp_sum
@@ -77,7 +78,7 @@ class Trainer:
         self.batcher = MicroBatcher(
             self.cfg.trainer.micro_batch_size,
             self.cfg.trainer.max_tokens_per_micro_batch,
-            seq_multiple=g.dims.tp if g.dims.sp else 1,
+            seq_multiple=g.dims.seq_multiple,
             device=g.device,
         )
         self.last_experience: Experience | None = None
@@ -187,12 +188,12 @@ class Trainer:
     def _responses(self, records, timer: PhaseTimer, round_index: int) -> Responses:
         """Roll out and score one batch of prompts (with ReMax's greedy baseline when needed)."""
         n = self.cfg.rollout.n
-        remax = self.cfg.algorithm.adv_estimator == "remax"
-        outs = self._rollout(records, timer, ("sample", "greedy") if remax else ("sample",), round_index)
+        greedy = advantage_traits(self.cfg.algorithm.adv_estimator).needs_greedy_baseline
+        outs = self._rollout(records, timer, ("sample", "greedy") if greedy else ("sample",), round_index)
         with timer.phase("reward"):
             scores, penalty, extras = self._score(outs[0], records, n)
             baseline = None
-            if remax:
+            if greedy:
                 greedy, greedy_penalty, _ = self._score(outs[1], records, 1)
                 if greedy_penalty is not None:
                     greedy = greedy + greedy_penalty
@@ -248,7 +249,7 @@ class Trainer:
             list(range(first_group, first_group + resp.num_groups)),
             resp.n,
             self.c.tokenizer.pad_token_id,
-            seq_multiple=g.dims.tp if g.dims.sp else 1,
+            seq_multiple=g.dims.seq_multiple,
         )
         exp.tensors.update(finished=resp.finished, scores=resp.scores)
         if self.rollout_log_probs:

@@ -67,6 +67,12 @@ class ParallelDims:
         """Data-parallel size."""
         return self.world_size // (self.tp * self.pp)
 
+    @property
+    def seq_multiple(self) -> int:
+        """What every padded sequence length must be a multiple of: sequence parallelism splits the sequence
+        over the TP ranks."""
+        return self.tp if self.sp else 1
+
     def train_layout(self) -> TrainLayout:
         """The rank and layer math of this layout (`parallel/layout.py`)."""
         return TrainLayout(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("engine", "parallel", "algorithms")
@@ -107,3 +108,21 @@ def test_no_import_cycles():
     assert not cycles, "import cycles among the package's modules:\n" + "\n".join(
         " <-> ".join(c) for c in cycles
     )
+
+
+def test_engine_asks_registries_instead_of_branching_on_algorithm_names():
+    """Outside algorithms/, no `== "<algorithm name>"` / `!= "<algorithm name>"`: the engine asks the traits
+    an algorithm was registered with (algorithms/advantages.py, algorithms/losses.py)."""
+    names = r"gae|grpo|remax|gspo|rloo|opo|reinforce_pp|reinforce_pp_baseline|ppo|adaptive|fixed"
+    branch = re.compile(rf"""[=!]=\s*["']({names})["']|\bin\s*\(\s*["']({names})["']""")
+    found = []
+    for pkg in ("engine", "parallel"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    with open(path, encoding="utf-8") as fh:
+                        for i, line in enumerate(fh, 1):
+                            if branch.search(line):
+                                found.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
+    assert not found, "branches on algorithm names:\n" + "\n".join(found)
