@@ -126,3 +126,11 @@ def test_engine_asks_registries_instead_of_branching_on_algorithm_names():
                             if branch.search(line):
                                 found.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
     assert not found, "branches on algorithm names:\n" + "\n".join(found)
+
+
+def test_trainer_only_sequences():
+    """engine/trainer.py sequences the phases of engine/step/: short, and no collective of its own."""
+    with open(os.path.join(ROOT, "engine", "trainer.py"), encoding="utf-8") as f:
+        source = f.read()
+    assert len(source.splitlines()) <= 250
+    assert "torch.distributed" not in source and "dist." not in source
