@@ -16,10 +16,10 @@ from engine.metrics import MetricsLogger
 from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape
 from engine.models.hf import HFCheckpoint, check_tp_layout, load_hf_weights
 from engine.models.hf_config import model_config_from_hf
-from engine.policy import MegatronRole
-from engine.reward_model import RewardModel
 from engine.rewards.build import build_reward_fn
 from engine.rewards.reward_fn import RewardFn
+from engine.roles.policy import MegatronRole
+from engine.roles.reward_model import RewardModel
 from engine.rollout import build_rollout_engine
 from engine.rollout.base import RolloutEngine
 from engine.tasks.embedded import build_embedded_tokenizer, write_embedded_dataset

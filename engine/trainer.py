@@ -24,22 +24,21 @@ import time
 import torch
 
 from algorithms.kl import make_kl_controller
-from engine.batch import Experience, experience_from
-from engine.checkpoint import Checkpointer
+from engine.checkpoint.checkpoint import Checkpointer
 from engine.config import needs_old_log_prob_forward
-from engine.dynamic_batch import MicroBatcher
-from engine.export import export_after_fit
 from engine.metrics import PhaseTimer
-from engine.offload import RoleOffloader
-from engine.role_losses import log_prob_fn, value_fn
+from engine.roles.dynamic_batch import MicroBatcher
+from engine.roles.offload import RoleOffloader
 from engine.setup import Components
 from engine.step.advantages import advantages
+from engine.step.batch import Experience, experience_from
 from engine.step.collect import collect
 from engine.step.context import StepContext
+from engine.step.losses import log_prob_fn, value_fn
 from engine.step.stats import perf_metrics, rollout_metrics
-from engine.step.update import update_actor, update_critic
+from engine.step.update import forward_rows, update_actor, update_critic
 from engine.step.validation import validate
-from engine.update_phase import forward_rows
+from engine.tools.export import export_after_fit
 
 
 class Trainer:

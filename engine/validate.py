@@ -427,7 +427,7 @@ def _validate_interleaved_schedule(cfg: TrainConfig, dims: ParallelDims, seqs_pe
     """parallel.vpp > 1: megatron's interleaved schedule (in groups of pp micro-batches, its default) needs a
     count of micro-batches per call that is a positive multiple of parallel.pp. The update's count is fixed
     by the config; forward-only calls (old/ref log-probs, values, reward model, validation, ReMax greedy)
-    take any row count: engine/update_phase.py `forward_rows` pads their micro-batch count at run time."""
+    take any row count: engine/step/update.py `forward_rows` pads their micro-batch count at run time."""
     if dims.vpp == 1:
         return
     mbs, pp = cfg.trainer.micro_batch_size, dims.pp
@@ -458,7 +458,7 @@ def _validate_token_budget(cfg: TrainConfig, dims: ParallelDims) -> None:
     if budget < 0:
         _fail("trainer.max_tokens_per_micro_batch", budget, "must be >= 0", "use 0 to turn it off")
     multiple = dims.seq_multiple
-    # +1: the target slot of the last token (as engine/batch.py lays sequences out)
+    # +1: the target slot of the last token (as engine/step/batch.py lays sequences out)
     longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens + 1
     longest = -(-longest // multiple) * multiple
     if budget < longest:
@@ -528,8 +528,8 @@ def _validate_trainer(cfg: TrainConfig) -> None:
 
 
 def _validate_reward(cfg: TrainConfig) -> None:
-    from engine.reward_model import check_reward_model_dir
     from engine.rewards.gsm8k import METHODS as GSM8K_METHODS
+    from engine.roles.reward_model import check_reward_model_dir
 
     r = cfg.reward
     _one_of("reward.combine", r.combine, ("model", "sum"))

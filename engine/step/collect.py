@@ -1,15 +1,15 @@
 """The step's responses on this replica: one rollout round, or with dynamic sampling (DAPO) further rounds
 while the batch lacks informative groups, selected over all replicas' responses
-(engine/dynamic_sampling.py)."""
+(engine/step/dynamic_sampling.py)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from engine.batch import Responses
-from engine.dynamic_sampling import GroupSelector, global_order, replica_share
+from engine.step.batch import Responses
 from engine.step.context import StepContext
+from engine.step.dynamic_sampling import GroupSelector, global_order, replica_share
 from engine.step.reward import scored_responses
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.dynamic_batch import MicroBatcher
 from engine.metrics import PhaseTimer
+from engine.roles.dynamic_batch import MicroBatcher
 
 if TYPE_CHECKING:
     from engine.setup import Components

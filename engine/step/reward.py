@@ -9,10 +9,10 @@ import torch
 
 from algorithms.advantages import advantage_traits
 from algorithms.dapo import overlong_penalty
-from engine.batch import Responses
 from engine.config import overlong_buffer_tokens
-from engine.dynamic_batch import MicroBatcher
+from engine.roles.dynamic_batch import MicroBatcher
 from engine.rollout.base import RolloutOutput
+from engine.step.batch import Responses
 from engine.step.context import StepContext
 from engine.step.rollout import rollout
 

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from engine.batch import REWARD_EXTRA, Experience
-from engine.perf import mfu, train_flops
+from engine.step.batch import REWARD_EXTRA, Experience
+from engine.step.perf import mfu, train_flops
 from parallel.state import ProcessGroups
 
 if TYPE_CHECKING:

@@ -1,15 +1,98 @@
-"""Validation rewards (engine/validation.py's metrics): at rollout.val_temperature, overall and per data
-source, and with rollout.val_n = k > 1 mean@k, best@k and maj@k of k sampled responses per prompt."""
+"""Validation metrics per data source, as verl users read them.
+
+Every validation prompt gets one response at `rollout.val_temperature` (greedy by default), logged as
+`val/<data_source>/reward` (and over all sources as `val/reward_mean`). With `rollout.val_n=k > 1` it also
+gets k responses sampled as in training (`rollout.temperature`, `top_p`, `top_k`), logged per source as:
+- `mean@k`: the mean reward of the k responses;
+- `best@k`: the best of the k (exact: the maximum over the prompt's k responses; verl estimates it by
+  bootstrap over subsets of size k drawn with replacement, which reads lower);
+- `maj@k`: the reward of the majority answer: each response's final answer is read as the built-in rule
+  compares it (`engine.rewards.rule_answer`: GSM8K's number, the normalised box of boxed math), the most
+  frequent answer wins (ties: the one seen first), and the prompt scores what a response with that answer
+  scored; 0 when no response has an answer. Logged only where answers are defined: built-in rules without
+  a reward model scoring alone.
+All of these are averaged over prompts across every DP replica.
+
+`validate` rolls out and scores every validation batch of the rank and returns these metrics.
+"""
 
 from __future__ import annotations
 
-import torch
+from collections import Counter
+from collections.abc import Mapping, Sequence
 
+import torch
+import torch.distributed as dist
+
+from engine.rewards.registry import find_rule, rule_answer
 from engine.step.context import StepContext
 from engine.step.reward import score
 from engine.step.rollout import rollout
 from engine.step.stats import dp_stats
-from engine.validation import decode_responses, per_source_means, response_answers, sample_metrics
+
+
+def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """The text of each response row (its valid tokens, special tokens skipped)."""
+    lengths = response_mask.sum(-1)
+    return [
+        tokenizer.decode(response_ids[r, : int(lengths[r])].tolist(), skip_special_tokens=True)
+        for r in range(response_ids.shape[0])
+    ]
+
+
+def response_answers(
+    data_sources: Sequence[str], texts: Sequence[str], gsm8k_method: str
+) -> list[str | None] | None:
+    """The final answer of each response by the built-in rules (None where a response has none); None when
+    some data source's rule defines no answer (then no majority vote is taken)."""
+    for source in set(data_sources):
+        rule = find_rule(source)
+        if rule is None or rule.answer is None:
+            return None
+    options = {"gsm8k": {"method": gsm8k_method}}
+    return [rule_answer(source, text, options) for source, text in zip(data_sources, texts)]
+
+
+def sample_metrics(scores_pk: torch.Tensor, answers: Sequence[str | None] | None) -> dict[str, torch.Tensor]:
+    """mean@k, best@k and (with answers, row-major like scores) maj@k of each prompt; scores_pk (prompts, k)."""
+    k = scores_pk.shape[1]
+    out = {f"mean@{k}": scores_pk.mean(1), f"best@{k}": scores_pk.max(1).values}
+    if answers is None:
+        return out
+    majority = torch.zeros(scores_pk.shape[0], dtype=scores_pk.dtype)
+    for p in range(scores_pk.shape[0]):
+        mine = answers[p * k : (p + 1) * k]
+        votes = Counter(a for a in mine if a is not None)
+        if votes:
+            winner = votes.most_common(1)[0][0]  # ties: the answer counted first
+            majority[p] = scores_pk[p, mine.index(winner)]
+    out[f"maj@{k}"] = majority
+    return out
+
+
+def per_source_means(
+    batches: Sequence[tuple[Sequence[str], Mapping[str, torch.Tensor]]], dp_group: dist.ProcessGroup
+) -> dict[str, float]:
+    """`val/<source>/<name>`: the mean over prompts of every per-prompt value, all DP replicas together.
+    `batches`: (data source of each prompt, {name: value per prompt}) for this replica's batches."""
+    totals: dict[tuple[str, str], list[float]] = {}
+    for sources, values in batches:
+        for name, per_prompt in values.items():
+            for source, value in zip(sources, per_prompt.tolist()):
+                entry = totals.setdefault((source, name), [0.0, 0.0])
+                entry[0] += value
+                entry[1] += 1.0
+    gathered: list = [None] * dist.get_world_size(dp_group)
+    dist.all_gather_object(gathered, totals, group=dp_group)
+    merged: dict[tuple[str, str], list[float]] = {}
+    for replica in gathered:
+        for key, (total, count) in replica.items():
+            entry = merged.setdefault(key, [0.0, 0.0])
+            entry[0] += total
+            entry[1] += count
+    return {
+        f"val/{source}/{name}": total / count for (source, name), (total, count) in sorted(merged.items())
+    }
 
 
 def validate(ctx: StepContext) -> dict[str, float]:

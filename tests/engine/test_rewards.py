@@ -370,8 +370,8 @@ def test_reward_check_cli(tmp_path):
 
 
 def test_reward_check_in_process_with_tokenizer_and_user_fn(tmp_path, user_file, capsys):
-    from engine.reward_check import main
     from engine.tasks.embedded import build_embedded_tokenizer, write_embedded_dataset
+    from engine.tools.reward_check import main
 
     tok = build_embedded_tokenizer(str(tmp_path / "tok"))
     data = write_embedded_dataset(str(tmp_path), "copy", num_rows=3, digits=4, seed=0)

@@ -1,6 +1,6 @@
 """One step's experience on a training DP replica: the scored responses of a rollout (`Responses`, which
 dynamic sampling filters and concatenates by prompt group) and the training-side layout (`Experience`).
-Micro-batches are cut by engine/dynamic_batch.py.
+Micro-batches are cut by engine/roles/dynamic_batch.py.
 
 Sequences are laid out right-padded from position 0: [prompt, response, pad...], so a causal mask alone is
 exact for every valid token (no attention mask, no position shifts). Response-aligned tensors (b, T) index

@@ -16,11 +16,11 @@ runs out of disk space says so, naming the device, the file and the size needed.
 
 `trainer.resume=auto` takes the checkpoint `latest` names if it is usable (meta.json readable, every rank's
 file a complete archive), else the next older usable one, saying which it skipped and why; if checkpoints
-exist but none is usable it stops, naming each (engine/run_dir.py starts fresh instead with
+exist but none is usable it stops, naming each (engine/checkpoint/run_dir.py starts fresh instead with
 trainer.overwrite=true). A truncated file met while loading is named with its checkpoint and the previous
 complete checkpoint to resume from.
 
-What one rank's state holds, and how it goes back into the live objects, is engine/checkpoint_state.py.
+What one rank's state holds, and how it goes back into the live objects, is engine/checkpoint/checkpoint_state.py.
 
 What this module must not do: reshard. A checkpoint resumes only under the layout it was saved with (tp, pp,
 vpp, first/last stage layers where set, dp, world size, distributed optimizer); anything else is refused with
@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint_state import (
+from engine.checkpoint.checkpoint_state import (
     CheckpointError,
     cpu_copy,
     load_role_state,
@@ -61,8 +61,8 @@ from engine.checkpoint_state import (
 )
 from engine.config import ModelConfig
 from engine.models.builder import ModelShape
-from engine.offload import all_onloaded
-from engine.policy import MegatronRole
+from engine.roles.offload import all_onloaded
+from engine.roles.policy import MegatronRole
 from parallel.state import ProcessGroups
 
 if TYPE_CHECKING:  # engine.setup builds everything; importing it here at run time is not needed

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from algorithms.dapo import dynamic_sampling_keep_mask
-from engine.batch import Responses
+from engine.step.batch import Responses
 
 
 class GroupSelector:
