@@ -101,8 +101,7 @@ class RolloutConfig:
     """Return each sampled token's log-prob from the rollout. Needed by algorithm.tis_cap > 0 (engine/validate.py
     refuses false then); a KL in the reward without them runs the old-log-prob forward instead
     (`needs_old_log_prob_forward`); otherwise they only feed actor/rollout_kl and rollout/logprob_mean. vLLM
-    pays for them (one H200: ~40% fewer tokens/s, scripts/bench/results/vllm_sampling_cost_h200.json); the
-    native engine computes them anyway."""
+    pays for them in throughput (scripts/bench/README.md); the native engine computes them anyway."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks fix response lengths this way)."""
     val_temperature: float = 0.0

@@ -6,17 +6,8 @@ Pure arithmetic: no process groups are touched here, so the checks can run befor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 from parallel.layout import TrainLayout, check_stage_layer_keys
-
-
-class ParallelAxis(str, Enum):
-    """Names of the mesh axes, used in messages and group dictionaries."""
-
-    TP = "tp"
-    PP = "pp"
-    DP = "dp"
 
 
 @dataclass(frozen=True)

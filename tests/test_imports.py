@@ -134,3 +134,28 @@ def test_trainer_only_sequences():
         source = f.read()
     assert len(source.splitlines()) <= 250
     assert "torch.distributed" not in source and "dist." not in source
+
+
+def test_sources_link_nothing_outside_the_repository():
+    """Docstrings and comments of the package point at files of the repository only."""
+    found = []
+    for pkg in PACKAGES:
+        for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    with open(path, encoding="utf-8") as fh:
+                        for i, line in enumerate(fh, 1):
+                            if re.search(r"(\.\./)?shared/(notes|device)/", line):
+                                found.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
+    assert not found, "links outside the repository:\n" + "\n".join(found)
+
+
+def test_validation_does_not_import_megatron():
+    """engine/validate.py checks the config (and reads config.json files) before the megatron stack loads."""
+    import subprocess
+    import sys
+
+    code = "import sys, engine.validate; print(any(m.startswith('megatron') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
