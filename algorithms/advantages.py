@@ -46,6 +46,7 @@ All estimators run under torch.no_grad(): advantages are constants for the polic
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -64,14 +65,52 @@ AdvantageEstimator = Callable[..., tuple[Tensor, Tensor]]
 _ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "adv_estimator")
 
 
-def register_advantage(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator: register an estimator with the common keyword-only signature under `name`."""
-    return _ESTIMATORS.register(name)
+@dataclass(frozen=True)
+class AdvantageTraits:
+    """What an estimator needs from the step and which `algorithm.*` settings it reads; the engine asks these
+    instead of branching on names."""
+
+    needs_critic: bool = False
+    """Reads values_bt: the run builds a value model (critic) and updates it."""
+    needs_greedy_baseline: bool = False
+    """Reads baseline_scores_b: the score of one greedy response per prompt, rolled out alongside."""
+    group_relative: bool = False
+    """Compares the responses to one prompt (rollout.n >= 2 needed)."""
+    uses_gamma: bool = False
+    """Discounts token rewards with `gamma`."""
+    uses_lam: bool = False
+    """Reads GAE's `lam`."""
+    uses_norm_by_std: bool = False
+    """Reads `norm_by_std` (divides by the group std)."""
+
+
+_TRAITS: dict[str, AdvantageTraits] = {}
+
+
+def register_advantage(
+    name: str, traits: AdvantageTraits = AdvantageTraits()
+) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Decorator: register an estimator with the common keyword-only signature under `name`, with the
+    `traits` the engine asks (`advantage_traits`)."""
+    register = _ESTIMATORS.register(name)
+
+    def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
+        fn = register(fn)
+        _TRAITS[name] = traits
+        return fn
+
+    return decorator
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
     """The estimator registered as `name`; ValueError listing the known names otherwise."""
     return _ESTIMATORS.get(name)
+
+
+def advantage_traits(name: str) -> AdvantageTraits:
+    """The traits the estimator `name` was registered with; ValueError listing the known names otherwise."""
+    _ESTIMATORS.get(name)
+    return _TRAITS[name]
 
 
 def advantage_estimator_names() -> list[str]:
@@ -111,7 +150,7 @@ def _outcome(scores_b: Tensor, advantages_b: Tensor, mask_bt: Tensor) -> tuple[T
 # estimators; all share the signature documented in the module docstring
 
 
-@register_advantage("gae")
+@register_advantage("gae", AdvantageTraits(needs_critic=True, uses_gamma=True, uses_lam=True))
 @torch.no_grad()
 def gae_advantages(
     *,
@@ -154,7 +193,7 @@ def gae_advantages(
     return torch.where(mask_bt, advantages_bt, zero), returns_bt
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", AdvantageTraits(group_relative=True, uses_norm_by_std=True))
 @torch.no_grad()
 def grpo_advantages(
     *,
@@ -185,7 +224,7 @@ def grpo_advantages(
     return _outcome(scores_b, advantages_b, mask_bt)
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", AdvantageTraits(group_relative=True))
 @torch.no_grad()
 def rloo_advantages(
     *,
@@ -212,7 +251,7 @@ def rloo_advantages(
     return _outcome(scores_b, scores_b - baseline_b, mask_bt)
 
 
-@register_advantage("opo")
+@register_advantage("opo", AdvantageTraits(group_relative=True))
 @torch.no_grad()
 def opo_advantages(
     *,
@@ -241,7 +280,7 @@ def opo_advantages(
     return _outcome(scores_b, scores_b - baseline_b, mask_bt)
 
 
-@register_advantage("reinforce_pp")
+@register_advantage("reinforce_pp", AdvantageTraits(uses_gamma=True))
 @torch.no_grad()
 def reinforce_pp_advantages(
     *,
@@ -272,7 +311,7 @@ def reinforce_pp_advantages(
     return masked_whiten(returns_bt, mask_bt, reduce_sum=reduce_sum), returns_bt
 
 
-@register_advantage("reinforce_pp_baseline")
+@register_advantage("reinforce_pp_baseline", AdvantageTraits(group_relative=True))
 @torch.no_grad()
 def reinforce_pp_baseline_advantages(
     *,
@@ -300,7 +339,7 @@ def reinforce_pp_baseline_advantages(
     return advantages_bt, broadcast_to_tokens(scores_b, mask_bt)
 
 
-@register_advantage("remax")
+@register_advantage("remax", AdvantageTraits(needs_greedy_baseline=True))
 @torch.no_grad()
 def remax_advantages(
     *,

@@ -138,6 +138,8 @@ class AdaptiveKLController:
 
 
 KL_CONTROLLERS = ("fixed", "adaptive")
+KL_CONTROLLERS_WITH_TARGET = ("adaptive",)
+"""The controllers that read `target` and `horizon`."""
 
 
 def make_kl_controller(

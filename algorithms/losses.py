@@ -20,6 +20,7 @@ Nothing here knows about configs or torch.distributed.
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -39,14 +40,43 @@ def _masked(x_bt: Tensor, name: str, mask_bt: Tensor) -> Tensor:
     return torch.where(mask_bt, x_bt, torch.zeros((), dtype=x_bt.dtype, device=x_bt.device))
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Decorator: register a policy loss with the common signature (see `ppo_policy_loss`) under `name`."""
-    return _POLICY_LOSSES.register(name)
+@dataclass(frozen=True)
+class PolicyLossTraits:
+    """Which `algorithm.*` settings a policy loss reads; the engine asks these instead of branching on names."""
+
+    dual_clip: bool = True
+    """Takes `clip_ratio_c` (the dual clip of negative advantages)."""
+    sequence_ratio: bool = False
+    """Clips a per-sequence importance ratio instead of per-token ratios."""
+
+
+_POLICY_LOSS_TRAITS: dict[str, PolicyLossTraits] = {}
+
+
+def register_policy_loss(
+    name: str, traits: PolicyLossTraits = PolicyLossTraits()
+) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator: register a policy loss with the common signature (see `ppo_policy_loss`) under `name`, with
+    the `traits` the engine asks (`policy_loss_traits`)."""
+    register = _POLICY_LOSSES.register(name)
+
+    def decorator(fn: PolicyLoss) -> PolicyLoss:
+        fn = register(fn)
+        _POLICY_LOSS_TRAITS[name] = traits
+        return fn
+
+    return decorator
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
     """The policy loss registered as `name`; ValueError listing the known names otherwise."""
     return _POLICY_LOSSES.get(name)
+
+
+def policy_loss_traits(name: str) -> PolicyLossTraits:
+    """The traits the policy loss `name` was registered with; ValueError listing the known names otherwise."""
+    _POLICY_LOSSES.get(name)
+    return _POLICY_LOSS_TRAITS[name]
 
 
 def policy_loss_names() -> list[str]:
@@ -200,7 +230,7 @@ def ppo_policy_loss(
     return _finish(pg_losses_bt, metrics, mask_bt, tis_weights_bt, loss_agg_mode, global_normalizer)
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", PolicyLossTraits(dual_clip=False, sequence_ratio=True))
 def gspo_policy_loss(
     log_probs_bt: Tensor,
     old_log_probs_bt: Tensor,

@@ -17,11 +17,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from engine.errors import UserError
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "opo")
-GROUP_RELATIVE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo")
-POLICY_LOSSES = ("ppo", "gspo")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -106,8 +101,7 @@ class RolloutConfig:
     """Return each sampled token's log-prob from the rollout. Needed by algorithm.tis_cap > 0 (engine/validate.py
     refuses false then); a KL in the reward without them runs the old-log-prob forward instead
     (`needs_old_log_prob_forward`); otherwise they only feed actor/rollout_kl and rollout/logprob_mean. vLLM
-    pays for them (one H200: ~40% fewer tokens/s, scripts/bench/results/vllm_sampling_cost_h200.json); the
-    native engine computes them anyway."""
+    pays for them in throughput (scripts/bench/README.md); the native engine computes them anyway."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks fix response lengths this way)."""
     val_temperature: float = 0.0
@@ -221,7 +215,7 @@ class AlgorithmConfig:
     name: str = "grpo"
     """Preset name, for logs."""
     adv_estimator: str = "grpo"
-    """gae | grpo | rloo | reinforce_pp | reinforce_pp_baseline | remax | opo."""
+    """A registered advantage estimator (algorithms/advantages.py), e.g. grpo or gae (PPO, with a critic)."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group std (false = Dr.GRPO)."""
     gamma: float = 1.0
@@ -229,7 +223,7 @@ class AlgorithmConfig:
     lam: float = 1.0
     """GAE lambda (gae)."""
     policy_loss: str = "ppo"
-    """ppo | gspo."""
+    """A registered policy loss (algorithms/losses.py): ppo or gspo."""
     clip_ratio_low: float = 0.2
     """Lower clip range of the ratio."""
     clip_ratio_high: float = 0.2

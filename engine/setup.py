@@ -5,24 +5,31 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
+from algorithms.advantages import advantage_traits
 from engine.config import ConfigError, ModelConfig, TrainConfig
 from engine.data import PromptLoader, PromptRecord, load_prompt_dataset, load_tokenizer
 from engine.metrics import MetricsLogger
 from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape
 from engine.models.hf import HFCheckpoint, check_tp_layout, load_hf_weights
 from engine.models.hf_config import model_config_from_hf
-from engine.policy import MegatronRole
-from engine.reward_model import RewardModel
-from engine.rewards import build_reward_fn
+from engine.rewards.build import build_reward_fn
+from engine.rewards.reward_fn import RewardFn
+from engine.roles.policy import MegatronRole
+from engine.roles.reward_model import RewardModel
 from engine.rollout import build_rollout_engine
 from engine.rollout.base import RolloutEngine
 from engine.tasks.embedded import build_embedded_tokenizer, write_embedded_dataset
 from parallel.hybrid_engine import HybridEngine
 from parallel.naive_gather import NaiveGather
+from parallel.rollout_weights import RolloutWeights, WeightSync
 from parallel.state import ProcessGroups
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 EMBEDDED_TRAIN_ROWS = 4096
 EMBEDDED_VAL_ROWS = 64
@@ -35,20 +42,21 @@ class Components:
     cfg: TrainConfig
     groups: ProcessGroups
     output_dir: str
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     shape: ModelShape
     actor: MegatronRole
     reference: MegatronRole | None
-    weight_sync: object
+    weight_sync: WeightSync
     rollout: RolloutEngine
-    reward_fn: object
+    reward_fn: RewardFn | None
     """Rule/user scores of decoded responses; None when reward.model_path scores alone (combine=model)."""
     loader: PromptLoader
     val_batches: list[list[PromptRecord]]
     logger: MetricsLogger
-    rollout_weights: object = None
+    rollout_weights: RolloutWeights | None = None
+    """The actor's rollout-layout weights between `weight_sync.to_rollout()` and `to_train()`, else None."""
     critic: MegatronRole | None = None
-    """The value model; built only for algorithm.adv_estimator=gae."""
+    """The value model; built only for an advantage estimator that needs one (gae)."""
     reward_model: RewardModel | None = None
     """The frozen reward model; built only when reward.model_path is set."""
 
@@ -161,7 +169,7 @@ def build_reward_model(cfg: TrainConfig, vocab_size: int, groups: ProcessGroups,
     )
     load_hf_weights(chunks, path, shape, groups)
     role = MegatronRole(chunks, groups, shape, None, head="values")
-    return RewardModel(role, pad_id, seq_multiple=groups.dims.tp if groups.dims.sp else 1)
+    return RewardModel(role, pad_id, seq_multiple=groups.dims.seq_multiple)
 
 
 def _variable_shapes(roles: list[MegatronRole | None], cfg: TrainConfig, pp: int) -> None:
@@ -213,7 +221,11 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
         reference = MegatronRole(ref_chunks, groups, shape, None)
     steps = cfg.trainer.total_steps * alg.ppo_epochs * alg.num_mini_batches
     actor = MegatronRole(actor_chunks, groups, shape, cfg.optim, total_optimizer_steps=steps)
-    critic = build_critic(cfg, shape, len(tokenizer), groups, steps) if alg.adv_estimator == "gae" else None
+    critic = (
+        build_critic(cfg, shape, len(tokenizer), groups, steps)
+        if advantage_traits(alg.adv_estimator).needs_critic
+        else None
+    )
     reward_model = None
     if cfg.reward.model_path:
         reward_model = build_reward_model(cfg, len(tokenizer), groups, tokenizer.pad_token_id)

@@ -1,7 +1,7 @@
 """Entry point: `python -m engine.train [algorithm=grpo] [model=tiny] [cluster=cpu] [key=value ...]`.
 
 Compose the config, validate it (before any process group exists), start the distributed state, claim the
-output directory (engine/run_dir.py), build the components, train, and tear down in `finally`. Under
+output directory (engine/checkpoint/run_dir.py), build the components, train, and tear down in `finally`. Under
 torchrun every rank runs this same file.
 """
 
@@ -17,12 +17,13 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from engine.checkpoint.run_dir import claimed_output_dir
 from engine.config import register_configs, to_dataclass
-from engine.errors import exit_on_user_error, report_user_errors
+from engine.errors import exit_on_user_error
+from engine.hydra_errors import report_user_errors
 from engine.metrics import run_header
-from engine.plot import plot_at_end
-from engine.run_dir import claimed_output_dir
 from engine.startup import errors_only, kernels_line
+from engine.tools.plot import plot_at_end
 from engine.validate import ignored_key_warnings, validate
 from parallel.launch import explain_rank_failures, read_launch_env
 from parallel.state import destroy_distributed, init_distributed, world_size_from_env

@@ -9,17 +9,10 @@ from __future__ import annotations
 import json
 import os
 
-from engine.config import (
-    ADV_ESTIMATORS,
-    DTYPES,
-    GROUP_RELATIVE_ESTIMATORS,
-    KL_ESTIMATORS,
-    LOGGERS,
-    LOSS_AGG_MODES,
-    POLICY_LOSSES,
-    ConfigError,
-    TrainConfig,
-)
+from algorithms.advantages import advantage_estimator_names, advantage_traits
+from algorithms.kl import KL_CONTROLLERS, KL_CONTROLLERS_WITH_TARGET, kl_estimator_names
+from algorithms.losses import LOSS_AGG_MODES, policy_loss_names, policy_loss_traits
+from engine.config import DTYPES, LOGGERS, ConfigError, TrainConfig
 from parallel.dims import ParallelDims
 
 
@@ -205,11 +198,11 @@ def _validate_checkpoint_positions(cfg: TrainConfig, key: str, path: str) -> Non
 
 def _validate_algorithm(cfg: TrainConfig) -> None:
     a = cfg.algorithm
-    _one_of("algorithm.adv_estimator", a.adv_estimator, ADV_ESTIMATORS)
-    _one_of("algorithm.policy_loss", a.policy_loss, POLICY_LOSSES)
+    _one_of("algorithm.adv_estimator", a.adv_estimator, tuple(advantage_estimator_names()))
+    _one_of("algorithm.policy_loss", a.policy_loss, tuple(policy_loss_names()))
     _one_of("algorithm.loss_agg_mode", a.loss_agg_mode, LOSS_AGG_MODES)
-    _one_of("algorithm.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
-    _one_of("algorithm.kl_ctrl", a.kl_ctrl, ("fixed", "adaptive"))
+    _one_of("algorithm.kl_estimator", a.kl_estimator, tuple(kl_estimator_names()))
+    _one_of("algorithm.kl_ctrl", a.kl_ctrl, KL_CONTROLLERS)
     for key, value in (
         ("algorithm.clip_ratio_low", a.clip_ratio_low),
         ("algorithm.clip_ratio_high", a.clip_ratio_high),
@@ -276,7 +269,7 @@ def _validate_algorithm(cfg: TrainConfig) -> None:
             "is not a directory",
             "point critic.path at a local Hugging Face checkpoint directory, or leave it empty for model.path",
         )
-    if cfg.critic.path and a.adv_estimator == "gae":  # the critic exists only for GAE
+    if cfg.critic.path and advantage_traits(a.adv_estimator).needs_critic:  # else no critic is built
         _validate_checkpoint_positions(cfg, "critic.path", cfg.critic.path)
 
 
@@ -299,7 +292,7 @@ def _validate_kl_in_reward(cfg: TrainConfig) -> None:
             "only multiplies it)",
             "set algorithm.kl_reward_coef=0.001, or algorithm.kl_in_reward=false",
         )
-    if a.kl_ctrl == "adaptive" and (a.kl_target <= 0 or a.kl_horizon <= 0):
+    if a.kl_ctrl in KL_CONTROLLERS_WITH_TARGET and (a.kl_target <= 0 or a.kl_horizon <= 0):
         _fail(
             "algorithm.kl_target/algorithm.kl_horizon",
             (a.kl_target, a.kl_horizon),
@@ -336,7 +329,7 @@ def _validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
         _fail("rollout.tp", r.tp, f"must divide parallel.tp={dims.tp}", f"use rollout.tp in {divisors}")
     if r.n < 1:
         _fail("rollout.n", r.n, "must be >= 1", "sample at least one response per prompt")
-    if cfg.algorithm.adv_estimator in GROUP_RELATIVE_ESTIMATORS and r.n < 2:
+    if advantage_traits(cfg.algorithm.adv_estimator).group_relative and r.n < 2:
         _fail(
             "rollout.n",
             r.n,
@@ -438,7 +431,7 @@ def _validate_interleaved_schedule(cfg: TrainConfig, dims: ParallelDims, seqs_pe
     """parallel.vpp > 1: megatron's interleaved schedule (in groups of pp micro-batches, its default) needs a
     count of micro-batches per call that is a positive multiple of parallel.pp. The update's count is fixed
     by the config; forward-only calls (old/ref log-probs, values, reward model, validation, ReMax greedy)
-    take any row count: engine/update_phase.py `forward_rows` pads their micro-batch count at run time."""
+    take any row count: engine/step/update.py `forward_rows` pads their micro-batch count at run time."""
     if dims.vpp == 1:
         return
     mbs, pp = cfg.trainer.micro_batch_size, dims.pp
@@ -468,8 +461,8 @@ def _validate_token_budget(cfg: TrainConfig, dims: ParallelDims) -> None:
     budget = cfg.trainer.max_tokens_per_micro_batch
     if budget < 0:
         _fail("trainer.max_tokens_per_micro_batch", budget, "must be >= 0", "use 0 to turn it off")
-    multiple = dims.tp if dims.sp else 1
-    # +1: the target slot of the last token (as engine/batch.py lays sequences out)
+    multiple = dims.seq_multiple
+    # +1: the target slot of the last token (as engine/step/batch.py lays sequences out)
     longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens + 1
     longest = -(-longest // multiple) * multiple
     if budget < longest:
@@ -539,8 +532,8 @@ def _validate_trainer(cfg: TrainConfig) -> None:
 
 
 def _validate_reward(cfg: TrainConfig) -> None:
-    from engine.reward_model import check_reward_model_dir
     from engine.rewards.gsm8k import METHODS as GSM8K_METHODS
+    from engine.roles.reward_model import check_reward_model_dir
 
     r = cfg.reward
     _one_of("reward.combine", r.combine, ("model", "sum"))
@@ -570,34 +563,36 @@ def _validate_reward(cfg: TrainConfig) -> None:
 def _ignored_key_rules(cfg: TrainConfig) -> list[tuple[str, bool, str]]:
     """(key, whether this combination of settings ignores it, why) for the keys that only some runs read."""
     a, r, d, t = cfg.algorithm, cfg.rollout, cfg.data, cfg.trainer
-    not_gae = a.adv_estimator != "gae"
+    adv = advantage_traits(a.adv_estimator)
+    no_critic = not adv.needs_critic
     gae_only = "only algorithm.adv_estimator=gae (PPO) has a critic"
     kl_rewardless = "it drives the KL-in-reward coefficient, and algorithm.kl_in_reward=false"
+    no_target = not a.kl_in_reward or a.kl_ctrl not in KL_CONTROLLERS_WITH_TARGET
     return [
-        ("critic.path", not_gae, gae_only),
-        ("critic.lr", not_gae, gae_only),
-        ("critic.lr_warmup_steps", not_gae, gae_only),
-        ("algorithm.value_clip", not_gae, gae_only),
-        ("algorithm.lam", not_gae, "GAE's lambda: only algorithm.adv_estimator=gae reads it"),
+        ("critic.path", no_critic, gae_only),
+        ("critic.lr", no_critic, gae_only),
+        ("critic.lr_warmup_steps", no_critic, gae_only),
+        ("algorithm.value_clip", no_critic, gae_only),
+        ("algorithm.lam", not adv.uses_lam, "GAE's lambda: only algorithm.adv_estimator=gae reads it"),
         (
             "algorithm.gamma",
-            a.adv_estimator not in ("gae", "reinforce_pp"),
+            not adv.uses_gamma,
             f"algorithm.adv_estimator={a.adv_estimator} scores whole responses (no discounting)",
         ),
         (
             "algorithm.norm_adv_by_std",
-            a.adv_estimator != "grpo",
+            not adv.uses_norm_by_std,
             "only algorithm.adv_estimator=grpo divides by the group std",
         ),
         ("algorithm.kl_ctrl", not a.kl_in_reward, kl_rewardless),
         (
             "algorithm.kl_target",
-            not a.kl_in_reward or a.kl_ctrl != "adaptive",
+            no_target,
             "only algorithm.kl_ctrl=adaptive",
         ),
         (
             "algorithm.kl_horizon",
-            not a.kl_in_reward or a.kl_ctrl != "adaptive",
+            no_target,
             "only algorithm.kl_ctrl=adaptive",
         ),
         (
@@ -605,7 +600,11 @@ def _ignored_key_rules(cfg: TrainConfig) -> list[tuple[str, bool, str]]:
             a.kl_loss_coef == 0 and not a.kl_in_reward,
             "no KL is computed (algorithm.kl_loss_coef=0, algorithm.kl_in_reward=false)",
         ),
-        ("algorithm.clip_ratio_c", a.policy_loss == "gspo", "algorithm.policy_loss=gspo has no dual clip"),
+        (
+            "algorithm.clip_ratio_c",
+            not policy_loss_traits(a.policy_loss).dual_clip,
+            f"algorithm.policy_loss={a.policy_loss} has no dual clip",
+        ),
         ("algorithm.overlong_penalty", a.overlong_buffer_len == 0, "algorithm.overlong_buffer_len=0 (off)"),
         ("algorithm.max_sampling_rounds", not a.dynamic_sampling, "algorithm.dynamic_sampling=false"),
         ("optim.min_lr", cfg.optim.lr_decay == "constant", "optim.lr_decay=constant never decays to it"),
@@ -669,7 +668,7 @@ def _validate_reward_fn(cfg: TrainConfig) -> None:
         )
     if not cfg.reward.fn.strip():
         return
-    from engine.rewards import load_user_fn
+    from engine.rewards.reward_fn import load_user_fn
 
     try:
         load_user_fn(cfg.reward.fn)

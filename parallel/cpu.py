@@ -1,6 +1,6 @@
 """megatron-core on CPU with gloo: every shim the engine needs, in one place, applied only on CPU.
 
-megatron-core 0.16 assumes CUDA in a handful of places (measured in ../shared/notes/megatron-core-on-cpu.md).
+megatron-core 0.16 assumes CUDA in a handful of places.
 Each shim below names the megatron code it works around; tests/parallel/test_cpu_shims.py exercises each
 one against the real megatron code so that a megatron upgrade that moves the target fails loudly there.
 Never import this module's shims on a GPU run: `install_cpu_shims()` refuses when CUDA is in use.
@@ -106,11 +106,6 @@ def install_cpu_shims() -> None:
     torch.Tensor.type = _tensor_type_reporting_cuda
     _CudaToCpuMode().__enter__()  # active for the rest of the process
     _installed = True
-
-
-def shims_installed() -> bool:
-    """Whether `install_cpu_shims()` has run in this process."""
-    return _installed
 
 
 @contextlib.contextmanager

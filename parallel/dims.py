@@ -6,17 +6,8 @@ Pure arithmetic: no process groups are touched here, so the checks can run befor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 from parallel.layout import TrainLayout, check_stage_layer_keys
-
-
-class ParallelAxis(str, Enum):
-    """Names of the mesh axes, used in messages and group dictionaries."""
-
-    TP = "tp"
-    PP = "pp"
-    DP = "dp"
 
 
 @dataclass(frozen=True)
@@ -66,6 +57,12 @@ class ParallelDims:
     def dp(self) -> int:
         """Data-parallel size."""
         return self.world_size // (self.tp * self.pp)
+
+    @property
+    def seq_multiple(self) -> int:
+        """What every padded sequence length must be a multiple of: sequence parallelism splits the sequence
+        over the TP ranks."""
+        return self.tp if self.sp else 1
 
     def train_layout(self) -> TrainLayout:
         """The rank and layer math of this layout (`parallel/layout.py`)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -86,3 +87,16 @@ class RolloutWeights:
     """This rank's rollout stage."""
     pp_group: dist.ProcessGroup | None = None
     """Rollout PP group (None when pp_size == 1)."""
+
+
+class WeightSync(Protocol):
+    """The train -> rollout weight transition: `HybridEngine` (in place, parallel/hybrid_engine.py) or
+    `NaiveGather` (every rank gathers the full model, the benchmark baseline)."""
+
+    def to_rollout(self) -> RolloutWeights:
+        """The actor's weights in the rollout layout (collective)."""
+        ...
+
+    def to_train(self) -> None:
+        """Release what `to_rollout` built; the training layout is intact afterwards (collective)."""
+        ...

@@ -8,9 +8,8 @@ of the response window, then several fp32 passes each for the log-softmax, the e
 and keeps those tensors alive until the backward. Here only the (rows, hidden) hidden states are saved;
 each chunk's logits are recomputed in the backward (one extra matmul of the output layer, on response
 positions only), and the elementwise work of a chunk (max; sums; gradient of the logits) runs as three
-torch.compile'd kernels on CUDA, each one pass over the chunk's bf16 logits. Measured on one H200 for the
-Qwen2.5-0.5B head and a 16k-token micro-batch: 3.4x faster forward + backward than the unfused path, 1.7 GB
-instead of 32.7 GB of peak memory (scripts/bench/logprobs.py).
+torch.compile'd kernels on CUDA, each one pass over the chunk's bf16 logits (speed and memory against the
+unfused path: scripts/bench/logprobs.py, figures in scripts/bench/README.md).
 
 Math, for one row with temperature t, z = (h @ W^T) / t over the full vocabulary (split across the TP
 group; rows of W padded for TP get z = -1e30), m = max z, S = sum exp(z - m), A = sum exp(z - m)(z - m):

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.models.builder import ModelShape, ValueHead
-from engine.models.hf_config import HF_CONFIG_FILE, HFCheckpointError, model_config_from_hf, read_hf_config
+from engine.models.hf_config import HF_CONFIG_FILE, HFCheckpointError
 from engine.models.hf_map import (
     TIED_OUTPUT_RULE,
     VALUE_HEAD_BIAS,
@@ -40,16 +40,6 @@ from engine.models.hf_map import (
     shard_from_hf,
 )
 from parallel.state import ProcessGroups
-
-__all__ = [
-    "HFCheckpointError",
-    "HFCheckpoint",
-    "check_tp_layout",
-    "load_hf_weights",
-    "model_config_from_hf",
-    "read_hf_config",
-    "save_hf_checkpoint",
-]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

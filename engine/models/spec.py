@@ -2,8 +2,7 @@
 modules swapped in, and fused kernels where megatron's own need TransformerEngine or apex.
 
 - `SDPAAttention` replaces megatron's local `DotProductAttention` (unfused softmax): PyTorch's
-  `scaled_dot_product_attention` picks flash/cuDNN kernels on GPU (measured 35.5% -> 49.8% MFU at 1.5B,
-  ../shared/notes/performance-anchors.md) and runs everywhere else too. Causal only: the engine lays every
+  `scaled_dot_product_attention` picks flash/cuDNN kernels on GPU and runs everywhere else too. Causal only: the engine lays every
   sequence out right-padded from position 0, so a causal mask is exact for the valid tokens and no padding
   mask is needed.
 - `RMSNorm` replaces `WrappedTorchNorm`, which refuses sequence parallelism; ours tags its weight

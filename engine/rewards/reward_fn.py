@@ -11,7 +11,6 @@ Every output is checked: one finite number per response; errors name the functio
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib
 import importlib.util
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import RewardFnCallError, RewardFnError
-from engine.rewards.registry import get_rule, rule_reward
+from engine.rewards.registry import get_rule
 
 UserRewardFn = Callable[[str, str, str, dict], "float | dict"]
 BUILTIN_NAME = "the built-in rule rewards (reward.fn empty)"
@@ -211,20 +210,3 @@ def load_user_fn(spec: str) -> UserRewardFn:
 def user_fn_name(fn_spec: str) -> str:
     """How messages name the user's function: `reward.fn='<spec>'`."""
     return f"reward.fn={fn_spec.strip()!r}"
-
-
-def build_reward_fn(fn_spec: str = "", gsm8k_method: str = "strict", timeout_s: float = 0.0) -> RewardFn:
-    """`reward.fn` -> RewardFn; empty means the built-in rules dispatched by data_source (in this process),
-    GSM8K read with `gsm8k_method` (`reward.gsm8k_method`).
-
-    With `timeout_s` > 0 a user function runs in a child process that is stopped when one batch takes longer
-    (`engine.rewards.worker`); with 0 it runs in this process, without a limit.
-    """
-    if not fn_spec or not fn_spec.strip():
-        options = {"gsm8k": {"method": gsm8k_method}}
-        return RewardFn(functools.partial(rule_reward, options=options), BUILTIN_NAME, builtin=True)
-    if timeout_s > 0:
-        from engine.rewards.worker import ProcessRewardFn
-
-        return ProcessRewardFn(fn_spec, timeout_s)
-    return RewardFn(load_user_fn(fn_spec), user_fn_name(fn_spec))

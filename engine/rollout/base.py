@@ -10,7 +10,7 @@ Padding contract:
 Log-prob contract: with `SamplingParams.log_probs` true every backend returns `RolloutOutput.log_probs`; with
 it false the caller does not need them and a backend may skip them (vLLM does: they cost it ~40% of its
 tokens/s) and return None, or return them anyway (the native engine does: they fall out of its sampler).
-Callers that asked for none must not read them; engine/rollout_phase.py drops them, so whether a step has
+Callers that asked for none must not read them; engine/step/rollout.py drops them, so whether a step has
 rollout log-probs follows `rollout.log_probs`, not the backend.
 
 Backends: engine/rollout/native.py (`rollout.backend=native`), engine/rollout/vllm_backend.py (`vllm`).

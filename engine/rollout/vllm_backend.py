@@ -6,7 +6,7 @@ cuda:LOCAL_RANK as its device, so LOCAL_RANK is pointed at our device while it s
 workers, runs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), and splits the world into
 TP groups of consecutive ranks ("ExternalDP x DP x PP x TP" in vllm/distributed/parallel_state.py). The
 ranks of a vLLM TP group call `generate` with the same prompts and seeds (they hold the same micro-DP share:
-engine/rollout_phase.py), so their schedules agree. vLLM allows one engine per process (its sleep-mode
+engine/step/rollout.py), so their schedules agree. vLLM allows one engine per process (its sleep-mode
 allocator) and reseeds Python's, numpy's and torch's global generators with `seed` when it starts.
 
 Weights: the engine starts from `load_format="dummy"` and, before each rollout, copies this rank's

@@ -1,7 +1,7 @@
 """The embedded default task: a character-level tokenizer and digit tasks built offline, in seconds.
 
 `python -m engine.train` with no arguments trains a tiny random-init model on CPU; it needs a task that
-such a model visibly learns within minutes (see shared/notes/cpu-grpo-learnability.md):
+such a model visibly learns within minutes:
 - "copy": the prompt shows K random digits and asks to repeat them; answer = the K digits.
 - "target": the prompt names one digit d; answer = d repeated K times (learnt in seconds; for short tests).
 Reward: fraction of positions correct (`engine.rewards.embedded`), partial credit so learning shows early.

@@ -184,7 +184,7 @@ def main() -> int:
         torch.manual_seed(0)
         chunks = build_gpt_chunks(shape, dims, init_std=0.02, recompute=False, device=groups.device)
         if args.distopt:
-            from engine.policy import MegatronRole
+            from engine.roles.policy import MegatronRole
 
             chunks = MegatronRole(chunks, groups, shape, OptimConfig(distributed_optimizer=True)).chunks
         counter = _CountingDist()

@@ -1,5 +1,5 @@
 """Benchmark one actor update: forward + backward + optimizer step through the engine's own `MegatronRole`
-(engine/policy.py) and actor loss (`engine.role_losses.make_actor_loss`, GRPO defaults: PPO clip, token-mean),
+(engine/roles/policy.py) and actor loss (`engine.step.losses.make_actor_loss`, GRPO defaults: PPO clip, token-mean),
 on a random-init conf/model preset and one fixed random batch, in one process; prints one JSON object.
 
     python scripts/bench/update.py --preset qwen2_5_1_5b --rows 64 --seq 768 --prompt-len 256   # one GPU
@@ -20,7 +20,7 @@ so every update gives both figures. Reported per variant (medians):
 - MFU = 6 x params x tokens / seconds / 989e12 (H100/H200 dense bf16 peak), params = every parameter of the
   model once (a tied embedding is the lm_head and counts once; untied, both count), tokens = rows x seq;
   attention score FLOPs not counted. `mfu_palm` adds them (not causal) and counts the output layer at the
-  response positions only (engine/perf.py, the trainer's perf/mfu/actor);
+  response positions only (engine/step/perf.py, the trainer's perf/mfu/actor);
 - `peak_memory_gb` (max allocated during the timed updates), `grad_norm` and `loss` of the first update
   (equal across variants up to rounding: a numerics check), `skipped_steps`;
 - with `--profile`: one more update under torch.profiler; the top 30 CUDA kernels by total time (on CPU:
@@ -50,15 +50,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from presets import model_config  # noqa: E402
 from profiling import kernel_table  # noqa: E402
 
-from algorithms import loss_normalizer  # noqa: E402
-from engine.batch import build_experience  # noqa: E402
+from algorithms.losses import loss_normalizer
 from engine.config import AlgorithmConfig, OptimConfig  # noqa: E402
-from engine.dynamic_batch import MicroBatcher  # noqa: E402
 from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape  # noqa: E402
 from engine.models.spec import Fusions, RMSNorm, fused_rope, rope_reference  # noqa: E402
-from engine.perf import train_flops  # noqa: E402
-from engine.policy import MegatronRole, torch_optimizers  # noqa: E402
-from engine.role_losses import make_actor_loss  # noqa: E402
+from engine.roles.dynamic_batch import MicroBatcher  # noqa: E402
+from engine.roles.policy import MegatronRole, torch_optimizers  # noqa: E402
+from engine.step.batch import build_experience  # noqa: E402
+from engine.step.losses import make_actor_loss  # noqa: E402
+from engine.step.perf import train_flops  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
 from parallel.state import ProcessGroups, destroy_distributed, init_distributed  # noqa: E402
 

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from algorithms import advantage_estimator_names, get_advantage_estimator
+from algorithms.advantages import advantage_estimator_names, get_advantage_estimator
 
 F64 = torch.float64
 GARBAGE = 1e30  # huge but finite: must not reach any valid output
@@ -78,7 +78,7 @@ def test_remax_with_kl_in_the_reward_is_verls_reward_to_go():
     mask = torch.tensor([[1, 1, 1, 0]])
     rewards = t([[-0.1, -0.2, 0.7, 0.0]])
     kwargs = dict(mask_bt=mask, token_rewards_bt=rewards, baseline_scores_b=t([0.5]))
-    adv, ret = run("remax", scores_b=rewards.sum(-1), **kwargs)  # what engine/advantage_phase.py passes
+    adv, ret = run("remax", scores_b=rewards.sum(-1), **kwargs)  # what engine/step/advantages.py passes
     torch.testing.assert_close(adv, t([[-0.1, 0.0, 0.2, 0.0]]), atol=1e-12, rtol=0)
     torch.testing.assert_close(ret, t([[0.4, 0.5, 0.7, 0.0]]), atol=1e-12, rtol=0)
 

@@ -6,13 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from algorithms import (
-    KL_CONTROLLERS,
-    LOSS_AGG_MODES,
-    advantage_estimator_names,
-    kl_estimator_names,
-    policy_loss_names,
-)
+from algorithms.advantages import advantage_estimator_names
+from algorithms.kl import KL_CONTROLLERS, kl_estimator_names
+from algorithms.losses import LOSS_AGG_MODES, policy_loss_names
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "conf" / "algorithm"
 PRESETS = ["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "remax", "gspo"]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from algorithms import dynamic_sampling_keep_mask, overlong_penalty
+from algorithms.dapo import dynamic_sampling_keep_mask, overlong_penalty
 
 
 def test_dynamic_sampling_hand_example():

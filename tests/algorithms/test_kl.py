@@ -5,16 +5,15 @@ import math
 import pytest
 import torch
 
-from algorithms import (
+from algorithms.kl import (
     AdaptiveKLController,
     FixedKLController,
-    agg_loss,
     get_kl_estimator,
     kl_estimator_names,
-    loss_normalizer,
     make_kl_controller,
     scores_to_token_rewards,
 )
+from algorithms.losses import agg_loss, loss_normalizer
 
 F64 = torch.float64
 GARBAGE = 1e30

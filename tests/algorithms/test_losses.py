@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from algorithms import (
+from algorithms.losses import (
     LOSS_AGG_MODES,
     agg_loss,
     entropy_from_logits,

@@ -26,15 +26,16 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from megatron.core import parallel_state, tensor_parallel
 
-import engine.checkpoint as checkpoint
+import engine.checkpoint.checkpoint as checkpoint
+from engine.checkpoint.run_dir import OutputDirError, claimed_output_dir
 from engine.config import register_configs, to_dataclass
-from engine.export import export_checkpoint, unwrap
-from engine.export import main as export_main
-from engine.models.hf import HFCheckpoint, read_hf_config
-from engine.offload import PARTS, device_bytes, offloaded
-from engine.parity import ParityConfig, compare_logits
-from engine.run_dir import OutputDirError, claimed_output_dir
+from engine.models.hf import HFCheckpoint
+from engine.models.hf_config import read_hf_config
+from engine.roles.offload import PARTS, device_bytes, offloaded
 from engine.setup import build_components
+from engine.tools.export import export_checkpoint, unwrap
+from engine.tools.export import main as export_main
+from engine.tools.parity import ParityConfig, compare_logits
 from engine.trainer import Trainer
 from engine.validate import validate
 from parallel.state import destroy_distributed, init_distributed

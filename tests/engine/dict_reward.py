@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from engine.rewards import rule_reward
+from engine.rewards.registry import rule_reward
 
 
 def score(data_source, solution_str, ground_truth, extra_info):

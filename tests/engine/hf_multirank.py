@@ -30,9 +30,9 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.models.builder import build_gpt_chunks
-from engine.models.hf import HFCheckpoint, HFCheckpointError, load_hf_weights, save_hf_checkpoint
-from engine.models.hf_config import read_hf_config
-from engine.parity import (
+from engine.models.hf import HFCheckpoint, load_hf_weights, save_hf_checkpoint
+from engine.models.hf_config import HFCheckpointError, read_hf_config
+from engine.tools.parity import (
     ParityConfig,
     build_and_load,
     compare_logits,
@@ -227,7 +227,7 @@ def uneven(src: str, out_root: str) -> None:
 
 def cli(path: str) -> None:
     """Last: the user-facing `python -m engine.parity` entry at TP2 x PP2 (it tears the groups down)."""
-    from engine.parity import main as parity_main
+    from engine.tools.parity import main as parity_main
 
     parallel_state.destroy_model_parallel()
     argv = [

@@ -4,7 +4,7 @@
 
 For the Qwen2 (tied, QKV bias) and Llama (untied, Llama-3 RoPE) tiny models, loaded at a TP=2 training layout
 with `build_and_load`, and for rollout.tp in (2, 1) via `HybridEngine(..., rollout_tp=...)`:
-- greedy rollout (engine/rollout_phase.py: at rollout.tp=1 each rank generates half the prompts and the
+- greedy rollout (engine/step/rollout.py: at rollout.tp=1 each rank generates half the prompts and the
   halves are gathered) equals transformers' greedy generation token for token;
 - sampled responses (n=2, T=0.7, top-p, a stop token): their rollout log-probs equal the actor's training
   forward (MegatronRole.run + log_prob_fn at the same temperature) within LOGP_TOL (float32);
@@ -26,16 +26,16 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from engine.batch import build_experience
-from engine.dynamic_batch import MicroBatcher
 from engine.models.hf import HFCheckpoint
-from engine.parity import build_and_load
-from engine.policy import MegatronRole
-from engine.role_losses import log_prob_fn
+from engine.roles.dynamic_batch import MicroBatcher
+from engine.roles.policy import MegatronRole
 from engine.rollout.base import SamplingParams
 from engine.rollout.native import NativeRollout
 from engine.rollout.vllm_weights import load_rollout_weights, vllm_vocab_rows
-from engine.rollout_phase import rollout_replica
+from engine.step.batch import build_experience
+from engine.step.losses import log_prob_fn
+from engine.step.rollout import rollout_replica
+from engine.tools.parity import build_and_load
 from parallel.dims import ParallelDims
 from parallel.hybrid_engine import HybridEngine
 from parallel.state import init_distributed

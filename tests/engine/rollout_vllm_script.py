@@ -39,17 +39,17 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from engine.batch import build_experience
-from engine.dynamic_batch import MicroBatcher
 from engine.models.builder import build_gpt_chunks
 from engine.models.hf import load_hf_weights
-from engine.parity import hf_model_shape
-from engine.policy import MegatronRole
-from engine.role_losses import log_prob_fn
+from engine.roles.dynamic_batch import MicroBatcher
+from engine.roles.policy import MegatronRole
 from engine.rollout.base import SamplingParams
 from engine.rollout.native import NativeRollout
 from engine.rollout.vllm_backend import VllmRollout, full_log_probs_mode
-from engine.rollout_phase import rollout_replica
+from engine.step.batch import build_experience
+from engine.step.losses import log_prob_fn
+from engine.step.rollout import rollout_replica
+from engine.tools.parity import hf_model_shape
 from parallel.dims import ParallelDims
 from parallel.hybrid_engine import HybridEngine
 from parallel.state import init_distributed

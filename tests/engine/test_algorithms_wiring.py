@@ -12,16 +12,17 @@ import pytest
 import torch
 from trainer_run_script import compose_config
 
-from algorithms import get_advantage_estimator, get_kl_estimator
-from engine.advantage_phase import compute_advantages
-from engine.batch import Responses, build_experience
+from algorithms.advantages import get_advantage_estimator
+from algorithms.kl import get_kl_estimator
 from engine.config import AlgorithmConfig, ConfigError
-from engine.dynamic_batch import MicroBatcher
-from engine.dynamic_sampling import GroupSelector, global_order, replica_share
 from engine.models.builder import ModelShape
-from engine.perf import matmul_params, train_flops
-from engine.policy import ResponseStats
-from engine.role_losses import make_actor_loss, response_values
+from engine.roles.dynamic_batch import MicroBatcher
+from engine.roles.policy import ResponseStats
+from engine.step.advantages import compute_advantages
+from engine.step.batch import Responses, build_experience
+from engine.step.dynamic_sampling import GroupSelector, global_order, replica_share
+from engine.step.losses import make_actor_loss, response_values
+from engine.step.perf import matmul_params, train_flops
 from engine.validate import validate
 
 LENGTHS = [3, 2, 4, 1, 2, 4]  # 3 prompts x n=2

@@ -1,4 +1,4 @@
-"""Checkpoints, resume and HF export (engine/checkpoint.py, engine/export.py).
+"""Checkpoints, resume and HF export (engine/checkpoint/checkpoint.py, engine/tools/export.py).
 
 World sizes: the rules on disk (latest, pruning, finding, layout messages, config.json for random-init models)
 are tested here without processes; whole training runs are tested by tests/engine/ckpt_runs_script.py, launched
@@ -18,8 +18,7 @@ import pytest
 import torch
 from distributed import run_torchrun
 
-from engine.checkpoint import (
-    CheckpointError,
+from engine.checkpoint.checkpoint import (
     check_layout,
     complete_checkpoints,
     find_checkpoint,
@@ -28,6 +27,7 @@ from engine.checkpoint import (
     read_meta,
     read_rank_state,
 )
+from engine.checkpoint.checkpoint_state import CheckpointError
 from engine.config import ConfigError, ModelConfig, register_configs, to_dataclass
 from engine.models.builder import resolve_shape
 from engine.models.hf_config import hf_config_from_shape, model_config_from_hf
@@ -154,7 +154,7 @@ def test_disk_full_during_a_save_names_the_device_the_file_and_the_size(tmp_path
     low-level write); the error says so, and step 1 stays the latest."""
     from trainer_run_script import SHORT, compose_config, distributed
 
-    from engine.checkpoint import save_checkpoint
+    from engine.checkpoint.checkpoint import save_checkpoint
 
     state = {"step": 0, "w": torch.zeros(1024, 1024)}  # 4 MiB
     root = str(tmp_path / "checkpoints")
@@ -278,8 +278,9 @@ def test_export_replaces_an_earlier_export_and_refuses_foreign_files(tmp_path):
     and holds only its files. A directory holding a file no export writes is refused and left as it was."""
     from trainer_run_script import built_job
 
-    from engine.export import export_actor, unwrap
-    from engine.models.hf import INDEX_FILE, SINGLE_FILE, HFCheckpoint, HFCheckpointError, save_hf_checkpoint
+    from engine.models.hf import INDEX_FILE, SINGLE_FILE, HFCheckpoint, save_hf_checkpoint
+    from engine.models.hf_config import HFCheckpointError
+    from engine.tools.export import export_actor, unwrap
 
     out = str(tmp_path / "hf")
     with built_job([], str(tmp_path / "run")) as c:

@@ -138,7 +138,7 @@ def test_bad_config_names_the_key(overrides, world, needle):
 def test_reward_fn_is_imported_during_validation():
     stall_reward = os.path.join(os.path.dirname(__file__), "stall_reward.py")
     validate(composed(f"reward.fn={stall_reward}:score"), world_size=1)
-    validate(composed("reward.fn=engine.rewards:rule_reward"), world_size=1)
+    validate(composed("reward.fn=engine.rewards.registry:rule_reward"), world_size=1)
 
 
 def test_cli_prints_composed_config():
@@ -322,3 +322,24 @@ def test_data_files_take_one_path_or_a_list_and_expand_home(monkeypatch, tmp_pat
     assert many.train_files == [f"{tmp_path}/a.parquet", "/b.parquet"] and many.val_files == []
     with pytest.raises(ConfigError, match=r"data.train_files=3: must be a path or a list of paths. Fix:"):
         composed("data.train_files=3")
+
+
+def test_a_newly_registered_estimator_is_validated_by_its_traits():
+    """Validation takes the names and capabilities from the registry: a new estimator is accepted, and what it
+    declares (group-relative, reads gamma) decides the rules and the ignored-key warnings."""
+    from algorithms.advantages import (
+        AdvantageTraits,
+        advantage_estimator_names,
+        get_advantage_estimator,
+        register_advantage,
+    )
+
+    name = "test_group_gamma"
+    if name not in advantage_estimator_names():
+        traits = AdvantageTraits(group_relative=True, uses_gamma=True)
+        register_advantage(name, traits)(get_advantage_estimator("grpo"))
+    validate(composed(f"algorithm.adv_estimator={name}"), world_size=1)
+    with pytest.raises(ConfigError, match=f"rollout.n=1: algorithm.adv_estimator={name} compares responses"):
+        validate(composed(f"algorithm.adv_estimator={name}", "rollout.n=1"), world_size=1)
+    warnings = ignored_key_warnings(composed(f"algorithm.adv_estimator={name}", "algorithm.gamma=0.9"))
+    assert not any("algorithm.gamma" in line for line in warnings)

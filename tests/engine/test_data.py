@@ -17,7 +17,7 @@ from engine.data import (
     load_tokenizer,
     read_prompt_rows,
 )
-from engine.tasks import build_embedded_tokenizer
+from engine.tasks.embedded import build_embedded_tokenizer
 
 TEMPLATE_OVERHEAD = len("<bos>u:") - len("<bos>") + 1 + len("\na:")  # tokens the embedded template adds: 6
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from trainer_run_script import dynamic_batch_parity, skewed_experience
 
-from engine.dynamic_batch import MicroBatcher, pack_by_token_budget, padded_length
+from engine.roles.dynamic_batch import MicroBatcher, pack_by_token_budget, padded_length
 
 
 @pytest.mark.parametrize("multiple", [1, 2])
@@ -61,9 +61,9 @@ def test_token_budget_gives_the_same_loss_and_gradient(tmp_path, mode):
 
 @pytest.mark.parametrize("pp,vpp", [(2, 1), (2, 2), (4, 2)])
 def test_pipeline_rows_fill_micro_batches_and_the_interleaved_count(pp, vpp):
-    """Forward-only calls at PP > 1 (engine/update_phase.py forward_rows): every row once in order, then the
+    """Forward-only calls at PP > 1 (engine/step/update.py forward_rows): every row once in order, then the
     last row repeated to whole micro-batches, and for vpp > 1 to a count that is a multiple of pp."""
-    from engine.update_phase import pipeline_rows
+    from engine.step.update import pipeline_rows
 
     for num_rows in range(1, 41):
         rows = pipeline_rows(num_rows, 5, pp, vpp)

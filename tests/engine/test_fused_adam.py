@@ -5,7 +5,7 @@ import copy
 
 import torch
 
-from engine.policy import use_fused_adam
+from engine.roles.policy import use_fused_adam
 
 
 class _Wrapper:  # megatron's optimizer wrappers expose the torch optimizer as `.optimizer`

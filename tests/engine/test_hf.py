@@ -1,4 +1,4 @@
-"""HF checkpoints <-> Megatron TP/PP shards (engine/models/hf*.py, engine/parity.py).
+"""HF checkpoints <-> Megatron TP/PP shards (engine/models/hf*.py, engine/tools/parity.py).
 
 World sizes: every test here runs in the pytest process without a process group (world size 1, megatron
 untouched) except `test_world4_parity_round_trip_memory_errors`, which launches tests/engine/hf_multirank.py
@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 
 from engine.config import ModelConfig, TrainConfig, register_configs, to_dataclass
 from engine.models.builder import ValueHead, resolve_shape
-from engine.models.hf import HFCheckpoint, HFCheckpointError, load_hf_weights, model_config_from_hf
+from engine.models.hf import HFCheckpoint, load_hf_weights
+from engine.models.hf_config import HFCheckpointError, model_config_from_hf
 from engine.models.hf_map import (
     WEIGHT_MAP,
     Split,
@@ -30,8 +31,8 @@ from engine.models.hf_map import (
     match_rule,
     shard_from_hf,
 )
-from engine.parity import hf_model_shape
-from engine.parity import main as parity_main
+from engine.tools.parity import hf_model_shape
+from engine.tools.parity import main as parity_main
 from parallel.dims import ParallelDims
 
 SCRIPT = str(Path(__file__).with_name("hf_multirank.py"))

@@ -13,9 +13,9 @@ import pytest
 import torch
 from trainer_run_script import built_job, read_metrics, run_job, skewed_experience
 
-from algorithms import loss_normalizer
-from engine.dynamic_batch import MicroBatcher
-from engine.role_losses import make_actor_loss, make_critic_loss
+from algorithms.losses import loss_normalizer
+from engine.roles.dynamic_batch import MicroBatcher
+from engine.step.losses import make_actor_loss, make_critic_loss
 
 TOL = {"float16": 2e-3, "bfloat16": 1.6e-2}
 OVERFLOW = 2.0**100  # a loss scale that overflows float16 gradients whatever the batch

@@ -1,4 +1,4 @@
-"""engine/offload.py on a stand-in role (a module, a torch Adam behind a megatron-like wrapper), no processes.
+"""engine/roles/offload.py on a stand-in role (a module, a torch Adam behind a megatron-like wrapper), no processes.
 
 CPU: the bytes the role holds on its device drop to 0 while offloaded and come back; values and training
 continue bit-identically; views into a shared buffer (how the 3D-HybridEngine and megatron DDP hold
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.offload import PARTS, RoleOffloader, all_onloaded, device_bytes, offloaded
+from engine.roles.offload import PARTS, RoleOffloader, all_onloaded, device_bytes, offloaded
 
 
 def _role(device: str = "cpu", shared_buffer: bool = False):

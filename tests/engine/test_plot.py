@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from engine.plot import main, read_metrics, write_plot
+from engine.tools.plot import main, read_metrics, write_plot
 
 pytest.importorskip("matplotlib")
 

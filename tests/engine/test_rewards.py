@@ -13,10 +13,11 @@ import torch
 from distributed import subprocess_env
 
 from engine.errors import RewardFnCallError
-from engine.rewards import build_reward_fn, find_rule, rule_reward
 from engine.rewards.boxed_math import boxed_math_score, last_boxed
+from engine.rewards.build import build_reward_fn
 from engine.rewards.embedded import positional_score
 from engine.rewards.gsm8k import extract_gsm8k_answer, gsm8k_score
+from engine.rewards.registry import find_rule, rule_reward
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -178,7 +179,7 @@ def test_boxed_math_scores_like_verl(response, truth, verl_score):
 
 
 def test_rule_answers_for_majority_votes():
-    from engine.rewards import rule_answer
+    from engine.rewards.registry import rule_answer
 
     assert rule_answer("math", r"so \boxed{\dfrac12}.") == r"\frac{1}{2}"
     assert rule_answer("openai/gsm8k", "#### 1,000") == "1000"
@@ -370,8 +371,8 @@ def test_reward_check_cli(tmp_path):
 
 
 def test_reward_check_in_process_with_tokenizer_and_user_fn(tmp_path, user_file, capsys):
-    from engine.reward_check import main
-    from engine.tasks import build_embedded_tokenizer, write_embedded_dataset
+    from engine.tasks.embedded import build_embedded_tokenizer, write_embedded_dataset
+    from engine.tools.reward_check import main
 
     tok = build_embedded_tokenizer(str(tmp_path / "tok"))
     data = write_embedded_dataset(str(tmp_path), "copy", num_rows=3, digits=4, seed=0)

@@ -16,9 +16,9 @@ import torch
 
 from engine.models.hf import HFCheckpoint
 from engine.models.hf_map import WEIGHT_MAP, Split, hf_names, shard_from_hf
-from engine.parity import hf_model_shape
 from engine.rollout.base import SamplingParams
 from engine.rollout.native import NativeRollout
+from engine.tools.parity import hf_model_shape
 from parallel.rollout_weights import RolloutWeights
 
 CPU = torch.device("cpu")

@@ -30,12 +30,12 @@ from test_rollout_native import hf_log_probs, rollout_weights_from_hf
 
 from engine.config import RolloutConfig
 from engine.models.hf_config import model_config_from_hf
-from engine.parity import hf_model_shape
 from engine.rollout import build_rollout_engine, vllm_backend
 from engine.rollout.base import SamplingParams
 from engine.rollout.vllm_backend import check_vllm_model, import_vllm, row_seed, write_hf_config
 from engine.rollout.vllm_weights import load_rollout_weights, vocab_pieces
-from engine.rollout_phase import rollout_replica
+from engine.step.rollout import rollout_replica
+from engine.tools.parity import hf_model_shape
 from parallel.launch import free_port
 
 SCRIPT = str(Path(__file__).with_name("rollout_vllm_script.py"))
@@ -213,7 +213,7 @@ def test_out_of_memory_on_wake_up_names_the_keys_that_fix_it(tiny, world_of_one,
 def test_backend_asks_vllm_for_log_probs_only_when_needed(tiny, world_of_one, monkeypatch):
     """SamplingParams.log_probs=False (rollout.log_probs=false): every request has logprobs=None, so vLLM
     computes none (measured on one H200: ~40% more tokens/s); same responses, RolloutOutput.log_probs None,
-    also through engine/rollout_phase.py."""
+    also through engine/step/rollout.py."""
     shape, weights = rollout_weights_from_hf(tiny["qwen2"])
     want = expected_vllm_params(hf_tensors(tiny["qwen2"]), shape.vocab_size, 1, 0)
     fake_vllm.install(monkeypatch, {name: torch.zeros_like(t) for name, t in want.items()})

@@ -1,4 +1,4 @@
-"""One run per output directory (engine/run_dir.py): the lock, and whether a run may start there.
+"""One run per output directory (engine/checkpoint/run_dir.py): the lock, and whether a run may start there.
 
 The lock is tested with two real processes: a holder process (a small Python child) and this test process
 or a `python -m engine.train` run (world size 1). The fresh-vs-resume rules are tested without processes
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.checkpoint.run_dir import LOCK_FILE, OutputDirError, RunLock, prepare_output_dir
 from engine.config import TrainerConfig
-from engine.run_dir import LOCK_FILE, OutputDirError, RunLock, prepare_output_dir
 
-HOLD = "import sys; from engine.run_dir import RunLock; RunLock.acquire(sys.argv[1]); print('held', flush=True); sys.stdin.read()"
+HOLD = "import sys; from engine.checkpoint.run_dir import RunLock; RunLock.acquire(sys.argv[1]); print('held', flush=True); sys.stdin.read()"
 
 
 def _holder(output_dir: Path) -> subprocess.Popen:
@@ -109,7 +109,7 @@ def test_a_fresh_run_in_an_old_runs_directory_is_refused_unless_overwrite(tmp_pa
 
 
 def test_overwrite_starts_fresh_when_no_checkpoint_is_usable(tmp_path):
-    """resume=auto: unusable checkpoints stop the run (engine/checkpoint.py) unless trainer.overwrite=true,
+    """resume=auto: unusable checkpoints stop the run (engine/checkpoint/checkpoint.py) unless trainer.overwrite=true,
     which removes them; a usable one is resumed, overwrite or not."""
     said: list[str] = []
     good, bad = tmp_path / "good", tmp_path / "bad"

@@ -4,8 +4,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.data import chat_prompt_ids, load_prompt_dataset, load_tokenizer
-from engine.rewards import build_reward_fn
-from engine.tasks import (
+from engine.rewards.build import build_reward_fn
+from engine.tasks.embedded import (
     EMBEDDED_VOCAB,
     build_embedded_tokenizer,
     prepare_embedded_job,

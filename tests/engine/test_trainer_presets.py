@@ -13,7 +13,7 @@ import pytest
 import torch
 from trainer_run_script import CRITIC_KEYS, built_job, check_finite, read_metrics, run_job
 
-from algorithms import get_advantage_estimator
+from algorithms.advantages import get_advantage_estimator
 
 BASE = (
     "reward/mean",
@@ -206,7 +206,7 @@ def test_adaptive_kl_coefficient_moves(runs):
 def test_critic_loads_its_backbone_from_the_checkpoint_with_a_zero_head(tmp_path):
     import hf_tiny
 
-    from engine.tasks import build_embedded_tokenizer
+    from engine.tasks.embedded import build_embedded_tokenizer
     from engine.trainer import Trainer
 
     actor_dir = hf_tiny.save_tiny("qwen2", str(tmp_path / "actor"), seed=0)

@@ -1,8 +1,8 @@
-"""engine/validation.py: mean@k, best@k, maj@k by hand, answers from the built-in rules."""
+"""engine/step/validation.py: mean@k, best@k, maj@k by hand, answers from the built-in rules."""
 
 import torch
 
-from engine.validation import response_answers, sample_metrics
+from engine.step.validation import response_answers, sample_metrics
 
 
 def test_sample_metrics_by_hand():

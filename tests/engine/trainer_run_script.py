@@ -91,7 +91,7 @@ def run_job(overrides: list[str], output_dir: str, keep_process_group: bool = Fa
 def skewed_experience(seed: int, rows: int, max_new_tokens: int, vocab: int, pad_id: int):
     """An Experience whose prompt and response lengths vary widely (2..24 and 1..max_new_tokens), n=2,
     with random advantages and rollout log-probs: what token-budget packing is for."""
-    from engine.batch import build_experience
+    from engine.step.batch import build_experience
 
     gen = torch.Generator().manual_seed(seed)
     n = 2
@@ -117,10 +117,10 @@ def dynamic_batch_parity(
     padded token counts of both splits."""
     from dataclasses import replace
 
-    from algorithms import loss_normalizer
-    from engine.dynamic_batch import MicroBatcher
-    from engine.role_losses import make_actor_loss
+    from algorithms.losses import loss_normalizer
+    from engine.roles.dynamic_batch import MicroBatcher
     from engine.setup import build_components
+    from engine.step.losses import make_actor_loss
 
     cfg = compose_config(
         [
@@ -189,12 +189,12 @@ def pipeline_remainder_parity(out_root: str, keep_process_group: bool = False) -
     from the Hugging Face checkpoints under `out_root` (policy/, critic/, reward_model/: the same weights at
     every layout). Returns the largest absolute difference per layout and role; also checks that an update
     call whose micro-batches differ in shape at PP=2 is refused rather than run."""
-    from engine.dynamic_batch import MicroBatcher
-    from engine.reward_model import last_token_value_fn
-    from engine.role_losses import log_prob_fn, value_fn
+    from engine.roles.dynamic_batch import MicroBatcher
+    from engine.roles.reward_model import last_token_value_fn
     from engine.setup import build_components
+    from engine.step.losses import log_prob_fn, value_fn
+    from engine.step.update import forward_rows
     from engine.tasks.embedded import build_embedded_tokenizer
-    from engine.update_phase import forward_rows
 
     tokenizer = build_embedded_tokenizer(os.path.join(out_root, "remainder_tokenizer"))
     results: dict[str, dict[str, torch.Tensor]] = {}
@@ -250,8 +250,8 @@ def dp_advantage_invariance() -> dict[str, float]:
 
     import torch.distributed as dist
 
-    from engine.advantage_phase import compute_advantages, dp_sum
     from engine.config import AlgorithmConfig
+    from engine.step.advantages import compute_advantages, dp_sum
 
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]

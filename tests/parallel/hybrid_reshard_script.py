@@ -25,7 +25,7 @@ from megatron.core import parallel_state
 from engine.config import ModelConfig, OptimConfig
 from engine.models.builder import build_gpt_chunks, resolve_shape
 from engine.models.logprobs import token_log_probs
-from engine.policy import MegatronRole
+from engine.roles.policy import MegatronRole
 from parallel.dims import ParallelDims
 from parallel.hybrid_check import hybridflow_bytes, layer_param_specs, verify_rollout
 from parallel.hybrid_engine import HybridEngine

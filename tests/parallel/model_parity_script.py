@@ -17,7 +17,7 @@ from megatron.core import parallel_state
 from engine.config import ModelConfig, OptimConfig
 from engine.models.builder import build_gpt_chunks, resolve_shape
 from engine.models.logprobs import token_entropy, token_log_probs
-from engine.policy import MegatronRole
+from engine.roles.policy import MegatronRole
 from parallel.dims import ParallelDims
 from parallel.hybrid_check import megatron_shard
 from parallel.layout import TrainLayout

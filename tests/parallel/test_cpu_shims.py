@@ -70,7 +70,7 @@ def test_megatron_optimizer_and_schedule_run_on_cpu(groups):
     """The pieces that combine shims 1, 2, 4 and 5: build, DDP, optimizer step, forward/backward schedule."""
     from engine.config import ModelConfig, OptimConfig
     from engine.models.builder import build_gpt_chunks, resolve_shape
-    from engine.policy import MegatronRole
+    from engine.roles.policy import MegatronRole
 
     shape = resolve_shape(ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64), 40, 1)
     chunks = build_gpt_chunks(shape, groups.dims, init_std=0.02, recompute=False, device=groups.device)

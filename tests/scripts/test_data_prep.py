@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 from distributed import subprocess_env
 
 from engine.data import read_prompt_rows
-from engine.rewards import build_reward_fn, find_rule
+from engine.rewards.build import build_reward_fn
+from engine.rewards.registry import find_rule
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SCHEMA = ["data_source", "prompt", "ability", "reward_model", "extra_info"]
@@ -106,7 +107,7 @@ def test_missing_source_files_name_the_pattern(tmp_path):
 
 
 def test_task_gsm8k_trains_on_prepared_data(tmp_path):
-    from engine.tasks import build_embedded_tokenizer
+    from engine.tasks.embedded import build_embedded_tokenizer
 
     out = str(tmp_path / "gsm8k")
     _prepare("gsm8k.py", _hub_copy(tmp_path / "hub", "main", GSM8K), out)

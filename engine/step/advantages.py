@@ -11,6 +11,9 @@ Which policy log-probs the KL in the reward uses: the old-log-prob forward when 
 (ppo_epochs == 1 and num_mini_batches == 1, where that forward is skipped) the rollout engine's log-probs
 of the same weights, which differ from the training forward by numerics only (with rollout.log_probs=false
 the trainer runs the forward instead: engine/config.py `needs_old_log_prob_forward`).
+
+`advantages` is the step's phase: `compute_advantages` over all DP replicas, the advantages' statistics, and
+the KL controller's update from the batch's KL in the reward.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from algorithms import get_advantage_estimator, get_kl_estimator, scores_to_token_rewards
-from engine.batch import Experience
+from algorithms.advantages import get_advantage_estimator
+from algorithms.kl import get_kl_estimator, scores_to_token_rewards
 from engine.config import AlgorithmConfig
+from engine.step.batch import Experience
+from engine.step.stats import dp_stats
+from parallel.state import ProcessGroups
 
 
 def policy_log_probs(exp: Experience) -> torch.Tensor:
@@ -90,4 +96,23 @@ def compute_advantages(
         reduce_sum=reduce_sum,
     )
     out.update(advantages=advantages_bt, returns=returns_bt, token_rewards=token_rewards_bt)
+    return out
+
+
+def advantages(exp: Experience, alg: AlgorithmConfig, kl_ctrl, groups: ProcessGroups) -> dict[str, float]:
+    """Add advantages and returns (and the reward's KL) to `exp.tensors`; update `kl_ctrl` (a KL controller of
+    algorithms/kl.py) when the KL is in the reward. Returns the `actor/adv_*` and `actor/reward_kl_*` metrics."""
+    kl_coef = kl_ctrl.value
+    exp.tensors.update(compute_advantages(exp, alg, kl_coef, dp_sum(groups.dp, groups.device)))
+    mask = exp.response_mask.bool()
+    mean, std, lo, hi = dp_stats(exp.tensors["advantages"][mask], groups)
+    out = {"actor/adv_mean": mean, "actor/adv_std": std, "actor/adv_min": lo, "actor/adv_max": hi}
+    if alg.kl_in_reward:
+        kl_seq = exp.tensors["kl_seq"]
+        moments = torch.tensor([float(kl_seq.double().sum()), float(kl_seq.numel())], device=groups.device)
+        dist.all_reduce(moments, group=groups.dp)
+        current_kl = float(moments[0]) / max(float(moments[1]), 1.0)
+        kl_ctrl.update(current_kl, n_steps=int(moments[1]))
+        out["actor/reward_kl_penalty"] = current_kl
+        out["actor/reward_kl_coef"] = kl_coef
     return out

@@ -8,9 +8,9 @@ decision whether a run may start there (fresh or resuming), taken before anythin
 - A fresh run (`trainer.resume=off`) in a directory that holds an earlier run's metrics.jsonl or
   checkpoints is refused; with `trainer.overwrite=true` those outputs are removed first. With
   `trainer.resume=auto` and checkpoints of which none is usable, `trainer.overwrite=true` starts fresh the
-  same way (without it engine/checkpoint.py refuses, naming every unusable checkpoint).
+  same way (without it engine/checkpoint/checkpoint.py refuses, naming every unusable checkpoint).
 
-What this module must not do: read or write checkpoint contents (engine/checkpoint.py does), or touch a
+What this module must not do: read or write checkpoint contents (engine/checkpoint/checkpoint.py does), or touch a
 directory it does not hold the lock of.
 """
 
@@ -171,7 +171,8 @@ def prepare_output_dir(output_dir: str, t: TrainerConfig, say: Callable[[str], N
             f"trainer.output_dir, or here with trainer.overwrite=true (removes them)"
         )
     if t.resume == "auto" and t.overwrite:
-        from engine.checkpoint import CheckpointError, latest_checkpoint
+        from engine.checkpoint.checkpoint import latest_checkpoint
+        from engine.checkpoint.checkpoint_state import CheckpointError
 
         try:
             latest_checkpoint(os.path.join(output_dir, CHECKPOINTS_DIR))

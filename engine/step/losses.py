@@ -4,7 +4,7 @@ from algorithms/.
 
 Each returns metric SUMS weighted by valid tokens plus `tokens`, so the trainer can average exactly over
 micro-batches and DP ranks. Metrics named `*loss` are instead the micro-batch's share of a mini-batch loss
-term (summed over micro-batches and DP, not averaged; engine/update_phase.py reports their mean per optimizer
+term (summed over micro-batches and DP, not averaged; engine/step/update.py reports their mean per optimizer
 step). The actor's terms, as verl logs them, aggregated like the loss (`algorithm.loss_agg_mode`):
     loss = pg_loss - entropy_coef * entropy_loss + kl_loss_coef * kl_loss
 `pg_loss` the policy-gradient term alone, `entropy_loss` the aggregated entropy, `kl_loss` the aggregated KL to
@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from algorithms import agg_loss, get_kl_estimator, get_policy_loss, value_loss
+from algorithms.kl import get_kl_estimator
+from algorithms.losses import agg_loss, get_policy_loss, policy_loss_traits, value_loss
 from engine.config import AlgorithmConfig
-from engine.policy import ResponseStats
+from engine.roles.policy import ResponseStats
 
 # names ending in "loss": shares of a mini-batch loss term (summed over micro-batches); the others: sums
 # weighted by valid tokens
@@ -53,7 +54,7 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, kl_ref: bool, rollo
     `actor_metric_names(rollout_log_probs)` (micro-batches carry `rollout_log_probs` exactly when it is true)."""
     policy_loss = get_policy_loss(alg.policy_loss)
     kl_fn = get_kl_estimator(alg.kl_estimator) if kl_ref else None
-    clip = {} if alg.policy_loss == "gspo" else {"clip_ratio_c": alg.clip_ratio_c}
+    clip = {"clip_ratio_c": alg.clip_ratio_c} if policy_loss_traits(alg.policy_loss).dual_clip else {}
 
     def loss_fn(stats: ResponseStats, mb: dict):
         mask = mb["response_mask"]

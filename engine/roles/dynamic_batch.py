@@ -16,14 +16,14 @@ actor update): 8 fixed micro-batches of 8 rows pad to 5312 tokens and take 0.61 
 720-token budget gives 5 micro-batches, 3433 tokens, 0.40 s (PP=2 with shape exchange: 0.38 s).
 The interleaved schedule (vpp > 1) is refused by engine/validate.py: it needs a micro-batch count that
 fits its groups of PP micro-batches, which a token budget does not guarantee.
-The loss normaliser contract of engine/policy.py makes the update independent of how rows are split.
+The loss normaliser contract of engine/roles/policy.py makes the update independent of how rows are split.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.batch import Experience
+from engine.step.batch import Experience
 
 
 def padded_length(length: int, multiple: int = 1) -> int:

@@ -15,10 +15,10 @@ import os
 
 import torch
 
-from engine.batch import build_experience
-from engine.dynamic_batch import MicroBatcher
-from engine.policy import MegatronRole
-from engine.update_phase import forward_rows
+from engine.roles.dynamic_batch import MicroBatcher
+from engine.roles.policy import MegatronRole
+from engine.step.batch import build_experience
+from engine.step.update import forward_rows
 
 CLASSIFIER_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification")
 

@@ -1,6 +1,6 @@
 """One step's experience on a training DP replica: the scored responses of a rollout (`Responses`, which
 dynamic sampling filters and concatenates by prompt group) and the training-side layout (`Experience`).
-Micro-batches are cut by engine/dynamic_batch.py.
+Micro-batches are cut by engine/roles/dynamic_batch.py.
 
 Sequences are laid out right-padded from position 0: [prompt, response, pad...], so a causal mask alone is
 exact for every valid token (no attention mask, no position shifts). Response-aligned tensors (b, T) index
@@ -142,3 +142,33 @@ _ROW_FIELDS = (
     "overlong_penalty",
     "baseline_scores",
 )
+
+
+REWARD_EXTRA = "reward_extra/"
+"""`Experience.tensors` key prefix of the reward function's numeric extras."""
+
+
+def experience_from(
+    resp: Responses, dp_rank: int, pad_id: int, seq_multiple: int, rollout_log_probs: bool
+) -> Experience:
+    """The training layout of this replica's scored responses, with their per-row tensors (scores, finished,
+    rollout log-probs, overlong penalty, greedy baseline, reward extras)."""
+    first_group = dp_rank * resp.num_groups  # group ids unique over replicas and refill rounds
+    exp = build_experience(
+        [r.prompt_ids for r in resp.records],
+        resp.response_ids,
+        resp.response_mask,
+        list(range(first_group, first_group + resp.num_groups)),
+        resp.n,
+        pad_id,
+        seq_multiple=seq_multiple,
+    )
+    exp.tensors.update(finished=resp.finished, scores=resp.scores)
+    if rollout_log_probs:
+        exp.tensors["rollout_log_probs"] = resp.log_probs
+    if resp.overlong_penalty is not None:
+        exp.tensors["overlong_penalty"] = resp.overlong_penalty
+    if resp.baseline_scores is not None:
+        exp.tensors["baseline_scores"] = resp.baseline_scores
+    exp.tensors.update({f"{REWARD_EXTRA}{k}": v for k, v in resp.reward_extras.items()})
+    return exp

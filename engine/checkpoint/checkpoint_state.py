@@ -1,5 +1,5 @@
 """What one rank's checkpoint holds and how it goes back into the live objects: a trainable role's parameters
-(by global name), optimizer state and LR schedule; the random generators. engine/checkpoint.py decides when
+(by global name), optimizer state and LR schedule; the random generators. engine/checkpoint/checkpoint.py decides when
 and where this is written and read.
 
 Parameters are loaded by copying INTO the existing tensors, never by replacing them: the 3D-HybridEngine
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from engine.errors import UserError
-from engine.policy import MegatronRole, sub_optimizers, torch_optimizers, use_fused_adam
+from engine.roles.policy import MegatronRole, sub_optimizers, torch_optimizers, use_fused_adam
 from parallel.rollout_weights import global_param_names
 from parallel.state import ProcessGroups
 

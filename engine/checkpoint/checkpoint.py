@@ -16,11 +16,11 @@ runs out of disk space says so, naming the device, the file and the size needed.
 
 `trainer.resume=auto` takes the checkpoint `latest` names if it is usable (meta.json readable, every rank's
 file a complete archive), else the next older usable one, saying which it skipped and why; if checkpoints
-exist but none is usable it stops, naming each (engine/run_dir.py starts fresh instead with
+exist but none is usable it stops, naming each (engine/checkpoint/run_dir.py starts fresh instead with
 trainer.overwrite=true). A truncated file met while loading is named with its checkpoint and the previous
 complete checkpoint to resume from.
 
-What one rank's state holds, and how it goes back into the live objects, is engine/checkpoint_state.py.
+What one rank's state holds, and how it goes back into the live objects, is engine/checkpoint/checkpoint_state.py.
 
 What this module must not do: reshard. A checkpoint resumes only under the layout it was saved with (tp, pp,
 vpp, first/last stage layers where set, dp, world size, distributed optimizer); anything else is refused with
@@ -51,11 +51,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint_state import (
+from engine.checkpoint.checkpoint_state import (
     CheckpointError,
     cpu_copy,
-    layer_ranges,
-    load_params,
     load_role_state,
     rng_state,
     role_state_dict,
@@ -63,36 +61,13 @@ from engine.checkpoint_state import (
 )
 from engine.config import ModelConfig
 from engine.models.builder import ModelShape
-from engine.offload import all_onloaded
-from engine.policy import MegatronRole
+from engine.roles.offload import all_onloaded
+from engine.roles.policy import MegatronRole
 from parallel.state import ProcessGroups
 
 if TYPE_CHECKING:  # engine.setup builds everything; importing it here at run time is not needed
     from engine.setup import Components
 
-__all__ = [  # the state functions are re-exported: engine.export and tests import them from here
-    "CheckpointError",
-    "Checkpointer",
-    "check_layout",
-    "check_shape",
-    "checkpoint_problem",
-    "complete_checkpoints",
-    "config_changes",
-    "cpu_copy",
-    "find_checkpoint",
-    "flat_config",
-    "latest_checkpoint",
-    "layer_ranges",
-    "load_params",
-    "load_role_state",
-    "prune_checkpoints",
-    "read_meta",
-    "read_rank_state",
-    "role_state_dict",
-    "run_layout",
-    "save_checkpoint",
-    "state_nbytes",
-]
 
 FORMAT_VERSION = 1
 CHECKPOINTS_DIR = "checkpoints"
@@ -683,13 +658,6 @@ class Checkpointer:
         return {"timing/save_checkpoint": seconds}
 
     def finish(self, step: int) -> None:
-        """After the last step: save it (when trainer.save_freq > 0 and not saved yet), export the actor to
-        Hugging Face format when trainer.export_hf."""
+        """After the last step: save it (when trainer.save_freq > 0 and not saved yet)."""
         if self.t.save_freq and self.saved_step != step:
             self._say(f"saved {self.save(step)}")
-        if self.t.export_hf:
-            from engine.export import export_actor  # engine.export reads checkpoints through this module
-
-            out = os.path.join(self.c.output_dir, "hf_actor")
-            export_actor(self.c, out)
-            self._say(f"exported the actor at step {step} to {out} (Hugging Face format)")

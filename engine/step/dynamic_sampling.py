@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from algorithms import dynamic_sampling_keep_mask
-from engine.batch import Responses
+from algorithms.dapo import dynamic_sampling_keep_mask
+from engine.step.batch import Responses
 
 
 class GroupSelector:

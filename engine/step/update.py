@@ -3,7 +3,10 @@
 
 Mini-batches are contiguous row ranges, so the n responses of a prompt stay together; their order is
 shuffled per epoch with a seed shared by all ranks. Each mini-batch's loss normaliser is summed over DP
-first (the contract of engine/policy.py), so the update does not depend on how rows are split.
+first (the contract of engine/roles/policy.py), so the update does not depend on how rows are split.
+
+`update_actor` and `update_critic` are the step's update phases: `run_updates` with the tensors each role's
+loss reads (engine/step/losses.py), and their metrics.
 """
 
 from __future__ import annotations
@@ -13,11 +16,20 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from algorithms import loss_normalizer
-from engine.batch import Experience
+from algorithms.losses import loss_normalizer
 from engine.config import AlgorithmConfig
-from engine.dynamic_batch import MicroBatcher
-from engine.policy import LossFn, MegatronRole
+from engine.roles.dynamic_batch import MicroBatcher
+from engine.roles.policy import LossFn, MegatronRole
+from engine.step.batch import Experience
+from engine.step.context import StepContext
+from engine.step.losses import (
+    ACTOR_FIRST_MINI_BATCH_METRICS,
+    CRITIC_METRICS,
+    actor_metric_names,
+    make_actor_loss,
+    make_critic_loss,
+)
+from engine.step.stats import dp_stats
 
 
 def run_updates(
@@ -132,3 +144,54 @@ def forward_rows(
             start += len(mb["rows"])
         local = local.to(g.device)
     return role.broadcast_from_last_stage(local, shape, torch.float32).cpu()
+
+
+def update_actor(
+    ctx: StepContext, exp: Experience, old_log_probs: bool, kl_ref: bool, rollout_log_probs: bool
+) -> dict[str, float]:
+    """The actor's update; `old_log_probs`, `kl_ref`, `rollout_log_probs`: whether `exp` holds them."""
+    c = ctx.c
+    alg = c.cfg.algorithm
+    keys = ["advantages"]
+    if rollout_log_probs:
+        keys.append("rollout_log_probs")
+    if old_log_probs:
+        keys.append("old_log_probs")
+    if kl_ref:
+        keys.append("ref_log_probs")
+    out = run_updates(
+        c.actor,
+        exp,
+        alg=alg,
+        make_loss=lambda norm: make_actor_loss(alg, norm, kl_ref, rollout_log_probs),
+        metric_names=actor_metric_names(rollout_log_probs),
+        keys=tuple(keys),
+        batcher=ctx.batcher,
+        max_len=c.cfg.rollout.max_new_tokens,
+        seed=c.cfg.trainer.seed + ctx.step,
+        temperature=c.cfg.rollout.temperature,
+        first_only=ACTOR_FIRST_MINI_BATCH_METRICS,
+    )
+    return {f"actor/{k}": v for k, v in out.items()}
+
+
+def update_critic(ctx: StepContext, exp: Experience) -> dict[str, float]:
+    """The critic's update, and the mean returns and values over all DP replicas."""
+    c = ctx.c
+    alg = c.cfg.algorithm
+    out = run_updates(
+        c.critic,
+        exp,
+        alg=alg,
+        make_loss=lambda norm: make_critic_loss(alg, norm),
+        metric_names=CRITIC_METRICS,
+        keys=("values", "returns"),
+        batcher=ctx.batcher,
+        max_len=c.cfg.rollout.max_new_tokens,
+        seed=c.cfg.trainer.seed + ctx.step,
+    )
+    metrics = {f"critic/{k}": v for k, v in out.items()}
+    mask = exp.response_mask.bool()
+    metrics["critic/returns_mean"] = dp_stats(exp.tensors["returns"][mask], c.groups)[0]
+    metrics["critic/values_mean"] = dp_stats(exp.tensors["values"][mask], c.groups)[0]
+    return metrics

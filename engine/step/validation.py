@@ -12,6 +12,8 @@ gets k responses sampled as in training (`rollout.temperature`, `top_p`, `top_k`
   scored; 0 when no response has an answer. Logged only where answers are defined: built-in rules without
   a reward model scoring alone.
 All of these are averaged over prompts across every DP replica.
+
+`validate` rolls out and scores every validation batch of the rank and returns these metrics.
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from engine.rewards import find_rule, rule_answer
+from engine.rewards.registry import find_rule, rule_answer
+from engine.step.context import StepContext
+from engine.step.reward import score
+from engine.step.rollout import rollout
+from engine.step.stats import dp_stats
 
 
 def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
@@ -86,4 +92,30 @@ def per_source_means(
             entry[1] += count
     return {
         f"val/{source}/{name}": total / count for (source, name), (total, count) in sorted(merged.items())
+    }
+
+
+def validate(ctx: StepContext) -> dict[str, float]:
+    """`val/*` metrics over every validation batch of this rank (collective over DP); `ctx.timer` times it."""
+    c, k = ctx.c, ctx.c.cfg.rollout.val_n
+    scores, per_prompt = [], []
+    for records in c.val_batches:
+        outs = rollout(ctx, records, ("val", "val_sample") if k > 1 else ("val",))
+        values = {"reward": score(c, outs[0], records, 1, ctx.batcher)[0]}
+        scores.append(values["reward"])
+        if k > 1:
+            sampled = score(c, outs[1], records, k, ctx.batcher)[0]
+            answers = None
+            if c.cfg.reward.fn == "" and c.reward_model is None:
+                texts = decode_responses(c.tokenizer, outs[1].response_ids, outs[1].response_mask)
+                sources = [records[i // k].data_source for i in range(len(texts))]
+                answers = response_answers(sources, texts, c.cfg.reward.gsm8k_method)
+            values.update(sample_metrics(sampled.view(len(records), k), answers))
+        per_prompt.append(([r.data_source for r in records], values))
+    mean, std, _, _ = dp_stats(torch.cat(scores), c.groups)
+    return {
+        "val/reward_mean": mean,
+        "val/reward_std": std,
+        **per_source_means(per_prompt, c.groups.dp),
+        "timing/testing": sum(ctx.timer.seconds.values()),
     }

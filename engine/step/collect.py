@@ -1,0 +1,41 @@
+"""The step's responses on this replica: one rollout round, or with dynamic sampling (DAPO) further rounds
+while the batch lacks informative groups, selected over all replicas' responses
+(engine/step/dynamic_sampling.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from engine.step.batch import Responses
+from engine.step.context import StepContext
+from engine.step.dynamic_sampling import GroupSelector, global_order, replica_share
+from engine.step.reward import scored_responses
+
+
+def collect(ctx: StepContext) -> tuple[Responses, dict[str, float]]:
+    """This replica's scored responses for the step and the `dynamic_sampling/*` metrics (none without)."""
+    c = ctx.c
+    alg, g = c.cfg.algorithm, c.groups
+    if not alg.dynamic_sampling:
+        return scored_responses(ctx, c.loader.next_batch(), 0), {}
+    selector = GroupSelector(c.cfg.data.batch_size)
+    rounds = 0
+    while True:
+        parts: list[Responses | None] = [None] * g.dims.dp
+        mine = scored_responses(ctx, c.loader.next_batch(), rounds)
+        dist.all_gather_object(parts, mine, group=g.dp)
+        selector.add(global_order(parts, alg.num_mini_batches))
+        rounds += 1
+        missing = torch.tensor(float(selector.missing), device=g.device)
+        dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=g.world)
+        if float(missing) == 0 or rounds >= alg.max_sampling_rounds:
+            break
+    batch, counts = selector.finish()  # the same on every replica: counts are global
+    responses = replica_share(batch, g.dp_rank, g.dims.dp, alg.num_mini_batches)
+    return responses, {
+        "dynamic_sampling/rounds": float(rounds),
+        "dynamic_sampling/generated_groups": float(counts["generated"]),
+        "dynamic_sampling/dropped_groups": float(counts["dropped"]),
+        "dynamic_sampling/filler_groups": float(counts["filler"]),
+    }

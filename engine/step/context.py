@@ -1,0 +1,34 @@
+"""What the phases of one step share: the rank's components, the micro-batcher, the step index, the phase
+timer and the rollout engine's statistics of the step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.metrics import PhaseTimer
+from engine.roles.dynamic_batch import MicroBatcher
+
+if TYPE_CHECKING:
+    from engine.setup import Components
+
+
+@dataclass
+class StepContext:
+    c: Components
+    batcher: MicroBatcher
+    step: int
+    """The index of the step being run (0 for the first)."""
+    timer: PhaseTimer
+    engine_stats: dict[str, float] = field(default_factory=dict)
+    """This rank's rollout engine statistics of the step (`add_engine_stats`)."""
+
+    def add_engine_stats(self, stats: dict) -> None:
+        """Keep the rollout engine's statistics of one call for the step's metrics (`rollout_engine/<key>`):
+        seconds (keys ending in `_s`, e.g. vLLM's `wake_load_s` and `sleep_s`) add up over the step's calls,
+        counts are the last call's (native: `decode_steps`, `compactions`, `chunks`, ...)."""
+        for key, value in stats.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                name = f"rollout_engine/{key}"
+                add = key.endswith("_s") and name in self.engine_stats
+                self.engine_stats[name] = float(value) + (self.engine_stats[name] if add else 0.0)

@@ -1,0 +1,84 @@
+"""The step's reward: decode the responses, score them (rule or user function, and/or the reward model),
+DAPO's overlong penalty, and the greedy baseline of estimators that need one (ReMax)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from algorithms.advantages import advantage_traits
+from algorithms.dapo import overlong_penalty
+from engine.config import overlong_buffer_tokens
+from engine.roles.dynamic_batch import MicroBatcher
+from engine.rollout.base import RolloutOutput
+from engine.step.batch import Responses
+from engine.step.context import StepContext
+from engine.step.rollout import rollout
+
+if TYPE_CHECKING:
+    from engine.setup import Components
+
+
+def score(
+    c: Components, out: RolloutOutput, records, n: int, batcher: MicroBatcher
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Reward-function scores (rows,), the overlong penalty (rows,) or None, and the reward function's
+    numeric extras {key: (rows,)} (engine/rewards/reward_fn.py) of `out`'s rows, `n` per record."""
+    tok, alg, max_new = c.tokenizer, c.cfg.algorithm, c.cfg.rollout.max_new_tokens
+    lengths = out.response_mask.sum(-1)
+    texts = [
+        tok.decode(out.response_ids[r, : int(lengths[r])].tolist(), skip_special_tokens=True)
+        for r in range(out.response_ids.shape[0])
+    ]
+    rec = [records[r // n] for r in range(len(texts))]
+    scores, extras = torch.zeros(len(texts), dtype=torch.float32), {}
+    if c.reward_fn is not None:
+        result = c.reward_fn.score(
+            [x.data_source for x in rec],
+            texts,
+            [x.ground_truth for x in rec],
+            [x.extra_info for x in rec],
+        )
+        scores, extras = result.scores, result.extras
+    if c.reward_model is not None:  # combine=model: alone; combine=sum: added to the rule score
+        prompts = [r.prompt_ids for r in records]
+        scores = scores + c.reward_model(prompts, out.response_ids, out.response_mask, n, batcher)
+    penalty = None
+    if overlong_buffer_tokens(alg, max_new) > 0:
+        penalty = overlong_penalty(
+            lengths,
+            max_len=max_new,
+            buffer_len=overlong_buffer_tokens(alg, max_new),
+            penalty_factor=alg.overlong_penalty,
+        ).to(scores.dtype)
+    return scores, penalty, extras
+
+
+def scored_responses(ctx: StepContext, records, round_index: int) -> Responses:
+    """Roll out and score one batch of prompts (with the greedy baseline when the estimator needs one)."""
+    c = ctx.c
+    n = c.cfg.rollout.n
+    greedy = advantage_traits(c.cfg.algorithm.adv_estimator).needs_greedy_baseline
+    outs = rollout(ctx, records, ("sample", "greedy") if greedy else ("sample",), round_index)
+    with ctx.timer.phase("reward"):
+        scores, penalty, extras = score(c, outs[0], records, n, ctx.batcher)
+        baseline = None
+        if greedy:
+            greedy_scores, greedy_penalty, _ = score(c, outs[1], records, 1, ctx.batcher)
+            if greedy_penalty is not None:
+                greedy_scores = greedy_scores + greedy_penalty
+            baseline = greedy_scores.repeat_interleave(n)
+    out = outs[0]
+    return Responses(
+        records=list(records),
+        n=n,
+        response_ids=out.response_ids,
+        response_mask=out.response_mask,
+        log_probs=out.log_probs,
+        finished=torch.tensor([r == "stop" for r in out.finish_reasons], dtype=torch.float32),
+        scores=scores,
+        overlong_penalty=penalty,
+        baseline_scores=baseline,
+        reward_extras=extras,
+    )

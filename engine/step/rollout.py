@@ -1,0 +1,118 @@
+"""Rollout for one training DP replica: its prompts are split over the micro-DP group, each share is generated
+on the rollout-layout weights, and the responses are gathered back so every rank of the replica holds all of
+them (HybridFlow's data resharding around the weight transition).
+
+`rollout` is the step's phase: the train -> rollout weight transition, the sampling parameters and seeds of
+each kind of rollout, `rollout_replica` per kind, and the transition back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from engine.config import TrainConfig
+from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
+from engine.step.context import StepContext
+from parallel.rollout_weights import RolloutWeights
+
+
+def _share_bounds(num: int, parts: int, index: int) -> tuple[int, int]:
+    base, extra = divmod(num, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+def rollout_replica(
+    engine: RolloutEngine, weights: RolloutWeights, prompts: list[list[int]], sampling: SamplingParams
+) -> RolloutOutput:
+    """Generate `sampling.n` responses for each of this replica's prompts; identical result on every rank of
+    the replica (rows in prompt order, samples of a prompt adjacent), as CPU tensors. Log-probs are present
+    exactly when `sampling.log_probs` (the same on every rank: it comes from the config), whatever the backend
+    returned, so the ranks agree on what they exchange and the trainer on what it logs."""
+    start, end = _share_bounds(len(prompts), weights.micro_dp_size, weights.micro_dp_rank)
+    share = prompts[start:end]
+    if share:
+        out = engine.generate(share, sampling)
+    else:
+        empty = torch.zeros(0, sampling.max_new_tokens)
+        out = RolloutOutput(empty.long(), empty, empty, [])
+    log_probs = None
+    if sampling.log_probs:
+        if out.log_probs is None:
+            raise RuntimeError(
+                f"{type(engine).__name__}.generate returned no log-probs though SamplingParams.log_probs was "
+                "set (the contract of engine/rollout/base.py)"
+            )
+        log_probs = out.log_probs.cpu()
+    local = (out.response_ids.cpu(), out.response_mask.cpu(), log_probs, out.finish_reasons)
+    if weights.micro_dp_size == 1:  # the experience lives on the CPU; micro-batches go to the device
+        return RolloutOutput(*local)
+    gathered: list = [None] * weights.micro_dp_size
+    dist.all_gather_object(gathered, local, group=weights.micro_dp_group)
+    return RolloutOutput(
+        response_ids=torch.cat([g[0] for g in gathered]),
+        response_mask=torch.cat([g[1] for g in gathered]),
+        log_probs=torch.cat([g[2] for g in gathered]) if sampling.log_probs else None,
+        finish_reasons=[r for g in gathered for r in g[3]],
+    )
+
+
+def sampling_params(
+    cfg: TrainConfig, eos_token_id: int, greedy: bool, seed: int, temperature: float | None = None
+) -> SamplingParams:
+    """Sampled (rollout.n at rollout.temperature) or greedy/validation (one response per prompt)."""
+    r = cfg.rollout
+    if temperature is None:
+        temperature = r.val_temperature if greedy else r.temperature
+    return SamplingParams(
+        n=1 if greedy else r.n,
+        temperature=temperature,
+        top_p=1.0 if greedy else r.top_p,
+        top_k=0 if greedy else r.top_k,
+        max_new_tokens=r.max_new_tokens,
+        stop_token_ids=(eos_token_id,),
+        ignore_eos=r.ignore_eos,
+        seed=seed,
+        log_probs=r.log_probs and not greedy,  # greedy/val responses are only scored
+    )
+
+
+def rollout_seed(seed: int, step: int, round_index: int, dp_rank: int, micro_dp_rank: int) -> int:
+    """The sampling seed of one rollout: distinct per step, dynamic-sampling round and prompt share."""
+    return (seed * 1_000_003 + step * 7919 + round_index * 15_485_863 + dp_rank * 104_729 + micro_dp_rank) % (
+        2**62
+    )
+
+
+def rollout(ctx: StepContext, records, kinds: tuple[str, ...], round_index: int = 0) -> list[RolloutOutput]:
+    """One train -> rollout -> train transition and a rollout per kind: "sample" (rollout.n sampled
+    responses), "greedy" (one at temperature 0: a greedy baseline), "val" (one at rollout.val_temperature),
+    "val_sample" (rollout.val_n sampled ones)."""
+    c, timer = ctx.c, ctx.timer
+    cfg = c.cfg
+    prompts = [r.prompt_ids for r in records]
+    with timer.phase("reshard"):
+        c.rollout_weights = c.weight_sync.to_rollout()
+        c.rollout.set_weights(c.rollout_weights)
+    seed = rollout_seed(
+        cfg.trainer.seed, ctx.step, round_index, c.groups.dp_rank, c.rollout_weights.micro_dp_rank
+    )
+    eos = c.tokenizer.eos_token_id
+    params = {
+        "sample": sampling_params(cfg, eos, False, seed),
+        "greedy": sampling_params(cfg, eos, True, seed, temperature=0.0),
+        "val": sampling_params(cfg, eos, True, seed),
+        "val_sample": replace(sampling_params(cfg, eos, False, seed), n=cfg.rollout.val_n, log_probs=False),
+    }
+    outs = []
+    for kind in kinds:
+        with timer.phase("gen"):
+            outs.append(rollout_replica(c.rollout, c.rollout_weights, prompts, params[kind]))
+        ctx.add_engine_stats(c.rollout.last_stats)
+    with timer.phase("reshard"):
+        c.weight_sync.to_train()
+        c.rollout_weights = None
+    return outs

@@ -1,0 +1,98 @@
+"""The step's statistics over all DP replicas: rewards, response lengths, the reward function's extras,
+throughput and MFU. Every statistic counts each replica's rows once, so it does not depend on the DP size."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from engine.step.batch import REWARD_EXTRA, Experience
+from engine.step.perf import mfu, train_flops
+from parallel.state import ProcessGroups
+
+if TYPE_CHECKING:
+    from engine.setup import Components
+
+
+def dp_stats(values: torch.Tensor, groups: ProcessGroups) -> tuple[float, float, float, float]:
+    """Mean, std, min, max of `values` (any shape, possibly empty on some replica) over all DP replicas
+    (each replica counted once)."""
+    v = values.double().flatten()
+    moments = torch.tensor(
+        [float(v.sum()), float((v * v).sum()), float(v.numel())], dtype=torch.float64, device=groups.device
+    )
+    ext = torch.tensor(
+        [float(-v.min()) if v.numel() else -torch.inf, float(v.max()) if v.numel() else -torch.inf],
+        dtype=torch.float64,
+        device=groups.device,
+    )
+    dist.all_reduce(moments, group=groups.dp)
+    dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=groups.dp)
+    total, sq, count = moments.tolist()
+    count = max(count, 1.0)
+    mean = total / count
+    return mean, max(sq / count - mean * mean, 0.0) ** 0.5, -float(ext[0]), float(ext[1])
+
+
+def rollout_metrics(exp: Experience, groups: ProcessGroups, rollout_log_probs: bool) -> dict[str, float]:
+    """`reward/*`, `response_length/*`, `rollout/logprob_mean` (when the rollout returns log-probs) and the
+    reward function's extras."""
+    out = {}
+    for name, values in (
+        ("reward", exp.tensors["scores"]),
+        ("response_length", exp.response_mask.sum(-1)),
+    ):
+        mean, std, lo, hi = dp_stats(values, groups)
+        out.update({f"{name}/mean": mean, f"{name}/std": std, f"{name}/min": lo, f"{name}/max": hi})
+    out["response_length/clip_ratio"] = dp_stats(1.0 - exp.tensors["finished"], groups)[0]
+    if "overlong_penalty" in exp.tensors:
+        out["reward/overlong_penalty_mean"] = dp_stats(exp.tensors["overlong_penalty"], groups)[0]
+    if rollout_log_probs:
+        mask = exp.response_mask.bool()
+        out["rollout/logprob_mean"] = dp_stats(exp.tensors["rollout_log_probs"][mask], groups)[0]
+    out.update(reward_extra_metrics(exp, groups))
+    return out
+
+
+def reward_extra_metrics(exp: Experience, groups: ProcessGroups) -> dict[str, float]:
+    """`reward/extra/<key>`: mean over the DP replicas' rows of each numeric extra of a dict-returning
+    reward function (the union of the replicas' keys: a replica without one contributes no rows)."""
+    keys = sorted(k.removeprefix(REWARD_EXTRA) for k in exp.tensors if k.startswith(REWARD_EXTRA))
+    if groups.dims.dp > 1:
+        gathered = [None] * groups.dims.dp
+        dist.all_gather_object(gathered, keys, group=groups.dp)
+        keys = sorted(set().union(*gathered))
+    empty = torch.zeros(0)
+    return {
+        f"reward/extra/{k}": dp_stats(exp.tensors.get(f"{REWARD_EXTRA}{k}", empty), groups)[0] for k in keys
+    }
+
+
+def perf_metrics(
+    c: Components, exp: Experience, seconds: dict[str, float], peak_gb: dict[str, float]
+) -> dict[str, float]:
+    """`perf/*`: tokens, tokens/s/GPU, the actor update's MFU and the step's peak memory (CUDA)."""
+    g = c.groups
+    response_lens = exp.response_mask.sum(-1).long()
+    seq_lens = exp.prompt_lens + response_lens
+    # the actor's head is "response": logits at response positions only
+    flops = train_flops(c.shape, seq_lens, response_lens) * c.cfg.algorithm.ppo_epochs
+    sums = torch.tensor([float(seq_lens.sum()), flops], dtype=torch.float64, device=g.device)
+    dist.all_reduce(sums, group=g.dp)
+    tokens, flops = sums.tolist()
+    world = g.dims.world_size
+    out = {
+        "perf/total_tokens": tokens,
+        "perf/tokens_per_s_per_gpu": tokens / seconds["step"] / world,
+        "perf/mfu/actor": 0.0,
+    }
+    if g.device.type == "cuda":
+        peak = c.cfg.cluster.peak_tflops
+        out["perf/mfu/actor"] = mfu(flops, seconds["update_actor"], world, peak)
+        # PhaseTimer resets the peak at each phase start: the step's peak is the largest of the phases'
+        # and of what ran since the last one started
+        since_last = torch.cuda.max_memory_allocated(g.device) / 2**30
+        out["perf/max_memory_allocated_gb"] = max([since_last, *peak_gb.values()])
+    return out
