@@ -3,10 +3,9 @@ grouped-query attention with every query head of a KV group in one tile (flash-d
 
 Why not a library kernel: FlashAttention-2 (inside torch) tiles queries by 64-128 rows; a decode step has one
 query per head, so even with the heads of a group folded into the query axis (7 rows for Qwen2.5) most of the
-tile is padding, and at RL batch sizes the padded tile's math, not the memory traffic, bounds it (measured on
-an H200 at Qwen2.5-7B shapes: 2.2 TB/s of K/V read at best, scripts/bench/decode_attention.py). Here a tile
-is 16 query rows (the smallest `tl.dot` takes) and the kernel streams K/V once per (row, group): 3.0 TB/s
-at those shapes, 149 us per layer and decode step of the 7B rollout against FA2's 270 us.
+tile is padding, and at RL batch sizes the padded tile's math, not the memory traffic, bounds it. Here a tile
+is 16 query rows (the smallest `tl.dot` takes) and the kernel streams K/V once per (row, group). The measured
+bandwidths and times of both are in scripts/bench/README.md ("Rollout"; `scripts/bench/decode_attention.py`).
 
 Layout: q (rows, groups, heads per group, dim) (any strides, unit stride over dim); the cache of a layer
 (rows, positions, groups, dim) as engine/rollout/kv_cache.py lays it out. Row r attends over positions

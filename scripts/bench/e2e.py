@@ -24,9 +24,9 @@ import tempfile
 sys.path.insert(0, os.path.dirname(__file__))
 from presets import num_params  # noqa: E402
 
-PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16 spec; ../shared/notes: ~790e12 measured for large GEMMs
+PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16 spec (large GEMMs reach ~790e12 in practice)
 # vLLM 0.26 LLM.generate alone on one H200, generated tokens/s for these RL-shaped batches
-# (../shared/notes/performance-anchors.md): the generation speed of the bound
+# (the team's performance anchors, restated in scripts/bench/README.md): the generation speed of the bound
 VLLM_ANCHOR_TOKENS_PER_S = {"qwen2_5_0_5b": 42_903, "qwen2_5_1_5b": 41_245, "qwen2_5_7b": 21_700}
 BOUND_MFU = 0.5
 PROMPT_OVERHEAD = 11  # "<bos>u:copy " + "\na:" around the digits in the embedded chat template
