@@ -55,10 +55,10 @@ def main(raw: DictConfig) -> None:
 
         with explain_rank_failures(groups.rank, dims.world_size, cfg.cluster.timeout_s):
             output_dir = _output_dir(cfg.trainer.output_dir)
-            if groups.rank == 0:
-                print(run_header(cfg, dims, output_dir, warnings), flush=True)
-                print(kernels_line(groups.device.type), flush=True)
             with claimed_output_dir(output_dir, cfg.trainer, groups):
+                if groups.rank == 0:  # once the directory is ours: a refused run prints only its error
+                    print(run_header(cfg, dims, output_dir, warnings), flush=True)
+                    print(kernels_line(groups.device.type), flush=True)
                 Trainer(build_components(cfg, groups, output_dir)).fit()
                 if cfg.trainer.plot and groups.is_logging_rank:
                     print(plot_at_end(output_dir), flush=True)
