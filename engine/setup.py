@@ -105,9 +105,7 @@ def model_shape(model: ModelConfig, tokenizer_vocab: int, tp: int) -> ModelShape
 def build_policy_chunks(cfg: TrainConfig, shape: ModelShape, groups: ProcessGroups) -> list:
     """Actor/reference chunks: loaded from `model.path`, or seeded random init (same on every DP replica)."""
     torch.manual_seed(cfg.trainer.seed)
-    chunks = build_gpt_chunks(
-        shape, groups.dims, init_std=cfg.model.init_std, recompute=cfg.model.recompute, device=groups.device
-    )
+    chunks = build_gpt_chunks(shape, groups, init_std=cfg.model.init_std, recompute=cfg.model.recompute)
     if cfg.model.path:
         load_hf_weights(chunks, cfg.model.path, shape, groups)
     return chunks
@@ -130,10 +128,9 @@ def build_critic(
     torch.manual_seed(cfg.trainer.seed)
     chunks = build_gpt_chunks(
         shape,
-        groups.dims,
+        groups,
         init_std=cfg.model.init_std,
         recompute=cfg.model.recompute,
-        device=groups.device,
         value_head=True,
     )
     if path:
@@ -161,10 +158,9 @@ def build_reward_model(cfg: TrainConfig, vocab_size: int, groups: ProcessGroups,
             )
     chunks = build_gpt_chunks(
         shape,
-        groups.dims,
+        groups,
         init_std=cfg.model.init_std,
         recompute=False,
-        device=groups.device,
         value_head=True,
     )
     load_hf_weights(chunks, path, shape, groups)

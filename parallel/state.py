@@ -2,13 +2,16 @@
 process; see `parallel/launch.py`), megatron's parallel_state, and the explicit process groups handed to the
 rest of the engine.
 
-Nothing outside `parallel/` reads megatron's global groups: callers get a `ProcessGroups` object.
+Nothing outside `parallel/` reads megatron's global groups: callers get a `ProcessGroups` object, and hand
+megatron its groups as a `ProcessGroupCollection` (`ProcessGroups.megatron_groups()`). parallel_state stays
+initialised for code that still reads it, but the engine's model, DDP, optimizer and schedule calls do not.
 """
 
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,6 +19,9 @@ import torch.distributed as dist
 from parallel.arrival import publish_process
 from parallel.dims import ParallelDims
 from parallel.launch import cuda_device_index, export_launch_env, read_launch_env
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 
 @dataclass
@@ -38,6 +44,11 @@ class ProcessGroups:
     """Model-parallel group (tp x pp) of this rank."""
     world: dist.ProcessGroup
     """All ranks."""
+    embd: dist.ProcessGroup | None
+    """Tied-embedding group: the first and last stage of this rank's PP group (this rank alone at pp=1);
+    None on the middle stages."""
+    alone: dist.ProcessGroup
+    """This rank by itself: megatron's context- and expert-parallel groups (the engine uses neither)."""
     timeout: datetime.timedelta = datetime.timedelta(seconds=600)
     """Collective timeout of every group above (`cluster.timeout_s`); pass it to any `dist.new_group`."""
 
@@ -70,6 +81,40 @@ class ProcessGroups:
     def is_logging_rank(self) -> bool:
         """The one rank that prints and writes metrics: global rank 0."""
         return self.rank == 0
+
+    def holds_chunk_ends(self, vp_stage: int) -> tuple[bool, bool]:
+        """(first, last): whether this rank's model chunk `vp_stage` is the whole model's first stage (it
+        holds the embedding) and its last (it holds the output layer)."""
+        return (
+            self.is_first_stage and vp_stage == 0,
+            self.is_last_stage and vp_stage == self.dims.vpp - 1,
+        )
+
+    def megatron_groups(self) -> ProcessGroupCollection:
+        """These groups as megatron-core's `ProcessGroupCollection`, for GPTModel, DDP, the optimizer,
+        the schedules and finalize_model_grads (`pg_collection=`).
+
+        With no context or expert parallelism, megatron's data-parallel-with-context, expert-data-parallel
+        and expert tensor-model-pipeline groups have the ranks of dp and mp, and the distributed optimizer
+        (one instance) reduces gradient statistics over every rank of the role (`world`). The engine's
+        models have no learned position embeddings (RoPE), so no position-embedding group.
+        """
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        return ProcessGroupCollection(
+            tp=self.tp,
+            pp=self.pp,
+            mp=self.mp,
+            embd=self.embd,
+            pos_embd=None,
+            cp=self.alone,
+            ep=self.alone,
+            dp=self.dp,
+            dp_cp=self.dp,
+            expt_dp=self.dp,
+            tp_ep_pp=self.mp,
+            intra_dist_opt=self.world,
+        )
 
 
 def world_size_from_env() -> int:
@@ -133,6 +178,8 @@ def init_distributed(
         dp=parallel_state.get_data_parallel_group(),
         mp=parallel_state.get_model_parallel_group(),
         world=dist.group.WORLD,
+        embd=parallel_state.get_embedding_group(check_initialized=False),
+        alone=parallel_state.get_context_parallel_group(),
         timeout=datetime.timedelta(seconds=timeout_s),
     )
 

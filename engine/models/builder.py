@@ -3,7 +3,8 @@ QK-norm, tied or untied embeddings) from `ModelConfig`, sharded by megatron itse
 (uneven first/last stages where `ParallelDims.stage_layer_counts` says so).
 
 The actor and reference are plain GPTModels; the critic swaps the output layer for a scalar value head.
-This module builds modules only: it reads no checkpoint and wraps nothing in DDP.
+This module builds modules only: it reads no checkpoint and wraps nothing in DDP. Every chunk gets the
+rank's process groups explicitly (`ProcessGroups.megatron_groups()`); nothing here reads megatron's globals.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from megatron.core import parallel_state
+import torch.distributed as dist
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -20,6 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from engine.config import ModelConfig
 from engine.models.spec import Fusions, install_rope_fusion, layer_spec, norm_spec
 from parallel.dims import ParallelDims
+from parallel.state import ProcessGroups
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -141,44 +143,55 @@ class ValueHead(torch.nn.Module):
     """Scalar value per token for the critic, in place of the vocabulary output layer.
 
     Replicated across TP ranks (its input is identical on them), so its gradient needs no TP reduction;
-    under sequence parallelism the sequence-sharded input is gathered first.
+    under sequence parallelism the sequence-sharded input is gathered first, over `tp_group`.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool):
+    def __init__(
+        self,
+        hidden_size: int,
+        dtype: torch.dtype,
+        sequence_parallel: bool,
+        tp_group: dist.ProcessGroup | None = None,
+    ):
         super().__init__()
+        if sequence_parallel and tp_group is None:
+            raise ValueError("ValueHead: sequence_parallel needs the tensor-parallel group (tp_group)")
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
         self.sequence_parallel = sequence_parallel
+        self.tp_group = tp_group
 
     def forward(self, hidden_sbh: torch.Tensor, weight=None, runtime_gather_output=None):
         if self.sequence_parallel:
-            hidden_sbh = gather_from_sequence_parallel_region(hidden_sbh, tensor_parallel_output_grad=False)
+            hidden_sbh = gather_from_sequence_parallel_region(
+                hidden_sbh, tensor_parallel_output_grad=False, group=self.tp_group
+            )
         return hidden_sbh @ self.weight.t(), None  # (s, b, 1)
 
 
 def build_gpt_chunks(
     shape: ModelShape,
-    dims: ParallelDims,
+    groups: ProcessGroups,
     *,
     init_std: float,
     recompute: bool,
-    device: torch.device,
     value_head: bool = False,
     fusions: Fusions | None = None,
 ) -> list[GPTModel]:
-    """This rank's model chunks (one per virtual pipeline stage), parameters on `device`; `fusions` picks the
-    fused kernels (default: all; engine/models/spec.py)."""
+    """This rank's model chunks (one per virtual pipeline stage) for the layout and groups of `groups`,
+    parameters on `groups.device`; `fusions` picks the fused kernels (default: all; engine/models/spec.py)."""
+    dims, device = groups.dims, groups.device
     fusions = fusions or Fusions()
     config = transformer_config(
         shape, dims, init_std, recompute, on_cpu=device.type == "cpu", fusions=fusions
     )
     spec = layer_spec(shape.qk_norm, fusions)
+    pg_collection = groups.megatron_groups()
     chunks = []
     for vp_stage in range(dims.vpp):
         vp = vp_stage if dims.vpp > 1 else None
-        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
-        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        pre, post = groups.holds_chunk_ends(vp_stage)
         block = TransformerBlockSubmodules(
-            layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp),
+            layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp, pp_rank=groups.pp_rank),
             layer_norm=norm_spec(fusions),
         )
         model = GPTModel(
@@ -195,8 +208,9 @@ def build_gpt_chunks(
             rope_scaling=shape.rope_scaling_factor > 0,
             rope_scaling_factor=shape.rope_scaling_factor or 8.0,
             vp_stage=vp,
+            pg_collection=pg_collection,
         )
         if value_head and post:
-            model.output_layer = ValueHead(shape.hidden_size, shape.dtype, dims.sp)
+            model.output_layer = ValueHead(shape.hidden_size, shape.dtype, dims.sp, groups.tp)
         chunks.append(model.to(device))
     return chunks

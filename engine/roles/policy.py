@@ -6,11 +6,15 @@ mini-batch across all DP ranks and micro-batches), and gradients are SUMMED over
 (megatron's `calculate_per_token_loss` mode with a zero token count, so megatron adds no scaling of its own).
 That makes the update identical however the mini-batch is split (tests/engine/test_dynamic_batch.py; at
 TP=2 x PP=2 in tests/engine/trainer_run_script.py).
+
+megatron gets the role's process groups explicitly (`ProcessGroups.megatron_groups()`): DDP, the optimizer,
+the schedule and, through the schedule, finalize_model_grads read no global group.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +28,9 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from engine.config import OptimConfig
 from engine.models.builder import ModelShape
@@ -77,6 +84,7 @@ class MegatronRole:
         self.groups, self.shape, self.head = groups, shape, head
         config = chunks[0].config
         self.config = config
+        self.megatron_groups = groups.megatron_groups()
         self.models = list(chunks)  # the GPTModels themselves, under DDP or not
         # No Float16Module: the chunks are built with bf16/fp16 parameters already, and its only other job,
         # casting the last stage's whole (b, s, vocab) output to fp32, is not wanted: the "response" head
@@ -95,10 +103,16 @@ class MegatronRole:
             use_distributed_optimizer=optim.distributed_optimizer,
         )
         self.chunks = [
-            DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=(i > 0))
+            DistributedDataParallel(
+                config=config,
+                ddp_config=ddp_config,
+                module=c,
+                disable_bucketing=(i > 0),
+                pg_collection=self.megatron_groups,
+            )
             for i, c in enumerate(chunks)
         ]
-        config.finalize_model_grads_func = finalize_model_grads
+        config.finalize_model_grads_func = finalize_model_grads  # the schedule passes pg_collection
         config.no_sync_func = (
             [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
         )
@@ -119,7 +133,10 @@ class MegatronRole:
                 initial_loss_scale=optim.initial_loss_scale,
             ),
             self.chunks,
-            use_gloo_process_groups=groups.device.type == "cpu",  # NCCL runs create no gloo groups
+            # megatron takes no gloo side groups with a collection; the checkpoint's optimizer state
+            # (get_parameter_state_dp_reshardable) needs no communication
+            use_gloo_process_groups=False,
+            pg_collection=self.megatron_groups,
         )
         if groups.device.type == "cuda":
             use_fused_adam(self.optimizer)
@@ -182,7 +199,7 @@ class MegatronRole:
         context = torch.no_grad() if forward_only else torch.enable_grad()
         head = hidden_states_output(self.models) if self.head == "response" else contextlib.nullcontext()
         with context, head:  # "response": the last stage returns hidden states, loss_func applies the head
-            return get_forward_backward_func()(
+            return schedule(g, self.config, self.megatron_groups)(
                 forward_step_func=forward_step,
                 data_iterator=iters if len(iters) > 1 else iters[0],
                 model=self.chunks,
@@ -216,6 +233,21 @@ class MegatronRole:
             tensor = torch.empty(shape, dtype=dtype, device=g.device)
         dist.broadcast(tensor.contiguous(), src=g.pp_last_rank, group=g.pp)
         return tensor
+
+
+def schedule(
+    groups: ProcessGroups, config: TransformerConfig, megatron_groups: ProcessGroupCollection | None = None
+) -> Callable:
+    """megatron's forward/backward schedule for the layout of `groups` (no pipelining, 1F1B or interleaved
+    1F1B), bound to its process groups: `megatron_groups` (default: `groups.megatron_groups()`) and a
+    point-to-point communicator over `groups.pp`. Takes the schedule's other arguments."""
+    dims = groups.dims
+    func = get_forward_backward_func(pp_size=dims.pp, vp_size=dims.vpp if dims.vpp > 1 else None)
+    return functools.partial(
+        func,
+        p2p_communicator=P2PCommunicator(pp_group=groups.pp, config=config),
+        pg_collection=megatron_groups or groups.megatron_groups(),
+    )
 
 
 def check_pipeline_micro_batches(micro_batches: list[dict], pp: int, vpp: int, variable_shapes: bool) -> None:

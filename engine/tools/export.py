@@ -124,9 +124,7 @@ def export_checkpoint(
     model = model_config_from_meta(meta)
     shape = resolve_shape(model, model.vocab_size, groups.dims.tp)
     check_shape(meta["shape"], shape, path)
-    chunks = build_gpt_chunks(
-        shape, groups.dims, init_std=model.init_std, recompute=False, device=groups.device
-    )
+    chunks = build_gpt_chunks(shape, groups, init_std=model.init_std, recompute=False)
     state = read_rank_state(path, groups.rank, mmap=True)
     if role not in state["roles"]:
         raise ValueError(

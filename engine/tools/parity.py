@@ -75,7 +75,7 @@ def forward_logits(
 
     One sequence per micro-batch through megatron's forward-only schedule (any PP/VPP layout).
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from engine.roles.policy import schedule
 
     b, s = tokens_bs.shape
     position_ids = torch.arange(s, device=tokens_bs.device).unsqueeze(0)  # (1, s)
@@ -85,7 +85,7 @@ def forward_logits(
         return model(tokens, position_ids, None), None  # no loss: the schedule stores the output
 
     iters = [iter(tokens_bs.split(1)) for _ in chunks]
-    outputs = get_forward_backward_func()(
+    outputs = schedule(groups, chunks[0].config)(
         forward_step_func=step,
         data_iterator=iters if len(chunks) > 1 else iters[0],
         model=chunks,
@@ -115,9 +115,7 @@ def _hf_logits(path: str, tokens_bs: torch.Tensor) -> torch.Tensor:
 def build_and_load(path: str, groups: ProcessGroups, value_head: bool = False):
     """(chunks, shape): this rank's float32 model chunks for `groups`' layout, loaded from `path`."""
     shape = hf_model_shape(path, groups.dims.tp)
-    chunks = build_gpt_chunks(
-        shape, groups.dims, init_std=0.02, recompute=False, device=groups.device, value_head=value_head
-    )
+    chunks = build_gpt_chunks(shape, groups, init_std=0.02, recompute=False, value_head=value_head)
     load_hf_weights(chunks, path, shape, groups)
     for c in chunks:
         c.eval()

@@ -25,10 +25,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy  # noqa: E402
 from presets import model_preset  # noqa: E402
 
 from engine.models.fused_logprobs import linear_log_probs  # noqa: E402
-from engine.models.logprobs import token_entropy, token_log_probs  # noqa: E402
+from engine.models.logprobs import token_entropy  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
 from parallel.state import init_distributed  # noqa: E402
 
@@ -38,7 +39,7 @@ def unfused(h_sbh, w, targets, prompt_len, group):
     logits = (h_sbh @ w.t()).transpose(0, 1)  # (b, s, vocab) like GPTModel's output
     window = logits[:, prompt_len - 1 : -1].float()
     ent = token_entropy(window, group)  # first: the cross entropy overwrites its input
-    logp = token_log_probs(window, targets)
+    logp = -vocab_parallel_cross_entropy(window.contiguous(), targets.contiguous())
     return logp, ent
 
 

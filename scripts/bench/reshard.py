@@ -182,7 +182,7 @@ def main() -> int:
         cfg = model_config(args)
         shape = resolve_shape(cfg, cfg.vocab_size, dims.tp)
         torch.manual_seed(0)
-        chunks = build_gpt_chunks(shape, dims, init_std=0.02, recompute=False, device=groups.device)
+        chunks = build_gpt_chunks(shape, groups, init_std=0.02, recompute=False)
         if args.distopt:
             from engine.roles.policy import MegatronRole
 

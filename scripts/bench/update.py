@@ -169,9 +169,7 @@ def measure_variant(name: str, shape: ModelShape, groups: ProcessGroups, mbs, lo
     fusions, adam = VARIANTS[name]
     device = groups.device
     torch.manual_seed(args.seed)  # same weights in every variant
-    chunks = build_gpt_chunks(
-        shape, groups.dims, init_std=0.02, recompute=args.recompute, device=device, fusions=fusions
-    )
+    chunks = build_gpt_chunks(shape, groups, init_std=0.02, recompute=args.recompute, fusions=fusions)
     role = MegatronRole(chunks, groups, shape, OptimConfig(lr=args.lr), total_optimizer_steps=1000)
     if adam is not None:
         set_adam_kernel(role.optimizer, adam)

@@ -126,7 +126,7 @@ def bf16_round_trip(src: str, out_root: str) -> None:
     """A bfloat16 model at TP2 x PP2 from a float32 checkpoint saves exactly the bf16-rounded tensors."""
     groups = relayout(2, 2)
     shape = dataclasses.replace(hf_model_shape(src, 2), dtype=torch.bfloat16)
-    chunks = build_gpt_chunks(shape, groups.dims, init_std=0.02, recompute=False, device=groups.device)
+    chunks = build_gpt_chunks(shape, groups, init_std=0.02, recompute=False)
     load_hf_weights(chunks, src, shape, groups)
     out = os.path.join(out_root, "bf16_tp2pp2")
     save_hf_checkpoint(chunks, shape, groups, out, src, read_hf_config(src))
@@ -165,7 +165,7 @@ def load_memory(path: str) -> None:
     """At TP=2: the largest tensor torch creates while loading, and the anonymous memory the load keeps."""
     groups = relayout(2, 1)
     shape = hf_model_shape(path, 2)
-    chunks = build_gpt_chunks(shape, groups.dims, init_std=0.02, recompute=False, device=groups.device)
+    chunks = build_gpt_chunks(shape, groups, init_std=0.02, recompute=False)
     biggest_shard = max(p.numel() * p.element_size() for c in chunks for p in c.parameters())
     with HFCheckpoint(path) as ckpt:
         full = ckpt.tensor("model.embed_tokens.weight")

@@ -77,7 +77,7 @@ def main(model_dir: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     groups = init_distributed(ParallelDims(world_size=world, tp=world), "cuda")
     shape = replace(hf_model_shape(model_dir, world), dtype=torch.bfloat16)
-    chunks = build_gpt_chunks(shape, groups.dims, init_std=0.02, recompute=False, device=groups.device)
+    chunks = build_gpt_chunks(shape, groups, init_std=0.02, recompute=False)
     load_hf_weights(chunks, model_dir, shape, groups)
     actor = MegatronRole(chunks, groups, shape, None)
     transition = HybridEngine(actor.chunks, groups, shape.num_layers, shape.tie_embeddings, rollout_tp=world)

@@ -155,9 +155,7 @@ def test_whole_model_fusions_on_equals_off(groups, dtype, monkeypatch):
     results = {}
     for name, fusions in (("off", Fusions(rms_norm=False, rope=False)), ("on", Fusions())):
         torch.manual_seed(11)
-        (model,) = build_gpt_chunks(
-            shape, groups.dims, init_std=0.05, recompute=False, device=groups.device, fusions=fusions
-        )
+        (model,) = build_gpt_chunks(shape, groups, init_std=0.05, recompute=False, fusions=fusions)
         assert model.config.apply_rope_fusion == fusions.rope
         norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
         assert len(norms) == 2 * 2 + 1 and all(n.fused == fusions.rms_norm for n in norms)

@@ -11,6 +11,7 @@ equals the step of a model that never resharded. Rank 0 prints `HYBRID_OK <json>
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -62,7 +63,7 @@ def setup(tp: int, pp: int, vpp: int = 1):
 def build(groups, tie: bool, seed: int = 0, num_layers: int = NUM_LAYERS):
     shape = resolve_shape(model_config(tie, num_layers), VOCAB, groups.dims.tp)
     torch.manual_seed(seed)
-    chunks = build_gpt_chunks(shape, groups.dims, init_std=0.02, recompute=False, device=groups.device)
+    chunks = build_gpt_chunks(shape, groups, init_std=0.02, recompute=False)
     return shape, chunks
 
 
@@ -186,8 +187,8 @@ def micro_batches(groups, num: int) -> list[dict]:
     return out
 
 
-def loss_fn(output, mb):
-    logp = token_log_probs(output, mb["targets"])
+def loss_fn(output, mb, tp_group):
+    logp = token_log_probs(output, mb["targets"], tp_group)
     return -logp.sum() / logp.numel(), {}
 
 
@@ -219,7 +220,7 @@ def check_training(groups, rtp, rpp, tie, distributed_optimizer: bool, num_layer
     batches = micro_batches(groups, 2 * pp)
     norms = []
     for role in (role_a, role_b):
-        role.run(batches, loss_fn, forward_only=False)
+        role.run(batches, functools.partial(loss_fn, tp_group=groups.tp), forward_only=False)
         norms.append(role.optimizer_step().grad_norm)
     expect(norms[0] == norms[1] and norms[0] > 0, f"grad norms differ: {norms}")
     for ca, cb in zip(role_a.chunks, role_b.chunks):

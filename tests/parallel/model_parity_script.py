@@ -6,6 +6,7 @@ Layouts (world 4): tp2 pp2; tp1 pp2 vpp2 dp2 (tied embeddings); tp2 dp2 with seq
 layout runs both output heads of MegatronRole: "logits" and the fused "response" head
 (engine/models/fused_logprobs.py), with temperature 0.8 and a loss of log-likelihood plus an entropy bonus.
 Tolerance: float32, |diff| <= 2e-5 on logits, log-probs and entropies, relative 1e-4 on gradients.
+The sharded layouts run with megatron's global process groups destroyed: every group comes from the engine.
 """
 
 from __future__ import annotations
@@ -54,11 +55,11 @@ def reference(tied: bool):
     groups = init_distributed(dims, "cpu", seed=0)
     shape = resolve_shape(model_cfg(tied), VOCAB, 1)
     torch.manual_seed(1234)
-    (model,) = build_gpt_chunks(shape, dims, init_std=0.05, recompute=False, device=groups.device)
+    (model,) = build_gpt_chunks(shape, groups, init_std=0.05, recompute=False)
     tokens, weights = batch()
     logits = model(tokens, torch.arange(SEQ).expand(ROWS, SEQ), None).float() / TEMPERATURE
-    ent = token_entropy(logits[:, :-1], groups.tp)  # first: token_log_probs overwrites its input
-    logp = token_log_probs(logits[:, :-1], tokens[:, 1:])
+    ent = token_entropy(logits[:, :-1], groups.tp)
+    logp = token_log_probs(logits[:, :-1], tokens[:, 1:], groups.tp)
     loss_of(logp, ent, weights).backward()
     state = {k: v.detach().clone() for k, v in model.named_parameters()}
     grads = {k: v.grad.detach().clone() for k, v in model.named_parameters()}
@@ -76,6 +77,10 @@ def sharded(name: str, dims: ParallelDims, tied: bool, ref) -> None:
     log-probs and entropy from them) and "response" (the fused head), against the reference."""
     _, state, grads, ref_logits, ref_logp, ref_ent = ref
     groups = init_distributed(dims, "cpu", seed=0)
+    # From here megatron's global groups are gone: building, DDP, the optimizer and the schedule must run on
+    # the groups the engine passes (ProcessGroups). The sequence-parallel gather buffer is not a group.
+    parallel_state.destroy_model_parallel()
+    parallel_state._set_global_memory_buffer()
     shape = resolve_shape(model_cfg(tied), VOCAB, dims.tp)
     layout = TrainLayout(tp=dims.tp, pp=dims.pp, dp=dims.dp, vpp=dims.vpp)
     tokens, weights = batch()
@@ -94,7 +99,7 @@ def sharded(name: str, dims: ParallelDims, tied: bool, ref) -> None:
 
     def logits_loss(logits_local, mb):
         ent = token_entropy(logits_local[:, :-1], groups.tp)
-        logp = token_log_probs(logits_local[:, :-1], mb["tokens"][:, 1:])
+        logp = token_log_probs(logits_local[:, :-1], mb["tokens"][:, 1:], groups.tp)
         parts = [torch.empty_like(logits_local) for _ in range(dims.tp)]
         dist.all_gather(parts, logits_local.detach().contiguous(), group=groups.tp)
         logits = torch.cat(parts, -1) * TEMPERATURE
@@ -111,7 +116,7 @@ def sharded(name: str, dims: ParallelDims, tied: bool, ref) -> None:
 
     figures = []
     for head, loss_fn in (("logits", logits_loss), ("response", response_loss)):
-        chunks = build_gpt_chunks(shape, dims, init_std=0.05, recompute=False, device=groups.device)
+        chunks = build_gpt_chunks(shape, groups, init_std=0.05, recompute=False)
         local = global_param_names(chunks, layout.layers(groups.pp_rank, LAYERS))
         for pname, param in local.items():
             src = "embedding.word_embeddings.weight" if pname == "output_layer.weight" and tied else pname

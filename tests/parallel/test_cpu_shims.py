@@ -73,7 +73,7 @@ def test_megatron_optimizer_and_schedule_run_on_cpu(groups):
     from engine.roles.policy import MegatronRole
 
     shape = resolve_shape(ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64), 40, 1)
-    chunks = build_gpt_chunks(shape, groups.dims, init_std=0.02, recompute=False, device=groups.device)
+    chunks = build_gpt_chunks(shape, groups, init_std=0.02, recompute=False)
     role = MegatronRole(chunks, groups, shape, OptimConfig(clip_grad=1.0), head="logits")
     tokens = torch.randint(0, 40, (2, 6))
     mb = {"tokens": tokens, "positions": torch.arange(6).expand(2, 6)}
