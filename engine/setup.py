@@ -176,6 +176,28 @@ def _variable_shapes(roles: list[MegatronRole | None], cfg: TrainConfig, pp: int
                 role.config.variable_seq_lengths = True
 
 
+def build_weight_sync_and_rollout(
+    cfg: TrainConfig, actor_chunks: list, shape: ModelShape, groups: ProcessGroups, pad_id: int
+) -> tuple[WeightSync, RolloutEngine]:
+    """The train -> rollout weight sync of `actor_chunks` (rollout.weight_sync) and the rollout engine
+    (rollout.backend) that generates on what it hands over."""
+    if cfg.rollout.weight_sync == "naive":
+        weight_sync = NaiveGather(actor_chunks, groups, shape.num_layers, shape.tie_embeddings)
+    else:
+        weight_sync = HybridEngine(
+            actor_chunks,
+            groups,
+            shape.num_layers,
+            shape.tie_embeddings,
+            rollout_tp=cfg.rollout.tp,
+            keep_rollout_weights=cfg.rollout.keep_rollout_weights,
+        )
+    rollout = build_rollout_engine(
+        cfg.rollout, shape, groups.device, pad_id, model_dir=cfg.model.path, seed=cfg.trainer.seed
+    )
+    return weight_sync, rollout
+
+
 def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -> Components:
     dims = groups.dims
     tok_dir, train_files, val_files = _data_files(cfg, output_dir)
@@ -226,24 +248,8 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
     if cfg.reward.model_path:
         reward_model = build_reward_model(cfg, len(tokenizer), groups, tokenizer.pad_token_id)
     _variable_shapes([actor, reference, critic, reward_model and reward_model.role], cfg, dims.pp)
-    if cfg.rollout.weight_sync == "naive":
-        weight_sync = NaiveGather(actor.chunks, groups, shape.num_layers, shape.tie_embeddings)
-    else:
-        weight_sync = HybridEngine(
-            actor.chunks,
-            groups,
-            shape.num_layers,
-            shape.tie_embeddings,
-            rollout_tp=cfg.rollout.tp,
-            keep_rollout_weights=cfg.rollout.keep_rollout_weights,
-        )
-    rollout = build_rollout_engine(
-        cfg.rollout,
-        shape,
-        groups.device,
-        tokenizer.pad_token_id,
-        model_dir=cfg.model.path,
-        seed=cfg.trainer.seed,
+    weight_sync, rollout = build_weight_sync_and_rollout(
+        cfg, actor.chunks, shape, groups, tokenizer.pad_token_id
     )
     reward_fn = None
     if not reward_model or cfg.reward.combine == "sum":

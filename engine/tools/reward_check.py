@@ -160,12 +160,10 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
 
     from engine.data import PromptRecord, chat_prompt_ids, load_prompt_dataset, load_tokenizer
     from engine.rewards.build import build_reward_fn
-    from engine.rollout import build_rollout_engine
     from engine.rollout.base import SamplingParams
-    from engine.setup import _data_files, build_policy_chunks, model_shape
+    from engine.setup import _data_files, build_policy_chunks, build_weight_sync_and_rollout, model_shape
     from engine.step.rollout import rollout_replica
     from engine.validate import validate
-    from parallel.hybrid_engine import HybridEngine
     from parallel.state import destroy_distributed, init_distributed, world_size_from_env
 
     cfg = _train_config(overrides)
@@ -189,17 +187,7 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
                 records = records[: settings["num_rows"]]
             shape = model_shape(cfg.model, len(tokenizer), dims.tp)
             chunks = build_policy_chunks(cfg, shape, groups)
-            sync = HybridEngine(
-                chunks, groups, shape.num_layers, shape.tie_embeddings, rollout_tp=cfg.rollout.tp
-            )
-            engine = build_rollout_engine(
-                cfg.rollout,
-                shape,
-                groups.device,
-                tokenizer.pad_token_id,
-                model_dir=cfg.model.path,
-                seed=cfg.trainer.seed,
-            )
+            sync, engine = build_weight_sync_and_rollout(cfg, chunks, shape, groups, tokenizer.pad_token_id)
             weights = sync.to_rollout()
             engine.set_weights(weights)
             r, k = cfg.rollout, settings["num_samples"]
