@@ -28,6 +28,21 @@ def _modules() -> dict[str, str]:
     return out
 
 
+def matching_lines(packages: tuple[str, ...], pattern: re.Pattern) -> list[str]:
+    """`path:line: text` of every source line of `packages` that `pattern` finds."""
+    found = []
+    for pkg in packages:
+        for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    with open(path, encoding="utf-8") as fh:
+                        for i, line in enumerate(fh, 1):
+                            if pattern.search(line):
+                                found.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
+    return found
+
+
 def _is_type_checking(node: ast.If) -> bool:
     t = node.test
     return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
@@ -115,16 +130,7 @@ def test_engine_asks_registries_instead_of_branching_on_algorithm_names():
     an algorithm was registered with (algorithms/advantages.py, algorithms/losses.py)."""
     names = r"gae|grpo|remax|gspo|rloo|opo|reinforce_pp|reinforce_pp_baseline|ppo|adaptive|fixed"
     branch = re.compile(rf"""[=!]=\s*["']({names})["']|\bin\s*\(\s*["']({names})["']""")
-    found = []
-    for pkg in ("engine", "parallel"):
-        for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
-            for f in sorted(files):
-                if f.endswith(".py"):
-                    path = os.path.join(dirpath, f)
-                    with open(path, encoding="utf-8") as fh:
-                        for i, line in enumerate(fh, 1):
-                            if branch.search(line):
-                                found.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
+    found = matching_lines(("engine", "parallel"), branch)
     assert not found, "branches on algorithm names:\n" + "\n".join(found)
 
 
@@ -138,16 +144,7 @@ def test_trainer_only_sequences():
 
 def test_sources_link_nothing_outside_the_repository():
     """Docstrings and comments of the package point at files of the repository only."""
-    found = []
-    for pkg in PACKAGES:
-        for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
-            for f in sorted(files):
-                if f.endswith(".py"):
-                    path = os.path.join(dirpath, f)
-                    with open(path, encoding="utf-8") as fh:
-                        for i, line in enumerate(fh, 1):
-                            if re.search(r"(\.\./)?shared/(notes|device)/", line):
-                                found.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
+    found = matching_lines(PACKAGES, re.compile(r"(\.\./)?shared/(notes|device)/"))
     assert not found, "links outside the repository:\n" + "\n".join(found)
 
 

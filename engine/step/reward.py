@@ -20,17 +20,29 @@ if TYPE_CHECKING:
     from engine.setup import Components
 
 
+def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """The text of each response row (its valid tokens, special tokens skipped)."""
+    lengths = response_mask.sum(-1)
+    return [
+        tokenizer.decode(response_ids[r, : int(lengths[r])].tolist(), skip_special_tokens=True)
+        for r in range(response_ids.shape[0])
+    ]
+
+
 def score(
-    c: Components, out: RolloutOutput, records, n: int, batcher: MicroBatcher
+    c: Components,
+    out: RolloutOutput,
+    records,
+    n: int,
+    batcher: MicroBatcher,
+    texts: list[str] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """Reward-function scores (rows,), the overlong penalty (rows,) or None, and the reward function's
-    numeric extras {key: (rows,)} (engine/rewards/reward_fn.py) of `out`'s rows, `n` per record."""
-    tok, alg, max_new = c.tokenizer, c.cfg.algorithm, c.cfg.rollout.max_new_tokens
-    lengths = out.response_mask.sum(-1)
-    texts = [
-        tok.decode(out.response_ids[r, : int(lengths[r])].tolist(), skip_special_tokens=True)
-        for r in range(out.response_ids.shape[0])
-    ]
+    numeric extras {key: (rows,)} (engine/rewards/reward_fn.py) of `out`'s rows, `n` per record; `texts`:
+    the rows already decoded (`decode_responses`), else decoded here."""
+    alg, max_new = c.cfg.algorithm, c.cfg.rollout.max_new_tokens
+    if texts is None:
+        texts = decode_responses(c.tokenizer, out.response_ids, out.response_mask)
     rec = [records[r // n] for r in range(len(texts))]
     scores, extras = torch.zeros(len(texts), dtype=torch.float32), {}
     if c.reward_fn is not None:
@@ -45,12 +57,10 @@ def score(
         prompts = [r.prompt_ids for r in records]
         scores = scores + c.reward_model(prompts, out.response_ids, out.response_mask, n, batcher)
     penalty = None
-    if overlong_buffer_tokens(alg, max_new) > 0:
+    buffer = overlong_buffer_tokens(alg, max_new)
+    if buffer > 0:
         penalty = overlong_penalty(
-            lengths,
-            max_len=max_new,
-            buffer_len=overlong_buffer_tokens(alg, max_new),
-            penalty_factor=alg.overlong_penalty,
+            out.response_mask.sum(-1), max_len=max_new, buffer_len=buffer, penalty_factor=alg.overlong_penalty
         ).to(scores.dtype)
     return scores, penalty, extras
 

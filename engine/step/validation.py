@@ -26,18 +26,9 @@ import torch.distributed as dist
 
 from engine.rewards.registry import find_rule, rule_answer
 from engine.step.context import StepContext
-from engine.step.reward import score
+from engine.step.reward import decode_responses, score
 from engine.step.rollout import rollout
 from engine.step.stats import dp_stats
-
-
-def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-    """The text of each response row (its valid tokens, special tokens skipped)."""
-    lengths = response_mask.sum(-1)
-    return [
-        tokenizer.decode(response_ids[r, : int(lengths[r])].tolist(), skip_special_tokens=True)
-        for r in range(response_ids.shape[0])
-    ]
 
 
 def response_answers(
@@ -104,10 +95,10 @@ def validate(ctx: StepContext) -> dict[str, float]:
         values = {"reward": score(c, outs[0], records, 1, ctx.batcher)[0]}
         scores.append(values["reward"])
         if k > 1:
-            sampled = score(c, outs[1], records, k, ctx.batcher)[0]
+            texts = decode_responses(c.tokenizer, outs[1].response_ids, outs[1].response_mask)
+            sampled = score(c, outs[1], records, k, ctx.batcher, texts)[0]
             answers = None
             if c.cfg.reward.fn == "" and c.reward_model is None:
-                texts = decode_responses(c.tokenizer, outs[1].response_ids, outs[1].response_mask)
                 sources = [records[i // k].data_source for i in range(len(texts))]
                 answers = response_answers(sources, texts, c.cfg.reward.gsm8k_method)
             values.update(sample_metrics(sampled.view(len(records), k), answers))

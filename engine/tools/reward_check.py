@@ -162,6 +162,7 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
     from engine.rewards.build import build_reward_fn
     from engine.rollout.base import SamplingParams
     from engine.setup import _data_files, build_policy_chunks, build_weight_sync_and_rollout, model_shape
+    from engine.step.reward import decode_responses
     from engine.step.rollout import rollout_replica
     from engine.validate import validate
     from parallel.state import destroy_distributed, init_distributed, world_size_from_env
@@ -196,11 +197,7 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
                 stop_token_ids=(tokenizer.eos_token_id,), ignore_eos=False, seed=cfg.trainer.seed, log_probs=False,
             )  # fmt: skip
             out = rollout_replica(engine, weights, [rec.prompt_ids for rec in records], sampling)
-            lengths = out.response_mask.sum(-1)
-            texts = [
-                tokenizer.decode(out.response_ids[i, : int(lengths[i])].tolist(), skip_special_tokens=True)
-                for i in range(len(lengths))
-            ]
+            texts = decode_responses(tokenizer, out.response_ids, out.response_mask)
             rows = [records[i // k] for i in range(len(texts))]
             reward_fn = build_reward_fn(cfg.reward.fn, cfg.reward.gsm8k_method)
             result = reward_fn.score(

@@ -294,15 +294,18 @@ def test_dead_or_hung_rank_without_launcher():
     assert "Rank(s) [1] did not arrive" in hang and "Killed" not in hang  # no launcher: nobody is killed
 
 
-def test_dead_rank_under_torchrun():
-    """World size 2 under torchrun: rank 1 exits with os._exit(1); torchrun must stop the job quickly."""
-    env = _clean_env()
+def _torchrun_two_ranks(mode: str) -> tuple[subprocess.CompletedProcess, str, float]:
+    """launch_dead_rank.py in `mode` on 2 ranks under torchrun: (process, its output, when it ended)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--tee=3"]
     proc = subprocess.run(
-        [*cmd, DEAD_RANK, "die", str(TIMEOUT_S)], env=env, capture_output=True, text=True, timeout=120
+        [*cmd, DEAD_RANK, mode, str(TIMEOUT_S)], env=_clean_env(), capture_output=True, text=True, timeout=120
     )
-    ended = time.time()
-    out = proc.stdout + proc.stderr
+    return proc, proc.stdout + proc.stderr, time.time()
+
+
+def test_dead_rank_under_torchrun():
+    """World size 2 under torchrun: rank 1 exits with os._exit(1); torchrun must stop the job quickly."""
+    proc, out, ended = _torchrun_two_ranks("die")
     died = float(re.search(r"DYING ([\d.]+)", out).group(1))
     assert proc.returncode != 0, out
     assert ended - died < TIMEOUT_S + 2.0, (
@@ -319,13 +322,7 @@ def test_stopped_rank_under_torchrun_is_named_and_the_job_ends():
     ends without torchrun's 30 s wait before SIGKILL."""
     from parallel.arrival import REPORT_GRACE_S
 
-    env = _clean_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--tee=3"]
-    proc = subprocess.run(
-        [*cmd, DEAD_RANK, "stop", str(TIMEOUT_S)], env=env, capture_output=True, text=True, timeout=120
-    )
-    ended = time.time()
-    out = proc.stdout + proc.stderr
+    proc, out, ended = _torchrun_two_ranks("stop")
     stopped = float(re.search(r"STOPPING ([\d.]+)", out).group(1))
     assert proc.returncode != 0, out
     # two collectives time out one after the other, then the reports are awaited
