@@ -98,7 +98,7 @@ class RolloutConfig:
     max_new_tokens: int = 8
     """Most tokens generated per response."""
     log_probs: bool = True
-    """Return each sampled token's log-prob from the rollout. Needed by algorithm.tis_cap > 0 (engine/validate.py
+    """Return each sampled token's log-prob from the rollout. Needed by algorithm.tis_cap > 0 (engine/validate/
     refuses false then); a KL in the reward without them runs the old-log-prob forward instead
     (`needs_old_log_prob_forward`); otherwise they only feed actor/rollout_kl and rollout/logprob_mean. vLLM
     pays for them in throughput (scripts/bench/README.md); the native engine computes them anyway."""

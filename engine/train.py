@@ -24,7 +24,8 @@ from engine.hydra_errors import report_user_errors
 from engine.metrics import run_header
 from engine.startup import errors_only, kernels_line
 from engine.tools.plot import plot_at_end
-from engine.validate import ignored_key_warnings, validate
+from engine.validate import validate
+from engine.validate.ignored import ignored_key_warnings
 from parallel.launch import explain_rank_failures, read_launch_env
 from parallel.state import destroy_distributed, init_distributed, world_size_from_env
 

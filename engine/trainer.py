@@ -11,7 +11,7 @@ The old-log-prob forward runs only when the actor takes more than one optimizer 
 current ones, so the ratio is 1 by construction (actor/ppo_kl = 0, actor/pg_clipfrac = 0) and
 actor/rollout_kl reports the rollout-vs-training gap instead.
 
-With rollout.log_probs=false the rollout returns no log-probs (engine/validate.py refuses it with TIS, which
+With rollout.log_probs=false the rollout returns no log-probs (engine/validate/ refuses it with TIS, which
 needs the rollout's own): the experience has no `rollout_log_probs`, a KL in the reward takes the
 old-log-prob forward's (it then runs even for a single step), and actor/rollout_kl and rollout/logprob_mean
 are not logged (absent, not zero).

@@ -149,7 +149,7 @@ def test_sources_link_nothing_outside_the_repository():
 
 
 def test_validation_does_not_import_megatron():
-    """engine/validate.py checks the config (and reads config.json files) before the megatron stack loads."""
+    """engine/validate/ checks the config (and reads config.json files) before the megatron stack loads."""
     import subprocess
     import sys
 

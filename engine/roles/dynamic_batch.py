@@ -14,7 +14,7 @@ accumulates within one call only), and padding a call's micro-batches to one sha
 this exists to remove. Measured on CPU (64 rows, prompts 2-24 and responses 1-64 tokens, hidden 256, one
 actor update): 8 fixed micro-batches of 8 rows pad to 5312 tokens and take 0.61 s (PP=2: 0.83 s); a
 720-token budget gives 5 micro-batches, 3433 tokens, 0.40 s (PP=2 with shape exchange: 0.38 s).
-The interleaved schedule (vpp > 1) is refused by engine/validate.py: it needs a micro-batch count that
+The interleaved schedule (vpp > 1) is refused by engine/validate/: it needs a micro-batch count that
 fits its groups of PP micro-batches, which a token budget does not guarantee.
 The loss normaliser contract of engine/roles/policy.py makes the update independent of how rows are split.
 """

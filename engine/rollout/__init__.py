@@ -40,7 +40,7 @@ def build_rollout_engine(
             seed=seed,
             model_dir=model_dir or None,
             enforce_eager=not r.cuda_graphs,
-            # None (truncation at T != 1): engine/validate.py allows it only with rollout.log_probs=false
+            # None (truncation at T != 1): engine/validate/ allows it only with rollout.log_probs=false
             logprobs_mode=full_log_probs_mode(r.temperature, r.top_p, r.top_k) or "processed_logprobs",
         )
     raise ValueError(f"rollout.backend={r.backend!r} is not one of native, vllm")

@@ -38,7 +38,7 @@ truncated, renormalised distribution). Neither is the full distribution at T != 
 sampled token's log-prob alone cannot be converted (that needs the dropped mass). `full_log_probs_mode` picks
 the mode that gives the contract for the run's sampling settings: processed without truncation (or greedy:
 vLLM turns top-k/top-p off and applies no temperature), raw with truncation at T = 1; it returns None for
-truncation at T != 1, which engine/validate.py refuses while rollout.log_probs is on and `generate` refuses
+truncation at T != 1, which engine/validate/ refuses while rollout.log_probs is on and `generate` refuses
 for any request that asks for log-probs the engine's mode cannot give.
 """
 

@@ -10,7 +10,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from engine.config import ConfigError, TrainConfig, register_configs, to_dataclass
-from engine.validate import ignored_key_warnings, validate
+from engine.validate import validate
+from engine.validate.ignored import ignored_key_warnings
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 register_configs()
@@ -162,38 +163,38 @@ def test_cli_rejects_bad_config_before_distributed_start():
 
 def test_vllm_needs_rollout_tp_one_or_full():
     """vLLM's TP groups are consecutive ranks; the HybridEngine's are strided unless t_g is 1 or t."""
-    from engine.validate import _validate_rollout
+    from engine.validate.rollout import validate_rollout
     from parallel.dims import ParallelDims
 
     cfg = composed("rollout.backend=vllm", "rollout.tp=2", "parallel.tp=4")
     cfg.cluster.device = "cuda"  # checked on its own before this rule; pretend a GPU is visible
     with pytest.raises(ConfigError, match="rollout.tp=2"):
-        _validate_rollout(cfg, ParallelDims(world_size=4, tp=4))
+        validate_rollout(cfg, ParallelDims(world_size=4, tp=4))
     cfg.rollout.tp = 4
-    _validate_rollout(cfg, ParallelDims(world_size=4, tp=4))
+    validate_rollout(cfg, ParallelDims(world_size=4, tp=4))
 
 
 def test_vllm_log_probs_with_truncation_need_temperature_one():
     """vLLM's log-probs are raw (before temperature) or processed (after top-p/top-k truncation): with top-p or
     top-k at T != 1 neither is the full distribution at T, so rollout.log_probs must be off there."""
-    from engine.validate import _validate_rollout
+    from engine.validate.rollout import validate_rollout
     from parallel.dims import ParallelDims
 
     dims = ParallelDims(world_size=1, tp=1)
     for overrides in (["rollout.top_p=0.9"], ["rollout.top_k=20"], ["rollout.temperature=0.7"]):
         cfg = composed("rollout.backend=vllm", *overrides)
         cfg.cluster.device = "cuda"  # checked on its own before this rule; pretend a GPU is visible
-        _validate_rollout(cfg, dims)
+        validate_rollout(cfg, dims)
     cfg = composed("rollout.backend=vllm", "rollout.top_p=0.9", "rollout.temperature=0.7")
     cfg.cluster.device = "cuda"
     with pytest.raises(
         ConfigError, match=r"rollout.temperature=0.7.*rollout.top_p=0.9.*Fix: set rollout.temp"
     ):
-        _validate_rollout(cfg, dims)
+        validate_rollout(cfg, dims)
     cfg.rollout.log_probs = False
-    _validate_rollout(cfg, dims)
+    validate_rollout(cfg, dims)
     cfg.rollout.backend, cfg.rollout.log_probs = "native", True  # the native sampler gives them at any T
-    _validate_rollout(cfg, dims)
+    validate_rollout(cfg, dims)
 
 
 @pytest.mark.parametrize(

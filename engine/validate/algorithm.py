@@ -1,0 +1,118 @@
+"""The algorithm group: estimator, policy loss, clipping, KL (loss and reward) and the critic, asked of the
+registries' traits."""
+
+from __future__ import annotations
+
+import os
+
+from algorithms.advantages import advantage_estimator_names, advantage_traits
+from algorithms.kl import KL_CONTROLLERS, KL_CONTROLLERS_WITH_TARGET, kl_estimator_names
+from algorithms.losses import LOSS_AGG_MODES, policy_loss_names
+from engine.config import TrainConfig
+from engine.validate.model import validate_checkpoint_positions
+from engine.validate.rules import fail, one_of, positive
+
+
+def validate_algorithm(cfg: TrainConfig) -> None:
+    a = cfg.algorithm
+    one_of("algorithm.adv_estimator", a.adv_estimator, tuple(advantage_estimator_names()))
+    one_of("algorithm.policy_loss", a.policy_loss, tuple(policy_loss_names()))
+    one_of("algorithm.loss_agg_mode", a.loss_agg_mode, LOSS_AGG_MODES)
+    one_of("algorithm.kl_estimator", a.kl_estimator, tuple(kl_estimator_names()))
+    one_of("algorithm.kl_ctrl", a.kl_ctrl, KL_CONTROLLERS)
+    for key, value in (
+        ("algorithm.clip_ratio_low", a.clip_ratio_low),
+        ("algorithm.clip_ratio_high", a.clip_ratio_high),
+    ):
+        positive(key, value)
+    if a.clip_ratio_c <= 1.0:
+        fail(
+            "algorithm.clip_ratio_c",
+            a.clip_ratio_c,
+            "dual-clip bound must be > 1",
+            "use 3.0 (the usual value)",
+        )
+    if not 0.0 <= a.gamma <= 1.0 or not 0.0 <= a.lam <= 1.0:
+        fail(
+            "algorithm.gamma/algorithm.lam",
+            (a.gamma, a.lam),
+            "must lie in [0, 1]",
+            "use gamma=1.0, lam=0.95 for PPO",
+        )
+    for key, value in (
+        ("algorithm.kl_loss_coef", a.kl_loss_coef),
+        ("algorithm.kl_reward_coef", a.kl_reward_coef),
+        ("algorithm.entropy_coef", a.entropy_coef),
+        ("algorithm.tis_cap", a.tis_cap),
+    ):
+        if value < 0:
+            fail(key, value, "must be >= 0", f"set {key}=0 to turn it off")
+    positive("algorithm.ppo_epochs", a.ppo_epochs)
+    positive("algorithm.num_mini_batches", a.num_mini_batches)
+    positive("algorithm.max_sampling_rounds", a.max_sampling_rounds)
+    validate_kl_in_reward(cfg)
+    if a.value_clip < 0:
+        fail("algorithm.value_clip", a.value_clip, "must be >= 0", "use 0.2, or 0 to turn clipping off")
+    if a.overlong_buffer_len < 0 or a.overlong_buffer_len > cfg.rollout.max_new_tokens:
+        fail(
+            "algorithm.overlong_buffer_len",
+            a.overlong_buffer_len,
+            f"the overlong penalty ramps over the last overlong_buffer_len of rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens} tokens, so it must lie in [0, rollout.max_new_tokens]",
+            f"set algorithm.overlong_buffer_len<={cfg.rollout.max_new_tokens} (e.g. a quarter of "
+            "rollout.max_new_tokens), use algorithm.overlong_buffer_frac (a fraction of it) with "
+            "overlong_buffer_len=0, raise rollout.max_new_tokens, or use 0 to turn overlong shaping off",
+        )
+    if not 0.0 <= a.overlong_buffer_frac <= 1.0:
+        fail(
+            "algorithm.overlong_buffer_frac",
+            a.overlong_buffer_frac,
+            "is a fraction of rollout.max_new_tokens, so it must lie in [0, 1]",
+            "use 0.2 (DAPO's 4096 of 20480 tokens), or 0 to turn overlong shaping off",
+        )
+    if a.overlong_penalty < 0:
+        fail("algorithm.overlong_penalty", a.overlong_penalty, "must be >= 0", "use 1.0 (DAPO)")
+    if cfg.critic.lr <= 0 or cfg.critic.lr_warmup_steps < 0:
+        fail(
+            "critic.lr/critic.lr_warmup_steps",
+            (cfg.critic.lr, cfg.critic.lr_warmup_steps),
+            "the critic's lr must be > 0 and its warm-up >= 0",
+            "use e.g. critic.lr=1e-5 critic.lr_warmup_steps=0",
+        )
+    if cfg.critic.path and not os.path.isdir(cfg.critic.path):
+        fail(
+            "critic.path",
+            cfg.critic.path,
+            "is not a directory",
+            "point critic.path at a local Hugging Face checkpoint directory, or leave it empty for model.path",
+        )
+    if cfg.critic.path and advantage_traits(a.adv_estimator).needs_critic:  # else no critic is built
+        validate_checkpoint_positions(cfg, "critic.path", cfg.critic.path)
+
+
+def validate_kl_in_reward(cfg: TrainConfig) -> None:
+    a = cfg.algorithm
+    if not a.kl_in_reward:
+        if a.kl_reward_coef > 0:
+            fail(
+                "algorithm.kl_reward_coef",
+                a.kl_reward_coef,
+                "has no effect while algorithm.kl_in_reward=false",
+                "set algorithm.kl_in_reward=true, or algorithm.kl_reward_coef=0",
+            )
+        return
+    if a.kl_reward_coef <= 0:
+        fail(
+            "algorithm.kl_reward_coef",
+            a.kl_reward_coef,
+            "algorithm.kl_in_reward=true needs a positive starting coefficient (the adaptive controller "
+            "only multiplies it)",
+            "set algorithm.kl_reward_coef=0.001, or algorithm.kl_in_reward=false",
+        )
+    if a.kl_ctrl in KL_CONTROLLERS_WITH_TARGET and (a.kl_target <= 0 or a.kl_horizon <= 0):
+        fail(
+            "algorithm.kl_target/algorithm.kl_horizon",
+            (a.kl_target, a.kl_horizon),
+            "the adaptive KL controller needs both > 0",
+            "use algorithm.kl_target=0.1 algorithm.kl_horizon=10000",
+        )

@@ -1,0 +1,85 @@
+"""Keys a combination of settings ignores: one warning line each, printed in the run header."""
+
+from __future__ import annotations
+
+from algorithms.advantages import advantage_traits
+from algorithms.kl import KL_CONTROLLERS_WITH_TARGET
+from algorithms.losses import policy_loss_traits
+from engine.config import TrainConfig
+
+
+def _ignored_key_rules(cfg: TrainConfig) -> list[tuple[str, bool, str]]:
+    """(key, whether this combination of settings ignores it, why) for the keys that only some runs read."""
+    a, r, d, t = cfg.algorithm, cfg.rollout, cfg.data, cfg.trainer
+    adv = advantage_traits(a.adv_estimator)
+    no_critic = not adv.needs_critic
+    gae_only = "only algorithm.adv_estimator=gae (PPO) has a critic"
+    kl_rewardless = "it drives the KL-in-reward coefficient, and algorithm.kl_in_reward=false"
+    no_target = not a.kl_in_reward or a.kl_ctrl not in KL_CONTROLLERS_WITH_TARGET
+    return [
+        ("critic.path", no_critic, gae_only),
+        ("critic.lr", no_critic, gae_only),
+        ("critic.lr_warmup_steps", no_critic, gae_only),
+        ("algorithm.value_clip", no_critic, gae_only),
+        ("algorithm.lam", not adv.uses_lam, "GAE's lambda: only algorithm.adv_estimator=gae reads it"),
+        (
+            "algorithm.gamma",
+            not adv.uses_gamma,
+            f"algorithm.adv_estimator={a.adv_estimator} scores whole responses (no discounting)",
+        ),
+        (
+            "algorithm.norm_adv_by_std",
+            not adv.uses_norm_by_std,
+            "only algorithm.adv_estimator=grpo divides by the group std",
+        ),
+        ("algorithm.kl_ctrl", not a.kl_in_reward, kl_rewardless),
+        (
+            "algorithm.kl_target",
+            no_target,
+            "only algorithm.kl_ctrl=adaptive",
+        ),
+        (
+            "algorithm.kl_horizon",
+            no_target,
+            "only algorithm.kl_ctrl=adaptive",
+        ),
+        (
+            "algorithm.kl_estimator",
+            a.kl_loss_coef == 0 and not a.kl_in_reward,
+            "no KL is computed (algorithm.kl_loss_coef=0, algorithm.kl_in_reward=false)",
+        ),
+        (
+            "algorithm.clip_ratio_c",
+            not policy_loss_traits(a.policy_loss).dual_clip,
+            f"algorithm.policy_loss={a.policy_loss} has no dual clip",
+        ),
+        ("algorithm.overlong_penalty", a.overlong_buffer_len == 0, "algorithm.overlong_buffer_len=0 (off)"),
+        ("algorithm.max_sampling_rounds", not a.dynamic_sampling, "algorithm.dynamic_sampling=false"),
+        ("optim.min_lr", cfg.optim.lr_decay == "constant", "optim.lr_decay=constant never decays to it"),
+        ("rollout.keep_rollout_weights", r.weight_sync == "naive", "rollout.weight_sync=naive gathers anew"),
+        ("rollout.gpu_memory_utilization", r.backend != "vllm", "only rollout.backend=vllm reads it"),
+        (
+            "rollout.kv_cache_memory_fraction",
+            r.backend != "native" or cfg.cluster.device != "cuda",
+            "only rollout.backend=native on cluster.device=cuda reads it",
+        ),
+        ("rollout.val_temperature", t.test_freq == 0, "trainer.test_freq=0: no validation"),
+        ("trainer.max_checkpoints", t.save_freq == 0, "trainer.save_freq=0: no checkpoints"),
+        ("data.embedded_task", bool(d.train_files), "data.train_files is set"),
+        ("data.embedded_digits", bool(d.train_files), "data.train_files is set"),
+        ("reward.combine", not cfg.reward.model_path, "no reward.model_path"),
+        ("cluster.peak_tflops", cfg.cluster.device == "cpu", "no MFU is computed on CPU"),
+    ]
+
+
+def ignored_key_warnings(cfg: TrainConfig) -> list[str]:
+    """One warning line per key set to a value other than the schema's default that this run ignores (the
+    entry point prints them once, on rank 0, in the run header)."""
+    default = TrainConfig()
+    lines = []
+    for key, ignored, why in _ignored_key_rules(cfg):
+        group, name = key.split(".")
+        value = getattr(getattr(cfg, group), name)
+        if ignored and value != getattr(getattr(default, group), name):
+            lines.append(f"warning: {key}={value!r} is ignored: {why}")
+    return lines

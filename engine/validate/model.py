@@ -1,0 +1,163 @@
+"""The layout and the model: parallel sizes, the stage split, the architecture, and what a checkpoint directory's
+config.json and tokenizer files must hold (read as files: no megatron, no transformers)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from engine.config import DTYPES, ConfigError, TrainConfig
+from engine.validate.rules import fail, one_of, positive
+from parallel.dims import ParallelDims
+
+
+def validate_parallel(cfg: TrainConfig, world_size: int) -> ParallelDims:
+    if cfg.cluster.device not in ("cpu", "cuda"):
+        fail(
+            "cluster.device",
+            cfg.cluster.device,
+            "must be cpu or cuda",
+            "pick cluster=cpu or cluster=single_gpu",
+        )
+    positive("cluster.timeout_s", cfg.cluster.timeout_s)
+    if cfg.cluster.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            fail("cluster.device", "cuda", "no CUDA device is visible", "use cluster=cpu on this machine")
+    try:
+        return ParallelDims(
+            world_size=world_size,
+            tp=cfg.parallel.tp,
+            pp=cfg.parallel.pp,
+            vpp=cfg.parallel.vpp,
+            sp=cfg.parallel.sp,
+            first_stage_layers=cfg.parallel.first_stage_layers,
+            last_stage_layers=cfg.parallel.last_stage_layers,
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def validate_stage_layers(cfg: TrainConfig, dims: ParallelDims) -> None:
+    """Every model's layers split over the pipeline stages (megatron's uneven first/last stages): the
+    actor's (model.num_layers, or model.path's config.json), the critic's and the reward model's."""
+    counts = [] if cfg.model.path else [("model.num_layers", cfg.model.num_layers)]
+    for path in (cfg.model.path, cfg.critic.path, cfg.reward.model_path):
+        config_file = os.path.join(path, "config.json")
+        if path and os.path.isfile(config_file):
+            try:
+                with open(config_file) as f:
+                    num_layers = json.load(f).get("num_hidden_layers")  # absent: named when it is read
+            except (OSError, ValueError, AttributeError):  # unreadable: named by the positions check
+                continue
+            if isinstance(num_layers, int) and num_layers > 0:
+                counts.append((f"{config_file}: num_hidden_layers", num_layers))
+    for key, num_layers in counts:
+        try:
+            dims.stage_layer_counts(num_layers)
+        except ValueError as err:
+            raise ConfigError(f"{key}={num_layers}: {err}") from None
+
+
+def validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
+    m = cfg.model
+    if m.path and not os.path.isdir(m.path):
+        fail(
+            "model.path",
+            m.path,
+            "is not a directory",
+            "point model.path at a local Hugging Face checkpoint directory",
+        )
+    one_of("model.dtype", m.dtype, DTYPES)
+    for key, value in (
+        ("model.num_layers", m.num_layers),
+        ("model.hidden_size", m.hidden_size),
+        ("model.num_attention_heads", m.num_attention_heads),
+        ("model.num_query_groups", m.num_query_groups),
+        ("model.ffn_hidden_size", m.ffn_hidden_size),
+    ):
+        positive(key, value)
+    if m.path:
+        validate_checkpoint_positions(cfg, "model.path", m.path)  # config.json readable first
+    validate_stage_layers(cfg, dims)
+    if m.path:
+        validate_tokenizer_source(cfg)
+        return  # the rest of the architecture comes from config.json; checked when it is read
+    if m.head_dim == 0 and m.hidden_size % m.num_attention_heads:
+        fail(
+            "model.hidden_size",
+            m.hidden_size,
+            f"must be divisible by model.num_attention_heads={m.num_attention_heads}",
+            "set model.head_dim explicitly or change the sizes",
+        )
+    if m.num_attention_heads % m.num_query_groups:
+        fail(
+            "model.num_query_groups",
+            m.num_query_groups,
+            f"must divide model.num_attention_heads={m.num_attention_heads}",
+            "use a divisor of the head count",
+        )
+    for key, value in (
+        ("model.num_attention_heads", m.num_attention_heads),
+        ("model.num_query_groups", m.num_query_groups),
+        ("model.ffn_hidden_size", m.ffn_hidden_size),
+    ):
+        if value % dims.tp:
+            fail(
+                key,
+                value,
+                f"must be divisible by parallel.tp={dims.tp}",
+                "lower parallel.tp or change the model",
+            )
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    if longest > m.max_position_embeddings:
+        fail(
+            "data.max_prompt_len + rollout.max_new_tokens",
+            longest,
+            f"must be <= model.max_position_embeddings={m.max_position_embeddings}",
+            "shorten prompts/responses or raise model.max_position_embeddings",
+        )
+
+
+def validate_tokenizer_source(cfg: TrainConfig) -> None:
+    """An empty model.tokenizer_path means model.path's tokenizer (the embedded task included): refuse a
+    model.path without one rather than tokenise with something else."""
+    from engine.data import TOKENIZER_FILES
+
+    m = cfg.model
+    if m.tokenizer_path or not m.path or not os.path.isdir(m.path):
+        return
+    if not any(os.path.isfile(os.path.join(m.path, name)) for name in TOKENIZER_FILES):
+        fail(
+            "model.path",
+            m.path,
+            f"model.tokenizer_path is empty, so the tokenizer is model.path's, but {m.path} has no tokenizer "
+            f"files (looked for {', '.join(TOKENIZER_FILES)})",
+            f"save the model's tokenizer into {m.path} (tokenizer.save_pretrained), or set "
+            "model.tokenizer_path to a directory that has one",
+        )
+
+
+def validate_checkpoint_positions(cfg: TrainConfig, key: str, path: str) -> None:
+    """The checkpoint directory `path` (set by `key`) holds the longest sequence: its config.json's
+    max_position_embeddings >= data.max_prompt_len + rollout.max_new_tokens. Reads the JSON file only."""
+    file = os.path.join(path, "config.json")
+    fix = f"point {key} at a checkpoint saved with save_pretrained (it writes config.json)"
+    if not os.path.isfile(file):
+        fail(key, path, f"has no config.json ({file} is missing)", fix)
+    try:
+        with open(file) as f:
+            limit = int(json.load(f)["max_position_embeddings"])
+    except KeyError:
+        fail(key, path, f"{file} has no max_position_embeddings", fix)
+    except (OSError, ValueError, TypeError) as err:
+        fail(key, path, f"{file} is not a readable JSON config ({type(err).__name__}: {err})", fix)
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    if longest > limit:
+        fail(
+            "data.max_prompt_len + rollout.max_new_tokens",
+            longest,
+            f"must be <= max_position_embeddings={limit} of {key}={path!r} ({file})",
+            "lower data.max_prompt_len or rollout.max_new_tokens to fit the model's positions",
+        )

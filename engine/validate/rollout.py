@@ -1,0 +1,94 @@
+"""The rollout group: sampling, backend and the log-probs the algorithm needs from it."""
+
+from __future__ import annotations
+
+from algorithms.advantages import advantage_traits
+from engine.config import TrainConfig
+from engine.validate.rules import fail, one_of, positive
+from parallel.dims import ParallelDims
+
+
+def validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
+    r = cfg.rollout
+    one_of("rollout.backend", r.backend, ("native", "vllm"))
+    one_of("rollout.weight_sync", r.weight_sync, ("hybrid", "naive"))
+    if r.weight_sync == "naive" and r.tp != 1:
+        fail(
+            "rollout.weight_sync",
+            "naive",
+            "the naive baseline gathers full weights: rollout at TP=1 only",
+            "use rollout.weight_sync=hybrid for rollout.tp > 1",
+        )
+    if r.backend == "vllm" and cfg.cluster.device != "cuda":
+        fail("rollout.backend", "vllm", "vLLM needs cluster.device=cuda", "use rollout.backend=native on CPU")
+    if r.backend == "vllm" and r.tp not in (1, dims.tp):
+        fail(
+            "rollout.tp",
+            r.tp,
+            f"rollout.backend=vllm groups consecutive ranks into its TP groups, which matches the "
+            f"3D-HybridEngine's rollout groups only for rollout.tp = 1 or parallel.tp = {dims.tp}",
+            f"use rollout.tp=1 or rollout.tp={dims.tp}, or rollout.backend=native",
+        )
+    if r.tp < 1 or dims.tp % r.tp:
+        divisors = [d for d in range(1, dims.tp + 1) if dims.tp % d == 0]
+        fail("rollout.tp", r.tp, f"must divide parallel.tp={dims.tp}", f"use rollout.tp in {divisors}")
+    if r.n < 1:
+        fail("rollout.n", r.n, "must be >= 1", "sample at least one response per prompt")
+    if advantage_traits(cfg.algorithm.adv_estimator).group_relative and r.n < 2:
+        fail(
+            "rollout.n",
+            r.n,
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses within a "
+            "group, so it needs at least 2 per prompt",
+            "set rollout.n=8 (or >= 2)",
+        )
+    positive("rollout.temperature", r.temperature)
+    if not 0.0 < r.top_p <= 1.0:
+        fail("rollout.top_p", r.top_p, "must lie in (0, 1]", "use 1.0 to turn nucleus sampling off")
+    if r.top_k < 0:
+        fail("rollout.top_k", r.top_k, "must be >= 0", "use 0 to turn top-k off")
+    positive("rollout.max_new_tokens", r.max_new_tokens)
+    positive("rollout.val_n", r.val_n)
+    if r.val_temperature < 0:
+        fail("rollout.val_temperature", r.val_temperature, "must be >= 0", "use 0 for greedy validation")
+    if not 0.0 < r.kv_cache_memory_fraction < 1.0:
+        fail("rollout.kv_cache_memory_fraction", r.kv_cache_memory_fraction, "must lie in (0, 1)", "use 0.5")
+    if not 0.0 < r.gpu_memory_utilization < 1.0:
+        fail("rollout.gpu_memory_utilization", r.gpu_memory_utilization, "must lie in (0, 1)", "use 0.5")
+    if not r.log_probs:
+        validate_without_rollout_log_probs(cfg)
+    if r.backend == "vllm" and r.log_probs:
+        validate_vllm_log_probs(cfg)
+
+
+def validate_vllm_log_probs(cfg: TrainConfig) -> None:
+    """vLLM's log-probs are taken before temperature or after top-p/top-k truncation
+    (engine/rollout/vllm_backend.py): refuse the sampling settings where neither is the full distribution at the
+    temperature, which the training forward computes."""
+    from engine.rollout.vllm_backend import full_log_probs_mode
+
+    r = cfg.rollout
+    if full_log_probs_mode(r.temperature, r.top_p, r.top_k) is None:
+        fail(
+            "rollout.temperature",
+            r.temperature,
+            f"with rollout.backend=vllm and rollout.top_p={r.top_p}, rollout.top_k={r.top_k}, vLLM returns "
+            "log-probs either before temperature or over the top-p/top-k truncated distribution, never the "
+            "full distribution at the temperature that the training forward computes",
+            "set rollout.temperature=1.0, or rollout.top_p=1.0 and rollout.top_k=0, or rollout.log_probs=false "
+            "(not with algorithm.tis_cap > 0), or rollout.backend=native",
+        )
+
+
+def validate_without_rollout_log_probs(cfg: TrainConfig) -> None:
+    """rollout.log_probs=false: refuse the settings that need the rollout's own log-probs (a KL in the reward
+    takes the old-log-prob forward's instead: engine/config.py `needs_old_log_prob_forward`)."""
+    a = cfg.algorithm
+    if a.tis_cap > 0:
+        fail(
+            "rollout.log_probs",
+            False,
+            f"algorithm.tis_cap={a.tis_cap} (truncated importance sampling) weights the loss by the ratio of "
+            "training to rollout log-probs, so it needs the rollout's log-probs",
+            "set rollout.log_probs=true, or algorithm.tis_cap=0",
+        )

@@ -1,0 +1,127 @@
+"""The optimizer, trainer (checkpoints, output directory, loggers) and reward groups, and the optional packages
+the config asks for."""
+
+from __future__ import annotations
+
+import os
+
+from engine.config import LOGGERS, ConfigError, TrainConfig
+from engine.validate.model import validate_checkpoint_positions
+from engine.validate.rules import fail, one_of, positive
+
+
+def validate_optim(cfg: TrainConfig) -> None:
+    o = cfg.optim
+    positive("optim.lr", o.lr)
+    if o.min_lr < 0 or o.min_lr > o.lr:
+        fail("optim.min_lr", o.min_lr, f"must lie in [0, optim.lr={o.lr}]", "lower optim.min_lr")
+    one_of("optim.lr_decay", o.lr_decay, ("constant", "linear", "cosine"))
+    if o.clip_grad < 0:
+        fail("optim.clip_grad", o.clip_grad, "must be >= 0", "use 1.0, or 0 to turn clipping off")
+    if o.lr_warmup_steps < 0:
+        fail("optim.lr_warmup_steps", o.lr_warmup_steps, "must be >= 0", "use 0 for no warm-up")
+    positive("optim.initial_loss_scale", o.initial_loss_scale)
+    positive("cluster.peak_tflops", cfg.cluster.peak_tflops)
+
+
+def validate_trainer(cfg: TrainConfig) -> None:
+    t = cfg.trainer
+    positive("trainer.total_steps", t.total_steps)
+    for name in t.loggers:
+        one_of("trainer.loggers", name, LOGGERS)
+    for key, value in (
+        ("trainer.save_freq", t.save_freq),
+        ("trainer.test_freq", t.test_freq),
+        ("trainer.max_checkpoints", t.max_checkpoints),
+    ):
+        if value < 0:
+            fail(key, value, "must be >= 0", "use 0 to turn it off")
+    if t.resume == "auto" and not t.output_dir:
+        fail(
+            "trainer.resume",
+            "auto",
+            "looks for checkpoints in trainer.output_dir, which is empty (Hydra's run dir is new every run)",
+            "set trainer.output_dir to the run's directory",
+        )
+    if t.resume not in ("auto", "off") and not os.path.isdir(t.resume):
+        fail(
+            "trainer.resume",
+            t.resume,
+            "is neither auto, off nor an existing checkpoint directory",
+            "use trainer.resume=auto to continue from the latest checkpoint in trainer.output_dir",
+        )
+    if t.overwrite and t.resume not in ("auto", "off"):
+        fail(
+            "trainer.overwrite",
+            True,
+            f"has no effect with trainer.resume={t.resume} (a resumed run keeps the directory's outputs)",
+            "drop trainer.overwrite, or use trainer.resume=off to start fresh",
+        )
+
+
+def validate_reward(cfg: TrainConfig) -> None:
+    from engine.rewards.gsm8k import METHODS as GSM8K_METHODS
+    from engine.roles.reward_model import check_reward_model_dir
+
+    r = cfg.reward
+    one_of("reward.combine", r.combine, ("model", "sum"))
+    one_of("reward.gsm8k_method", r.gsm8k_method, GSM8K_METHODS)
+    if r.model_path and r.combine == "model" and r.fn:
+        fail(
+            "reward.fn",
+            r.fn,
+            "would be ignored: reward.combine=model scores with the reward model alone",
+            "set reward.combine=sum to add it to the model's score, or reward.fn=''",
+        )
+    validate_reward_fn(cfg)
+    if not r.model_path:
+        return
+    if os.path.isdir(r.model_path):
+        validate_checkpoint_positions(cfg, "reward.model_path", r.model_path)
+    why = check_reward_model_dir(r.model_path)
+    if why:
+        fail(
+            "reward.model_path",
+            r.model_path,
+            why,
+            "point it at a local HF reward model saved with save_pretrained (num_labels=1)",
+        )
+
+
+def validate_reward_fn(cfg: TrainConfig) -> None:
+    """reward.timeout_s >= 0; import the user's reward.fn now, not after the models are built (seconds, not
+    minutes, to learn of a wrong path or name)."""
+    if cfg.reward.timeout_s < 0:
+        fail(
+            "reward.timeout_s",
+            cfg.reward.timeout_s,
+            "must be >= 0",
+            "give seconds per batch, or 0 for no limit",
+        )
+    if not cfg.reward.fn.strip():
+        return
+    from engine.rewards.reward_fn import load_user_fn
+
+    try:
+        load_user_fn(cfg.reward.fn)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def validate_optional_packages(cfg: TrainConfig) -> None:
+    """Optional dependencies the config asks for, found (not imported) now rather than after the models exist."""
+    import importlib.util
+
+    wanted = [
+        (f"trainer.loggers={cfg.trainer.loggers}", name, f"drop {name} from trainer.loggers")
+        for name in ("tensorboard", "wandb")
+        if name in cfg.trainer.loggers
+    ]
+    if cfg.rollout.backend == "vllm":
+        wanted.append(("rollout.backend=vllm", "vllm", "use rollout.backend=native"))
+    for setting, package, alternative in wanted:
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"{setting}: needs the Python package {package!r}, which is not installed. Fix: "
+                f"pip install -e '.[{package}]' (setup.py's extra; or pip install {package}), or {alternative}"
+            )
