@@ -42,6 +42,10 @@ class DataFileNotFoundError(DataError, FileNotFoundError):
     """A data file that does not exist."""
 
 
+class CheckpointError(UserError, ValueError):
+    """A checkpoint that cannot be written or resumed; the message names the path, the cause and a fix."""
+
+
 class RewardFnError(UserError, ValueError):
     """A reward function that cannot be loaded or returned something unusable."""
 

@@ -20,7 +20,8 @@ exist but none is usable it stops, naming each (engine/checkpoint/run_dir.py sta
 trainer.overwrite=true). A truncated file met while loading is named with its checkpoint and the previous
 complete checkpoint to resume from.
 
-What one rank's state holds, and how it goes back into the live objects, is engine/checkpoint/checkpoint_state.py.
+What one rank's state holds, and how it goes back into the live objects, is engine/checkpoint/checkpoint_state.py;
+finding and reading checkpoints engine/checkpoint/store.py; writing files safely engine/checkpoint/files.py.
 
 What this module must not do: reshard. A checkpoint resumes only under the layout it was saved with (tp, pp,
 vpp, first/last stage layers where set, dp, world size, distributed optimizer); anything else is refused with
@@ -36,15 +37,11 @@ A resumed run follows its own config, not the saved one (LR schedule, Adam setti
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
-import pickle
-import re
 import secrets
 import shutil
 import time
-import zipfile
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -52,14 +49,27 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint.checkpoint_state import (
-    CheckpointError,
     cpu_copy,
     load_role_state,
     rng_state,
     role_state_dict,
     set_rng_state,
 )
+from engine.checkpoint.files import human_size, publish, state_nbytes, write_file, write_rank_file
+from engine.checkpoint.store import (
+    CHECKPOINTS_DIR,
+    FORMAT_VERSION,
+    LATEST_FILE,
+    META_FILE,
+    find_checkpoint,
+    prune_checkpoints,
+    rank_file,
+    read_meta,
+    read_rank_state,
+    step_dir_name,
+)
 from engine.config import ModelConfig
+from engine.errors import CheckpointError
 from engine.models.builder import ModelShape
 from engine.roles.offload import all_onloaded
 from engine.roles.policy import MegatronRole
@@ -69,23 +79,6 @@ if TYPE_CHECKING:  # engine.setup builds everything; importing it here at run ti
     from engine.setup import Components
 
 
-FORMAT_VERSION = 1
-CHECKPOINTS_DIR = "checkpoints"
-LATEST_FILE = "latest"
-META_FILE = "meta.json"
-_STEP_DIR = re.compile(r"^global_step_(\d+)$")
-_STALE_DIR = re.compile(r"^global_step_\d+\.(tmp|old)-[0-9a-f]+$")
-
-
-def step_dir_name(step: int) -> str:
-    return f"global_step_{step}"
-
-
-def rank_file(path: str, rank: int) -> str:
-    return os.path.join(path, f"rank_{rank}.pt")
-
-
-# ---- layout ------------------------------------------------------------------------------------------
 def run_layout(groups: ProcessGroups, distributed_optimizer: bool) -> dict[str, Any]:
     """What must be equal for a per-rank checkpoint to resume: the shard layout of parameters and optimizer."""
     d = groups.dims
@@ -171,98 +164,6 @@ def check_shape(saved: Mapping[str, Any], shape: ModelShape, path: str) -> None:
 
 
 # ---- atomic save ---------------------------------------------------------------------------------------
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def state_nbytes(state: Any) -> int:
-    """Bytes of the tensors in a (nested) state: about what torch.save writes for it."""
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, Mapping):
-        return sum(state_nbytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(state_nbytes(v) for v in state)
-    return 0
-
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes / 2**10:.1f} KiB"
-
-
-def _filesystem(path: str) -> str:
-    """The device and mount point that hold `path` (the mount point alone where /proc/mounts is unreadable)."""
-    mount = os.path.abspath(path)
-    while not os.path.ismount(mount):
-        mount = os.path.dirname(mount)
-    device = None
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) > 1 and fields[1] == mount:
-                    device = fields[0]  # the last mount on a point is the visible one
-    except OSError:
-        pass
-    return f"{device} (mounted at {mount})" if device else mount
-
-
-def _disk_full(err: BaseException, directory: str, need: int) -> bool:
-    """Whether a failed write ran out of space: ENOSPC/EDQUOT anywhere in the exception chain, or a bare
-    error from torch's archive writer with less free space left than the file needs."""
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    try:
-        return isinstance(err, RuntimeError) and shutil.disk_usage(directory).free < need
-    except OSError:
-        return False
-
-
-def _write_file(path: str, write: Callable[[Any], None], need: int, binary: bool = True) -> None:
-    """Write `path` through `write(file)` and fsync it; running out of space raises a CheckpointError that
-    names the device, the file and how much it needs."""
-    try:
-        with open(path, "wb" if binary else "w") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-    except (OSError, RuntimeError) as err:
-        directory = os.path.dirname(path)
-        if not _disk_full(err, directory, need):
-            raise
-        try:
-            free = f" ({_size(shutil.disk_usage(directory).free)} free there)"
-        except OSError:
-            free = ""
-        raise CheckpointError(
-            f"no space left on {_filesystem(directory)} writing {path}: this file needs about {_size(need)}"
-            f"{free}. Fix: free space there, or set trainer.output_dir on a larger filesystem, or keep fewer "
-            f"checkpoints (trainer.max_checkpoints; while one is written the previous ones stay)"
-        ) from err
-
-
-def _write_rank_file(path: str, state: Mapping[str, Any]) -> None:
-    _write_file(path, lambda f: torch.save(state, f), state_nbytes(state))
-
-
-def _write_text_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
 
 
 def _failed_ranks(ok: bool, groups: ProcessGroups) -> list[int]:
@@ -296,11 +197,11 @@ def save_checkpoint(
         os.makedirs(tmp, exist_ok=True)
         rank_state = state() if callable(state) else state
         nbytes = state_nbytes(rank_state)
-        _write_rank_file(rank_file(tmp, groups.rank), rank_state)
+        write_rank_file(rank_file(tmp, groups.rank), rank_state)
         if groups.rank == 0:
             meta = meta() if callable(meta) else meta
             text = json.dumps({**meta, "step": step, "format": FORMAT_VERSION}, indent=2)
-            _write_file(os.path.join(tmp, META_FILE), lambda f: f.write(text), len(text), binary=False)
+            write_file(os.path.join(tmp, META_FILE), lambda f: f.write(text), len(text), binary=False)
     except Exception as err:  # every rank must reach the agreement below, whatever failed
         error = err
     failed = _failed_ranks(error is None, groups)
@@ -308,7 +209,7 @@ def save_checkpoint(
     if not failed:  # all wrote: rank 0 publishes, and everyone learns whether that worked
         if groups.rank == 0:
             try:
-                _publish(root, tmp, final)
+                publish(root, tmp, final)
             except Exception as err:
                 error = err
         failed = _failed_ranks(error is None, groups)
@@ -321,179 +222,12 @@ def save_checkpoint(
             f"saving checkpoint {final} failed on rank(s) {failed}"
             + (f" (here: {type(error).__name__}: {error})" if error else "")
             + f"; {os.path.join(root, LATEST_FILE)} still names the previous checkpoint. The checkpoint "
-            f"needs about {_size(sizes.item())} (all ranks' files)"
+            f"needs about {human_size(sizes.item())} (all ranks' files)"
         ) from error
     if groups.rank == 0:
         prune_checkpoints(root, max_checkpoints, keep=name)
     dist.barrier(group=groups.world)
     return final
-
-
-def _publish(root: str, tmp: str, final: str) -> None:
-    """Rename the complete temporary directory to its final name, then point `latest` at it."""
-    old = None
-    if os.path.exists(final):  # the same step saved before (a resumed run passing it again)
-        old = f"{final}.old-{secrets.token_hex(6)}"
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    _write_text_atomic(os.path.join(root, LATEST_FILE), os.path.basename(final) + "\n")
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def complete_checkpoints(root: str) -> list[tuple[int, str]]:
-    """(step, path) of the complete checkpoints under `root` (named global_step_<N>, with meta.json), by step."""
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for entry in os.listdir(root):
-        match = _STEP_DIR.match(entry)
-        if match and os.path.isfile(os.path.join(root, entry, META_FILE)):
-            found.append((int(match.group(1)), os.path.join(root, entry)))
-    return sorted(found)
-
-
-def prune_checkpoints(root: str, max_checkpoints: int, keep: str) -> None:
-    """Remove leftover temporary directories and all but the `max_checkpoints` newest complete checkpoints
-    (0 = keep all); `keep` (the one just saved, which `latest` names) always stays."""
-    for entry in os.listdir(root):
-        if _STALE_DIR.match(entry):
-            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
-    if max_checkpoints <= 0:
-        return
-    others = [p for _, p in complete_checkpoints(root) if os.path.basename(p) != keep]
-    for path in others[: max(len(others) - (max_checkpoints - 1), 0)]:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-# ---- finding and reading ---------------------------------------------------------------------------------
-def checkpoint_problem(path: str) -> str | None:
-    """Why the checkpoint directory `path` cannot be resumed, found cheaply (meta.json readable and of this
-    format; every rank's file present and a complete archive: its end record is read, not the tensors);
-    None if it looks usable."""
-    file = os.path.join(path, META_FILE)
-    if not os.path.isfile(file):
-        return f"{META_FILE} is missing (the save did not complete)"
-    try:
-        with open(file) as f:
-            meta = json.load(f)
-        world = int(meta["layout"]["world_size"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return f"{META_FILE} is unreadable, truncated or incomplete ({type(err).__name__}: {err})"
-    if meta.get("format") != FORMAT_VERSION:
-        return f"{META_FILE} has format {meta.get('format')!r}, this engine reads {FORMAT_VERSION}"
-    for rank in range(world):
-        shard = rank_file(path, rank)
-        if not os.path.isfile(shard):
-            return f"{os.path.basename(shard)} is missing (saved by {world} ranks)"
-        if not zipfile.is_zipfile(shard):
-            return f"{os.path.basename(shard)} is truncated or corrupt (not a complete torch archive)"
-    return None
-
-
-def _step_dirs(root: str) -> list[tuple[int, str]]:
-    """(step, path) of every global_step_<N> directory under `root`, complete or not, by step."""
-    if not os.path.isdir(root):
-        return []
-    found = [(int(m.group(1)), os.path.join(root, e)) for e in os.listdir(root) if (m := _STEP_DIR.match(e))]
-    return sorted(found)
-
-
-def latest_checkpoint(root: str, skipped: list[str] | None = None) -> str | None:
-    """The checkpoint `root/latest` names, else (that file missing or naming nothing) the highest-numbered
-    one; an unusable one (`checkpoint_problem`) is skipped for the next older one, with a note appended to
-    `skipped`. None if `root` holds no checkpoint directory; CheckpointError naming each one and why if
-    none of them is usable."""
-    paths = [p for _, p in _step_dirs(root)]
-    latest = os.path.join(root, LATEST_FILE)
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            named = os.path.join(root, f.read().strip())
-        if named in paths:  # higher steps are left over from before a resume from an older checkpoint
-            paths = paths[: paths.index(named) + 1]
-    problems = []
-    for path in reversed(paths):
-        why = checkpoint_problem(path)
-        if why is None:
-            if skipped is not None:
-                skipped.extend(f"skipped {p}: {w}" for p, w in problems)
-            return path
-        problems.append((path, why))
-    if not problems:
-        return None
-    raise CheckpointError(
-        f"no usable checkpoint in {root}: "
-        + "; ".join(f"{p}: {w}" for p, w in problems)
-        + ". Fix: resume from a good checkpoint elsewhere with trainer.resume=PATH; or start fresh in a "
-        "new trainer.output_dir, or here with trainer.overwrite=true (removes them and metrics.jsonl)"
-    )
-
-
-def _previous_checkpoint(path: str) -> str:
-    """A fix for an unreadable checkpoint: resume from the newest usable one before it, if there is one."""
-    root, name = os.path.split(os.path.normpath(path))
-    match = _STEP_DIR.match(name)
-    if match:
-        older = [p for s, p in _step_dirs(root) if s < int(match.group(1))]
-        for other in reversed(older):
-            if checkpoint_problem(other) is None:
-                return f"Fix: resume from the previous complete checkpoint, trainer.resume={other}"
-    return "Fix: resume from another checkpoint (trainer.resume=PATH), or start fresh without it"
-
-
-def find_checkpoint(resume: str, output_dir: str, skipped: list[str] | None = None) -> str | None:
-    """The checkpoint directory `trainer.resume` asks for: None for `off`, or for `auto` when output_dir
-    has none; a path may name a checkpoint, a checkpoints directory or a run's output_dir. Notes on
-    checkpoints passed over as unusable are appended to `skipped`."""
-    if resume == "off":
-        return None
-    if resume == "auto":
-        return latest_checkpoint(os.path.join(output_dir, CHECKPOINTS_DIR), skipped)
-    if os.path.isfile(os.path.join(resume, META_FILE)):
-        return resume
-    for root in (resume, os.path.join(resume, CHECKPOINTS_DIR)):
-        if os.path.isfile(os.path.join(root, LATEST_FILE)):
-            found = latest_checkpoint(root, skipped)
-            if found:
-                return found
-    raise CheckpointError(
-        f"trainer.resume={resume!r}: not a checkpoint (no {META_FILE}) and no {LATEST_FILE} file in it or in "
-        f"its {CHECKPOINTS_DIR}/. Fix: point it at a global_step_<N> directory, or use trainer.resume=auto"
-    )
-
-
-def read_meta(path: str) -> dict[str, Any]:
-    file = os.path.join(path, META_FILE)
-    if not os.path.isfile(file):
-        raise CheckpointError(f"{path} is not a checkpoint: {META_FILE} is missing")
-    try:
-        with open(file) as f:
-            meta = json.load(f)
-    except ValueError as err:
-        raise CheckpointError(
-            f"{file} is truncated or corrupt ({err}): checkpoint {path} cannot be read. "
-            + _previous_checkpoint(path)
-        ) from err
-    if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{file}: checkpoint format {meta.get('format')!r}, this engine reads {FORMAT_VERSION}"
-        )
-    return meta
-
-
-def read_rank_state(path: str, rank: int, mmap: bool = False) -> dict[str, Any]:
-    """This rank's saved state (host tensors); `mmap` reads tensors lazily from the file."""
-    file = rank_file(path, rank)
-    if not os.path.isfile(file):
-        raise CheckpointError(f"{file} is missing: the checkpoint is incomplete or was saved by fewer ranks")
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
-    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, pickle.UnpicklingError) as err:
-        raise CheckpointError(
-            f"{file} is truncated or corrupt ({type(err).__name__}: {str(err).splitlines()[0]}): checkpoint "
-            f"{path} cannot be read. " + _previous_checkpoint(path)
-        ) from err
 
 
 def tokenizer_dir_of(c: Components) -> str:
@@ -503,6 +237,8 @@ def tokenizer_dir_of(c: Components) -> str:
 
 
 # ---- the run-level saver the trainer calls -----------------------------------------------------------------
+
+
 class Checkpointer:
     """Saves and resumes a run built by engine/setup.py: every trainable role (actor, and critic when the
     components have one), the data position, RNG states, the step and `stateful` objects of the trainer

@@ -16,14 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.errors import UserError
+from engine.errors import CheckpointError
 from engine.roles.policy import MegatronRole, sub_optimizers, torch_optimizers, use_fused_adam
 from parallel.rollout_weights import global_param_names
 from parallel.state import ProcessGroups
-
-
-class CheckpointError(UserError, ValueError):
-    """A checkpoint that cannot be written or resumed; the message names the path, the cause and a fix."""
 
 
 def cpu_copy(obj: Any) -> Any:

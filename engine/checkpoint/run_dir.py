@@ -26,7 +26,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from engine.errors import UserError
+from engine.checkpoint.store import CHECKPOINTS_DIR, latest_checkpoint
+from engine.errors import CheckpointError, UserError
 
 if TYPE_CHECKING:
     from engine.config import TrainerConfig
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
 
 LOCK_FILE = "run.lock"
 METRICS_FILE = "metrics.jsonl"
-CHECKPOINTS_DIR = "checkpoints"
 # what an earlier run leaves that a fresh run would mix with its own (embedded/ data is rebuilt identically)
 RUN_OUTPUTS = (METRICS_FILE, CHECKPOINTS_DIR, "tensorboard", "hf_actor")
 
@@ -171,9 +171,6 @@ def prepare_output_dir(output_dir: str, t: TrainerConfig, say: Callable[[str], N
             f"trainer.output_dir, or here with trainer.overwrite=true (removes them)"
         )
     if t.resume == "auto" and t.overwrite:
-        from engine.checkpoint.checkpoint import latest_checkpoint
-        from engine.checkpoint.checkpoint_state import CheckpointError
-
         try:
             latest_checkpoint(os.path.join(output_dir, CHECKPOINTS_DIR))
         except CheckpointError as err:  # none usable: start fresh, as asked

@@ -27,17 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.checkpoint.checkpoint import (
-    check_layout,
-    check_shape,
-    find_checkpoint,
-    rank_file,
-    read_meta,
-    read_rank_state,
-    run_layout,
-    tokenizer_dir_of,
-)
+from engine.checkpoint.checkpoint import check_layout, check_shape, run_layout, tokenizer_dir_of
 from engine.checkpoint.checkpoint_state import layer_ranges, load_params
+from engine.checkpoint.store import find_checkpoint, rank_file, read_meta, read_rank_state
 from engine.config import ModelConfig
 from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape
 from engine.models.hf import save_hf_checkpoint

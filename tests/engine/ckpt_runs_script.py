@@ -133,15 +133,15 @@ def latest(name: str) -> str:
 
 
 def fail_saving_at(step: int, ranks: set[int]):
-    """Make `_write_rank_file` raise on `ranks` when saving `step` (after the other ranks wrote theirs)."""
-    real = checkpoint._write_rank_file
+    """Make `write_rank_file` (as engine.checkpoint.checkpoint calls it) raise on `ranks` when saving `step` (after the other ranks wrote theirs)."""
+    real = checkpoint.write_rank_file
 
     def flaky(path, state):
         if state["step"] == step and dist.get_rank() in ranks:
             raise OSError(f"simulated crash while saving step {step}")
         real(path, state)
 
-    checkpoint._write_rank_file = flaky
+    checkpoint.write_rank_file = flaky
     return real
 
 
@@ -206,7 +206,7 @@ def single_process() -> None:
         [*KL_CTRL, "trainer.save_freq=2", "trainer.max_checkpoints=1"],
         expect=checkpoint.CheckpointError,
     )
-    checkpoint._write_rank_file = real
+    checkpoint.write_rank_file = real
     assert "failed on rank(s) [0]" in str(err) and "still names the previous" in str(err), err
     assert latest("crash") == "global_step_2" and ckpt_dirs("crash") == ["global_step_2", "latest"], (
         ckpt_dirs("crash")
@@ -321,7 +321,7 @@ def four_ranks() -> None:
     run("pp2", [*PP2, "trainer.save_freq=2", "trainer.max_checkpoints=0"])
     real = fail_saving_at(3, {2, 3})
     err = run("pp2_crash", [*PP2, "trainer.save_freq=1"], expect=checkpoint.CheckpointError)
-    checkpoint._write_rank_file = real
+    checkpoint.write_rank_file = real
     assert "failed on rank(s) [2, 3]" in str(err), err
     assert latest("pp2_crash") == "global_step_2", latest("pp2_crash")
     run("pp2_crash", [*PP2, "trainer.save_freq=1", "trainer.resume=auto"])

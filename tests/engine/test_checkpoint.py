@@ -18,8 +18,8 @@ import pytest
 import torch
 from distributed import run_torchrun
 
-from engine.checkpoint.checkpoint import (
-    check_layout,
+from engine.checkpoint.checkpoint import check_layout
+from engine.checkpoint.store import (
     complete_checkpoints,
     find_checkpoint,
     latest_checkpoint,
@@ -27,8 +27,8 @@ from engine.checkpoint.checkpoint import (
     read_meta,
     read_rank_state,
 )
-from engine.checkpoint.checkpoint_state import CheckpointError
 from engine.config import ConfigError, ModelConfig, register_configs, to_dataclass
+from engine.errors import CheckpointError
 from engine.models.builder import resolve_shape
 from engine.models.hf_config import hf_config_from_shape, model_config_from_hf
 from engine.validate import validate

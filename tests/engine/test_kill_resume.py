@@ -23,7 +23,7 @@ import time
 import pytest
 from trainer_run_script import SHORT, read_metrics, run_job
 
-from engine.checkpoint.checkpoint_state import CheckpointError
+from engine.errors import CheckpointError
 
 REWARD = f"reward.fn={os.path.join(os.path.dirname(__file__), 'stall_reward.py')}:score"
 RUN = [*SHORT, REWARD, "algorithm=ppo", "trainer.save_freq=2", "trainer.total_steps=6"]
