@@ -28,8 +28,8 @@ one Triton kernel, so explicit seeds cost nothing there; a request without a see
 global generator (not reproducible per call), and the CUDA generator plays no part. (The V1 runner, still
 used for some configurations, loops over seeded requests in Python at every step: slower, still reproducible.)
 Log-probs: requested (`logprobs=0`: the sampled token's only) only when `SamplingParams.log_probs` is set,
-since they cost vLLM ~40% of its generation speed (one H200, Qwen2.5-0.5B: 37.6k -> 22.9k tokens/s;
-scripts/bench/vllm_sampling_cost.py); otherwise `logprobs=None` and `RolloutOutput.log_probs` is None.
+since they cost vLLM a large share of its generation speed (measured in scripts/bench/README.md, "Rollout";
+`scripts/bench/vllm_sampling_cost.py`); otherwise `logprobs=None` and `RolloutOutput.log_probs` is None.
 The contract of engine/rollout/base.py is the full-vocabulary softmax(logits / T) (T = 1 when greedy). vLLM
 0.26 offers two log-prob modes per engine (its V2 runner accepts only these two; vllm/v1/worker/gpu/sample/
 sampler.py): "raw_logprobs", log_softmax of the model's logits before temperature, and "processed_logprobs",
