@@ -22,6 +22,7 @@ Log-probs are always returned, `SamplingParams.log_probs` or not: the sampler ha
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,9 @@ class NativeRollout(RolloutEngine):
         self._rows: _Rows | None = None
         self._rows_version = 0
         self.last_stats: dict[str, int] = {}
+        self.last_stats_by_width: dict[int, list] = {}
+        """Decode steps and host seconds per batch width of the last call, {width: [steps, seconds]}
+        (timed between host checks, so only when rows can finish early)."""
 
     # ---- weights and memory ----------------------------------------------------------------------
     def set_weights(self, weights: RolloutWeights) -> None:
@@ -200,7 +204,9 @@ class NativeRollout(RolloutEngine):
             "chunks": 0,
             "compactions": 0,
             "decode_steps": 0,
+            "slot_steps": 0,
         }
+        self.last_stats_by_width = {}
         with torch.inference_mode(), no_shim_overhead():
             out = _Outputs(
                 ids=torch.full((new, num_rows + 1), self.pad_id, dtype=torch.long, device=self.device),
@@ -296,22 +302,40 @@ class NativeRollout(RolloutEngine):
         cur = plen
         steps = max(sampling.limit_of(p) for _, p in chunk)
         rows_finish = stops is not None or out.limit is not None
+        since, since_steps = time.perf_counter(), 0
         for step in range(steps):
-            self._record(step, logits, sampling, gen, stops, out, st)
+            self._record(step, logits, sampling, gen, stops, out, st, cur)
             if step == steps - 1:
                 break
             if rows_finish and (step + 1) % self.check_every == 0:
-                live = int(st.alive[:width].sum())
+                live = int(st.alive[:width].sum())  # waits for the steps queued since the last check
+                now = time.perf_counter()
+                self._time_width(width, since_steps, now - since)
+                since, since_steps = now, 0
                 if live == 0:
                     break
                 width = self._maybe_compact(live, width, cur, caches, st, buckets, scratch)
             st.cur.fill_(cur)
             logits = self._decode(width, cur, caches, st, seq_len)
             self.last_stats["decode_steps"] += 1
+            self.last_stats["slot_steps"] += width
+            since_steps += 1
             cur += 1
 
-    def _record(self, step, logits, sampling, gen, stops, out: _Outputs, st: _Rows) -> None:
-        """Sample from `logits` (one row per slot), store the tokens of live slots, retire stopped ones."""
+    def _time_width(self, width: int, steps: int, seconds: float) -> None:
+        """Add `steps` decode steps of batch width `width` that took `seconds` (host clock between two host
+        checks; the first interval of a width includes its CUDA-graph capture) to `last_stats_by_width`."""
+        if steps:
+            total = self.last_stats_by_width.setdefault(width, [0, 0.0])
+            total[0] += steps
+            total[1] += seconds
+
+    def _record(self, step, logits, sampling, gen, stops, out: _Outputs, st: _Rows, next_pos: int) -> None:
+        """Sample from `logits` (one row per slot), store the tokens of live slots, retire stopped ones.
+
+        A slot that is not alive (finished, or filler up to the batch bucket) gets its padding moved to
+        `next_pos`, the next decode step's position: until the next compaction its attention reads one key
+        instead of its whole context (its output is never used)."""
         tokens, logp = sample_tokens(logits, sampling, gen)
         width = logits.shape[0]
         alive, where = st.alive[:width], st.row_of[:width]
@@ -325,6 +349,7 @@ class NativeRollout(RolloutEngine):
         if out.limit is not None:  # the row's last token by its own limit: "length"
             alive &= out.limit[where] > step + 1
         st.tokens[:width] = torch.where(alive, tokens, self.pad_id)
+        st.pad[:width] = torch.where(alive, st.pad[:width], next_pos)
 
     def _maybe_compact(self, live, width, cur, caches, st: _Rows, buckets, scratch) -> int:
         """Move the live slots to the front when enough finished; returns the new batch width."""
@@ -341,7 +366,7 @@ class NativeRollout(RolloutEngine):
         for buf in (st.tokens, st.pad, st.row_of):
             buf[:live] = buf[keep]
         st.alive[:live] = True
-        st.alive[live:target], st.row_of[live:target], st.pad[live:target] = False, scratch, 0
+        st.alive[live:target], st.row_of[live:target], st.pad[live:target] = False, scratch, cur
         st.tokens[live:target] = self.pad_id
         self.last_stats["compactions"] += 1
         return target

@@ -175,9 +175,17 @@ def run_native(shape, weights, prompts, sampling, args, device, shim_overhead=Fa
     with patch:
         out, seconds, cpu_seconds = timed_generate(engine, prompts, sampling, device)
         stats = dict(engine.last_stats)
+        stats["decode_ms_per_step_by_width"] = {
+            w: round(1e3 * sec / steps, 3) for w, (steps, sec) in sorted(engine.last_stats_by_width.items())
+        }
+        stats["decode_steps_by_width"] = {
+            w: steps for w, (steps, _) in sorted(engine.last_stats_by_width.items())
+        }
         greedy = first_tokens(engine, prompts)
     result = _result(out, seconds, device, cpu_seconds)
     result["engine_stats"] = stats
+    if stats.get("slot_steps"):  # generated tokens per decoded slot (finished and filler slots are waste)
+        result["decode_occupancy"] = round(result["tokens"] / (stats["slot_steps"] + stats["slots"]), 4)
     if args.profile and not shim_overhead and kernels is None:
         result["profile"] = profile_generate(engine, prompts, sampling, device, args)
     engine.release()
