@@ -4,8 +4,8 @@ distributed state, build, fit, tear down), without a new interpreter per job.
 Imported by tests (world size 1), and run under torchrun by tests/engine/test_trainer_multirank.py
 (world size 4): every rank runs the same sequence of short jobs, each checked for finite metrics, then the
 forward-only paths with a short last micro-batch at PP=2 (and VPP=2) against PP=1, the dynamic-batching
-gradient parity at TP=2 x PP=2 (fixed vs token-budget micro-batches), then the advantages of the same rows
-at DP=1 and DP=2.
+gradient parity at TP=2 x PP=2 (fixed vs token-budget micro-batches), packed vs padded micro-batches at
+TP=2 x PP=2 with sequence parallelism off and on, then the advantages of the same rows at DP=1 and DP=2.
 """
 
 from __future__ import annotations
@@ -418,7 +418,8 @@ CRITIC_KEYS = (
 
 def main(out_root: str) -> None:
     """World size 4: the jobs below in sequence (the last scored by a reward model at TP=2 x PP=2), then the
-    dynamic-batching parity at TP=2 x PP=2, then the DP=1 vs DP=2 advantages."""
+    dynamic-batching parity and the packing parity (SP off, on) at TP=2 x PP=2, then the DP=1 vs DP=2
+    advantages."""
     rank = int(os.environ.get("RANK", "0"))
     jobs = {
         "ppo_tp2_pp2": (
@@ -471,6 +472,15 @@ def main(out_root: str) -> None:
     )
     if rank == 0:
         print("parity " + json.dumps(parity), flush=True)
+    for sp in ("false", "true"):
+        packing = packing_parity(
+            ["parallel.tp=2", "parallel.pp=2", f"parallel.sp={sp}"],
+            os.path.join(out_root, f"packing_sp_{sp}"),
+            64,
+            True,
+        )
+        if rank == 0:
+            print(f"packing_sp_{sp} " + json.dumps(packing), flush=True)
     dp_invariance = dp_advantage_invariance()
     if rank == 0:
         print("dp_invariance " + json.dumps(dp_invariance), flush=True)
