@@ -64,6 +64,13 @@ def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp
         json.loads(line)
         for line in (tmp_path / "dapo_tp2_dp2_budget" / "metrics.jsonl").read_text().splitlines()
     ]
+    # the update's padding: fixed micro-batches pad rows to the longest; a token budget packs (no SP: none)
+    assert all(0.0 < row["perf/padding_fraction"] < 1.0 for row in ppo), [
+        r["perf/padding_fraction"] for r in ppo
+    ]
+    assert all(row["perf/padding_fraction"] == 0.0 for row in dapo), [
+        r["perf/padding_fraction"] for r in dapo
+    ]
     for row in dapo:
         assert row["dynamic_sampling/generated_groups"] >= 4  # data.batch_size over both replicas
         assert row["dynamic_sampling/dropped_groups"] <= row["dynamic_sampling/generated_groups"]
