@@ -52,8 +52,13 @@ class TrainerConfig:
     micro_batch_size: int = 8
     """Sequences per forward/backward micro-batch on each DP rank (when max_tokens_per_micro_batch is 0)."""
     max_tokens_per_micro_batch: int = 0
-    """Token budget of a micro-batch (0 = off): rows sorted by length are packed under it, each micro-batch
-    padded only to its own longest row; replaces micro_batch_size. Must fit the longest sequence."""
+    """Token budget of a micro-batch (0 = off): rows sorted by length are grouped under it, each micro-batch
+    packed (pack_sequences) or padded only to its own longest row; replaces micro_batch_size. Must fit the
+    longest sequence."""
+    pack_sequences: bool | None = None
+    """Lay each token-budget micro-batch's rows back to back in one sequence (no padding; the budget counts
+    real tokens) instead of padding rows to the longest; empty (null) = on exactly when
+    max_tokens_per_micro_batch > 0, which packing needs."""
     progress_bar: bool = True
     """Show a progress bar on the logging rank."""
     plot: bool = True
@@ -352,6 +357,11 @@ class ConfigError(UserError, ValueError):
     """A configuration value or combination that cannot work; the message says which key and how to fix it."""
 
     exit_status = 2
+
+
+def packs_sequences(t: TrainerConfig) -> bool:
+    """Whether micro-batches are packed (trainer.pack_sequences, by default on with a token budget)."""
+    return t.max_tokens_per_micro_batch > 0 if t.pack_sequences is None else t.pack_sequences
 
 
 def to_dataclass(cfg: DictConfig | TrainConfig) -> TrainConfig:

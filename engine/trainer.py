@@ -25,7 +25,7 @@ import torch
 
 from algorithms.kl import make_kl_controller
 from engine.checkpoint.checkpoint import Checkpointer
-from engine.config import needs_old_log_prob_forward
+from engine.config import needs_old_log_prob_forward, packs_sequences
 from engine.metrics import PhaseTimer
 from engine.roles.dynamic_batch import MicroBatcher
 from engine.roles.offload import RoleOffloader
@@ -65,6 +65,7 @@ class Trainer:
             t.max_tokens_per_micro_batch,
             seq_multiple=c.groups.dims.seq_multiple,
             device=c.groups.device,
+            pack=packs_sequences(t),
         )
         self.last_experience: Experience | None = None
         """The latest step's experience on this rank (for inspection and tests)."""
@@ -101,6 +102,7 @@ class Trainer:
         with timer.phase("adv"):
             adv_metrics = advantages(exp, self.cfg.algorithm, self.kl_ctrl, g)
         critic_metrics = {}
+        self.batcher.token_counts = [0, 0]  # the update phases' micro-batches, for perf/padding_fraction
         if c.critic is not None:
             with timer.phase("update_critic"), self.critic_optim_offload.onloaded():
                 critic_metrics = update_critic(ctx, exp)
@@ -121,7 +123,7 @@ class Trainer:
             **timer.as_metrics(),
             **ctx.engine_stats,
         }
-        metrics.update(perf_metrics(c, exp, timer.seconds, timer.peak_gb))
+        metrics.update(perf_metrics(c, exp, timer.seconds, timer.peak_gb, tuple(self.batcher.token_counts)))
         metrics["data/epoch"] = c.loader.epoch
         return metrics
 

@@ -74,6 +74,25 @@ def output_weight(model: torch.nn.Module) -> torch.Tensor:
     return model.output_layer.weight
 
 
+def gather_rows(x: torch.Tensor, mb: dict, index: torch.Tensor) -> torch.Tensor:
+    """(rows, T, ...) entries of `x` at the row-local positions `index` (rows, T) of the micro-batch's rows:
+    x (b, s, ...) row by row when padded; x (1, t, ...) from each row's start (`row_starts`) when packed
+    (engine/roles/dynamic_batch.py)."""
+    if "row_starts" in mb:
+        return x[0][mb["row_starts"][:, None] + index]
+    return x.gather(1, index.reshape(*index.shape, *(1,) * (x.dim() - 2)).expand(*index.shape, *x.shape[2:]))
+
+
+def unpack_rows(x: torch.Tensor, mb: dict) -> torch.Tensor:
+    """A packed micro-batch's (1, t, ...) output as (rows, s, ...), s its longest row, each row from position
+    0 and its last entry repeated past its end; a padded micro-batch's (b, s, ...) output as it is."""
+    if "row_starts" not in mb:
+        return x
+    lengths = mb["row_lengths"]
+    steps = torch.arange(int(lengths.max()), device=lengths.device)
+    return gather_rows(x, mb, torch.minimum(steps[None], lengths[:, None] - 1))
+
+
 def response_token_stats(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -84,10 +103,15 @@ def response_token_stats(
     tp_group,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, entropies) (b, T) float32 of each row's response tokens: position response_index[r, j]
-    (the prompt's last token + j) predicts token response_index[r, j] + 1."""
+    (the prompt's last token + j) predicts token response_index[r, j] + 1 (kept inside the row when packed).
+    `hidden` is (b, s, hidden), or (1, t, hidden) for a packed micro-batch."""
     index = mb["response_index"]
-    h = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
-    targets = mb["tokens"].gather(1, index + 1)
+    h = gather_rows(hidden, mb, index)
+    if "row_starts" in mb:
+        target_index = torch.minimum(index + 1, mb["row_lengths"][:, None] - 1)
+    else:
+        target_index = index + 1
+    targets = gather_rows(mb["tokens"], mb, target_index)
     return linear_log_probs(
         h, weight, targets, temperature=temperature, vocab_size=vocab_size, tp_group=tp_group
     )

@@ -4,23 +4,27 @@ modules swapped in, and fused kernels where megatron's own need TransformerEngin
 - `SDPAAttention` replaces megatron's local `DotProductAttention` (unfused softmax): PyTorch's
   `scaled_dot_product_attention` picks flash/cuDNN kernels on GPU and runs everywhere else too. Causal only: the engine lays every
   sequence out right-padded from position 0, so a causal mask is exact for the valid tokens and no padding
-  mask is needed.
+  mask is needed. Packed micro-batches (rows back to back, megatron's thd `PackedSeqParams`) attend causally
+  within each row: torch's varlen kernel on CUDA in bfloat16/float16, exact row-by-row SDPA elsewhere.
 - `RMSNorm` replaces `WrappedTorchNorm`, which refuses sequence parallelism; ours tags its weight
   `sequence_parallel` so megatron all-reduces its gradient across the TP group when SP is on.
 - `Fusions` selects the fused kernels (all on by default; off = the reference op chains, for benchmarks):
   RMSNorm through torch's fused kernel, and RoPE as one compiled kernel through megatron's `apply_rope_fusion`
-  hook, which megatron otherwise fills from TransformerEngine only. Both compute the same math as the chains
+  hooks (sbhd, and thd for packed rows: angles gathered per token from its position in its row), which
+  megatron otherwise fills from TransformerEngine only. Both compute the same math as the chains
   they replace (tests/engine/test_spec_fusions.py states the tolerances).
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -40,7 +44,9 @@ class Fusions:
 
 
 class SDPAAttention(MegatronModule):
-    """Core attention: q (sq, b, heads, dim), k/v (sk, b, groups, dim) -> (sq, b, heads * dim), causal."""
+    """Core attention, causal: q (sq, b, heads, dim), k/v (sk, b, groups, dim) -> (sq, b, heads * dim); with
+    packed rows (`packed_seq_params`, thd) q (t, heads, dim), k/v (t, groups, dim) -> (t, heads * dim),
+    causal within each row (`packed_attention`)."""
 
     def __init__(
         self,
@@ -69,8 +75,16 @@ class SDPAAttention(MegatronModule):
         attention_bias=None,
         packed_seq_params=None,
     ):
-        if attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("SDPAAttention: attention_bias and packed sequences are not supported")
+        if attention_bias is not None:
+            raise ValueError("SDPAAttention: attention_bias is not supported")
+        dropout_p = self.dropout_p if self.training else 0.0
+        if packed_seq_params is not None:
+            if packed_seq_params.qkv_format != "thd":
+                raise ValueError(f"SDPAAttention: packed format {packed_seq_params.qkv_format!r}, not thd")
+            out = packed_attention(
+                query, key, value, packed_seq_params, scale=self.softmax_scale, dropout_p=dropout_p
+            )
+            return out.reshape(out.shape[0], -1)
         q = query.permute(1, 2, 0, 3)  # (b, heads, sq, dim)
         k = key.permute(1, 2, 0, 3)  # (b, groups, sk, dim)
         v = value.permute(1, 2, 0, 3)
@@ -79,12 +93,79 @@ class SDPAAttention(MegatronModule):
             k,
             v,
             is_causal=True,
-            dropout_p=self.dropout_p if self.training else 0.0,
+            dropout_p=dropout_p,
             scale=self.softmax_scale,
             enable_gqa=q.shape[1] != k.shape[1],
         )  # (b, heads, sq, dim)
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    params: PackedSeqParams,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention within each packed row: q (t, heads, dim), k/v (t, groups, dim) -> (t, heads, dim),
+    rows bounded by `params.cu_seqlens_q` (the same for keys). On CUDA in bfloat16/float16 without dropout,
+    torch's varlen kernel (`varlen_attn`, with autograd); elsewhere SDPA row by row (exact, one host sync)."""
+    varlen = _varlen_attn()
+    if varlen is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0:
+        return varlen(q, k, v, params.cu_seqlens_q, params.max_seqlen_q, scale)
+    lengths = params.cu_seqlens_q.diff().tolist()
+    rows = []
+    for qr, kr, vr in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
+        out = F.scaled_dot_product_attention(
+            qr.transpose(0, 1)[None],  # (1, heads, len, dim)
+            kr.transpose(0, 1)[None],
+            vr.transpose(0, 1)[None],
+            is_causal=True,
+            dropout_p=dropout_p,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        rows.append(out[0].transpose(0, 1))
+    return torch.cat(rows)
+
+
+_VARLEN: list = []
+
+
+def _varlen_attn() -> Callable | None:
+    """torch's `varlen_attn` (torch >= 2.9) behind one call signature, (q, k, v, cu_seqlens, max_seqlen,
+    scale) -> causal output, or None where torch has none. Its keywords moved between releases: causal is
+    `is_causal=True` (2.9, 2.10) or `window_size=(-1, 0)` (later); without `enable_gqa` the key/value groups
+    are repeated per query head, and without `scale` the queries are pre-scaled (the kernel's default scale
+    is dim ** -0.5)."""
+    if _VARLEN:
+        return _VARLEN[0]
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        _VARLEN.append(None)
+        return None
+    names = inspect.signature(varlen_attn).parameters
+
+    def attend(q, k, v, cu_seqlens, max_seqlen, scale):
+        kwargs = {"window_size": (-1, 0)} if "window_size" in names else {"is_causal": True}
+        if q.shape[1] != k.shape[1]:
+            if "enable_gqa" in names:
+                kwargs["enable_gqa"] = True
+            else:
+                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+                v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        if scale is not None:
+            if "scale" in names:
+                kwargs["scale"] = scale
+            else:
+                q = q * (scale * q.shape[-1] ** 0.5)
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+
+    _VARLEN.append(attend)
+    return attend
 
 
 def rms_normalize_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -154,13 +235,37 @@ def fused_rope(
     return compiled_rope(t.dtype)(t, freqs) if t.is_cuda else rope_reference(t, freqs)
 
 
+def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """(total,) position of each packed token within its row (0 at every row start), from `cu_seqlens`
+    (rows + 1,) without a host sync."""
+    starts = cu_seqlens[:-1].long()
+    return torch.arange(total, device=cu_seqlens.device) - torch.repeat_interleave(
+        starts, cu_seqlens.diff(), output_size=total
+    )
+
+
+def fused_rope_thd(
+    t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int = 1, cp_rank: int = 0
+) -> torch.Tensor:
+    """megatron's `fused_apply_rotary_pos_emb_thd` contract without TransformerEngine: t (total, heads, dim)
+    packed rows bounded by `cu_seqlens`, freqs (max_seqlen, 1, 1, rot_dim); each token rotated by the angles
+    of its position in its row, through `fused_rope` (the same kernel as sbhd)."""
+    if cp_size != 1:
+        raise ValueError(f"fused_rope_thd: context parallelism is not supported (cp_size={cp_size})")
+    positions = packed_positions(cu_seqlens, t.shape[0])
+    return fused_rope(t[:, None], freqs[positions])[:, 0]
+
+
 def install_rope_fusion() -> None:
-    """Make megatron's `apply_rope_fusion=True` call `fused_rope` when TransformerEngine's kernel is absent
-    (megatron reads this hook at call time; a TE kernel, when installed, is left in place). Idempotent."""
+    """Make megatron's `apply_rope_fusion=True` call `fused_rope` (sbhd) and `fused_rope_thd` (packed rows)
+    when TransformerEngine's kernels are absent (megatron reads these hooks at call time; a TE kernel, when
+    installed, is left in place). Idempotent."""
     from megatron.core.models.common.embeddings import rope_utils
 
     if rope_utils.fused_apply_rotary_pos_emb is None:
         rope_utils.fused_apply_rotary_pos_emb = fused_rope
+    if rope_utils.fused_apply_rotary_pos_emb_thd is None:
+        rope_utils.fused_apply_rotary_pos_emb_thd = fused_rope_thd
 
 
 def layer_spec(qk_norm: bool, fusions: Fusions | None = None) -> ModuleSpec:

@@ -1,27 +1,34 @@
-"""Cutting a mini-batch into micro-batches: a fixed number of rows each, or packed under a token budget.
+"""Cutting a mini-batch into micro-batches: a fixed number of rows each, or grouped under a token budget,
+each micro-batch either padded (b, s) or packed (rows back to back in one sequence).
 
-Token-budget packing (`trainer.max_tokens_per_micro_batch` > 0): rows are sorted by length (prompt +
-response), longest first, and packed greedily while rows x (the micro-batch's longest row, padded) stays
-within the budget; each micro-batch is cut to its own length, so short rows stop paying for the longest
-one in the batch. Sequences are right-padded from position 0 with causal attention, so dropping pad
-columns changes no valid logit: results equal the fixed split up to float summation order.
+Token budget (`trainer.max_tokens_per_micro_batch` > 0): rows are sorted by length (prompt + response),
+longest first, and grouped greedily while the micro-batch's tokens stay within the budget.
+- Padded (`trainer.pack_sequences=false`): the tokens counted are rows x (the group's longest row + 1
+  target slot); each micro-batch (b, s) is cut to its longest row and right-padded from position 0 with
+  causal attention, so dropping pad columns changes no valid logit.
+- Packed (the default with a budget): the tokens counted are the rows' real lengths; the rows of a group
+  lie back to back in one (1, t) sequence, t = their summed lengths rounded up to what sequence parallelism
+  needs (the rounding is one extra pseudo-row of padding), positions restart at 0 per row, and megatron's
+  `PackedSeqParams(qkv_format="thd")` carries the row boundaries (`cu_seqlens`) to attention and RoPE
+  (engine/models/spec.py). `row_starts`, `row_lengths` locate each row; `response_index` stays row-local
+  (clamped inside the row), so the heads gather the same (rows, T) positions as from padded rows
+  (engine/models/output_head.py `gather_rows`). Results equal the padded layout up to float summation order.
 
 Micro-batches of one `MegatronRole.run` call then differ in rows and length. Without pipeline parallelism
 megatron's schedule never looks at the shapes; with PP the stages exchange each activation's shape first
 (`variable_seq_lengths`, set on the role's config by engine/setup.py), one small message per transfer.
 The alternatives lose: one `run` per shape would zero and DP-reduce the gradients once per call (policy.py
 accumulates within one call only), and padding a call's micro-batches to one shape gives back the padding
-this exists to remove. Measured on CPU (64 rows, prompts 2-24 and responses 1-64 tokens, hidden 256, one
-actor update): 8 fixed micro-batches of 8 rows pad to 5312 tokens and take 0.61 s (PP=2: 0.83 s); a
-720-token budget gives 5 micro-batches, 3433 tokens, 0.40 s (PP=2 with shape exchange: 0.38 s).
-The interleaved schedule (vpp > 1) is refused by engine/validate/: it needs a micro-batch count that
-fits its groups of PP micro-batches, which a token budget does not guarantee.
+this exists to remove. The interleaved schedule (vpp > 1) is refused by engine/validate/: it needs a
+micro-batch count that fits its groups of PP micro-batches, which a token budget does not guarantee.
 The loss normaliser contract of engine/roles/policy.py makes the update independent of how rows are split.
+`MicroBatcher.token_counts` adds up real and processed (padded) tokens for `perf/padding_fraction`.
 """
 
 from __future__ import annotations
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from engine.step.batch import Experience
 
@@ -31,16 +38,29 @@ def padded_length(length: int, multiple: int = 1) -> int:
     return -(-(length + 1) // multiple) * multiple
 
 
-def pack_by_token_budget(lengths: list[int], max_tokens: int, multiple: int = 1) -> list[list[int]]:
-    """Indices into `lengths` grouped into micro-batches, longest rows first; each group's
-    len(group) * padded_length(longest in group) <= max_tokens (a row longer than the budget goes alone)."""
+def pack_by_token_budget(
+    lengths: list[int], max_tokens: int, multiple: int = 1, packed: bool = False
+) -> list[list[int]]:
+    """Indices into `lengths` grouped into micro-batches, longest rows first, each within `max_tokens`
+    (a row longer than the budget goes alone): padded, len(group) * padded_length(longest in group);
+    `packed`, the group's summed lengths rounded up to `multiple`."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     groups: list[list[int]] = []
+    total = 0  # tokens of the last group's rows, packed
     for i in order:
-        if groups and (len(groups[-1]) + 1) * padded_length(lengths[groups[-1][0]], multiple) <= max_tokens:
+        if packed:
+            fits = groups and -(-(total + lengths[i]) // multiple) * multiple <= max_tokens
+        else:
+            fits = (
+                groups
+                and (len(groups[-1]) + 1) * padded_length(lengths[groups[-1][0]], multiple) <= max_tokens
+            )
+        if fits:
             groups[-1].append(i)
+            total += lengths[i]
         else:
             groups.append([i])
+            total = lengths[i]
     return groups
 
 
@@ -60,25 +80,90 @@ def _micro_batch(exp: Experience, sel: torch.Tensor, seq: int, keys, device: tor
     return mb
 
 
+def _packed_micro_batch(
+    exp: Experience, sel: torch.Tensor, lengths: torch.Tensor, multiple: int, keys, device: torch.device
+) -> dict:
+    """The rows `sel` ((rows,) real `lengths`) back to back in one (1, t) sequence: see the module docstring."""
+    total = int(lengths.sum())
+    t = -(-total // multiple) * multiple
+    starts = torch.cumsum(lengths, 0) - lengths  # (rows,)
+    cu_seqlens = torch.cat([starts, lengths.sum().reshape(1)])
+    if t > total:  # the padding to the multiple: a pseudo-row of its own, so every row keeps its boundaries
+        cu_seqlens = torch.cat([cu_seqlens, torch.tensor([t])])
+    tokens = torch.zeros(1, t, dtype=exp.tokens.dtype)
+    positions = torch.arange(t) - torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
+    for r, start, length in zip(sel.tolist(), starts.tolist(), lengths.tolist()):
+        tokens[0, start : start + length] = exp.tokens[r, :length]
+    steps = torch.arange(exp.response_ids.shape[1])
+    # row-local, kept inside the row: valid entries are never clamped (prompt_len - 1 + j < length)
+    index = torch.minimum(exp.prompt_lens[sel, None] - 1 + steps, lengths[:, None] - 1)
+    max_seqlen = int(cu_seqlens.diff().max())
+    cu = cu_seqlens.to(device=device, dtype=torch.int32)
+    mb = {
+        "tokens": tokens.to(device),
+        "positions": positions[None].to(device),
+        "packed_seq_params": PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=max_seqlen,
+            max_seqlen_kv=max_seqlen,
+        ),
+        "row_starts": starts.to(device),
+        "row_lengths": lengths.to(device),
+        "response_index": index.to(device),
+        "response_mask": exp.response_mask[sel].to(device),
+        "rows": sel,
+    }
+    for key in keys:
+        mb[key] = exp.tensors[key][sel].to(device)
+    return mb
+
+
 class MicroBatcher:
     """Cuts rows of an Experience into micro-batch dicts (`tokens`, `positions` (b, s), `response_index`,
-    `response_mask` (b, T), the named tensors, and `rows`: the Experience rows, in order)."""
+    `response_mask` (b, T), the named tensors, and `rows`: the Experience rows, in order); with `pack` (needs
+    `max_tokens`) `tokens`, `positions` are (1, t) and `packed_seq_params`, `row_starts`, `row_lengths` are
+    added (the module docstring)."""
 
-    def __init__(self, micro_batch_size: int, max_tokens: int, seq_multiple: int, device: torch.device):
+    def __init__(
+        self,
+        micro_batch_size: int,
+        max_tokens: int,
+        seq_multiple: int,
+        device: torch.device,
+        pack: bool = False,
+    ):
+        if pack and not max_tokens:
+            raise ValueError("MicroBatcher: packed micro-batches need a token budget (max_tokens > 0)")
         self.micro_batch_size, self.max_tokens = micro_batch_size, max_tokens
-        self.seq_multiple, self.device = seq_multiple, device
+        self.seq_multiple, self.device, self.pack = seq_multiple, device, pack
+        self.token_counts = [0, 0]
+        """Real tokens (prompt + response) and tokens processed (with padding) of the micro-batches cut
+        since the caller last reset it."""
 
     def __call__(self, exp: Experience, rows: torch.Tensor, keys: tuple[str, ...] = ()) -> list[dict]:
         full = exp.tokens.shape[1]
+        lengths = exp.prompt_lens[rows] + exp.response_mask[rows].sum(-1).long()
         if not self.max_tokens:
             size = self.micro_batch_size
-            return [
+            out = [
                 _micro_batch(exp, rows[i : i + size], full, keys, self.device)
                 for i in range(0, len(rows), size)
             ]
-        lengths = (exp.prompt_lens[rows] + exp.response_mask[rows].sum(-1).long()).tolist()
-        out = []
-        for group in pack_by_token_budget(lengths, self.max_tokens, self.seq_multiple):
-            seq = min(padded_length(lengths[group[0]], self.seq_multiple), full)
-            out.append(_micro_batch(exp, rows[group], seq, keys, self.device))
+        else:
+            out = []
+            for group in pack_by_token_budget(
+                lengths.tolist(), self.max_tokens, self.seq_multiple, self.pack
+            ):
+                if self.pack:
+                    mb = _packed_micro_batch(
+                        exp, rows[group], lengths[group], self.seq_multiple, keys, self.device
+                    )
+                else:
+                    seq = min(padded_length(int(lengths[group[0]]), self.seq_multiple), full)
+                    mb = _micro_batch(exp, rows[group], seq, keys, self.device)
+                out.append(mb)
+        self.token_counts[0] += int(lengths.sum())
+        self.token_counts[1] += sum(mb["tokens"].numel() for mb in out)
         return out

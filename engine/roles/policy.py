@@ -35,10 +35,16 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from engine.config import OptimConfig
 from engine.models.builder import ModelShape
 from engine.models.logprobs import mask_padded_vocab
-from engine.models.output_head import hidden_states_output, output_weight, response_token_stats
+from engine.models.output_head import (
+    hidden_states_output,
+    output_weight,
+    response_token_stats,
+    unpack_rows,
+)
 from parallel.state import ProcessGroups
 
-# What a role's loss_fn(output, micro_batch) -> (loss, metrics) receives as `output`, by the role's `head`:
+# What a role's loss_fn(output, micro_batch) -> (loss, metrics) receives as `output`, by the role's `head`
+# (b = the micro-batch's rows; a packed micro-batch's output is unpacked to rows, s = its longest row):
 #   "response": ResponseStats of the micro-batch's response tokens, from the fused output head (actor, reference)
 #   "logits":   (b, s, vocab/tp) float32 vocab-parallel logits of every position (tools and tests)
 #   "values":   (b, s, 1) float32 values (critic, reward model)
@@ -160,8 +166,9 @@ class MegatronRole:
     def run(
         self, micro_batches: list[dict], loss_fn: LossFn, *, forward_only: bool, temperature: float = 1.0
     ) -> list[dict]:
-        """Run `micro_batches` (each: `tokens`, `positions` (b, s) plus whatever loss_fn reads, e.g.
-        `response_index` (b, T) for the "response" head) through the schedule; returns loss_fn's metric
+        """Run `micro_batches` (each: `tokens`, `positions` (b, s), or (1, t) with `packed_seq_params` for
+        packed rows, plus whatever loss_fn reads, e.g. `response_index` (b, T) for the "response" head)
+        through the schedule; returns loss_fn's metric
         dicts on the last PP stage ([] elsewhere). Log-probs and logits are at `temperature`."""
         if not forward_only:
             for c in self.chunks:
@@ -173,7 +180,8 @@ class MegatronRole:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            out = model(mb["tokens"], mb["positions"], None)
+            # packed micro-batches: (1, t) rows back to back, their boundaries in packed_seq_params
+            out = model(mb["tokens"], mb["positions"], None, packed_seq_params=mb.get("packed_seq_params"))
 
             def loss_func(output):
                 if self.head == "response":
@@ -187,9 +195,10 @@ class MegatronRole:
                     )
                     output = ResponseStats(logp, ent)
                 elif self.head == "logits":
+                    output = unpack_rows(output, mb)
                     output = mask_padded_vocab(output.float() / temperature, self.shape.vocab_size, g.tp_rank)
                 else:
-                    output = output.float()
+                    output = unpack_rows(output, mb).float()
                 loss, metrics = loss_fn(output, mb)
                 return loss, torch.zeros((), dtype=torch.int, device=loss.device), metrics
 

@@ -71,20 +71,29 @@ def reward_extra_metrics(exp: Experience, groups: ProcessGroups) -> dict[str, fl
 
 
 def perf_metrics(
-    c: Components, exp: Experience, seconds: dict[str, float], peak_gb: dict[str, float]
+    c: Components,
+    exp: Experience,
+    seconds: dict[str, float],
+    peak_gb: dict[str, float],
+    update_tokens: tuple[int, int] = (0, 0),
 ) -> dict[str, float]:
-    """`perf/*`: tokens, tokens/s/GPU, the actor update's MFU and the step's peak memory (CUDA)."""
+    """`perf/*`: tokens, tokens/s/GPU, the actor update's MFU, the step's peak memory (CUDA) and
+    `perf/padding_fraction`: padding over the tokens the update's forwards processed, from this replica's
+    `update_tokens` (real, processed), summed over DP."""
     g = c.groups
     response_lens = exp.response_mask.sum(-1).long()
     seq_lens = exp.prompt_lens + response_lens
     # the actor's head is "response": logits at response positions only
     flops = train_flops(c.shape, seq_lens, response_lens) * c.cfg.algorithm.ppo_epochs
-    sums = torch.tensor([float(seq_lens.sum()), flops], dtype=torch.float64, device=g.device)
+    sums = torch.tensor(
+        [float(seq_lens.sum()), flops, *map(float, update_tokens)], dtype=torch.float64, device=g.device
+    )
     dist.all_reduce(sums, group=g.dp)
-    tokens, flops = sums.tolist()
+    tokens, flops, real, processed = sums.tolist()
     world = g.dims.world_size
     out = {
         "perf/total_tokens": tokens,
+        "perf/padding_fraction": 1.0 - real / processed if processed else 0.0,
         "perf/tokens_per_s_per_gpu": tokens / seconds["step"] / world,
         "perf/mfu/actor": 0.0,
     }

@@ -101,6 +101,7 @@ def run_ours(args, out_dir: str) -> dict:
         "timing": {k.removeprefix("timing/"): v for k, v in med.items() if k.startswith("timing/")},
         "mfu_update_actor": update_flops / med["timing/update_actor"] / (PEAK_BF16_FLOPS * args.gpus),
         "peak_memory_gb": med.get("perf/max_memory_allocated_gb"),
+        "padding_fraction": med.get("perf/padding_fraction"),  # of the update's forwards
         "rollout_engine": engine,
         # the "weight sync plus sleep/wake" share: train -> rollout layout and back, and vLLM's wake-up +
         # weight copy + sleep (inside timing/gen); the native engine reads the regrouped weights in place

@@ -32,7 +32,7 @@ LEARN = [
 ]
 LAYOUTS = {
     "tp2_pp2": ["parallel.tp=2", "parallel.pp=2", "rollout.tp=2"],
-    "dp2": [],
+    "dp2": ["trainer.max_tokens_per_micro_batch=256"],  # packed micro-batches (trainer.pack_sequences)
 }
 
 

@@ -272,6 +272,20 @@ def test_interleaved_pipeline_needs_a_multiple_of_pp_micro_batches_per_update():
         validate(composed(*two, "trainer.max_tokens_per_micro_batch=4096"), world_size=2)
 
 
+def test_pack_sequences_defaults_on_with_a_token_budget_and_needs_one():
+    from engine.config import packs_sequences
+
+    assert not packs_sequences(composed().trainer)
+    assert packs_sequences(composed("trainer.max_tokens_per_micro_batch=4096").trainer)
+    padded = composed("trainer.max_tokens_per_micro_batch=4096", "trainer.pack_sequences=false")
+    validate(padded, world_size=1)
+    assert not packs_sequences(padded.trainer)
+    with pytest.raises(
+        ConfigError, match=r"trainer.pack_sequences=True: .*trainer.max_tokens_per_micro_batch=0\. Fix: set"
+    ):
+        validate(composed("trainer.pack_sequences=true"), world_size=1)
+
+
 def test_checkpoint_positions_must_hold_prompt_plus_response(tmp_path):
     """With model.path (and critic.path under GAE, reward.model_path) the checkpoint's config.json gives
     max_position_embeddings; data.max_prompt_len + rollout.max_new_tokens (64 + 5 by default) must fit.

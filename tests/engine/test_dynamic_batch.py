@@ -1,5 +1,6 @@
-"""Token-budget micro-batches: the packing rule, the cut micro-batches, and loss/gradient parity with fixed
-micro-batches on one rank (world size 1; the TP=2 x PP=2 parity runs in test_trainer_multirank.py)."""
+"""Token-budget micro-batches: the grouping rule, the cut micro-batches (padded and packed), loss/gradient parity
+with fixed micro-batches, and packed vs padded parity of every forward head and both updates, on one rank
+(world size 1; the TP=2 x PP=2 parities, SP on and off, run in test_trainer_multirank.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 
 import pytest
 import torch
-from trainer_run_script import dynamic_batch_parity, skewed_experience
+from trainer_run_script import dynamic_batch_parity, packing_parity, skewed_experience
 
 from engine.roles.dynamic_batch import MicroBatcher, pack_by_token_budget, padded_length
 
@@ -48,6 +49,60 @@ def test_micro_batches_are_cut_to_their_longest_row():
         assert torch.equal(mb["response_index"][valid], full_index[mb["rows"]][valid])
         assert int(mb["response_index"].max()) <= s - 2
         assert torch.equal(mb["advantages"], exp.tensors["advantages"][mb["rows"]])
+
+
+@pytest.mark.parametrize("multiple", [1, 2])
+def test_packed_grouping_counts_real_tokens(multiple):
+    rng = random.Random(1)
+    lengths = [rng.choice([2, 3, 5, 40, 61]) for _ in range(60)]
+    groups = pack_by_token_budget(lengths, 128, multiple, packed=True)
+    assert sorted(i for g in groups for i in g) == list(range(60))
+    for a, b in zip(groups, groups[1:]):
+        total = sum(lengths[i] for i in a)
+        assert -(-total // multiple) * multiple <= 128 or len(a) == 1
+        assert -(-(total + lengths[b[0]]) // multiple) * multiple > 128  # greedy
+    # the padded rule counts rows x longest and needs more micro-batches for the same rows
+    assert len(groups) < len(pack_by_token_budget(lengths, 128, multiple))
+
+
+def test_packed_micro_batches_lay_rows_back_to_back():
+    exp = skewed_experience(0, 16, 12, vocab=50, pad_id=0)
+    lengths = exp.prompt_lens + exp.response_mask.sum(-1).long()
+    full_index = exp.response_index()
+    mbs = MicroBatcher(4, 64, 2, torch.device("cpu"), pack=True)(exp, torch.arange(16), ("advantages",))
+    assert sorted(r for mb in mbs for r in mb["rows"].tolist()) == list(range(16))
+    for mb in mbs:
+        rows, lens = mb["rows"], lengths[mb["rows"]]
+        params = mb["packed_seq_params"]
+        t = mb["tokens"].shape[1]
+        assert mb["tokens"].shape[0] == 1 and t <= 64 and t % 2 == 0 and t - int(lens.sum()) < 2
+        cu = params.cu_seqlens_q.tolist()
+        assert params.qkv_format == "thd" and cu[0] == 0 and cu[-1] == t and params.max_seqlen_q <= 64
+        assert cu[: len(rows) + 1] == [0, *torch.cumsum(lens, 0).tolist()]
+        for r, start, length in zip(rows.tolist(), mb["row_starts"].tolist(), lens.tolist()):
+            assert torch.equal(mb["tokens"][0, start : start + length], exp.tokens[r, :length])
+            assert torch.equal(mb["positions"][0, start : start + length], torch.arange(length))
+        valid = mb["response_mask"].bool()
+        assert torch.equal(mb["response_index"][valid], full_index[rows][valid])
+        assert (mb["response_index"] < lens[:, None]).all()
+        assert torch.equal(mb["advantages"], exp.tensors["advantages"][rows])
+
+
+def test_packing_needs_a_token_budget():
+    with pytest.raises(ValueError, match="token budget"):
+        MicroBatcher(4, 0, 1, torch.device("cpu"), pack=True)
+
+
+def test_packed_equals_padded_forward_and_backward(tmp_path):
+    """Tiny GQA model (4 heads, 2 groups), rows of 3 to 36 tokens: log-probs, entropies, values, last-token
+    scores, and the actor's and critic's loss and gradients, packed vs padded."""
+    parity = packing_parity([], str(tmp_path), 64)
+    # float32: the layouts differ in summation order only
+    for key in ("log_probs", "entropy", "values", "scores"):
+        assert parity[key] <= 2e-5, parity
+    for key in ("actor_grad_rel", "actor_loss_rel", "critic_grad_rel", "critic_loss_rel"):
+        assert parity[key] <= 1e-5, parity
+    assert parity["tokens_packed"] == parity["tokens_real"] < parity["tokens_padded"], parity
 
 
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean"])

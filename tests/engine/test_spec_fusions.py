@@ -10,6 +10,8 @@ Tolerances, on CPU:
   bfloat16 within 3 u (|t cos| + |rotate_half(t) sin|) per element, u = 2^-8 (eager rounds three times: two
   products and their sum; the kernel once; measured <= 2.2 u), and no less accurate than eager against float64.
 - Whole model, fusions on vs off, same weights: logits and gradients bit-equal (float32 and bfloat16).
+- Packed rows (thd): RoPE bit-equal to each row's sbhd RoPE from position 0 and to megatron's unfused thd
+  path; row-wise attention (GQA) within 1e-6 of SDPA of each row alone (float32), forward and backward.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from engine.models.spec import (
     RMSNorm,
     compiled_rope,
     fused_rope,
+    fused_rope_thd,
     install_rope_fusion,
+    packed_attention,
     rope_reference,
 )
 from parallel.dims import ParallelDims
@@ -91,6 +95,69 @@ def test_megatron_rope_fusion_flag_calls_our_kernel(monkeypatch):
     t, freqs = torch.randn(8, 2, 4, 64), _freqs(8, 64)
     out = rope_utils.apply_rotary_pos_emb(t, freqs, config, cp_group=object())
     assert calls == [t.shape] and torch.equal(out, rope_utils._apply_rotary_pos_emb_bshd(t, freqs))
+
+
+def _packed(lengths: list[int], *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random (sum(lengths), *shape) float32 rows and their int32 cu_seqlens."""
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return torch.randn(sum(lengths), *shape), cu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_thd_rope_equals_per_row_rope(dtype, monkeypatch):
+    torch.manual_seed(0)
+    lengths = [7, 1, 30, 4]
+    t, cu = _packed(lengths, 4, 64)
+    t = t.to(dtype)
+    freqs = _freqs(max(lengths), 64)
+    got = fused_rope_thd(t, cu, freqs)
+    want = torch.cat([rope_reference(row[:, None], freqs[: len(row)])[:, 0] for row in t.split(lengths)])
+    assert got.dtype == dtype and torch.equal(got, want)
+    # megatron's unfused thd path (apply_rope_fusion off) computes the same
+    cp = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    assert torch.equal(got, rope_utils._apply_rotary_pos_emb_thd(t, cu, freqs, cp_group=cp))
+    # apply_rope_fusion routes packed rows (cu_seqlens given) through our thd hook
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd", None)
+    install_rope_fusion()
+    assert rope_utils.fused_apply_rotary_pos_emb_thd is fused_rope_thd
+    config = SimpleNamespace(
+        apply_rope_fusion=True, mrope_section=None, rotary_interleaved=False, multi_latent_attention=False
+    )
+    assert torch.equal(rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=cp), got)
+
+
+@pytest.mark.parametrize("groups_kv", [4, 2])  # 2: grouped-query attention
+def test_packed_attention_equals_each_row_alone(groups_kv):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    torch.manual_seed(0)
+    lengths = [5, 17, 1, 9]
+    q, cu = _packed(lengths, 4, 16)
+    k, _ = _packed(lengths, groups_kv, 16)
+    v, _ = _packed(lengths, groups_kv, 16)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=17, max_seqlen_kv=17
+    )
+    out = packed_attention(q, k, v, params, scale=0.3)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    rows = []
+    for qr, kr, vr in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
+        # one row alone in megatron's layout (s, b=1, heads, dim), repeated key/value groups, causal
+        kr, vr = (x.repeat_interleave(4 // groups_kv, dim=1) for x in (kr, vr))
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qr.transpose(0, 1)[None],
+            kr.transpose(0, 1)[None],
+            vr.transpose(0, 1)[None],
+            is_causal=True,
+            scale=0.3,
+        )
+        rows.append(o[0].transpose(0, 1))
+    want = torch.cat(rows)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=0)
+    for a, b in zip(got, torch.autograd.grad(want, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
 @pytest.mark.skipif(

@@ -1,6 +1,7 @@
 """GRPO and PPO learn (issue 7's must-show): on the embedded `target` task from random init, the mean training
-reward of the last 10 of 40 steps beats the first 10 by a clear margin, at TP=2 x PP=2 (world size 4) and
-TP=1 x DP=2 (world size 2); one torchrun launch per layout (tests/engine/learning_script.py).
+reward of the last 10 of 40 steps beats the first 10 by a clear margin, at TP=2 x PP=2 (world size 4, padded
+micro-batches) and TP=1 x DP=2 (world size 2, packed token-budget micro-batches); one torchrun launch per
+layout (tests/engine/learning_script.py).
 
 Margin: a run that does not learn stays at the first-10 mean (~0.03) within ~0.005 (the 10-step mean of a
 per-step reward with std ~0.015). Measured last-10 minus first-10 at 40 steps: DP=2 seeds 1/2/3: GRPO +0.025,

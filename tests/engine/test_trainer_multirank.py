@@ -3,8 +3,9 @@ critic at TP=2 x PP=2 (3 steps, validation on the last), DAPO with dynamic sampl
 and token-budget micro-batches, ReMax at PP=2 with 2 mini-batches and token-budget micro-batches, GRPO scored
 by a reward model (reward.model_path) at TP=2 x PP=2 equal to transformers' scores, the forward-only paths
 (old/ref log-probs, values, reward scores) with a short last micro-batch at PP=2 and PP=2 x VPP=2 equal to
-PP=1, then the loss/gradient parity of token-budget vs fixed micro-batches at TP=2 x PP=2 (stages exchange shapes), then
-the advantages of the same 16 rows at DP=1 and DP=2 (whitening summed over DP with gloo).
+PP=1, then the loss/gradient parity of token-budget vs fixed micro-batches at TP=2 x PP=2 (stages exchange shapes), packed vs
+padded micro-batches (log-probs, entropy, values, scores, actor and critic gradients) at TP=2 x PP=2 with SP off
+and on, then the advantages of the same 16 rows at DP=1 and DP=2 (whitening summed over DP with gloo).
 """
 
 from __future__ import annotations
@@ -40,6 +41,19 @@ def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp
     assert parity["loss_diff"] <= 1e-5 * abs(parity["loss_fixed"]), parity
     assert parity["grad_diff"] <= 1e-5 * parity["grad_scale"], parity
     assert parity["tokens_budget"] < 0.7 * parity["tokens_fixed"], parity
+    # packed vs padded micro-batches at TP=2 x PP=2, SP off and on: every head and both updates
+    for sp in ("false", "true"):
+        packing = json.loads(out.split(f"packing_sp_{sp} ", 1)[1].splitlines()[0])
+        for key in ("log_probs", "entropy", "values", "scores"):
+            assert packing[key] <= 2e-5, (sp, packing)  # float32, summation order
+        for key in ("actor_grad_rel", "actor_loss_rel", "critic_grad_rel", "critic_loss_rel"):
+            assert packing[key] <= 1e-5, (sp, packing)
+        # SP rounds each packed micro-batch up to a multiple of tp=2: at most one token each
+        assert packing["tokens_packed"] - packing["tokens_real"] <= 0.05 * packing["tokens_real"], (
+            sp,
+            packing,
+        )
+        assert packing["tokens_packed"] < packing["tokens_padded"], (sp, packing)
     # gae, reinforce_pp (KL in the reward), reinforce_pp_baseline, grpo: float64 moments, float32 advantages
     dp_invariance = json.loads(out.split("dp_invariance ", 1)[1].splitlines()[0])
     assert max(dp_invariance.values()) <= 1e-6, dp_invariance
@@ -49,6 +63,13 @@ def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp
     dapo = [
         json.loads(line)
         for line in (tmp_path / "dapo_tp2_dp2_budget" / "metrics.jsonl").read_text().splitlines()
+    ]
+    # the update's padding: fixed micro-batches pad rows to the longest; a token budget packs (no SP: none)
+    assert all(0.0 < row["perf/padding_fraction"] < 1.0 for row in ppo), [
+        r["perf/padding_fraction"] for r in ppo
+    ]
+    assert all(row["perf/padding_fraction"] == 0.0 for row in dapo), [
+        r["perf/padding_fraction"] for r in dapo
     ]
     for row in dapo:
         assert row["dynamic_sampling/generated_groups"] >= 4  # data.batch_size over both replicas

@@ -4,8 +4,8 @@ distributed state, build, fit, tear down), without a new interpreter per job.
 Imported by tests (world size 1), and run under torchrun by tests/engine/test_trainer_multirank.py
 (world size 4): every rank runs the same sequence of short jobs, each checked for finite metrics, then the
 forward-only paths with a short last micro-batch at PP=2 (and VPP=2) against PP=1, the dynamic-batching
-gradient parity at TP=2 x PP=2 (fixed vs token-budget micro-batches), then the advantages of the same rows
-at DP=1 and DP=2.
+gradient parity at TP=2 x PP=2 (fixed vs token-budget micro-batches), packed vs padded micro-batches at
+TP=2 x PP=2 with sequence parallelism off and on, then the advantages of the same rows at DP=1 and DP=2.
 """
 
 from __future__ import annotations
@@ -180,6 +180,112 @@ def dynamic_batch_parity(
         }
 
 
+def _stats_fn(stats, mb: dict):
+    """Forward-only: log-probs and entropies of the response tokens."""
+    return torch.zeros(()), {"log_probs": stats.log_probs.detach(), "entropy": stats.entropy.detach()}
+
+
+def packing_parity(
+    overrides: list[str], output_dir: str, budget: int, keep_process_group: bool = False
+) -> dict[str, float]:
+    """Padded vs packed token-budget micro-batches of the same rows (a PPO job: actor, critic with a random
+    value head): forward-only log-probs, entropies, values and last-token scores (the reward model's head),
+    then one update of the actor and of the critic, loss and parameter gradients. Returns the largest
+    differences over all ranks (gradients and losses relative to their scale) and both token counts."""
+    from dataclasses import replace
+
+    import torch.distributed as dist
+
+    from algorithms.losses import loss_normalizer
+    from engine.roles.dynamic_batch import MicroBatcher
+    from engine.roles.reward_model import last_token_value_fn
+    from engine.setup import build_components
+    from engine.step.losses import make_actor_loss, make_critic_loss, value_fn
+    from engine.step.update import forward_rows
+
+    cfg = compose_config(
+        [
+            *SHORT,
+            "algorithm=ppo",
+            "data.max_prompt_len=24",
+            "rollout.max_new_tokens=12",
+            *overrides,
+            f"trainer.max_tokens_per_micro_batch={budget}",
+            f"trainer.output_dir={output_dir}",
+        ]
+    )
+    with distributed(cfg, keep_process_group) as groups:
+        c = build_components(cfg, groups, output_dir)
+        gen = torch.Generator().manual_seed(3)
+        for model in c.critic.models:  # the value head starts at zero: give it values to compare
+            if model.post_process:
+                model.output_layer.weight.data.copy_(
+                    torch.randn(model.output_layer.weight.shape, generator=gen)
+                )
+        exp = skewed_experience(100 + groups.dp_rank, 16, 12, c.shape.vocab_size, c.tokenizer.pad_token_id)
+        mask = exp.response_mask
+        exp.tensors["values"] = torch.randn(mask.shape, generator=gen) * mask
+        exp.tensors["returns"] = torch.randn(mask.shape, generator=gen) * mask
+        rows = torch.arange(exp.num_rows)
+        alg = replace(cfg.algorithm, entropy_coef=0.01)
+        norm = torch.tensor(loss_normalizer(mask, alg.loss_agg_mode, max_len=12), device=groups.device)
+        dist.all_reduce(norm, group=groups.dp)
+        multiple = groups.dims.seq_multiple
+        results = {}
+        for name, pack in (("padded", False), ("packed", True)):
+            batcher = MicroBatcher(4, budget, multiple, groups.device, pack=pack)
+            got = {
+                key: forward_rows(c.actor, exp, _stats_fn, key, batcher, 0.8)
+                for key in ("log_probs", "entropy")
+            }
+            got["values"] = forward_rows(c.critic, exp, value_fn, "values", batcher)
+            got["scores"] = forward_rows(c.critic, exp, last_token_value_fn, "score", batcher)[:, :1]
+            batcher.token_counts = [0, 0]
+            for role, loss_fn, keys, loss_key in (
+                (
+                    c.actor,
+                    make_actor_loss(alg, float(norm), kl_ref=False),
+                    ("advantages", "rollout_log_probs"),
+                    "loss",
+                ),
+                (c.critic, make_critic_loss(alg, float(norm)), ("values", "returns"), "vf_loss"),
+            ):
+                outs = role.run(batcher(exp, rows, keys), loss_fn, forward_only=False, temperature=0.8)
+                loss = sum(float(o[loss_key]) for o in outs) if groups.tp_rank == 0 else 0.0
+                got[f"{loss_key}"] = torch.tensor([loss], dtype=torch.float64)
+                got[f"{loss_key}_grads"] = [
+                    p.main_grad.detach().clone() for ch in role.chunks for p in ch.parameters()
+                ]
+            results[name] = (got, list(batcher.token_counts))
+        (a, tokens_a), (b, tokens_b) = results["padded"], results["packed"]
+        valid = mask.bool()
+        diffs = [
+            float((a[k] - b[k])[valid if k != "scores" else slice(None)].abs().max())
+            for k in ("log_probs", "entropy", "values", "scores")
+        ]
+        for key in ("loss", "vf_loss"):
+            scale = max(max(float(g.abs().max()) for g in a[f"{key}_grads"]), 1e-30)
+            diffs.append(
+                max(float((x - y).abs().max()) for x, y in zip(a[f"{key}_grads"], b[f"{key}_grads"])) / scale
+            )
+            diffs.append(float((a[key] - b[key]).abs().max()) / max(float(a[key].abs().max()), 1e-30))
+        maxima = torch.tensor(diffs, dtype=torch.float64, device=groups.device)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        names = (
+            "log_probs",
+            "entropy",
+            "values",
+            "scores",
+            "actor_grad_rel",
+            "actor_loss_rel",
+            "critic_grad_rel",
+            "critic_loss_rel",
+        )
+        out = dict(zip(names, maxima.tolist()))
+        out.update(tokens_padded=tokens_a[1], tokens_packed=tokens_b[1], tokens_real=tokens_b[0])
+        return out
+
+
 REMAINDER_LAYOUTS = (("pp1", 1, 1), ("pp2_vpp2", 2, 2), ("pp2", 2, 1))  # pp2 last: its refusal check
 
 
@@ -312,7 +418,8 @@ CRITIC_KEYS = (
 
 def main(out_root: str) -> None:
     """World size 4: the jobs below in sequence (the last scored by a reward model at TP=2 x PP=2), then the
-    dynamic-batching parity at TP=2 x PP=2, then the DP=1 vs DP=2 advantages."""
+    dynamic-batching parity and the packing parity (SP off, on) at TP=2 x PP=2, then the DP=1 vs DP=2
+    advantages."""
     rank = int(os.environ.get("RANK", "0"))
     jobs = {
         "ppo_tp2_pp2": (
@@ -365,6 +472,15 @@ def main(out_root: str) -> None:
     )
     if rank == 0:
         print("parity " + json.dumps(parity), flush=True)
+    for sp in ("false", "true"):
+        packing = packing_parity(
+            ["parallel.tp=2", "parallel.pp=2", f"parallel.sp={sp}"],
+            os.path.join(out_root, f"packing_sp_{sp}"),
+            64,
+            True,
+        )
+        if rank == 0:
+            print(f"packing_sp_{sp} " + json.dumps(packing), flush=True)
     dp_invariance = dp_advantage_invariance()
     if rank == 0:
         print("dp_invariance " + json.dumps(dp_invariance), flush=True)
