@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.step.batch import Experience
+from engine.step.batch import Experience, response_lengths
 
 
 def padded_length(length: int, multiple: int = 1) -> int:
@@ -76,7 +76,7 @@ class MicroBatcher:
                 _micro_batch(exp, rows[i : i + size], full, keys, self.device)
                 for i in range(0, len(rows), size)
             ]
-        lengths = (exp.prompt_lens[rows] + exp.response_mask[rows].sum(-1).long()).tolist()
+        lengths = (exp.prompt_lens[rows] + response_lengths(exp.response_mask[rows])).tolist()
         out = []
         for group in pack_by_token_budget(lengths, self.max_tokens, self.seq_multiple):
             seq = min(padded_length(lengths[group[0]], self.seq_multiple), full)
