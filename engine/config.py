@@ -83,6 +83,32 @@ class ParallelConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Episodes of several assistant turns with tool calls between them (engine/multi_turn/)."""
+
+    enable: bool = False
+    """Roll out episodes: after an assistant turn with tool calls, run the tools, append their results as a
+    tool turn and let the model continue (rollout.max_new_tokens is then the limit of one assistant turn)."""
+    max_turns: int = 4
+    """Most assistant turns per episode."""
+    max_total_tokens: int = 128
+    """Most tokens of an episode after its prompt (assistant and tool turns); data.max_prompt_len +
+    max_total_tokens + rollout.max_new_tokens must fit model.max_position_embeddings."""
+    tool_format: str = "hermes"
+    """How tool calls are written (engine/multi_turn/parsers.py): `hermes` (<tool_call>{json}</tool_call>) or
+    `compact` (`#<argument>`, for the embedded character-level tokenizer)."""
+    tools: list[str] = field(default_factory=lambda: ["calculator"])
+    """Tools of every episode: built-in names (`calculator`, `python`) or `module:function`; a data row's
+    `tools` column picks a subset by name."""
+    tool_timeout_s: float = 10.0
+    """Wall-clock seconds one tool call may take; a slower call becomes an error message in the episode."""
+    sandbox_memory_mb: int = 512
+    """Address-space limit of the `python` tool's process."""
+    max_tool_result_chars: int = 512
+    """Tool results longer than this are cut (the end kept) before they are rendered."""
+
+
+@dataclass
 class RolloutConfig:
     backend: str = "native"
     """`native` (KV-cache engine on the rollout-layout weights) or `vllm`."""
@@ -123,6 +149,8 @@ class RolloutConfig:
     torch.compile: a faster start, a slower rollout)."""
     kv_cache_memory_fraction: float = 0.5
     """native on CUDA: fraction of free GPU memory for the KV cache (batches that do not fit are chunked)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn episodes with tool calls (off by default)."""
 
 
 @dataclass
@@ -140,7 +168,8 @@ class DataConfig:
     shuffle: bool = True
     """Shuffle prompts each epoch (seeded)."""
     embedded_task: str = "copy"
-    """Embedded task when train_files is empty: `copy` or `target`."""
+    """Embedded task when train_files is empty: `copy`, `target` or `calculator` (a multi-turn task: needs
+    rollout.multi_turn.enable, tool_format=compact and the calculator tool)."""
     embedded_digits: int = 4
     """Digits per embedded prompt (the response length the task asks for)."""
 

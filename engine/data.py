@@ -5,6 +5,9 @@ Schema of a row (the one verl and most RLHF datasets use):
 - `data_source`: str, picks the rule reward (`engine.rewards`)
 - `reward_model`: `{"ground_truth": str, "style": str}` (numbers are accepted and turned into strings)
 - `extra_info`: free dict, optional (the column may be missing; null reads as {})
+- `tools`: list of tool names, optional (multi-turn rollouts: the tools of rollout.multi_turn.tools this
+  row's episodes may call; missing, null or empty = all of them)
+The conversation may have several messages of any roles (system, user, assistant, tool: a dialogue so far).
 Prompts are tokenised with the tokenizer's own chat template, exactly as
 `tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)` does.
 
@@ -39,6 +42,8 @@ class PromptRow:
     extra_info: dict
     index: int
     """Position in the dataset (all files in order, before any filtering): stable across runs."""
+    tools: list[str] = field(default_factory=list)
+    """Tool names of the row's `tools` column (empty: all configured tools)."""
 
 
 @dataclass
@@ -51,6 +56,22 @@ class PromptRecord:
     extra_info: dict = field(default_factory=dict)
     index: int = 0
     """Position in the dataset (all files in order, before any filtering): stable across runs."""
+    tools: list[str] = field(default_factory=list)
+    """Tools the prompt's multi-turn episodes may call, by name (empty: all of rollout.multi_turn.tools)."""
+
+
+def _check_tools(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if (
+        isinstance(value, str)
+        or not isinstance(value, Sequence)
+        or not all(isinstance(t, str) for t in value)
+    ):
+        raise _BadRow(
+            "tools", f"is {_describe(value)}, expected a list of tool names", 'write e.g. ["calculator"]'
+        )
+    return list(value)
 
 
 class _BadRow(Exception):
@@ -154,7 +175,7 @@ def _read_columns(path: str, where: str) -> dict[str, list]:
             f"{where}: column(s) {missing} missing (all rows); found {names}. Fix: write the RLHF schema "
             "(prompt, data_source, reward_model, optional extra_info)"
         )
-    wanted = [*REQUIRED_COLUMNS, *(["extra_info"] if "extra_info" in names else [])]
+    wanted = [*REQUIRED_COLUMNS, *(name for name in ("extra_info", "tools") if name in names)]
     table = pq.read_table(path, columns=wanted)
     if table.num_rows == 0:
         raise ValueError(
@@ -163,6 +184,7 @@ def _read_columns(path: str, where: str) -> dict[str, list]:
         )
     columns = {name: table.column(name).to_pylist() for name in wanted}
     columns.setdefault("extra_info", [None] * table.num_rows)
+    columns.setdefault("tools", [None] * table.num_rows)
     return columns
 
 
@@ -189,8 +211,14 @@ def read_prompt_rows(
     counts = {"rows": 0, "bad": 0}
     for where, path in _expand_files(files, files_key):
         columns = _read_columns(path, where)
-        for row_i, (prompt, source, reward_model, extra) in enumerate(
-            zip(columns["prompt"], columns["data_source"], columns["reward_model"], columns["extra_info"])
+        for row_i, (prompt, source, reward_model, extra, tools) in enumerate(
+            zip(
+                columns["prompt"],
+                columns["data_source"],
+                columns["reward_model"],
+                columns["extra_info"],
+                columns["tools"],
+            )
         ):
             index = counts["rows"]
             counts["rows"] += 1
@@ -201,6 +229,7 @@ def read_prompt_rows(
                     ground_truth=_check_ground_truth(reward_model),
                     extra_info=_check_extra_info(extra),
                     index=index,
+                    tools=_check_tools(tools),
                 )
             except _BadRow as bad:
                 if bad_rows == "skip":
@@ -214,14 +243,20 @@ def read_prompt_rows(
     return rows, counts
 
 
-def chat_prompt_ids(tokenizer, conversations: Sequence[list[dict[str, str]]]) -> list[list[int]]:
-    """Token ids of each conversation with the generation prompt, as transformers' apply_chat_template gives."""
+def chat_prompt_ids(
+    tokenizer, conversations: Sequence[list[dict[str, str]]], tools: list[dict] | None = None
+) -> list[list[int]]:
+    """Token ids of each conversation with the generation prompt, as transformers' apply_chat_template gives;
+    `tools`: function schemas the template renders (multi-turn), the same for every conversation."""
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(
             f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template. Fix: use a chat/instruct "
             "checkpoint, or add a chat_template (chat_template.jinja) to the tokenizer directory"
         )
-    out = tokenizer.apply_chat_template(list(conversations), add_generation_prompt=True, tokenize=True)
+    extra = {"tools": tools} if tools else {}
+    out = tokenizer.apply_chat_template(
+        list(conversations), add_generation_prompt=True, tokenize=True, **extra
+    )
     # transformers 5 returns a BatchEncoding (dict-like) by default, 4.x a plain list; accept both.
     if isinstance(out, Mapping) or hasattr(out, "input_ids"):
         out = out["input_ids"]
@@ -241,8 +276,11 @@ def load_prompt_dataset(
     max_prompt_len: int,
     bad_rows: str = "error",
     files_key: str = "data.train_files",
+    tool_schemas: dict[str, dict] | None = None,
 ) -> tuple[list[PromptRecord], dict[str, int]]:
     """Read, validate and chat-template the prompts of `files`; drop prompts over `max_prompt_len` tokens.
+    `tool_schemas` (multi-turn: {name: function schema}): each prompt is rendered with the schemas of the
+    tools its row names (all of them when it names none), for templates that show tools to the model.
 
     Returns (records, counts) with counts {"rows", "kept", "too_long", "bad"}. Raises ValueError as
     `read_prompt_rows` does, and when no prompt is left.
@@ -253,12 +291,14 @@ def load_prompt_dataset(
     too_long, shortest = 0, None
     for start in range(0, len(rows), _CHAT_TEMPLATE_CHUNK):
         chunk = rows[start : start + _CHAT_TEMPLATE_CHUNK]
-        for row, ids in zip(chunk, chat_prompt_ids(tokenizer, [row.messages for row in chunk])):
+        for row, ids in zip(chunk, _chunk_ids(tokenizer, chunk, tool_schemas)):
             shortest = len(ids) if shortest is None else min(shortest, len(ids))
             if len(ids) > max_prompt_len:
                 too_long += 1
                 continue
-            records.append(PromptRecord(ids, row.data_source, row.ground_truth, row.extra_info, row.index))
+            records.append(
+                PromptRecord(ids, row.data_source, row.ground_truth, row.extra_info, row.index, row.tools)
+            )
     counts = {"rows": counts["rows"], "kept": len(records), "too_long": too_long, "bad": counts["bad"]}
     if not records:
         hint = (
@@ -268,6 +308,24 @@ def load_prompt_dataset(
         )
         raise DataError(f"{files_key}={files}: no prompt left after loading ({counts}){hint}")
     return records, counts
+
+
+def _chunk_ids(tokenizer, rows: list[PromptRow], tool_schemas: dict[str, dict] | None) -> list[list[int]]:
+    """Chat-templated ids of the rows: in one call, or with tools one call per row that names its own."""
+    if not tool_schemas:
+        return chat_prompt_ids(tokenizer, [row.messages for row in rows])
+    every = list(tool_schemas.values())
+    out = [None] * len(rows)
+    plain = [i for i, row in enumerate(rows) if not row.tools]
+    for i, ids in zip(
+        plain, chat_prompt_ids(tokenizer, [rows[i].messages for i in plain], every) if plain else []
+    ):
+        out[i] = ids
+    for i, row in enumerate(rows):
+        if row.tools:
+            schemas = [tool_schemas[name] for name in row.tools if name in tool_schemas]
+            out[i] = chat_prompt_ids(tokenizer, [row.messages], schemas)[0]
+    return out
 
 
 def load_tokenizer(path: str, key: str = "model.path"):

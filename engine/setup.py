@@ -31,6 +31,8 @@ from parallel.state import ProcessGroups
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from engine.multi_turn.episode import EpisodeRunner
+
 EMBEDDED_TRAIN_ROWS = 4096
 EMBEDDED_VAL_ROWS = 64
 
@@ -59,6 +61,8 @@ class Components:
     """The value model; built only for an advantage estimator that needs one (gae)."""
     reward_model: RewardModel | None = None
     """The frozen reward model; built only when reward.model_path is set."""
+    episodes: EpisodeRunner | None = None
+    """Multi-turn episodes with tools (rollout.multi_turn.enable), else None: single-turn rollouts."""
 
 
 def _data_files(cfg: TrainConfig, output_dir: str) -> tuple[str, list[str], list[str]]:
@@ -204,7 +208,11 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
     tokenizer = load_tokenizer(
         tok_dir, key="model.path" if tok_dir == cfg.model.path else "model.tokenizer_path"
     )
-    records, counts = load_prompt_dataset(train_files, tokenizer, cfg.data.max_prompt_len, cfg.data.bad_rows)
+    tools = build_episode_tools(cfg)
+    schemas = {name: tool.schema for name, tool in tools.items()} if tools else None
+    records, counts = load_prompt_dataset(
+        train_files, tokenizer, cfg.data.max_prompt_len, cfg.data.bad_rows, tool_schemas=schemas
+    )
     if groups.is_logging_rank and (counts["too_long"] or counts["bad"]):
         print(
             f"data: kept {counts['kept']} of {counts['rows']} prompts "
@@ -222,7 +230,7 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
     )
     val_records = (
         load_prompt_dataset(
-            val_files, tokenizer, cfg.data.max_prompt_len, cfg.data.bad_rows, "data.val_files"
+            val_files, tokenizer, cfg.data.max_prompt_len, cfg.data.bad_rows, "data.val_files", schemas
         )[0]
         if val_files
         else []
@@ -257,6 +265,7 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
             cfg.reward.fn, gsm8k_method=cfg.reward.gsm8k_method, timeout_s=cfg.reward.timeout_s
         )
         reward_fn.check_data_sources([r.data_source for r in records])
+    episodes = build_episodes(cfg, tools, tokenizer, shape, records + val_records)
     logger = MetricsLogger(
         output_dir,
         list(cfg.trainer.loggers),
@@ -280,4 +289,37 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
         logger=logger,
         critic=critic,
         reward_model=reward_model,
+        episodes=episodes,
     )
+
+
+def build_episode_tools(cfg: TrainConfig) -> dict | None:
+    """The tools of rollout.multi_turn.tools by name, None when multi-turn is off."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return None
+    from engine.multi_turn.tools import build_tools
+
+    return build_tools(mt.tools, timeout_s=mt.tool_timeout_s, sandbox_memory_mb=mt.sandbox_memory_mb)
+
+
+def build_episodes(
+    cfg: TrainConfig, tools: dict | None, tokenizer, shape: ModelShape, records: list[PromptRecord]
+) -> EpisodeRunner | None:
+    """The multi-turn episode runner with `tools` (None: multi-turn is off); every tool a data row names must
+    be among them."""
+    if tools is None:
+        return None
+    from engine.multi_turn.episode import EpisodeRunner
+
+    mt = cfg.rollout.multi_turn
+    runner = EpisodeRunner(mt, tokenizer, tools, shape.max_position_embeddings, tokenizer.pad_token_id)
+    for record in records:
+        unknown = sorted(set(record.tools) - set(runner.tools))
+        if unknown:
+            raise ConfigError(
+                f"data row {record.index} names tools {unknown} that rollout.multi_turn.tools={list(mt.tools)} "
+                f"does not provide (it has {sorted(runner.tools)}). Fix: add them to rollout.multi_turn.tools "
+                "(built-in names or module:function) or remove them from the row's `tools` column"
+            )
+    return runner

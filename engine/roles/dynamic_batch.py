@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from engine.step.batch import Experience
+from engine.step.batch import Experience, response_lengths
 
 
 def padded_length(length: int, multiple: int = 1) -> int:
@@ -144,7 +144,7 @@ class MicroBatcher:
 
     def __call__(self, exp: Experience, rows: torch.Tensor, keys: tuple[str, ...] = ()) -> list[dict]:
         full = exp.tokens.shape[1]
-        lengths = exp.prompt_lens[rows] + exp.response_mask[rows].sum(-1).long()
+        lengths = exp.prompt_lens[rows] + response_lengths(exp.response_mask[rows])
         if not self.max_tokens:
             size = self.micro_batch_size
             out = [

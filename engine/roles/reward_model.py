@@ -17,7 +17,7 @@ import torch
 
 from engine.roles.dynamic_batch import MicroBatcher
 from engine.roles.policy import MegatronRole
-from engine.step.batch import build_experience
+from engine.step.batch import build_experience, response_lengths
 from engine.step.update import forward_rows
 
 CLASSIFIER_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification")
@@ -48,7 +48,7 @@ def last_token_value_fn(values_local: torch.Tensor, mb: dict):
     """Forward-only: the value head (b, s, 1) at each row's last valid token, position prompt_len + L - 1
     (response_index[:, 0] is prompt_len - 1, never clamped). Returned as (b, T) with the score repeated along
     T, the shape `forward_rows` reassembles; the caller keeps column 0."""
-    lengths = mb["response_mask"].sum(-1).long()
+    lengths = response_lengths(mb["response_mask"])
     last = mb["response_index"][:, 0] + lengths  # (b,)
     score = values_local[..., 0].gather(1, last[:, None])  # (b, 1)
     return torch.zeros((), device=score.device), {"score": score.expand_as(mb["response_mask"]).detach()}

@@ -18,6 +18,7 @@ Backends: engine/rollout/native.py (`rollout.backend=native`), engine/rollout/vl
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -72,6 +73,9 @@ class RolloutOutput:
     `SamplingParams.log_probs` was false (module docstring)."""
     finish_reasons: list[str] = field(default_factory=list)
     """Per row: "stop" (a stop token was generated) or "length"."""
+    episodes: list | None = None
+    """Multi-turn rollouts only (engine/multi_turn/episode.py): one `Episode` per row (its turns as text, tool
+    calls); `response_mask` is then 0 on tool tokens inside the response as well as on padding."""
 
 
 class RolloutEngine:
@@ -93,6 +97,12 @@ class RolloutEngine:
 
     def release(self) -> None:
         """Free memory held between rollouts (no-op by default)."""
+
+    @contextmanager
+    def hold(self):
+        """Keep what the engine holds (weights loaded, KV cache, prefix cache) across the `generate` calls made
+        inside, e.g. the turns of multi-turn episodes; released on exit. No-op by default."""
+        yield
 
 
 def check_sampling(sampling: SamplingParams) -> None:

@@ -238,11 +238,16 @@ class VllmRollout(RolloutEngine):
                 enforce_eager=enforce_eager,
                 seed=seed,
                 logprobs_mode=logprobs_mode,
+                enable_prefix_caching=True,  # multi-turn turns share their episode's prefix
             )
         self._vllm = vllm
         self.uses_v2_model_runner = bool(self.llm.llm_engine.vllm_config.use_v2_model_runner)
         self.weights: RolloutWeights | None = None
         self.last_stats: dict[str, float] = {}
+        self._holding = False
+        """Inside `hold()`: generate leaves the engine awake."""
+        self._held_loaded = False
+        """Inside `hold()`: the weights are loaded and the engine awake."""
         self.llm.sleep(level=sleep_level)
         self._asleep = True
 
@@ -385,12 +390,26 @@ class VllmRollout(RolloutEngine):
         mask = torch.zeros(rows, new)
         reasons: list[str] = []
         if rows:
-            self._wake_and_load()
+            if not self._held_loaded:
+                self._wake_and_load()
+                self._held_loaded = self._holding
             reasons = self._generate_into(prompts, sampling, ids, log_probs, mask)
             # vLLM's sleep runs gc.collect(): its outputs (with log-probs one dict and one Logprob object per token)
             # are dropped by now, so the collection does not walk them
-            self.release()
+            if not self._holding:
+                self.release()
         return RolloutOutput(ids, mask, log_probs, reasons)
+
+    @contextlib.contextmanager
+    def hold(self):
+        """Stay awake across the `generate` calls inside (weights loaded once, prefix cache kept: the turns of
+        multi-turn episodes reuse their earlier turns' KV blocks); sleep on exit."""
+        self._holding, self._held_loaded = True, False
+        try:
+            yield
+        finally:
+            self._holding, self._held_loaded = False, False
+            self.release()
 
     def _generate_into(self, prompts, sampling: SamplingParams, ids, log_probs, mask) -> list[str]:
         """Run vLLM on the rows and copy its outputs into the (rows, new) tensors; the finish reasons."""

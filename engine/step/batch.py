@@ -14,6 +14,15 @@ from dataclasses import dataclass, field
 import torch
 
 
+def response_lengths(response_mask: torch.Tensor) -> torch.Tensor:
+    """(rows,) int64 tokens of each response: one past its last mask-1 position. Equals the mask's sum for
+    single-turn responses; a multi-turn episode's mask also has 0 on the tool tokens inside it."""
+    if response_mask.shape[-1] == 0:
+        return response_mask.sum(-1).long()
+    steps = torch.arange(1, response_mask.shape[-1] + 1, device=response_mask.device)
+    return torch.where(response_mask > 0, steps, 0).amax(-1)
+
+
 @dataclass
 class Experience:
     """Rows = (prompts of this DP replica) x n, the n samples of a prompt adjacent."""
@@ -25,7 +34,8 @@ class Experience:
     response_ids: torch.Tensor
     """(rows, T) int64, right-padded."""
     response_mask: torch.Tensor
-    """(rows, T) float32."""
+    """(rows, T) float32: 1 on the tokens trained on (generated ones), 0 on padding and on the tool turns
+    inside a multi-turn episode (in the sequence as context, never in a loss, KL or entropy)."""
     group_index: torch.Tensor
     """(rows,) int64: prompt group of each row, unique within the step (GRPO groups)."""
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -54,7 +64,7 @@ def build_experience(
 ) -> Experience:
     """Assemble right-padded sequences; `seq_multiple` rounds the length up (TP with sequence parallelism)."""
     rows = response_ids.shape[0]
-    lengths = response_mask.sum(-1).long()
+    lengths = response_lengths(response_mask)
     prompt_lens = torch.tensor([len(prompts[r // n]) for r in range(rows)], dtype=torch.long)
     seq = int((prompt_lens + lengths).max()) + 1  # +1: the last valid position still has a target slot
     seq = -(-seq // seq_multiple) * seq_multiple

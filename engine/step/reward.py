@@ -12,7 +12,7 @@ from algorithms.dapo import overlong_penalty
 from engine.config import overlong_buffer_tokens
 from engine.roles.dynamic_batch import MicroBatcher
 from engine.rollout.base import RolloutOutput
-from engine.step.batch import Responses
+from engine.step.batch import Responses, response_lengths
 from engine.step.context import StepContext
 from engine.step.rollout import rollout
 
@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 
 def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-    """The text of each response row (its valid tokens, special tokens skipped)."""
-    lengths = response_mask.sum(-1)
+    """The text of each response row (its valid tokens, special tokens skipped; a multi-turn episode's whole
+    response, tool turns included)."""
+    lengths = response_lengths(response_mask)
     return [
         tokenizer.decode(response_ids[r, : int(lengths[r])].tolist(), skip_special_tokens=True)
         for r in range(response_ids.shape[0])
@@ -44,14 +45,12 @@ def score(
     if texts is None:
         texts = decode_responses(c.tokenizer, out.response_ids, out.response_mask)
     rec = [records[r // n] for r in range(len(texts))]
+    infos = [x.extra_info for x in rec]
+    if out.episodes is not None:  # multi-turn: the reward also reads the episode's turns and tool results
+        infos = [{**info, "turns": episode.turns} for info, episode in zip(infos, out.episodes)]
     scores, extras = torch.zeros(len(texts), dtype=torch.float32), {}
     if c.reward_fn is not None:
-        result = c.reward_fn.score(
-            [x.data_source for x in rec],
-            texts,
-            [x.ground_truth for x in rec],
-            [x.extra_info for x in rec],
-        )
+        result = c.reward_fn.score([x.data_source for x in rec], texts, [x.ground_truth for x in rec], infos)
         scores, extras = result.scores, result.extras
     if c.reward_model is not None:  # combine=model: alone; combine=sum: added to the rule score
         prompts = [r.prompt_ids for r in records]

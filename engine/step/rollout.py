@@ -9,6 +9,7 @@ each kind of rollout, `rollout_replica` per kind, and the transition back.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,9 @@ from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from engine.step.context import StepContext
 from parallel.rollout_weights import RolloutWeights
 
+if TYPE_CHECKING:
+    from engine.multi_turn.episode import EpisodeRunner
+
 
 def _share_bounds(num: int, parts: int, index: int) -> tuple[int, int]:
     base, extra = divmod(num, parts)
@@ -26,19 +30,29 @@ def _share_bounds(num: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def rollout_replica(
-    engine: RolloutEngine, weights: RolloutWeights, prompts: list[list[int]], sampling: SamplingParams
+    engine: RolloutEngine,
+    weights: RolloutWeights,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    episodes: EpisodeRunner | None = None,
+    tool_names: list[list[str]] | None = None,
 ) -> RolloutOutput:
     """Generate `sampling.n` responses for each of this replica's prompts; identical result on every rank of
     the replica (rows in prompt order, samples of a prompt adjacent), as CPU tensors. Log-probs are present
     exactly when `sampling.log_probs` (the same on every rank: it comes from the config), whatever the backend
-    returned, so the ranks agree on what they exchange and the trainer on what it logs."""
+    returned, so the ranks agree on what they exchange and the trainer on what it logs.
+
+    With `episodes` (rollout.multi_turn.enable) each response is a multi-turn episode with tool calls
+    (engine/multi_turn/episode.py), `tool_names[p]` naming the tools prompt p may call."""
     start, end = _share_bounds(len(prompts), weights.micro_dp_size, weights.micro_dp_rank)
     share = prompts[start:end]
-    if share:
+    if share and episodes is not None:
+        out = episodes.run(engine, share, sampling, tool_names[start:end] if tool_names else None)
+    elif share:
         out = engine.generate(share, sampling)
     else:
-        empty = torch.zeros(0, sampling.max_new_tokens)
-        out = RolloutOutput(empty.long(), empty, empty, [])
+        empty = torch.zeros(0, sampling.max_new_tokens if episodes is None else episodes.width)
+        out = RolloutOutput(empty.long(), empty, empty, [], None if episodes is None else [])
     log_probs = None
     if sampling.log_probs:
         if out.log_probs is None:
@@ -47,7 +61,7 @@ def rollout_replica(
                 "set (the contract of engine/rollout/base.py)"
             )
         log_probs = out.log_probs.cpu()
-    local = (out.response_ids.cpu(), out.response_mask.cpu(), log_probs, out.finish_reasons)
+    local = (out.response_ids.cpu(), out.response_mask.cpu(), log_probs, out.finish_reasons, out.episodes)
     if weights.micro_dp_size == 1:  # the experience lives on the CPU; micro-batches go to the device
         return RolloutOutput(*local)
     gathered: list = [None] * weights.micro_dp_size
@@ -57,6 +71,7 @@ def rollout_replica(
         response_mask=torch.cat([g[1] for g in gathered]),
         log_probs=torch.cat([g[2] for g in gathered]) if sampling.log_probs else None,
         finish_reasons=[r for g in gathered for r in g[3]],
+        episodes=None if episodes is None else [e for g in gathered for e in g[4]],
     )
 
 
@@ -107,11 +122,16 @@ def rollout(ctx: StepContext, records, kinds: tuple[str, ...], round_index: int 
         "val": sampling_params(cfg, eos, True, seed),
         "val_sample": replace(sampling_params(cfg, eos, False, seed), n=cfg.rollout.val_n, log_probs=False),
     }
+    tool_names = [r.tools for r in records] if c.episodes is not None else None
     outs = []
     for kind in kinds:
         with timer.phase("gen"):
-            outs.append(rollout_replica(c.rollout, c.rollout_weights, prompts, params[kind]))
+            outs.append(
+                rollout_replica(c.rollout, c.rollout_weights, prompts, params[kind], c.episodes, tool_names)
+            )
         ctx.add_engine_stats(c.rollout.last_stats)
+        if c.episodes is not None:
+            ctx.add_engine_stats(c.episodes.last_stats)
     with timer.phase("reshard"):
         c.weight_sync.to_train()
         c.rollout_weights = None

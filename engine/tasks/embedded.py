@@ -4,6 +4,12 @@
 such a model visibly learns within minutes:
 - "copy": the prompt shows K random digits and asks to repeat them; answer = the K digits.
 - "target": the prompt names one digit d; answer = d repeated K times (learnt in seconds; for short tests).
+- "calculator" (multi-turn, with a tool): the prompt is a sum of two K-digit numbers, "48+39"; the model calls
+  the calculator in the compact tool format (`#48+39`, engine/multi_turn/parsers.py), reads the result in the
+  tool turn (`t:87`) and answers with it (`87`). The episode text scored is `#48+39\nt:87\na:87`; ground truth
+  "48+39=87". Reward (`engine.rewards.embedded`): half for the call (the expression copied, position by
+  position), half for the final answer, nothing without a call; both are copies at a fixed distance, which a tiny model learns, while
+  the sum itself is beyond it.
 Reward: fraction of positions correct (`engine.rewards.embedded`), partial credit so learning shows early.
 
 Everything is written in the formats real runs use (a Hugging Face tokenizer directory with a chat
@@ -20,7 +26,7 @@ import string
 import tempfile
 from dataclasses import dataclass
 
-EMBEDDED_TASKS = ("copy", "target")
+EMBEDDED_TASKS = ("copy", "target", "calculator")
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 # One token per character; ids are stable (specials first), so a saved model stays valid across versions.
 EMBEDDED_VOCAB = (
@@ -49,6 +55,8 @@ def embedded_prompt(task: str, answer: str) -> str:
         return f"copy {answer}"
     if task == "target":
         return f"repeat {answer[0]}"
+    if task == "calculator":
+        return answer.split("=")[0]
     raise ValueError(f"unknown embedded task {task!r}; choose one of {list(EMBEDDED_TASKS)}")
 
 
@@ -102,6 +110,9 @@ def write_embedded_dataset(
     for index in range(num_rows):
         if task == "copy":
             answer = "".join(rng.choice(string.digits) for _ in range(digits))
+        elif task == "calculator":
+            a, b = (rng.randrange(10 ** (digits - 1) if digits > 1 else 0, 10**digits) for _ in range(2))
+            answer = f"{a}+{b}={a + b}"
         else:
             answer = rng.choice(string.digits) * digits
         rows.append(

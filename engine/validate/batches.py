@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.config import TrainConfig
+from engine.tasks.embedded import EMBEDDED_TASKS
 from engine.validate.rules import fail, one_of, positive
 from parallel.dims import ParallelDims
 
@@ -13,7 +14,7 @@ def validate_batches(cfg: TrainConfig, dims: ParallelDims) -> None:
     positive("trainer.micro_batch_size", mbs)
     positive("data.max_prompt_len", cfg.data.max_prompt_len)
     one_of("data.bad_rows", cfg.data.bad_rows, ("error", "skip"))
-    one_of("data.embedded_task", cfg.data.embedded_task, ("copy", "target"))
+    one_of("data.embedded_task", cfg.data.embedded_task, EMBEDDED_TASKS)
     if b % dims.dp:
         fail(
             "data.batch_size",

@@ -55,10 +55,62 @@ def validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
         fail("rollout.kv_cache_memory_fraction", r.kv_cache_memory_fraction, "must lie in (0, 1)", "use 0.5")
     if not 0.0 < r.gpu_memory_utilization < 1.0:
         fail("rollout.gpu_memory_utilization", r.gpu_memory_utilization, "must lie in (0, 1)", "use 0.5")
+    validate_multi_turn(cfg)
     if not r.log_probs:
         validate_without_rollout_log_probs(cfg)
     if r.backend == "vllm" and r.log_probs:
         validate_vllm_log_probs(cfg)
+
+
+def validate_multi_turn(cfg: TrainConfig) -> None:
+    """rollout.multi_turn.*: limits, tool format and tool names, the room an episode needs, and the embedded
+    calculator task's settings."""
+    from engine.multi_turn.parsers import tool_format_names
+    from engine.multi_turn.tools import TOOLS
+
+    mt, key = cfg.rollout.multi_turn, "rollout.multi_turn"
+    calculator_task = cfg.data.embedded_task == "calculator" and not cfg.data.train_files
+    if calculator_task and not (mt.enable and mt.tool_format == "compact" and "calculator" in mt.tools):
+        fail(
+            "data.embedded_task",
+            "calculator",
+            "the calculator task is multi-turn: the model calls the calculator in the compact tool format",
+            f"add {key}.enable=true {key}.tool_format=compact {key}.tools=[calculator]",
+        )
+    if not mt.enable:
+        return
+    positive(f"{key}.max_turns", mt.max_turns)
+    positive(f"{key}.max_total_tokens", mt.max_total_tokens)
+    positive(f"{key}.tool_timeout_s", mt.tool_timeout_s)
+    positive(f"{key}.max_tool_result_chars", mt.max_tool_result_chars)
+    if mt.sandbox_memory_mb < 64:
+        fail(
+            f"{key}.sandbox_memory_mb",
+            mt.sandbox_memory_mb,
+            "must be >= 64 (the interpreter itself)",
+            "use 512",
+        )
+    one_of(f"{key}.tool_format", mt.tool_format, tuple(tool_format_names()))
+    if not mt.tools:
+        fail(f"{key}.tools", [], "an episode needs at least one tool", f"e.g. {key}.tools=[calculator]")
+    for spec in mt.tools:
+        if spec not in TOOLS and ":" not in spec:
+            fail(
+                f"{key}.tools",
+                spec,
+                f"is neither a built-in tool {sorted(TOOLS)} nor module:function",
+                "name a built-in tool or a function, e.g. my_tools:search",
+            )
+    need = cfg.data.max_prompt_len + mt.max_total_tokens + cfg.rollout.max_new_tokens
+    if not cfg.model.path and need > cfg.model.max_position_embeddings:
+        fail(
+            f"{key}.max_total_tokens",
+            mt.max_total_tokens,
+            f"data.max_prompt_len ({cfg.data.max_prompt_len}) + max_total_tokens + rollout.max_new_tokens "
+            f"({cfg.rollout.max_new_tokens}) = {need} must fit model.max_position_embeddings "
+            f"({cfg.model.max_position_embeddings}): every turn's prompt is the episode so far",
+            "lower one of them or raise model.max_position_embeddings",
+        )
 
 
 def validate_vllm_log_probs(cfg: TrainConfig) -> None:

@@ -22,6 +22,7 @@ so ARGS also override the defaults below). Purposes (script, default presets):
   baselines         TRL's GRPOTrainer on e2e's step (trl_grpo.py; qwen2_5_0_5b,qwen2_5_1_5b; TRL from .whl/trl)
   vllm              one-call check of rollout.backend=vllm: versions, smoke, tests, rollout bench at 0.5B
                     (vllm_gpu_check.sh; vLLM from .whl/vllm)
+  multi_turn        multi-turn episodes with a synthetic tool, native vs vLLM (multi_turn.py; qwen2_5_1_5b)
   vllm_cost         what our vLLM requests cost: log-probs, seeds (vllm_sampling_cost.py; qwen2_5_0_5b,qwen2_5_1_5b)
   gpu_tests         pytest -m "gpu or vllm" tests/ (every test marked for the GPU) (ARGS: more pytest arguments, e.g. -k tp2)
   two_nodes         two one-GPU "nodes" rendezvous over NCCL (torchrun c10d) and train 2 steps at TP=2
@@ -91,9 +92,10 @@ decode_attention) d_presets=qwen2_5_0_5b,qwen2_5_1_5b,qwen2_5_7b d_gpus=1 d_time
 baselines) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=300 ;;
 vllm) d_presets=none d_gpus=1 d_timeout=560 ;;
 vllm_cost) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=240 ;;
+multi_turn) d_presets=qwen2_5_1_5b d_gpus=1 d_timeout=420 ;;
 gpu_tests) d_presets=none d_gpus=1 d_timeout=420 ;;
 two_nodes) d_presets=none d_gpus=1 d_timeout=150 ;;
-*) die "unknown purpose '$purpose': one of e2e rollout reshard update logprobs decode_attention baselines vllm vllm_cost gpu_tests two_nodes" ;;
+*) die "unknown purpose '$purpose': one of e2e rollout reshard update logprobs decode_attention baselines vllm vllm_cost multi_turn gpu_tests two_nodes" ;;
 esac
 case $purpose in vllm | gpu_tests | two_nodes)
   [ -z "$presets" ] || die "$purpose takes no --presets"
@@ -156,6 +158,7 @@ for p in "${preset_list[@]}"; do
   vllm) add_job "vllm_check$tag" env OUT="$out/vllm_check$tag" BUDGET_S=$((timeout_s - 20)) \
     bash $bench/vllm_gpu_check.sh "${args[@]}" ;;
   vllm_cost) add_job "vllm_cost_$s$tag" "$py" $bench/vllm_sampling_cost.py "${pa[@]}" "${args[@]}" ;;
+  multi_turn) add_job "multi_turn_$s$tag" "$py" $bench/multi_turn.py "${pa[@]}" "${args[@]}" ;;
   gpu_tests) add_job "gpu_tests$tag" "$py" -m pytest -q -rA -m "gpu or vllm" tests/ "${args[@]}" ;;
   two_nodes)
     ((num_lanes >= 2)) || die "two_nodes runs two one-GPU nodes side by side: --devices needs 2 GPUs, has $devices"
