@@ -159,6 +159,18 @@ def test_split_placement_validates_the_training_layout_on_the_training_ranks():
     assert validate(composed(), world_size=4).world_size == 4  # colocated (the default): every rank trains
 
 
+def test_entry_points_refuse_a_split_run_by_key():
+    """Split placement validates, but its training loop is not built: engine.train and the reward check refuse
+    it with a message naming placement.mode (not a start-up crash on a rank-count mismatch)."""
+    from engine.validate.placement import refuse_split_run
+
+    cfg = composed("placement.mode=split", "placement.rollout_ranks=1", "trainer.test_freq=0")
+    validate(cfg, world_size=3)
+    with pytest.raises(ConfigError, match="placement.mode='split': the split training loop"):
+        refuse_split_run(cfg)
+    refuse_split_run(composed())
+
+
 def test_uneven_pipeline_stages_are_accepted():
     """Layer counts that parallel.pp does not divide take megatron's uneven first/last stages."""
     dims = validate(composed("model.num_layers=3", "parallel.pp=2"), world_size=2)
