@@ -64,6 +64,9 @@ class TrainerConfig:
     plot: bool = True
     """At the end of the run, draw metrics.jsonl into output_dir/metrics.png (`python -m engine.plot`; needs
     matplotlib and the jsonl logger, and says so in one line when either is missing)."""
+    off_policy_steps: int = 0
+    """placement.mode=split: how many steps the rollout may run ahead of the update (0 = on-policy, the same
+    results as colocated)."""
 
 
 @dataclass
@@ -113,7 +116,8 @@ class RolloutConfig:
     backend: str = "native"
     """`native` (KV-cache engine on the rollout-layout weights) or `vllm`."""
     tp: int = 1
-    """Tensor-parallel size of the rollout layout; must divide parallel.tp."""
+    """Tensor-parallel size of the rollout layout; must divide parallel.tp (placement.mode=split: must divide
+    placement.rollout_ranks, the rollout DP size being their quotient)."""
     weight_sync: str = "hybrid"
     """`hybrid` (3D-HybridEngine, in place) or `naive` (every rank gathers the full model; a baseline)."""
     keep_rollout_weights: bool = False
@@ -348,6 +352,21 @@ class ClusterConfig:
 
 
 @dataclass
+class PlacementConfig:
+    """Which ranks train and which generate (DESIGN.md, Placement)."""
+
+    mode: str = "colocated"
+    """`colocated` (every rank trains and generates) or `split` (the last placement.rollout_ranks ranks
+    generate, the others train)."""
+    rollout_ranks: int = 0
+    """split: ranks that only generate (the last ones); their layout is rollout.tp x (rollout_ranks / rollout.tp)
+    replicas."""
+    critic_ranks: int = 0
+    """split with a critic (algorithm.adv_estimator=gae): ranks of their own for the critic, before the rollout
+    ranks (0 = the critic shares the actor's ranks)."""
+
+
+@dataclass
 class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -359,6 +378,7 @@ class TrainConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
 
 def register_configs() -> None:

@@ -119,3 +119,48 @@ class AllocationCounter(TorchDispatchMode):
                     self.bytes += storage.nbytes()
                     self.count += 1
         return out
+
+
+def full_from_shards(shards: list[torch.Tensor], kind: PartitionKind) -> torch.Tensor:
+    """The full tensor from megatron's TP shards in TP-rank order (the inverse of `megatron_shard`)."""
+    if kind == PartitionKind.REPLICATED or len(shards) == 1:
+        return shards[0]
+    if kind == PartitionKind.ROW:
+        return torch.cat(shards, dim=1)
+    if kind == PartitionKind.COLUMN_GATED:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=0)
+
+
+def verify_split_transfer(transfer, group) -> list[str]:
+    """Split placement (`parallel/split_transfer.py`, after a `send`/`receive`): every rollout rank's shard
+    against the slices of the full weights, rebuilt tensor by tensor from the training shards sent whole with
+    plain send/recv (a path independent of the transfer's plan). Collective over `group`, all ranks; returns
+    this rank's mismatches (empty = bit-exact). Memory: one full tensor at a time."""
+    import torch.distributed as dist
+
+    layout, rank = transfer.layout, transfer.rank
+    train = layout.train
+    errors = []
+    for dst in range(layout.num_train_ranks, layout.world_size):
+        j, e = layout.rollout_coords(dst)
+        replica = layout.source_replica(e)
+        for name, meta in transfer.tensors.items():
+            sources = [train.rank(a, meta.stage, replica) for a in range(train.tp)]
+            if rank in sources:
+                dist.send(transfer.local[name].detach().contiguous(), dst, group=group)
+            if rank != dst:
+                continue
+            shards = []
+            for src in sources:
+                shard = torch.empty(
+                    meta.shard_shape(train.tp), dtype=transfer.dtypes[name], device=transfer.device
+                )
+                dist.recv(shard, src, group=group)
+                shards.append(shard)
+            want = megatron_shard(full_from_shards(shards, meta.kind), meta.kind, layout.rollout_tp, j)
+            got = transfer.params[name]
+            if got.shape != want.shape or not torch.equal(got, want):
+                errors.append(f"rank {dst} {name}: differs from the full weights' rollout slice")
+    return errors

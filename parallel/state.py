@@ -192,3 +192,71 @@ def destroy_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def init_split_distributed(
+    dims: ParallelDims, world_size: int, device_type: str = "cpu", timeout_s: float = 600.0, seed: int = 0
+) -> tuple[ProcessGroups | None, dist.ProcessGroup]:
+    """Split placement: start torch.distributed over all `world_size` ranks; the first `dims.world_size` ranks
+    train with `dims`, the others only generate. Returns (this rank's training groups, None on a rollout rank;
+    the group of all ranks).
+
+    megatron's parallel_state lays its groups over the whole world, so it stays uninitialised here: the
+    training groups are built from `TrainLayout`'s rank lists (megatron's rank order) and handed to megatron
+    explicitly, as on the colocated path. Every rank creates every group (torch requires it), in one order.
+    """
+    from megatron.core import tensor_parallel
+
+    launch = read_launch_env()
+    if device_type == "cpu":
+        from parallel.cpu import install_cpu_shims
+
+        install_cpu_shims()
+        device, backend = torch.device("cpu"), "gloo"
+    else:
+        gpu = cuda_device_index(launch.local_rank, torch.cuda.device_count())
+        torch.cuda.set_device(gpu)
+        device, backend = torch.device("cuda", gpu), "nccl"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        launch = export_launch_env(launch)
+        dist.init_process_group(
+            backend=backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout
+        )
+    if dist.get_world_size() != world_size:
+        raise RuntimeError(f"the job has {dist.get_world_size()} ranks but was validated for {world_size}")
+    rank = dist.get_rank()
+    publish_process(rank)
+    layout = dims.train_layout()
+
+    def mine(rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
+        found = None
+        for ranks in rank_lists:
+            group = dist.new_group(ranks, timeout=timeout)
+            found = group if rank in ranks else found
+        return found
+
+    train_world = mine([list(range(dims.world_size))])
+    tp, pp, dp = mine(layout.tp_groups()), mine(layout.pp_groups()), mine(layout.dp_groups())
+    mp = mine([[r for r in range(dims.world_size) if layout.coords(r).dp_rank == d] for d in range(dims.dp)])
+    ends = [sorted({g[0], g[-1]}) for g in layout.pp_groups()]
+    embd = mine(ends)
+    alone = mine([[r] for r in range(world_size)])
+    if rank >= dims.world_size:
+        return None, dist.group.WORLD
+    coords = layout.coords(rank)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=coords.tp_rank, ep_rank=0, etp_rank=0)
+    groups = ProcessGroups(
+        dims=dims,
+        device=device,
+        rank=rank,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        mp=mp,
+        world=train_world,
+        embd=embd,
+        alone=alone,
+        timeout=timeout,
+    )
+    return groups, dist.group.WORLD

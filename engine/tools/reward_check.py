@@ -165,10 +165,12 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
     from engine.step.reward import decode_responses
     from engine.step.rollout import rollout_replica
     from engine.validate import validate
+    from engine.validate.placement import refuse_split_run
     from parallel.state import destroy_distributed, init_distributed, world_size_from_env
 
     cfg = _train_config(overrides)
     dims = validate(cfg, world_size_from_env())
+    refuse_split_run(cfg)
     groups = init_distributed(dims, cfg.cluster.device, cfg.cluster.timeout_s, cfg.trainer.seed)
     try:
         with tempfile.TemporaryDirectory(prefix="reward_check-") as scratch:

@@ -2,8 +2,9 @@
 
 Each check raises `ConfigError` naming the key(s), the value, the rule and a fix. The order follows the
 config groups so that the first message a user sees is about the first thing they would look at. One module
-per concern: model (layout, architecture, checkpoint files), algorithm, rollout, batches, run (optimizer,
-trainer, reward, optional packages), ignored (keys a combination ignores), rules (the raising helpers).
+per concern: placement (which ranks train and which generate), model (layout, architecture, checkpoint
+files), algorithm, rollout, batches, run (optimizer, trainer, reward, optional packages), ignored (keys a
+combination ignores), rules (the raising helpers).
 """
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ from engine.config import TrainConfig
 from engine.validate.algorithm import validate_algorithm
 from engine.validate.batches import validate_batches
 from engine.validate.model import validate_model, validate_parallel
+from engine.validate.placement import training_world_size, validate_placement
 from engine.validate.rollout import validate_rollout
 from engine.validate.run import validate_optim, validate_optional_packages, validate_reward, validate_trainer
 from parallel.dims import ParallelDims
 
 
 def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
-    """Check every group and cross-group rule; return the validated training layout."""
-    dims = validate_parallel(cfg, world_size)
+    """Check every group and cross-group rule; return the validated training layout (over the actor's
+    training ranks: all of `world_size` unless placement.mode=split)."""
+    dims = validate_parallel(cfg, training_world_size(cfg, world_size))
     validate_model(cfg, dims)
+    validate_placement(cfg, dims)
     validate_algorithm(cfg)
     validate_rollout(cfg, dims)
     validate_batches(cfg, dims)

@@ -16,6 +16,10 @@ def _ignored_key_rules(cfg: TrainConfig) -> list[tuple[str, bool, str]]:
     gae_only = "only algorithm.adv_estimator=gae (PPO) has a critic"
     kl_rewardless = "it drives the KL-in-reward coefficient, and algorithm.kl_in_reward=false"
     no_target = not a.kl_in_reward or a.kl_ctrl not in KL_CONTROLLERS_WITH_TARGET
+    split = cfg.placement.mode == "split"
+    split_why = (
+        "placement.mode=split: the rollout ranks keep their own weights, sent by parallel/split_transfer.py"
+    )
     return [
         ("critic.path", no_critic, gae_only),
         ("critic.lr", no_critic, gae_only),
@@ -57,6 +61,8 @@ def _ignored_key_rules(cfg: TrainConfig) -> list[tuple[str, bool, str]]:
         ("algorithm.max_sampling_rounds", not a.dynamic_sampling, "algorithm.dynamic_sampling=false"),
         ("optim.min_lr", cfg.optim.lr_decay == "constant", "optim.lr_decay=constant never decays to it"),
         ("rollout.keep_rollout_weights", r.weight_sync == "naive", "rollout.weight_sync=naive gathers anew"),
+        ("rollout.weight_sync", split, split_why),
+        ("rollout.keep_rollout_weights", split, split_why),
         ("rollout.gpu_memory_utilization", r.backend != "vllm", "only rollout.backend=vllm reads it"),
         (
             "rollout.kv_cache_memory_fraction",

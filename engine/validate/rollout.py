@@ -21,7 +21,8 @@ def validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
         )
     if r.backend == "vllm" and cfg.cluster.device != "cuda":
         fail("rollout.backend", "vllm", "vLLM needs cluster.device=cuda", "use rollout.backend=native on CPU")
-    if r.backend == "vllm" and r.tp not in (1, dims.tp):
+    split = cfg.placement.mode == "split"  # the rollout ranks' own layout: engine/validate/placement.py
+    if r.backend == "vllm" and r.tp not in (1, dims.tp) and not split:
         fail(
             "rollout.tp",
             r.tp,
@@ -29,7 +30,7 @@ def validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"3D-HybridEngine's rollout groups only for rollout.tp = 1 or parallel.tp = {dims.tp}",
             f"use rollout.tp=1 or rollout.tp={dims.tp}, or rollout.backend=native",
         )
-    if r.tp < 1 or dims.tp % r.tp:
+    if (r.tp < 1 or dims.tp % r.tp) and not split:
         divisors = [d for d in range(1, dims.tp + 1) if dims.tp % d == 0]
         fail("rollout.tp", r.tp, f"must divide parallel.tp={dims.tp}", f"use rollout.tp in {divisors}")
     if r.n < 1:

@@ -10,6 +10,15 @@ rank (measured from the tensors each method receives, and the formula), and memo
 `torch.cuda.max_memory_allocated` above the training state during `to_rollout` and what is still held
 after it; on CPU the sum of bytes allocated by `to_rollout` (a dispatch-mode counter). `--verify` compares
 every rollout tensor with the slice of NaiveGather's full weights and exits non-zero on a mismatch.
+
+Split placement (`--rollout-ranks K`): the first world - K ranks train with --tp/--pp, the last K receive their
+rollout shard (--rollout-tp) with `parallel/split_transfer.py`. Reported: the transfer's seconds (median of
+--iters, all ranks synchronised), the bytes each rollout rank receives (= its shard), and the bandwidth bound
+beside it: the busiest rollout rank's bytes over the point-to-point bandwidth measured on the same link
+(one message of the same size from its first sender). `--verify` rebuilds every full tensor from the training
+shards (plain send/recv) and compares.
+
+    torchrun --nproc_per_node=2 scripts/bench/reshard.py --preset qwen2_5_1_5b --rollout-ranks 1 --verify
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=7, help="timed round trips per method (after one warm-up)")
     ap.add_argument("--distopt", action="store_true", help="wrap in megatron DDP + distributed optimizer")
     ap.add_argument("--verify", action="store_true", help="check every rollout tensor against full weights")
+    ap.add_argument("--rollout-ranks", type=int, default=0, help="split placement: the last K ranks receive")
     return ap.parse_args()
 
 
@@ -173,8 +183,99 @@ def param_specs(full: dict[str, torch.Tensor], engine: HybridEngine, num_layers:
     return specs
 
 
+def p2p_seconds(src: int, dst: int, num_bytes: int, device: torch.device, iters: int) -> float:
+    """Median seconds of one `num_bytes` message from `src` to `dst` (every rank takes part in the timing)."""
+    buf = torch.empty(num_bytes, dtype=torch.uint8, device=device) if dist.get_rank() in (src, dst) else None
+    times = []
+    for _ in range(iters + 1):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        if dist.get_rank() == src:
+            dist.send(buf, dst)
+        elif dist.get_rank() == dst:
+            dist.recv(buf, src)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def split_main(args: argparse.Namespace) -> int:
+    """--rollout-ranks: time `SplitTransfer` and print it beside its bandwidth bound (rank 0)."""
+    import datetime
+
+    from parallel.hybrid_check import verify_split_transfer
+    from parallel.rollout_weights import global_param_names
+    from parallel.split_plan import SplitLayout, rollout_shard_bytes
+    from parallel.split_transfer import SplitTransfer
+    from parallel.state import init_split_distributed
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    world = world_size_from_env()
+    dims = ParallelDims(world_size=world - args.rollout_ranks, tp=args.tp, pp=args.pp)
+    groups, everyone = init_split_distributed(dims, world, device_type)
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    )
+    try:
+        cfg = model_config(args)
+        shape = resolve_shape(cfg, cfg.vocab_size, dims.tp)
+        layout = SplitLayout(dims.train_layout(), args.rollout_tp, args.rollout_ranks)
+        local = None
+        if groups is not None:
+            torch.manual_seed(0)
+            chunks = build_gpt_chunks(shape, groups, init_std=0.02, recompute=False)
+            local = global_param_names(chunks, dims.train_layout().layers(groups.pp_rank, shape.num_layers))
+        transfer = SplitTransfer(
+            layout,
+            dist.get_rank(),
+            local,
+            shape.tie_embeddings,
+            device,
+            everyone,
+            datetime.timedelta(seconds=600),
+            bucket_bytes=int(args.bucket_mb * 2**20),
+        )
+        step = transfer.send if groups is not None else transfer.receive
+        seconds = [_timed(step, device)[1] for _ in range(args.iters + 1)][1:]
+        shard = rollout_shard_bytes(list(transfer.tensors.values()), args.rollout_tp)
+        first = layout.rollout_rank(0, 0)
+        first_sender = min(b.src for b in transfer.buckets if b.dst == first)
+        link = p2p_seconds(first_sender, first, shard, device, args.iters)
+        errors = verify_split_transfer(transfer, everyone) if args.verify else []
+        per_rank: list = [None] * world
+        dist.all_gather_object(per_rank, {"seconds": statistics.median(seconds), "errors": errors[:5]})
+        result = {
+            "mode": "split",
+            "model": {"name": cfg.name, "dtype": args.dtype, "shard_bytes": shard},
+            "layout": {"train": dims.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp},
+            "rollout": {"ranks": args.rollout_ranks, "tp": args.rollout_tp, "dp": layout.rollout_dp},
+            "device": device_type,
+            "backend": dist.get_backend(),
+            "bucket_mb": args.bucket_mb,
+            "rounds": transfer.num_rounds,
+            "transfer_s": max(r["seconds"] for r in per_rank),
+            "bound_s": link,
+            "bound_gb_per_s": shard / link / 1e9,
+            "transfer_over_bound": max(r["seconds"] for r in per_rank) / link,
+            "verify": ("failed" if any(r["errors"] for r in per_rank) else "passed")
+            if args.verify
+            else "skipped",
+        }
+        bad = {i: r["errors"] for i, r in enumerate(per_rank) if r["errors"]}
+        if dist.get_rank() == 0:
+            print(json.dumps(result), flush=True)
+            if bad:
+                print(f"VERIFY FAILED on ranks {sorted(bad)}: {bad}", file=sys.stderr, flush=True)
+        return 1 if bad else 0
+    finally:
+        destroy_distributed()
+
+
 def main() -> int:
     args = parse_args()
+    if args.rollout_ranks:
+        return split_main(args)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     dims = ParallelDims(world_size=world_size_from_env(), tp=args.tp, pp=args.pp, vpp=args.vpp)
     groups = init_distributed(dims, device_type)

@@ -106,7 +106,69 @@ BAD = [
     (["reward.fn=/no/such/reward.py:score"], 1, "reward.fn='/no/such/reward.py:score': file"),
     (["reward.fn=engine.rewards.gsm8k:no_such_fn"], 1, "has no function 'no_such_fn'"),
     (["reward.fn=no_such_module_x:score"], 1, "reward.fn='no_such_module_x:score': cannot import module"),
+    # placement: rank counts, the rollout side's layout, what split placement does not run with
+    (["placement.mode=spread"], 2, "placement.mode='spread': unknown value"),
+    (["placement.rollout_ranks=1"], 2, "placement.rollout_ranks=1: needs placement.mode=split"),
+    (["trainer.off_policy_steps=1"], 2, "trainer.off_policy_steps=1: needs placement.mode=split"),
+    (["trainer.off_policy_steps=2"], 2, "trainer.off_policy_steps=2: must be 0"),
+    (["placement.mode=split"], 2, "placement.rollout_ranks=0: placement.mode=split needs at least one"),
+    (["placement.mode=split", "placement.rollout_ranks=2"], 2, "leaves 0 of the 2 ranks"),
+    (["placement.mode=split", "placement.rollout_ranks=1", "parallel.tp=2"], 4, "leaves 3 training ranks"),
+    (
+        ["placement.mode=split", "placement.rollout_ranks=3", "rollout.tp=2"],
+        4,
+        "rollout.tp=2: must divide placement.rollout_ranks=3",
+    ),
+    (
+        ["placement.mode=split", "placement.rollout_ranks=2", "rollout.tp=4"],
+        6,
+        "rollout.tp=4: must divide placement.rollout_ranks=2",
+    ),
+    (
+        ["placement.mode=split", "placement.rollout_ranks=3", "model.num_query_groups=2", "rollout.tp=3"],
+        4,
+        "rollout.tp=3: must divide model.num_attention_heads=4",
+    ),
+    (["placement.mode=split", "placement.rollout_ranks=3", "data.batch_size=16"], 4, "rollout DP size 3"),
+    (["placement.mode=split", "placement.rollout_ranks=1", "placement.critic_ranks=1"], 3, "has no critic"),
+    (
+        ["placement.mode=split", "placement.rollout_ranks=1", "placement.critic_ranks=1", "algorithm=ppo"],
+        3,
+        "placement.critic_ranks=1: a critic on ranks of its own is not built yet",
+    ),
+    (
+        ["placement.mode=split", "placement.rollout_ranks=1", "trainer.test_freq=5"],
+        2,
+        "trainer.test_freq=5: is not supported with placement.mode=split",
+    ),
 ]
+
+
+def test_split_placement_validates_the_training_layout_on_the_training_ranks():
+    """placement.mode=split: the returned layout covers the ranks before the rollout ranks; rollout.tp is
+    the rollout side's own (it need not divide parallel.tp)."""
+    base = ["placement.mode=split", "trainer.test_freq=0"]
+    dims = validate(composed(*base, "placement.rollout_ranks=1"), world_size=3)
+    assert (dims.world_size, dims.dp) == (2, 2)
+    dims = validate(
+        composed(*base, "placement.rollout_ranks=2", "parallel.tp=2", "rollout.tp=2"), world_size=4
+    )
+    assert (dims.world_size, dims.tp, dims.dp) == (2, 2, 1)
+    dims = validate(composed(*base, "placement.rollout_ranks=2", "rollout.tp=2"), world_size=3)
+    assert (dims.world_size, dims.tp) == (1, 1)
+    assert validate(composed(), world_size=4).world_size == 4  # colocated (the default): every rank trains
+
+
+def test_entry_points_refuse_a_split_run_by_key():
+    """Split placement validates, but its training loop is not built: engine.train and the reward check refuse
+    it with a message naming placement.mode (not a start-up crash on a rank-count mismatch)."""
+    from engine.validate.placement import refuse_split_run
+
+    cfg = composed("placement.mode=split", "placement.rollout_ranks=1", "trainer.test_freq=0")
+    validate(cfg, world_size=3)
+    with pytest.raises(ConfigError, match="placement.mode='split': the split training loop"):
+        refuse_split_run(cfg)
+    refuse_split_run(composed())
 
 
 def test_uneven_pipeline_stages_are_accepted():
@@ -225,6 +287,11 @@ def test_keys_a_combination_ignores_get_one_warning_each():
     # the same keys where the combination reads them: no warning
     assert ignored_key_warnings(composed("algorithm=ppo", "critic.lr=1e-5", "algorithm.lam=0.9")) == []
     assert ignored_key_warnings(composed("algorithm=grpo", "algorithm.norm_adv_by_std=false")) == []
+    split = composed("placement.mode=split", "placement.rollout_ranks=1", "rollout.weight_sync=naive")
+    assert ignored_key_warnings(split) == [
+        "warning: rollout.weight_sync='naive' is ignored: placement.mode=split: the rollout ranks keep their own "
+        "weights, sent by parallel/split_transfer.py"
+    ]
     assert ignored_key_warnings(composed("optim.min_lr=1e-5")) == [
         "warning: optim.min_lr=1e-05 is ignored: optim.lr_decay=constant never decays to it"
     ]

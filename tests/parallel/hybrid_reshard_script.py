@@ -6,11 +6,15 @@ and QK-norm: rollout tensors equal the slices of NaiveGather's full weights (tor
 equal the plan and HybridFlow's formula; the gathered part is freed by to_train (weak references die);
 training parameters are bit-identical and still in the engine's buffer after two round trips. Then a
 training step after a round trip (megatron DDP + optimizer, with and without the distributed optimizer)
-equals the step of a model that never resharded. Rank 0 prints `HYBRID_OK <json>` at the end.
+equals the step of a model that never resharded. Split placement (`SPLIT_CASES`): the first ranks train, the
+others receive their rollout shard with `SplitTransfer` (rollout.tp below, equal to or above parallel.tp),
+checked against the full weights twice (the second time after the training weights changed), received bytes
+= the rollout shard's bytes. Rank 0 prints `HYBRID_OK <json>` at the end.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import os
@@ -33,7 +37,9 @@ from parallel.hybrid_engine import HybridEngine
 from parallel.layout import PartitionKind
 from parallel.naive_gather import NaiveGather
 from parallel.rollout_weights import global_param_names
-from parallel.state import init_distributed
+from parallel.split_plan import SplitLayout, rollout_shard_bytes
+from parallel.split_transfer import SplitTransfer
+from parallel.state import init_distributed, init_split_distributed
 
 NUM_LAYERS = 8
 VOCAB = 96
@@ -322,6 +328,68 @@ CASES = {
 }
 
 
+# world size -> [(parallel.tp, parallel.pp, placement.rollout_ranks, rollout.tp, tied, bucket bytes)]
+SPLIT_CASES = {
+    2: [(1, 1, 1, 1, False, None)],
+    4: [
+        (2, 1, 2, 1, False, None),  # two rollout replicas from one TP=2 replica: TP shards merged
+        (1, 2, 2, 2, True, 4096),  # rollout.tp > parallel.tp: training shards split; many small buckets
+        (1, 1, 2, 1, False, 8192),  # two training replicas, each sends to one rollout replica
+        (1, 3, 1, 1, True, None),  # three uneven stages (8 layers: 3, 3, 2... megatron's rule), tied
+    ],
+}
+
+
+def check_split(tp: int, pp: int, rollout_ranks: int, rollout_tp: int, tie: bool, bucket: int | None) -> dict:
+    """One split layout: SplitTransfer's shards equal the full weights' slices, before and after the
+    training weights change; every rollout rank receives exactly its shard's bytes."""
+    from parallel.hybrid_check import verify_split_transfer
+
+    world = dist.get_world_size()
+    dims = ParallelDims(world_size=world - rollout_ranks, tp=tp, pp=pp)
+    groups, everyone = init_split_distributed(dims, world, "cpu")
+    layout = SplitLayout(dims.train_layout(), rollout_tp, rollout_ranks)
+    local = None
+    if groups is not None:
+        shape = resolve_shape(model_config(tie), VOCAB, tp)
+        torch.manual_seed(0)
+        chunks = build_gpt_chunks(shape, groups, init_std=0.02, recompute=False)
+        local = global_param_names(chunks, dims.train_layout().layers(groups.pp_rank, NUM_LAYERS))
+    transfer = SplitTransfer(
+        layout,
+        dist.get_rank(),
+        local,
+        tie,
+        torch.device("cpu"),
+        everyone,
+        datetime.timedelta(seconds=600),
+        **({"bucket_bytes": bucket} if bucket else {}),
+    )
+    figures = {}
+    for attempt in range(2):
+        if groups is not None:
+            transfer.send()
+        else:
+            weights = transfer.receive()
+            assert weights.tp_size == rollout_tp and set(weights.params) == set(transfer.tensors)
+            figures = {
+                "received": transfer.last_stats["received_bytes"],
+                "shard": rollout_shard_bytes(list(transfer.tensors.values()), rollout_tp),
+                "rounds": transfer.last_stats["rounds"],
+            }
+        errors = verify_split_transfer(transfer, everyone)
+        assert not errors, errors[:3]
+        if groups is not None:
+            with torch.no_grad():
+                for param in local.values():
+                    param.add_(1.0 + attempt)  # the next transfer must carry the new values
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, figures)
+    out = [g for g in gathered if g]
+    assert len(out) == rollout_ranks and all(g["received"] == g["shard"] for g in out), out
+    return {"rollout_ranks": out, "tied": tie}
+
+
 def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     start = time.perf_counter()
@@ -341,6 +409,10 @@ def main() -> None:
                 summary["training"][key + (" distopt" if do else "")] = check_training(
                     groups, rtp, rpp, tie, do, num_layers
                 )
+    summary["split"] = {}
+    for tp, pp, k, rtp, tie, bucket in SPLIT_CASES[world]:
+        key = f"t{tp}p{pp}+{k} rollout t{rtp}{' tied' if tie else ''}{f' bucket {bucket}' if bucket else ''}"
+        summary["split"][key] = check_split(tp, pp, k, rtp, tie, bucket)
     if world == 2:
         summary["invalid"] = check_invalid()
         summary["in_place_after_repoint"] = check_repointed_after_build()

@@ -32,6 +32,7 @@ def test_hybrid_engine_reshard(world):
     uneven = [key for key, fig in summary["reshard"].items() if fig.get("uneven")]
     assert uneven and all("L3" in key or "L10" in key for key in uneven), uneven  # 3 layers at PP=2 etc.
     assert any("L3" in key for key in summary["training"]), summary["training"]
+    assert len(summary["split"]) == {2: 1, 4: 4}[world]  # split placement's transfer, checked in the script
 
 
 def _members(layout: HybridLayout, group: list[int], tie: bool, num_layers: int = 4) -> list[MemberMeta]:
@@ -89,3 +90,54 @@ def test_plan_messages_match_and_bytes_follow_layout(train, rollout, tie):
             own = [t for t in plan.tensors if t.round == -1]
             assert all(len(t.pieces) == 1 and t.pieces[0].position == plan.position for t in own)
             assert plan.regroup == (layout.tp_ratio > 1)
+
+
+@pytest.mark.parametrize(
+    "train,rollout_ranks,rollout_tp",
+    [((2, 1, 1), 2, 1), ((1, 2, 1), 2, 2), ((2, 2, 2), 4, 4), ((4, 1, 1), 3, 1), ((2, 1, 2), 1, 1)],
+)
+def test_split_plan_sends_each_rollout_rank_exactly_its_shard(train, rollout_ranks, rollout_tp):
+    """World size: none. Split placement's plan: every index of every rollout shard arrives exactly once,
+    from a training rank of the replica assigned to it that holds that index, in buckets within the limit."""
+    from parallel.layout import PartitionKind as K
+    from parallel.split_plan import (
+        SplitLayout,
+        TensorMeta,
+        plan_split_transfer,
+        received_bytes,
+        rollout_shard_bytes,
+        shard_ranges,
+    )
+
+    layout = SplitLayout(TrainLayout(*train), rollout_tp, rollout_ranks)
+    last = layout.train.pp - 1
+    tensors = [
+        TensorMeta("embedding.word_embeddings.weight", K.COLUMN, (64, 8), 4, 0),
+        TensorMeta("decoder.layers.0.self_attention.linear_qkv.weight", K.COLUMN, (48, 8), 4, 0),
+        TensorMeta("decoder.layers.1.mlp.linear_fc1.weight", K.COLUMN_GATED, (32, 8), 4, last),
+        TensorMeta("decoder.layers.1.mlp.linear_fc2.weight", K.ROW, (8, 16), 4, last),
+        TensorMeta("decoder.final_layernorm.weight", K.REPLICATED, (8,), 4, last),
+    ]
+    buckets = plan_split_transfer(layout, tensors, bucket_bytes=96)
+    for dst in range(layout.num_train_ranks, layout.world_size):
+        assert received_bytes(buckets, dst) == rollout_shard_bytes(tensors, rollout_tp)
+        j, e = layout.rollout_coords(dst)
+        for t in tensors:
+            covered = []
+            for b in buckets:
+                for block in b.blocks:
+                    if b.dst == dst and block.name == t.name:
+                        src = layout.train.coords(b.src)
+                        assert (src.dp_rank, src.pp_rank) == (layout.source_replica(e), t.stage)
+                        held = [
+                            i
+                            for r in shard_ranges(t.kind, t.full_shape[t.dim], layout.train.tp, src.tp_rank)
+                            for i in r
+                        ]
+                        wanted = [
+                            i for r in shard_ranges(t.kind, t.full_shape[t.dim], rollout_tp, j) for i in r
+                        ]
+                        assert [held[i] for i in block.src] == [wanted[i] for i in block.dst]
+                        covered += list(block.dst)
+            assert sorted(covered) == list(range(t.shard_shape(rollout_tp)[t.dim])), t.name
+    assert all(b.nbytes <= 96 or len(b.blocks) == 1 for b in buckets)

@@ -1,0 +1,193 @@
+"""Placement: which ranks train and which generate (`placement.*`), the rollout side's own layout under split
+placement, and the settings split placement does not run with."""
+
+from __future__ import annotations
+
+from algorithms.advantages import advantage_traits
+from engine.config import ConfigError, TrainConfig
+from engine.validate.rules import fail, one_of
+from parallel.dims import ParallelDims
+
+MODES = ("colocated", "split")
+
+
+def training_world_size(cfg: TrainConfig, world_size: int) -> int:
+    """The ranks that train the actor: the whole world when colocated, else the world minus the rollout (and
+    critic) ranks. Checks the rank counts against the world; runs before the training layout is validated."""
+    p = cfg.placement
+    one_of("placement.mode", p.mode, MODES)
+    t = cfg.trainer
+    if t.off_policy_steps not in (0, 1):
+        fail(
+            "trainer.off_policy_steps",
+            t.off_policy_steps,
+            "must be 0 (on-policy) or 1 (the rollout runs one step ahead)",
+            "use trainer.off_policy_steps=0 or 1",
+        )
+    if p.mode == "colocated":
+        for key, value in (
+            ("placement.rollout_ranks", p.rollout_ranks),
+            ("placement.critic_ranks", p.critic_ranks),
+            ("trainer.off_policy_steps", t.off_policy_steps),
+        ):
+            if value:
+                fail(
+                    key,
+                    value,
+                    "needs placement.mode=split (colocated: every rank trains and generates)",
+                    f"set placement.mode=split, or {key}=0",
+                )
+        return world_size
+    if p.rollout_ranks < 1:
+        fail(
+            "placement.rollout_ranks",
+            p.rollout_ranks,
+            "placement.mode=split needs at least one rollout rank",
+            f"set placement.rollout_ranks to 1..{max(world_size - 1, 1)}, or placement.mode=colocated",
+        )
+    if p.critic_ranks < 0:
+        fail(
+            "placement.critic_ranks",
+            p.critic_ranks,
+            "must be >= 0",
+            "use 0 to train the critic on the actor's ranks",
+        )
+    train = world_size - p.rollout_ranks - p.critic_ranks
+    if train < 1:
+        fail(
+            "placement.rollout_ranks + placement.critic_ranks",
+            p.rollout_ranks + p.critic_ranks,
+            f"leaves {train} of the {world_size} ranks (torchrun --nproc_per_node x nodes) to train the actor",
+            "launch more ranks or lower placement.rollout_ranks / placement.critic_ranks",
+        )
+    mp = cfg.parallel.tp * cfg.parallel.pp
+    if train % mp:
+        fail(
+            "placement.rollout_ranks",
+            p.rollout_ranks,
+            f"leaves {train} training ranks of the {world_size}, not a multiple of parallel.tp x parallel.pp = "
+            f"{mp} (the actor's training layout covers the ranks before the rollout ranks)",
+            "change placement.rollout_ranks, the number of ranks launched, or parallel.tp / parallel.pp",
+        )
+    if p.critic_ranks:
+        if not advantage_traits(cfg.algorithm.adv_estimator).needs_critic:
+            fail(
+                "placement.critic_ranks",
+                p.critic_ranks,
+                f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} has no critic",
+                "set placement.critic_ranks=0 (only algorithm.adv_estimator=gae trains a critic)",
+            )
+        if p.critic_ranks % mp:
+            fail(
+                "placement.critic_ranks",
+                p.critic_ranks,
+                f"the critic uses the actor's parallel.tp x parallel.pp = {mp} per replica, which must divide it",
+                f"use a multiple of {mp}",
+            )
+        fail(
+            "placement.critic_ranks",
+            p.critic_ranks,
+            "a critic on ranks of its own is not built yet (the critic trains on the actor's ranks)",
+            "set placement.critic_ranks=0",
+        )
+    return train
+
+
+def validate_placement(cfg: TrainConfig, dims: ParallelDims) -> None:
+    """Split placement: the rollout side's layout (rollout.tp x rollout DP over placement.rollout_ranks, the
+    model's heads and widths split by rollout.tp, whole prompts per rollout replica) and the settings split
+    placement does not run with. Nothing to check when colocated (engine/validate/rollout.py covers it)."""
+    p, r = cfg.placement, cfg.rollout
+    if p.mode != "split":
+        return
+    if r.tp < 1 or p.rollout_ranks % r.tp:
+        divisors = [d for d in range(1, p.rollout_ranks + 1) if p.rollout_ranks % d == 0]
+        fail(
+            "rollout.tp",
+            r.tp,
+            f"must divide placement.rollout_ranks={p.rollout_ranks} (rollout DP = rollout_ranks / rollout.tp)",
+            f"use rollout.tp in {divisors}",
+        )
+    for key, value in _model_widths(cfg):
+        if value % r.tp:
+            fail(
+                "rollout.tp",
+                r.tp,
+                f"must divide {key}={value} (each rollout rank holds 1/rollout.tp of every head and width)",
+                "pick a rollout.tp that divides the model's head counts and ffn width",
+            )
+    rollout_dp = p.rollout_ranks // r.tp
+    if cfg.data.batch_size % rollout_dp:
+        fail(
+            "data.batch_size",
+            cfg.data.batch_size,
+            f"must be divisible by the rollout DP size {rollout_dp} (= placement.rollout_ranks / rollout.tp) "
+            "so that every rollout replica generates whole prompts",
+            f"use a multiple of {rollout_dp}",
+        )
+    _refuse_unsupported_with_split(cfg)
+
+
+def _model_widths(cfg: TrainConfig) -> list[tuple[str, int]]:
+    """(key, value) of the sizes TP splits: the config's, or model.path's config.json (read as a file)."""
+    m = cfg.model
+    if not m.path:
+        return [
+            ("model.num_attention_heads", m.num_attention_heads),
+            ("model.num_query_groups", m.num_query_groups),
+            ("model.ffn_hidden_size", m.ffn_hidden_size),
+        ]
+    from engine.models.hf_config import model_config_from_hf
+
+    try:
+        hf = model_config_from_hf(m.path)
+    except Exception as err:  # unreadable: the checkpoint checks name it; nothing to add here
+        raise ConfigError(f"model.path={m.path!r}: {err}") from None
+    return [
+        (f"{m.path}/config.json: num_attention_heads", hf["num_attention_heads"]),
+        (f"{m.path}/config.json: num_key_value_heads", hf["num_query_groups"]),
+        (f"{m.path}/config.json: intermediate_size", hf["ffn_hidden_size"]),
+    ]
+
+
+def _refuse_unsupported_with_split(cfg: TrainConfig) -> None:
+    """Settings whose split-placement path is not built: refused here rather than run differently."""
+    split = "with placement.mode=split"
+    for key, value, on, fix in (
+        (
+            "rollout.backend",
+            cfg.rollout.backend,
+            cfg.rollout.backend != "native",
+            "use rollout.backend=native",
+        ),
+        (
+            "trainer.off_policy_steps",
+            cfg.trainer.off_policy_steps,
+            cfg.trainer.off_policy_steps != 0,
+            "use trainer.off_policy_steps=0",
+        ),
+        ("reward.model_path", cfg.reward.model_path, bool(cfg.reward.model_path), "use a rule or reward.fn"),
+        (
+            "algorithm.dynamic_sampling",
+            cfg.algorithm.dynamic_sampling,
+            cfg.algorithm.dynamic_sampling,
+            "set algorithm.dynamic_sampling=false",
+        ),
+        ("trainer.test_freq", cfg.trainer.test_freq, cfg.trainer.test_freq != 0, "set trainer.test_freq=0"),
+    ):
+        if on:
+            fail(key, value, f"is not supported {split} yet", f"{fix}, or placement.mode=colocated")
+
+
+def refuse_split_run(cfg: TrainConfig) -> None:
+    """The entry points' gate while split placement's training loop is not built: its configuration validates
+    (above) and its weight transfer exists (`parallel/split_transfer.py`), but a run would not place the
+    ranks, so it is refused by key instead of failing at start-up."""
+    if cfg.placement.mode == "split":
+        fail(
+            "placement.mode",
+            "split",
+            "the split training loop (rollout ranks generating beside the trainers) is not built yet; only its "
+            "configuration and weight transfer are",
+            "use placement.mode=colocated",
+        )

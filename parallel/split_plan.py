@@ -1,0 +1,231 @@
+"""Rank math of the weight transfer between disjoint training and rollout ranks (split placement).
+
+Pure integers and ranges: no torch, no process groups (`parallel/split_transfer.py` moves the bytes).
+
+Ranks [0, n) train with megatron's layout (t, p, d); ranks [n, n + K) generate with their own layout of
+t_g-way TP and K / t_g replicas (rollout rank n + e * t_g + j has rollout TP rank j in replica e, no rollout PP).
+Every rollout rank needs its rollout-TP shard of every tensor of the model. Replica e reads from training
+replica e % d, so the training replicas share the sending. Each training TP shard and each rollout TP shard
+is a union of contiguous index ranges of the full tensor along the partition dim (one range; two for the
+SwiGLU fc1 stored as [gate_i; up_i]; megatron's QKV is interleaved per query group, so its shards are
+contiguous too), so what training rank (a, s, e % d) sends to rollout rank (j, e) is the intersection of
+the two shards: exact bytes, no full tensor anywhere, for any t and t_g that divide the sizes. Replicated
+tensors (norms) come from the training TP rank j % t.
+
+The blocks between one sender and one receiver are cut into buckets of at most `bucket_bytes` (a block
+larger than that is split along its partition dim), one message per bucket; round r moves every pair's
+r-th bucket, so a receiver stages at most (senders x bucket_bytes) at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from parallel.layout import PartitionKind, TrainLayout
+
+
+@dataclass(frozen=True)
+class SplitLayout:
+    """Training ranks [0, train.world_size), rollout ranks after them."""
+
+    train: TrainLayout
+    """Layout of the training ranks."""
+    rollout_tp: int
+    """Rollout TP size t_g (`rollout.tp`)."""
+    rollout_ranks: int
+    """Number of rollout ranks K (`placement.rollout_ranks`)."""
+
+    def __post_init__(self) -> None:
+        if self.rollout_ranks < 1 or self.rollout_tp < 1 or self.rollout_ranks % self.rollout_tp:
+            raise ValueError(
+                f"rollout.tp={self.rollout_tp} must divide placement.rollout_ranks={self.rollout_ranks}"
+            )
+
+    @property
+    def num_train_ranks(self) -> int:
+        return self.train.world_size
+
+    @property
+    def world_size(self) -> int:
+        return self.train.world_size + self.rollout_ranks
+
+    @property
+    def rollout_dp(self) -> int:
+        """Number of rollout replicas."""
+        return self.rollout_ranks // self.rollout_tp
+
+    def is_rollout_rank(self, rank: int) -> bool:
+        return rank >= self.num_train_ranks
+
+    def rollout_rank(self, dp_rank: int, tp_rank: int) -> int:
+        return self.num_train_ranks + dp_rank * self.rollout_tp + tp_rank
+
+    def rollout_coords(self, rank: int) -> tuple[int, int]:
+        """(rollout tp_rank, rollout dp_rank) of a rollout rank."""
+        local = rank - self.num_train_ranks
+        if not 0 <= local < self.rollout_ranks:
+            raise ValueError(f"rank {rank} is not a rollout rank")
+        return local % self.rollout_tp, local // self.rollout_tp
+
+    def rollout_tp_groups(self) -> list[list[int]]:
+        return [[self.rollout_rank(e, j) for j in range(self.rollout_tp)] for e in range(self.rollout_dp)]
+
+    def source_replica(self, rollout_dp_rank: int) -> int:
+        """The training DP replica that sends to rollout replica `rollout_dp_rank`."""
+        return rollout_dp_rank % self.train.dp
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """A full (unsharded) tensor of the model, and where it lives in training."""
+
+    name: str
+    """Global name (`parallel/rollout_weights.py`)."""
+    kind: PartitionKind
+    """How megatron splits it over TP ranks."""
+    full_shape: tuple[int, ...]
+    """Shape of the whole tensor."""
+    itemsize: int
+    """Bytes per element."""
+    stage: int
+    """Training pipeline stage that holds it."""
+
+    @property
+    def dim(self) -> int:
+        """The partition dim (0 for replicated tensors, which are sent whole)."""
+        return 1 if self.kind == PartitionKind.ROW else 0
+
+    @property
+    def unit_bytes(self) -> int:
+        """Bytes of one index along `dim`."""
+        return prod(self.full_shape) // self.full_shape[self.dim] * self.itemsize
+
+    def shard_shape(self, tp: int) -> tuple[int, ...]:
+        shape = list(self.full_shape)
+        if self.kind != PartitionKind.REPLICATED:
+            shape[self.dim] //= tp
+        return tuple(shape)
+
+
+@dataclass(frozen=True)
+class Block:
+    """A run of indices along `dim` copied from a training shard into a rollout shard."""
+
+    name: str
+    src: range
+    """Indices inside the sender's training shard."""
+    dst: range
+    """Indices inside the receiver's rollout shard."""
+    offset: int
+    """Byte offset inside the bucket (the block is packed contiguous, as `narrow(dim, ...)` of the shard)."""
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One message: blocks from training rank `src` to rollout rank `dst` in round `round`."""
+
+    src: int
+    dst: int
+    round: int
+    blocks: tuple[Block, ...]
+    nbytes: int
+
+
+def shard_ranges(kind: PartitionKind, full_size: int, tp: int, tp_rank: int) -> list[range]:
+    """The full-tensor index ranges (along the partition dim) that TP shard `tp_rank` of `tp` holds, in the
+    order the shard stores them."""
+    if kind == PartitionKind.REPLICATED or tp == 1:
+        return [range(full_size)]
+    if kind == PartitionKind.COLUMN_GATED:
+        half, part = full_size // 2, full_size // 2 // tp
+        return [range(h + tp_rank * part, h + (tp_rank + 1) * part) for h in (0, half)]
+    part = full_size // tp
+    return [range(tp_rank * part, (tp_rank + 1) * part)]
+
+
+def _intersect(src: list[range], dst: list[range]) -> list[tuple[range, range]]:
+    """(indices in the src shard, indices in the dst shard) of every overlap of two shards' full ranges."""
+    out = []
+    src_at = 0
+    for a in src:
+        dst_at = 0
+        for b in dst:
+            lo, hi = max(a.start, b.start), min(a.stop, b.stop)
+            if lo < hi:
+                out.append(
+                    (
+                        range(src_at + lo - a.start, src_at + hi - a.start),
+                        range(dst_at + lo - b.start, dst_at + hi - b.start),
+                    )
+                )
+            dst_at += len(b)
+        src_at += len(a)
+    return out
+
+
+def check_divisible(tensors: list[TensorMeta], tp_sizes: tuple[int, ...]) -> None:
+    """ValueError naming the tensor unless every TP size splits it (the gated fc1 per half)."""
+    for t in tensors:
+        if t.kind == PartitionKind.REPLICATED:
+            continue
+        size = t.full_shape[t.dim] // (2 if t.kind == PartitionKind.COLUMN_GATED else 1)
+        for tp in tp_sizes:
+            if size % tp:
+                raise ValueError(f"{t.name}: size {size} along dim {t.dim} is not divisible by TP size {tp}")
+
+
+def plan_split_transfer(layout: SplitLayout, tensors: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
+    """Every message of one training -> rollout transfer (the same list on every rank)."""
+    train, tg = layout.train, layout.rollout_tp
+    check_divisible(tensors, (train.tp, tg))
+    pairs: dict[tuple[int, int], list[tuple[str, range, range, int]]] = {}
+    for dst in range(layout.num_train_ranks, layout.world_size):
+        j, e = layout.rollout_coords(dst)
+        replica = layout.source_replica(e)
+        for t in tensors:
+            full = t.full_shape[t.dim]
+            want = shard_ranges(t.kind, full, tg, j)
+            sources = [j % train.tp] if t.kind == PartitionKind.REPLICATED else range(train.tp)
+            for a in sources:
+                src = train.rank(a, t.stage, replica)
+                for s, d in _intersect(shard_ranges(t.kind, full, train.tp, a), want):
+                    pairs.setdefault((src, dst), []).append((t.name, s, d, t.unit_bytes))
+    buckets = []
+    for (src, dst), runs in pairs.items():
+        buckets += _bucketize(src, dst, runs, bucket_bytes)
+    return buckets
+
+
+def _bucketize(src: int, dst: int, runs: list, bucket_bytes: int) -> list[Bucket]:
+    out, blocks, used = [], [], 0
+
+    def close():
+        nonlocal blocks, used
+        if blocks:
+            out.append(Bucket(src, dst, len(out), tuple(blocks), used))
+        blocks, used = [], 0
+
+    for name, s, d, unit in runs:
+        start = 0
+        while start < len(s):
+            room = max((bucket_bytes - used) // unit, 0)
+            if room == 0 and blocks:
+                close()
+                continue
+            n = min(len(s) - start, max(room, 1))
+            blocks.append(Block(name, s[start : start + n], d[start : start + n], used, n * unit))
+            used += n * unit
+            start += n
+    close()
+    return out
+
+
+def received_bytes(buckets: list[Bucket], rank: int) -> int:
+    return sum(b.nbytes for b in buckets if b.dst == rank)
+
+
+def rollout_shard_bytes(tensors: list[TensorMeta], tp: int) -> int:
+    """Bytes of one rollout rank's shard of the model."""
+    return sum(prod(t.shard_shape(tp)) * t.itemsize for t in tensors)
