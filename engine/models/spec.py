@@ -207,21 +207,23 @@ def rope_reference(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return torch.cat((out, t_pass), dim=-1)
 
 
-_compiled_rope: dict[torch.dtype, Callable] = {}
+_compiled_rope: dict[tuple[torch.dtype, bool], Callable] = {}
 
 
-def compiled_rope(dtype: torch.dtype) -> Callable:
-    """`rope_reference` compiled by torch.compile (one kernel forward, one backward) for inputs of `dtype`,
-    built on first use. Each dtype compiles its own copy of the function: dynamo counts recompiles per code
-    object (8 at most, then fullgraph=True fails), and grad mode x shapes already take several, so a process
-    that trains models of several dtypes (float32, float16, bfloat16) would run out on one shared copy."""
-    if dtype not in _compiled_rope:
-        name = f"rope_reference_{str(dtype).removeprefix('torch.')}"
+def compiled_rope(dtype: torch.dtype, grad: bool = False) -> Callable:
+    """`rope_reference` compiled by torch.compile (one kernel forward, one backward) for inputs of `dtype`
+    under grad mode `grad`, built on first use. Each (dtype, grad mode) compiles its own copy of the function:
+    dynamo counts recompiles per code object (8 at most), and sequence lengths x batch sizes x query/key head
+    counts x sbhd/thd layouts already take several, so one process that trains several dtypes, padded and
+    packed, with and without grad, would run out on one shared copy. Sizes are marked dynamic by `fused_rope`
+    (one kernel for every sequence length); past the limit dynamo runs the function eagerly (no fullgraph),
+    the same math, never an error."""
+    key = (dtype, grad)
+    if key not in _compiled_rope:
+        name = f"rope_reference_{str(dtype).removeprefix('torch.')}_{'grad' if grad else 'nograd'}"
         code = rope_reference.__code__.replace(co_name=name, co_qualname=name)
-        _compiled_rope[dtype] = torch.compile(
-            types.FunctionType(code, rope_reference.__globals__, name), fullgraph=True
-        )
-    return _compiled_rope[dtype]
+        _compiled_rope[key] = torch.compile(types.FunctionType(code, rope_reference.__globals__, name))
+    return _compiled_rope[key]
 
 
 def fused_rope(
@@ -232,7 +234,11 @@ def fused_rope(
     `rope_reference` elsewhere (bit-equal to megatron's unfused path)."""
     if interleaved:
         raise ValueError("fused_rope: interleaved RoPE is not supported (no Llama/Qwen model uses it)")
-    return compiled_rope(t.dtype)(t, freqs) if t.is_cuda else rope_reference(t, freqs)
+    if not t.is_cuda:
+        return rope_reference(t, freqs)
+    for x in (t, freqs):  # sequence length (and batch) vary per micro-batch: one dynamic kernel
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+    return compiled_rope(t.dtype, torch.is_grad_enabled())(t, freqs)
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

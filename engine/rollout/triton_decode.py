@@ -25,6 +25,8 @@ import math
 
 import torch
 
+from engine.models.compiled import ROLLOUT, cuda_kernel
+
 try:
     import triton
     import triton.language as tl
@@ -199,6 +201,13 @@ def decode_attention(
     )
     if splits == 1:
         return (acc[:, :, 0] / s[:, :, 0, :, None]).to(q.dtype)
+    return cuda_kernel(merge_splits, q.device, ROLLOUT, dynamic=None)(acc, m, s, q.dtype)
+
+
+def merge_splits(acc: torch.Tensor, m: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The attention output from the splits' partial states: acc (rows, groups, splits, heads, dim), running
+    max m and sum s (rows, groups, splits, heads) in float32 (base-2 exponents) -> (rows, groups, heads, dim)
+    in `dtype`. One compiled kernel on CUDA (eagerly it is six)."""
     weight = torch.exp2(m - m.amax(2, keepdim=True))  # empty ranges: max -inf, weight 0
     out = (acc * weight[..., None]).sum(2) / (s * weight).sum(2)[..., None]
-    return out.to(q.dtype)
+    return out.to(dtype)

@@ -166,7 +166,7 @@ def test_packed_attention_equals_each_row_alone(groups_kv):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_rope_matches_eager_within_rounding(dtype):
     torch.manual_seed(0)
-    kernel = compiled_rope(dtype)
+    kernel = compiled_rope(dtype, grad=True)
     for seq, batch, heads in ((16, 3, 4), (20, 2, 2)):  # second shape: the recompile with dynamic shapes
         t = torch.randn(seq, batch, heads, 128).to(dtype).requires_grad_()
         freqs = _freqs(seq, 128)
