@@ -7,6 +7,10 @@ Schema of a row (the one verl and most RLHF datasets use):
 - `extra_info`: free dict, optional (the column may be missing; null reads as {})
 - `tools`: list of tool names, optional (multi-turn rollouts: the tools of rollout.multi_turn.tools this
   row's episodes may call; missing, null or empty = all of them)
+- `max_new_tokens`: int, optional (the column may be missing; null = no cap): the most tokens each response
+  to this prompt may have (a per-prompt budget), in [1, rollout.max_new_tokens]; the rollout passes it as
+  `SamplingParams.max_new_tokens_per_prompt` (training and validation rollouts, every backend). Responses
+  that reach it end with finish reason "length", as at rollout.max_new_tokens. Single-turn rollouts only.
 The conversation may have several messages of any roles (system, user, assistant, tool: a dialogue so far).
 Prompts are tokenised with the tokenizer's own chat template, exactly as
 `tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)` does.
@@ -44,6 +48,8 @@ class PromptRow:
     """Position in the dataset (all files in order, before any filtering): stable across runs."""
     tools: list[str] = field(default_factory=list)
     """Tool names of the row's `tools` column (empty: all configured tools)."""
+    max_new_tokens: int | None = None
+    """The row's `max_new_tokens` column: its responses' most tokens (None: rollout.max_new_tokens)."""
 
 
 @dataclass
@@ -58,6 +64,8 @@ class PromptRecord:
     """Position in the dataset (all files in order, before any filtering): stable across runs."""
     tools: list[str] = field(default_factory=list)
     """Tools the prompt's multi-turn episodes may call, by name (empty: all of rollout.multi_turn.tools)."""
+    max_new_tokens: int | None = None
+    """Most tokens of each response to this prompt (the row's `max_new_tokens`; None: rollout.max_new_tokens)."""
 
 
 def _check_tools(value: Any) -> list[str]:
@@ -72,6 +80,22 @@ def _check_tools(value: Any) -> list[str]:
             "tools", f"is {_describe(value)}, expected a list of tool names", 'write e.g. ["calculator"]'
         )
     return list(value)
+
+
+def _check_max_new_tokens(value: Any, limit: int | None) -> int | None:
+    if value is None:
+        return None
+    fix = f"write a whole number of tokens in [1, rollout.max_new_tokens={limit}], or null for no cap"
+    if limit is None:
+        fix = "write a whole number of tokens >= 1, or null for no cap"
+    if isinstance(value, (float, np.floating)) and float(value).is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise _BadRow("max_new_tokens", f"is {_describe(value)}, expected an integer", fix)
+    if value < 1 or (limit is not None and value > limit):
+        where = "below 1" if value < 1 else f"more than rollout.max_new_tokens={limit}"
+        raise _BadRow("max_new_tokens", f"is {int(value)}, {where}", fix)
+    return int(value)
 
 
 class _BadRow(Exception):
@@ -175,7 +199,8 @@ def _read_columns(path: str, where: str) -> dict[str, list]:
             f"{where}: column(s) {missing} missing (all rows); found {names}. Fix: write the RLHF schema "
             "(prompt, data_source, reward_model, optional extra_info)"
         )
-    wanted = [*REQUIRED_COLUMNS, *(name for name in ("extra_info", "tools") if name in names)]
+    optional = ("extra_info", "tools", "max_new_tokens")
+    wanted = [*REQUIRED_COLUMNS, *(name for name in optional if name in names)]
     table = pq.read_table(path, columns=wanted)
     if table.num_rows == 0:
         raise ValueError(
@@ -185,11 +210,15 @@ def _read_columns(path: str, where: str) -> dict[str, list]:
     columns = {name: table.column(name).to_pylist() for name in wanted}
     columns.setdefault("extra_info", [None] * table.num_rows)
     columns.setdefault("tools", [None] * table.num_rows)
+    columns.setdefault("max_new_tokens", [None] * table.num_rows)
     return columns
 
 
 def read_prompt_rows(
-    files: Sequence[str], bad_rows: str = "error", files_key: str = "data.train_files"
+    files: Sequence[str],
+    bad_rows: str = "error",
+    files_key: str = "data.train_files",
+    max_new_tokens: int | None = None,
 ) -> tuple[list[PromptRow], dict[str, int]]:
     """Read and validate the rows of `files` (parquet, RLHF schema), in order; no tokenisation.
 
@@ -197,7 +226,8 @@ def read_prompt_rows(
     the row and the field (bad_rows="error"), or is skipped and counted (bad_rows="skip"). A directory in
     `files` stands for the `*.parquet` files in it, sorted by name. A missing file, a file with no rows, a
     directory with no parquet file, an empty file list or a missing required column always raises, naming
-    `files_key` and the file.
+    `files_key` and the file. `max_new_tokens` (rollout.max_new_tokens): the largest per-row cap allowed
+    in the `max_new_tokens` column (None: any positive one).
     """
     if bad_rows not in BAD_ROWS_MODES:
         raise DataError(f"bad_rows={bad_rows!r}: must be one of {list(BAD_ROWS_MODES)}")
@@ -211,13 +241,14 @@ def read_prompt_rows(
     counts = {"rows": 0, "bad": 0}
     for where, path in _expand_files(files, files_key):
         columns = _read_columns(path, where)
-        for row_i, (prompt, source, reward_model, extra, tools) in enumerate(
+        for row_i, (prompt, source, reward_model, extra, tools, cap) in enumerate(
             zip(
                 columns["prompt"],
                 columns["data_source"],
                 columns["reward_model"],
                 columns["extra_info"],
                 columns["tools"],
+                columns["max_new_tokens"],
             )
         ):
             index = counts["rows"]
@@ -230,6 +261,7 @@ def read_prompt_rows(
                     extra_info=_check_extra_info(extra),
                     index=index,
                     tools=_check_tools(tools),
+                    max_new_tokens=_check_max_new_tokens(cap, max_new_tokens),
                 )
             except _BadRow as bad:
                 if bad_rows == "skip":
@@ -277,16 +309,18 @@ def load_prompt_dataset(
     bad_rows: str = "error",
     files_key: str = "data.train_files",
     tool_schemas: dict[str, dict] | None = None,
+    max_new_tokens: int | None = None,
 ) -> tuple[list[PromptRecord], dict[str, int]]:
     """Read, validate and chat-template the prompts of `files`; drop prompts over `max_prompt_len` tokens.
     `tool_schemas` (multi-turn: {name: function schema}): each prompt is rendered with the schemas of the
     tools its row names (all of them when it names none), for templates that show tools to the model.
+    `max_new_tokens` (rollout.max_new_tokens): the largest per-row cap allowed (`read_prompt_rows`).
 
     Returns (records, counts) with counts {"rows", "kept", "too_long", "bad"}. Raises ValueError as
     `read_prompt_rows` does, and when no prompt is left.
     """
     files = [files] if isinstance(files, str) else list(map(str, files))
-    rows, counts = read_prompt_rows(files, bad_rows, files_key)
+    rows, counts = read_prompt_rows(files, bad_rows, files_key, max_new_tokens)
     records: list[PromptRecord] = []
     too_long, shortest = 0, None
     for start in range(0, len(rows), _CHAT_TEMPLATE_CHUNK):
@@ -297,7 +331,15 @@ def load_prompt_dataset(
                 too_long += 1
                 continue
             records.append(
-                PromptRecord(ids, row.data_source, row.ground_truth, row.extra_info, row.index, row.tools)
+                PromptRecord(
+                    ids,
+                    row.data_source,
+                    row.ground_truth,
+                    row.extra_info,
+                    row.index,
+                    row.tools,
+                    row.max_new_tokens,
+                )
             )
     counts = {"rows": counts["rows"], "kept": len(records), "too_long": too_long, "bad": counts["bad"]}
     if not records:
@@ -308,6 +350,17 @@ def load_prompt_dataset(
         )
         raise DataError(f"{files_key}={files}: no prompt left after loading ({counts}){hint}")
     return records, counts
+
+
+def refuse_row_caps(records: Sequence[PromptRecord], files_key: str) -> None:
+    """Multi-turn rollouts have no per-row response caps: refuse rows that set `max_new_tokens`."""
+    capped = [r.index for r in records if r.max_new_tokens is not None]
+    if capped:
+        raise DataError(
+            f"{files_key}: {len(capped)} row(s) (dataset positions {capped[:5]}) set max_new_tokens, which "
+            "multi-turn rollouts (rollout.multi_turn.enable) do not honour. Fix: write null in that column or "
+            "drop it (rollout.multi_turn.max_total_tokens bounds an episode), or turn multi-turn off"
+        )
 
 
 def _chunk_ids(tokenizer, rows: list[PromptRow], tool_schemas: dict[str, dict] | None) -> list[list[int]]:

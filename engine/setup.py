@@ -11,7 +11,7 @@ import torch
 
 from algorithms.advantages import advantage_traits
 from engine.config import ConfigError, ModelConfig, TrainConfig
-from engine.data import PromptLoader, PromptRecord, load_prompt_dataset, load_tokenizer
+from engine.data import PromptLoader, PromptRecord, load_prompt_dataset, load_tokenizer, refuse_row_caps
 from engine.metrics import MetricsLogger
 from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape
 from engine.models.hf import HFCheckpoint, check_tp_layout, load_hf_weights
@@ -211,7 +211,12 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
     tools = build_episode_tools(cfg)
     schemas = {name: tool.schema for name, tool in tools.items()} if tools else None
     records, counts = load_prompt_dataset(
-        train_files, tokenizer, cfg.data.max_prompt_len, cfg.data.bad_rows, tool_schemas=schemas
+        train_files,
+        tokenizer,
+        cfg.data.max_prompt_len,
+        cfg.data.bad_rows,
+        tool_schemas=schemas,
+        max_new_tokens=cfg.rollout.max_new_tokens,
     )
     if groups.is_logging_rank and (counts["too_long"] or counts["bad"]):
         print(
@@ -230,11 +235,20 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
     )
     val_records = (
         load_prompt_dataset(
-            val_files, tokenizer, cfg.data.max_prompt_len, cfg.data.bad_rows, "data.val_files", schemas
+            val_files,
+            tokenizer,
+            cfg.data.max_prompt_len,
+            cfg.data.bad_rows,
+            "data.val_files",
+            schemas,
+            cfg.rollout.max_new_tokens,
         )[0]
         if val_files
         else []
     )
+    if cfg.rollout.multi_turn.enable:
+        refuse_row_caps(records, "data.train_files")
+        refuse_row_caps(val_records, "data.val_files")
     shape = model_shape(cfg.model, len(tokenizer), dims.tp)
     actor_chunks = build_policy_chunks(cfg, shape, groups)
     alg = cfg.algorithm

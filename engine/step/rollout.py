@@ -46,6 +46,7 @@ def rollout_replica(
     (engine/multi_turn/episode.py), `tool_names[p]` naming the tools prompt p may call."""
     start, end = _share_bounds(len(prompts), weights.micro_dp_size, weights.micro_dp_rank)
     share = prompts[start:end]
+    sampling = share_sampling(sampling, start, end)
     if share and episodes is not None:
         out = episodes.run(engine, share, sampling, tool_names[start:end] if tool_names else None)
     elif share:
@@ -73,6 +74,20 @@ def rollout_replica(
         finish_reasons=[r for g in gathered for r in g[3]],
         episodes=None if episodes is None else [e for g in gathered for e in g[4]],
     )
+
+
+def share_sampling(sampling: SamplingParams, start: int, end: int) -> SamplingParams:
+    """`sampling` for prompts [start, end) of a call: the share's per-prompt limits (if any)."""
+    if not sampling.max_new_tokens_per_prompt:
+        return sampling
+    return replace(sampling, max_new_tokens_per_prompt=sampling.max_new_tokens_per_prompt[start:end])
+
+
+def row_limits(records, max_new_tokens: int) -> tuple[int, ...]:
+    """Per-prompt limits from the records' `max_new_tokens` (data rows' caps); () when no record has one."""
+    if all(r.max_new_tokens is None for r in records):
+        return ()
+    return tuple(max_new_tokens if r.max_new_tokens is None else r.max_new_tokens for r in records)
 
 
 def sampling_params(
@@ -105,7 +120,8 @@ def rollout_seed(seed: int, step: int, round_index: int, dp_rank: int, micro_dp_
 def rollout(ctx: StepContext, records, kinds: tuple[str, ...], round_index: int = 0) -> list[RolloutOutput]:
     """One train -> rollout -> train transition and a rollout per kind: "sample" (rollout.n sampled
     responses), "greedy" (one at temperature 0: a greedy baseline), "val" (one at rollout.val_temperature),
-    "val_sample" (rollout.val_n sampled ones)."""
+    "val_sample" (rollout.val_n sampled ones). Every kind caps a prompt's responses at its record's
+    `max_new_tokens` (the data row's budget) where it has one."""
     c, timer = ctx.c, ctx.timer
     cfg = c.cfg
     prompts = [r.prompt_ids for r in records]
@@ -122,6 +138,8 @@ def rollout(ctx: StepContext, records, kinds: tuple[str, ...], round_index: int 
         "val": sampling_params(cfg, eos, True, seed),
         "val_sample": replace(sampling_params(cfg, eos, False, seed), n=cfg.rollout.val_n, log_probs=False),
     }
+    limits = row_limits(records, cfg.rollout.max_new_tokens)  # the data rows' response budgets
+    params = {kind: replace(p, max_new_tokens_per_prompt=limits) for kind, p in params.items()}
     tool_names = [r.tools for r in records] if c.episodes is not None else None
     outs = []
     for kind in kinds:

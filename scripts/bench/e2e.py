@@ -1,14 +1,23 @@
 """One GRPO step, end to end, ours versus TRL's GRPOTrainer on the same GPU, model, batch and lengths.
 
-Ours: `python -m engine.train` under torchrun on the embedded copy task stretched to `--prompt-len` prompt
-tokens, random-init weights of a conf/model preset, responses fixed at `--response-len` tokens (EOS ignored),
-beta 0 (no reference), one PPO iteration. Steps after the first are timed (median). Prints one JSON object:
-per-phase seconds, tokens/s/GPU (prompt + response tokens / step time / GPUs), MFU of the actor update,
-peak memory, the share of the step spent on weight sync and vLLM's sleep/wake (`sync_share`), the bound of
-the issue (generation at the vLLM anchor's speed + update at 50% MFU; `bound_s`, `step_over_bound`) and the
-TRL baseline when `--baseline trl` (needs trl installed; one GPU).
+Ours: `python -m engine.train` under torchrun on copy-task prompts of exactly `--prompt-len` tokens (a parquet
+file this script writes, with the embedded character-level tokenizer), random-init weights of a conf/model
+preset, EOS ignored, beta 0 (no reference), one PPO iteration. Response lengths: `--lengths fixed` (every
+response `--response-len` tokens) or `long_tail` (prompt i's responses stop at
+`workload.response_lengths(long_tail, --prompts, --response-len, --seed)[i]` tokens, the draw rollout.py and
+trl_grpo.py make with the same arguments; written into the dataset's `max_new_tokens` column, which the
+engine passes to either rollout backend as per-prompt limits). The dataset holds exactly `--prompts` rows and
+a step takes all of them, so every step has the same lengths. Steps after the first are timed (median).
+
+Prints one JSON object: per-phase seconds, tokens/s/GPU (real prompt + response tokens / step time / GPUs),
+the update's padding fraction, MFU of the actor update (6 x parameters x real tokens; `perf/mfu/actor`, the
+trainer's PaLM-style count over real tokens, as `mfu_update_actor_trainer`), peak memory, the share of the
+step spent on weight sync and vLLM's sleep/wake (`sync_share`), the bound of the issue (generation at the
+vLLM anchor's speed + update at 50% MFU; `bound_s`, `step_over_bound`) and the TRL baseline with
+`--baseline trl` (transformers generate) or `trl_vllm` (TRL's colocated vLLM) (needs trl; one GPU).
 
     python scripts/bench/e2e.py --preset qwen2_5_0_5b --gpus 1 --baseline trl
+    python scripts/bench/e2e.py --preset qwen2_5_0_5b --lengths long_tail --response-len 4096 --backend vllm
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from presets import num_params  # noqa: E402
+from workload import KINDS, describe, response_lengths  # noqa: E402
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16 spec (large GEMMs reach ~790e12 in practice)
 # vLLM 0.26 LLM.generate alone on one H200, generated tokens/s for these RL-shaped batches
@@ -32,13 +42,48 @@ BOUND_MFU = 0.5
 PROMPT_OVERHEAD = 11  # "<bos>u:copy " + "\na:" around the digits in the embedded chat template
 
 
+def write_workload(out_dir: str, num_prompts: int, prompt_len: int, caps: list[int] | None, seed: int):
+    """The embedded tokenizer and a parquet of `num_prompts` copy prompts of exactly `prompt_len` tokens,
+    row i with `max_new_tokens` caps[i] (None: no column values, rollout.max_new_tokens for all).
+    Returns (tokenizer dir, parquet path)."""
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from engine.tasks.embedded import build_embedded_tokenizer, embedded_prompt
+
+    tok = build_embedded_tokenizer(os.path.join(out_dir, "tokenizer"))
+    rng = random.Random(seed)
+    rows = []
+    for i in range(num_prompts):
+        digits = "".join(rng.choice("0123456789") for _ in range(prompt_len - PROMPT_OVERHEAD))
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": embedded_prompt("copy", digits)}],
+                "data_source": "embedded/copy",
+                "reward_model": {"ground_truth": digits, "style": "rule"},
+                "extra_info": {"index": i},
+                "max_new_tokens": None if caps is None else caps[i],
+            }
+        )
+    path = os.path.join(out_dir, "workload.parquet")
+    schema = pa.Table.from_pylist(rows[:1]).schema.set(4, pa.field("max_new_tokens", pa.int64()))
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    return tok, path
+
+
 def run_ours(args, out_dir: str) -> dict:
+    lengths = response_lengths(args.lengths, args.prompts, args.response_len, args.seed)
+    caps = None if args.lengths == "fixed" else lengths
+    tok, data = write_workload(out_dir, args.prompts, args.prompt_len, caps, args.seed)
     overrides = [
         f"model={args.preset}",
         f"cluster={args.cluster}",
         "algorithm=grpo",
         "algorithm.kl_loss_coef=0",
-        f"data.embedded_digits={args.prompt_len - PROMPT_OVERHEAD}",
+        f"data.train_files=[{data}]",
+        f"model.tokenizer_path={tok}",
         f"data.max_prompt_len={args.prompt_len + 8}",
         f"data.batch_size={args.prompts}",
         f"rollout.n={args.n}",
@@ -81,14 +126,15 @@ def run_ours(args, out_dir: str) -> dict:
     }
     engine = {k.removeprefix("rollout_engine/"): v for k, v in med.items() if k.startswith("rollout_engine/")}
     rows_trained = args.prompts * args.n
-    tokens = rows_trained * (args.prompt_len + args.response_len)
+    response_tokens = args.n * sum(lengths)
+    tokens = rows_trained * args.prompt_len + response_tokens  # real tokens: no padding, EOS ignored
     update_flops = 6 * num_params(args.preset) * tokens
     # the issue's bound: generation at vLLM's speed + the actor update at 50% MFU (+ extra forward passes at
     # 50% MFU: none for on-policy GRPO without a reference, which is what this benchmark runs)
     gen_rate = args.vllm_tokens_per_s or VLLM_ANCHOR_TOKENS_PER_S.get(args.preset)
     bound = None
     if gen_rate:
-        gen_bound = rows_trained * args.response_len / (gen_rate * args.gpus)
+        gen_bound = response_tokens / (gen_rate * args.gpus)
         bound = gen_bound + update_flops / (BOUND_MFU * PEAK_BF16_FLOPS * args.gpus)
     return {
         "system": "ours",
@@ -98,8 +144,12 @@ def run_ours(args, out_dir: str) -> dict:
         "step_s": med["timing/step"],
         "step_s_all": [r["timing/step"] for r in rows],
         "tokens_per_s_per_gpu": med["perf/tokens_per_s_per_gpu"],
+        "tokens": tokens,
+        "tokens_trained": med.get("perf/total_tokens"),  # what the trainer counted: equals tokens
+        "response_length_mean": med.get("response_length/mean"),
         "timing": {k.removeprefix("timing/"): v for k, v in med.items() if k.startswith("timing/")},
         "mfu_update_actor": update_flops / med["timing/update_actor"] / (PEAK_BF16_FLOPS * args.gpus),
+        "mfu_update_actor_trainer": med.get("perf/mfu/actor"),
         "peak_memory_gb": med.get("perf/max_memory_allocated_gb"),
         "padding_fraction": med.get("perf/padding_fraction"),  # of the update's forwards
         "rollout_engine": engine,
@@ -128,6 +178,11 @@ def run_trl(args) -> dict:
         str(args.response_len),
         "--steps",
         str(args.steps),
+        "--lengths",
+        args.lengths,
+        "--seed",
+        str(args.seed),
+        *(["--vllm"] if args.baseline == "trl_vllm" else []),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -149,6 +204,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--response-len", type=int, default=512)
+    ap.add_argument("--lengths", choices=KINDS, default="fixed", help="scripts/bench/workload.py")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the lengths and prompts")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument(
         "--max-tokens", type=int, default=32768, help="trainer.max_tokens_per_micro_batch (0 = off)"
@@ -161,7 +218,12 @@ def main() -> None:
         default=0.0,
         help="generation speed of the bound, per GPU (default: the vLLM anchor of the preset)",
     )
-    ap.add_argument("--baseline", default="none", choices=["none", "trl"])
+    ap.add_argument(
+        "--baseline",
+        default="none",
+        choices=["none", "trl", "trl_vllm"],
+        help="also run TRL's GRPOTrainer: transformers generate (trl) or colocated vLLM (trl_vllm)",
+    )
     ap.add_argument("extra", nargs="*", help="more key=value overrides for engine.train")
     args = ap.parse_args()
     result = {
@@ -171,9 +233,16 @@ def main() -> None:
         "n": args.n,
         "prompt_len": args.prompt_len,
         "response_len": args.response_len,
+        "lengths": {
+            "kind": args.lengths,
+            "seed": args.seed,
+            **describe(
+                response_lengths(args.lengths, args.prompts, args.response_len, args.seed), args.response_len
+            ),
+        },
     }
     result["ours"] = run_ours(args, tempfile.mkdtemp(prefix="e2e-"))
-    if args.baseline == "trl":
+    if args.baseline != "none":
         result["baseline"] = run_trl(args)
         if "error" not in result["baseline"] and "error" not in result["ours"]:
             result["speedup"] = (

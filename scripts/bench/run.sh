@@ -20,6 +20,9 @@ so ARGS also override the defaults below). Purposes (script, default presets):
   logprobs          the fused output head vs the unfused path, --rows 21 (logprobs.py; qwen2_5_0_5b,qwen2_5_1_5b)
   decode_attention  decode attention kernels at RL shapes (decode_attention.py; qwen2_5_0_5b,qwen2_5_1_5b,qwen2_5_7b)
   baselines         TRL's GRPOTrainer on e2e's step (trl_grpo.py; qwen2_5_0_5b,qwen2_5_1_5b; TRL from .whl/trl)
+  compare           one workload through ours (e2e.py, one job per --backends entry, default native,vllm) and TRL
+                    both ways (trl_grpo.py, then with --vllm) (qwen2_5_0_5b,qwen2_5_1_5b); ARGS go to all four,
+                    so give only options both scripts take (--prompts --n --prompt-len --response-len --steps --seed)
   vllm              one-call check of rollout.backend=vllm: versions, smoke, tests, rollout bench at 0.5B
                     (vllm_gpu_check.sh; vLLM from .whl/vllm)
   multi_turn        multi-turn episodes with a synthetic tool, native vs vLLM (multi_turn.py; qwen2_5_1_5b)
@@ -28,7 +31,9 @@ so ARGS also override the defaults below). Purposes (script, default presets):
   two_nodes         two one-GPU "nodes" rendezvous over NCCL (torchrun c10d) and train 2 steps at TP=2
 Options:
   --presets LIST    comma-separated conf/model presets: one job each
-  --backends LIST   rollout: passed to rollout.py as --backends; e2e: one job per backend (native, vllm)
+  --backends LIST   rollout: passed to rollout.py as --backends; e2e, compare: one job per backend (native, vllm)
+  --lengths KIND    e2e, rollout, baselines, compare: response lengths fixed or long_tail (workload.py); the
+                    job names get _KIND
   --gpus N          GPUs per job (default 1; reshard 4)
   --devices LIST    GPU ids to use (default: $CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists, else 0)
   --timeout S       seconds per job (default: per purpose)
@@ -41,6 +46,7 @@ Options:
 Examples (scripts/bench/README.md has the command of every table):
   bash scripts/bench/run.sh e2e --presets qwen2_5_7b --gpus 2 -- --max-tokens 4096 optim.distributed_optimizer=true
   bash scripts/bench/run.sh rollout --presets qwen2_5_7b --backends native,vllm
+  bash scripts/bench/run.sh compare --lengths long_tail -- --response-len 4096
 EOF
 }
 
@@ -56,7 +62,7 @@ bench=scripts/bench
 py=python3
 command -v python3 > /dev/null || py=python
 
-purpose="" presets="" backends="" gpus="" devices="" timeout_s="" tag="" profile=0 dry=0 install=1
+purpose="" presets="" backends="" lengths="" gpus="" devices="" timeout_s="" tag="" profile=0 dry=0 install=1
 out=${OUT:-/tmp/bench-out}
 args=()
 while (($#)); do
@@ -64,6 +70,7 @@ while (($#)); do
   -h | --help) usage; exit 0 ;;
   --presets) presets=${2:?--presets needs a value}; shift ;;
   --backends) backends=${2:?--backends needs a value}; shift ;;
+  --lengths) lengths=${2:?--lengths needs a value}; shift ;;
   --gpus) gpus=${2:?--gpus needs a value}; shift ;;
   --devices) devices=${2:?--devices needs a value}; shift ;;
   --timeout) timeout_s=${2:?--timeout needs a value}; shift ;;
@@ -90,17 +97,24 @@ update) d_presets=qwen2_5_1_5b d_gpus=1 d_timeout=420 ;;
 logprobs) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=90 ;;
 decode_attention) d_presets=qwen2_5_0_5b,qwen2_5_1_5b,qwen2_5_7b d_gpus=1 d_timeout=120 ;;
 baselines) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=300 ;;
+compare) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=420 ;;
 vllm) d_presets=none d_gpus=1 d_timeout=560 ;;
 vllm_cost) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=240 ;;
 multi_turn) d_presets=qwen2_5_1_5b d_gpus=1 d_timeout=420 ;;
 gpu_tests) d_presets=none d_gpus=1 d_timeout=420 ;;
 two_nodes) d_presets=none d_gpus=1 d_timeout=150 ;;
-*) die "unknown purpose '$purpose': one of e2e rollout reshard update logprobs decode_attention baselines vllm vllm_cost multi_turn gpu_tests two_nodes" ;;
+*) die "unknown purpose '$purpose': one of e2e rollout reshard update logprobs decode_attention baselines compare vllm vllm_cost multi_turn gpu_tests two_nodes" ;;
 esac
 case $purpose in vllm | gpu_tests | two_nodes)
   [ -z "$presets" ] || die "$purpose takes no --presets"
   ext=log ;;
 esac
+lengths_arg=() lt=""
+if [ -n "$lengths" ]; then
+  case $purpose in e2e | rollout | baselines | compare) ;; *) die "$purpose takes no --lengths" ;; esac
+  case $lengths in fixed | long_tail) ;; *) die "--lengths must be fixed or long_tail, got '$lengths'" ;; esac
+  lengths_arg=(--lengths "$lengths") lt=_$lengths
+fi
 presets=${presets:-$d_presets} gpus=${gpus:-$d_gpus} timeout_s=${timeout_s:-$d_timeout}
 [[ $gpus =~ ^[1-9][0-9]*$ ]] || die "--gpus must be a positive integer, got '$gpus'"
 [[ $timeout_s =~ ^[1-9][0-9]*$ ]] || die "--timeout must be a positive number of seconds, got '$timeout_s'"
@@ -137,14 +151,22 @@ for p in "${preset_list[@]}"; do
   e2e)
     IFS=, read -ra backend_list <<< "${backends:-native}"
     for b in "${backend_list[@]}"; do
-      add_job "e2e_$s$([ "$b" = native ] || echo "_$b")$tag" \
-        "$py" $bench/e2e.py "${pa[@]}" --gpus "$gpus" --backend "$b" "${args[@]}"
+      add_job "e2e_$s$([ "$b" = native ] || echo "_$b")$lt$tag" \
+        "$py" $bench/e2e.py "${pa[@]}" --gpus "$gpus" --backend "$b" "${lengths_arg[@]}" "${args[@]}"
     done ;;
+  compare)
+    IFS=, read -ra backend_list <<< "${backends:-native,vllm}"
+    for b in "${backend_list[@]}"; do
+      add_job "e2e_$s$([ "$b" = native ] || echo "_$b")$lt$tag" \
+        "$py" $bench/e2e.py "${pa[@]}" --gpus "$gpus" --backend "$b" "${lengths_arg[@]}" "${args[@]}"
+    done
+    add_job "trl_$s$lt$tag" "$py" $bench/trl_grpo.py "${pa[@]}" "${lengths_arg[@]}" "${args[@]}"
+    add_job "trl_${s}_vllm$lt$tag" "$py" $bench/trl_grpo.py "${pa[@]}" --vllm "${lengths_arg[@]}" "${args[@]}" ;;
   rollout)
     extra=()
     [ -z "$backends" ] || extra+=(--backends "$backends")
     ((profile)) && extra+=(--profile "$out/profile_rollout_$s$tag")
-    add_job "rollout_$s$tag" "$py" $bench/rollout.py "${pa[@]}" "${extra[@]}" "${args[@]}" ;;
+    add_job "rollout_$s$lt$tag" "$py" $bench/rollout.py "${pa[@]}" "${extra[@]}" "${lengths_arg[@]}" "${args[@]}" ;;
   reshard)
     add_job "reshard_$s$tag" torchrun --standalone --nproc-per-node="$gpus" $bench/reshard.py "${pa[@]}" --verify \
       "${args[@]}" ;;
@@ -154,7 +176,7 @@ for p in "${preset_list[@]}"; do
     add_job "update_$s$tag" "$py" $bench/update.py "${pa[@]}" "${extra[@]}" "${args[@]}" ;;
   logprobs) add_job "logprobs_$s$tag" "$py" $bench/logprobs.py "${pa[@]}" --rows 21 "${args[@]}" ;;
   decode_attention) add_job "decode_attention_$s$tag" "$py" $bench/decode_attention.py "${pa[@]}" "${args[@]}" ;;
-  baselines) add_job "trl_$s$tag" "$py" $bench/trl_grpo.py "${pa[@]}" "${args[@]}" ;;
+  baselines) add_job "trl_$s$lt$tag" "$py" $bench/trl_grpo.py "${pa[@]}" "${lengths_arg[@]}" "${args[@]}" ;;
   vllm) add_job "vllm_check$tag" env OUT="$out/vllm_check$tag" BUDGET_S=$((timeout_s - 20)) \
     bash $bench/vllm_gpu_check.sh "${args[@]}" ;;
   vllm_cost) add_job "vllm_cost_$s$tag" "$py" $bench/vllm_sampling_cost.py "${pa[@]}" "${args[@]}" ;;

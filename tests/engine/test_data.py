@@ -16,6 +16,7 @@ from engine.data import (
     load_prompt_dataset,
     load_tokenizer,
     read_prompt_rows,
+    refuse_row_caps,
 )
 from engine.tasks.embedded import build_embedded_tokenizer
 
@@ -317,3 +318,28 @@ def test_directory_reads_its_parquet_files_sorted(tmp_path, tokenizer):
         ValueError, match=rf"data.val_files\[1\]={empty_dir}: a directory with no \*.parquet files"
     ):
         read_prompt_rows([single, str(empty_dir)], files_key="data.val_files")
+
+
+def test_max_new_tokens_column_caps_rows_and_bad_caps_name_the_row(tmp_path, tokenizer):
+    """The optional `max_new_tokens` column: a row's cap (null = none) reaches its record; a cap over
+    rollout.max_new_tokens, below 1 or not a whole number is an error naming the file, the row and the fix;
+    multi-turn runs refuse caps (refuse_row_caps)."""
+    rows = [make_row(f"copy {i}", truth=str(i)) for i in range(3)]
+    capped = [{**row, "max_new_tokens": cap} for row, cap in zip(rows, (5, None, 2))]
+    path = write(tmp_path / "caps.parquet", capped)
+    records, _ = load_prompt_dataset([path], tokenizer, max_prompt_len=64, max_new_tokens=8)
+    assert [r.max_new_tokens for r in records] == [5, None, 2]
+    plain, _ = load_prompt_dataset([write(tmp_path / "plain.parquet", rows)], tokenizer, max_prompt_len=64)
+    assert [r.max_new_tokens for r in plain] == [None] * 3
+    for cap, problem in ((9, "is 9, more than rollout.max_new_tokens=8"), (0, "is 0, below 1")):
+        bad = write(tmp_path / f"bad{cap}.parquet", [*capped[:2], {**rows[2], "max_new_tokens": cap}])
+        with pytest.raises(ValueError, match=rf"bad{cap}.parquet: row 2: field 'max_new_tokens' {problem}"):
+            load_prompt_dataset([bad], tokenizer, max_prompt_len=64, max_new_tokens=8)
+    text = write(tmp_path / "text.parquet", [{**rows[0], "max_new_tokens": "5"}])
+    with pytest.raises(ValueError, match=r"row 0: field 'max_new_tokens' is str '5', expected an integer"):
+        read_prompt_rows([text], max_new_tokens=8)
+    refuse_row_caps(plain, "data.train_files")
+    with pytest.raises(
+        ValueError, match=r"data.val_files: 2 row\(s\) \(dataset positions \[0, 2\]\) set max_new"
+    ):
+        refuse_row_caps(records, "data.val_files")

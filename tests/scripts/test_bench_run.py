@@ -17,6 +17,7 @@ PURPOSES = (
     "logprobs",
     "decode_attention",
     "baselines",
+    "compare",
     "vllm",
     "vllm_cost",
     "gpu_tests",
@@ -103,6 +104,21 @@ def test_lanes_presets_backends_tag_and_args():
     assert "--preset" not in job["cmd"] and job["cmd"][-2:] == ["--layers", "4"]
 
 
+def test_compare_runs_ours_and_both_trl_modes_on_one_workload():
+    found = jobs("compare", "--presets", "qwen2_5_0_5b", "--devices", "0,1,2,3", "--lengths", "long_tail")
+    assert [(j["name"], j["lane"]) for j in found] == [
+        ("e2e_0_5b_long_tail", 0),
+        ("e2e_0_5b_vllm_long_tail", 1),
+        ("trl_0_5b_long_tail", 2),
+        ("trl_0_5b_vllm_long_tail", 3),
+    ]
+    for job in found:
+        cmd = job["cmd"]
+        assert cmd[cmd.index("--lengths") + 1] == "long_tail", cmd
+    assert "--vllm" in found[3]["cmd"] and "--vllm" not in found[2]["cmd"]
+    assert found[1]["cmd"][found[1]["cmd"].index("--backend") + 1] == "vllm"
+
+
 def test_errors_name_the_bad_value():
     for args, said in (
         (("nope",), "unknown purpose 'nope'"),
@@ -111,6 +127,8 @@ def test_errors_name_the_bad_value():
         (("two_nodes", "--devices", "0"), "needs 2 GPUs"),
         (("e2e", "--gpus", "two"), "--gpus must be a positive integer"),
         (("e2e", "--bogus"), "unknown option '--bogus'"),
+        (("update", "--lengths", "long_tail"), "update takes no --lengths"),
+        (("e2e", "--lengths", "lognormal"), "--lengths must be fixed or long_tail, got 'lognormal'"),
     ):
         proc = run("--dry-run", *args)
         assert proc.returncode == 2 and said in proc.stderr, (args, proc.stderr)

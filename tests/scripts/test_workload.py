@@ -56,3 +56,23 @@ def test_rollout_bench_enforces_the_lengths_on_cpu():
     assert report["lengths"]["total"] == sum(lengths) and report["lengths"]["kind"] == "long_tail"
     assert report["results"]["native"]["tokens"] == sum(lengths)
     assert "skipped" in report["results"]["transformers"]
+
+
+def test_e2e_bench_trains_the_long_tailed_workload_on_cpu():
+    """scripts/bench/e2e.py --lengths long_tail (world size 1, tiny preset): the dataset's per-row caps reach
+    the rollout, so the trainer counts exactly the workload's real tokens (prompts + drawn lengths x n)."""
+    prompts, n, prompt_len, max_len = 8, 2, 16, 24
+    cmd = [sys.executable, "scripts/bench/e2e.py", "--preset", "tiny", "--cluster", "cpu", "--prompts", "8"]
+    cmd += ["--n", "2", "--prompt-len", "16", "--response-len", "24", "--lengths", "long_tail", "--seed", "5"]
+    cmd += ["--steps", "2", "--micro-batch", "4", "--max-tokens", "0", "--max-num-seqs", "16"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    lengths = response_lengths("long_tail", prompts, max_len, seed=5)
+    assert report["lengths"]["kind"] == "long_tail" and report["lengths"]["total"] == sum(lengths)
+    ours = report["ours"]
+    assert "error" not in ours, ours.get("error")
+    real = prompts * n * prompt_len + n * sum(lengths)
+    assert ours["tokens"] == real and ours["tokens_trained"] == real, ours
+    assert abs(ours["response_length_mean"] - sum(lengths) / prompts) < 1e-6
