@@ -174,20 +174,12 @@ def _refuse_unsupported_with_split(cfg: TrainConfig) -> None:
             "set algorithm.dynamic_sampling=false",
         ),
         ("trainer.test_freq", cfg.trainer.test_freq, cfg.trainer.test_freq != 0, "set trainer.test_freq=0"),
+        (
+            "rollout.multi_turn.enable",
+            cfg.rollout.multi_turn.enable,
+            cfg.rollout.multi_turn.enable,
+            "set rollout.multi_turn.enable=false",
+        ),
     ):
         if on:
             fail(key, value, f"is not supported {split} yet", f"{fix}, or placement.mode=colocated")
-
-
-def refuse_split_run(cfg: TrainConfig) -> None:
-    """The entry points' gate while split placement's training loop is not built: its configuration validates
-    (above) and its weight transfer exists (`parallel/split_transfer.py`), but a run would not place the
-    ranks, so it is refused by key instead of failing at start-up."""
-    if cfg.placement.mode == "split":
-        fail(
-            "placement.mode",
-            "split",
-            "the split training loop (rollout ranks generating beside the trainers) is not built yet; only its "
-            "configuration and weight transfer are",
-            "use placement.mode=colocated",
-        )
