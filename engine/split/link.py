@@ -35,10 +35,13 @@ class TrainerLink:
 
     def __init__(self, transfer: SplitTransfer, layout: SplitLayout, groups: ProcessGroups, everyone):
         self.transfer, self.layout, self.groups, self.everyone = transfer, layout, groups, everyone
+        self.start_step = 0
+        """The step this run started at (0, or the resumed checkpoint's)."""
 
     def start(self, step: int, loader: PromptLoader) -> None:
         """Tell the rollout ranks serving this replica where the run starts: the step (fresh: 0, resumed: the
         checkpoint's) and this replica's prompt-loader position. Sent by the replica's first rank."""
+        self.start_step = step
         d, layout = self.groups.dp_rank, self.layout
         if layout.replica_ranks(d)[0] != self.groups.rank:
             return
@@ -50,9 +53,14 @@ class TrainerLink:
         """Send the current weights, then wait for this replica's responses (`timing/weight_transfer`,
         `timing/wait_rollout`); the loader takes the rollout side's position after this batch. Returns the
         responses and the rollout side's metrics of the step (`timing/gen`, `timing/reward`,
-        `timing/wait_train`, `rollout_engine/*`)."""
-        with ctx.timer.phase("weight_transfer"):
-            self.transfer.send()
+        `timing/wait_train`, `rollout_engine/*`).
+
+        One step off policy (trainer.off_policy_steps=1) the responses arriving were generated with the
+        previous step's weights (engine/split/worker.py `run`), and the last step sends none."""
+        t = ctx.c.cfg.trainer
+        if not t.off_policy_steps or ctx.step == self.start_step or ctx.step < t.total_steps - 1:
+            with ctx.timer.phase("weight_transfer"):
+                self.transfer.send()
         with ctx.timer.phase("wait_rollout"):
             parts = [
                 recv_object(src, self.everyone) for src in self.layout.serving_ranks(self.groups.dp_rank)

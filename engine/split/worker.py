@@ -17,7 +17,7 @@ position (`TrainerLink.start`), so a resumed run regenerates the batch that was 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from engine.split.link import recv_object, send_object
 from engine.step.context import merge_engine_stats
 from engine.step.reward import responses_of
 from engine.step.rollout import rollout_replica, rollout_seed, sampling_params, share_bounds
+from parallel.rollout_weights import RolloutWeights
 from parallel.split_plan import SplitLayout
 from parallel.split_transfer import SplitTransfer
 
@@ -61,7 +62,12 @@ class RolloutWorker:
     """The receiving end of the weight transfer (set once every rank has built its side)."""
     reward_model: None = None
     """Never set: split placement scores with a rule or reward.fn (`responses_of` reads it)."""
-    step_stats: dict[str, float] = field(default_factory=dict)
+    weights: RolloutWeights | None = None
+    """The actor's weights the engine generates with (the latest received)."""
+    weights_step: int = 0
+    """The step at whose start the trainers held `weights`."""
+    wait_train: float = 0.0
+    """Seconds spent receiving weights (waiting for the trainers included) since the last send."""
 
     def _start_step(self) -> int:
         """The step to start at and each served replica's loader position, from its first training rank."""
@@ -75,16 +81,35 @@ class RolloutWorker:
         return steps.pop()
 
     def run(self) -> None:
-        """Serve every step from the start step to trainer.total_steps."""
-        for step in range(self._start_step(), self.cfg.trainer.total_steps):
-            self.serve(step)
+        """Serve every step from the start step to trainer.total_steps.
 
-    def serve(self, step: int) -> None:
-        """One step: receive the weights, generate and score each served replica's batch, send the results."""
+        On-policy (trainer.off_policy_steps=0): per step receive the weights, generate, send. One step off
+        policy: the batch of step k is generated with the weights of step k - 1 while the trainers update on
+        step k - 1's batch, then the weights of step k arrive and the batch goes out (the first step after the
+        start is on-policy; the last step's weights are not sent, nothing would use them)."""
+        start, total = self._start_step(), self.cfg.trainer.total_steps
+        ahead = self.cfg.trainer.off_policy_steps
+        for step in range(start, total):
+            if not ahead or step == start:
+                self._receive(step)
+                ready = self._generate(step)
+            else:
+                ready = self._generate(step)
+                if step < total - 1:
+                    self._receive(step)
+            self._send(step, *ready)
+
+    def _receive(self, step: int) -> None:
+        """The weights the trainers hold at the start of `step`, into the rollout engine."""
         start = time.perf_counter()
-        weights = self.transfer.receive()
-        wait_train = time.perf_counter() - start
-        self.engine.set_weights(weights)
+        self.weights = self.transfer.receive()
+        self.wait_train += time.perf_counter() - start
+        self.engine.set_weights(self.weights)
+        self.weights_step = step
+
+    def _generate(self, step: int) -> tuple[dict, dict[str, float]]:
+        """Generate and score each served share of `step`'s batch with the weights held now: {training
+        replica: (Responses, its loader's position after the batch)} and the rollout side's metrics."""
         timer = PhaseTimer(self.device)
         engine_stats: dict[str, float] = {}
         cfg, eos = self.cfg, self.tokenizer.eos_token_id
@@ -93,8 +118,8 @@ class RolloutWorker:
         for d, loader in self.loaders.items():
             share, shares = self.shares[d]
             batch = loader.next_batch()
-            start, end = share_bounds(len(batch), shares, share)
-            records = batch[start:end]
+            first, end = share_bounds(len(batch), shares, share)
+            records = batch[first:end]
             prompts = [r.prompt_ids for r in records]
             seed = rollout_seed(cfg.trainer.seed, step, 0, d, share)
             params = [sampling_params(cfg, eos, False, seed)]
@@ -103,12 +128,20 @@ class RolloutWorker:
             outs = []
             for sampling in params:
                 with timer.phase("gen"):
-                    outs.append(rollout_replica(self.engine, weights, prompts, sampling))
+                    outs.append(rollout_replica(self.engine, self.weights, prompts, sampling))
                 merge_engine_stats(engine_stats, self.engine.last_stats)
             with timer.phase("reward"):
-                messages[d] = (responses_of(self, records, outs, None), loader.state_dict())
-        side = {**timer.as_metrics(), "timing/wait_train": wait_train, **engine_stats}
-        self.step_stats = side
+                responses = responses_of(self, records, outs, None)
+            if cfg.trainer.off_policy_steps:
+                rows = responses.response_ids.shape[0]
+                responses.staleness = torch.full((rows,), float(step - self.weights_step))
+            messages[d] = (responses, loader.state_dict())
+        return messages, {**timer.as_metrics(), **engine_stats}
+
+    def _send(self, step: int, messages: dict, metrics: dict[str, float]) -> None:
+        """Rollout TP rank 0: each share to its training replica's ranks, with the rollout side's metrics."""
+        side = {**metrics, "timing/wait_train": self.wait_train}
+        self.wait_train = 0.0
         if self.layout.rollout_coords(self.rank)[0] != 0:
             return
         for d, (responses, state) in messages.items():

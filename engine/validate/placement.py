@@ -126,6 +126,14 @@ def validate_placement(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"use a multiple of {rollout_dp}",
         )
     _refuse_unsupported_with_split(cfg)
+    if cfg.trainer.off_policy_steps and cfg.algorithm.tis_cap <= 0:
+        fail(
+            "trainer.off_policy_steps",
+            cfg.trainer.off_policy_steps,
+            "trains on responses of the previous step's weights, which needs the importance correction with "
+            "the rollout's log-probs (algorithm.tis_cap > 0; algorithm.tis_mode=truncate or mask)",
+            "set algorithm.tis_cap (e.g. 2.0), or trainer.off_policy_steps=0",
+        )
 
 
 def _model_widths(cfg: TrainConfig) -> list[tuple[str, int]]:
@@ -159,12 +167,6 @@ def _refuse_unsupported_with_split(cfg: TrainConfig) -> None:
             cfg.rollout.backend,
             cfg.rollout.backend != "native",
             "use rollout.backend=native",
-        ),
-        (
-            "trainer.off_policy_steps",
-            cfg.trainer.off_policy_steps,
-            cfg.trainer.off_policy_steps != 0,
-            "use trainer.off_policy_steps=0",
         ),
         ("reward.model_path", cfg.reward.model_path, bool(cfg.reward.model_path), "use a rule or reward.fn"),
         (

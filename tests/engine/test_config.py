@@ -146,6 +146,17 @@ BAD = [
             "placement.mode=split",
             "placement.rollout_ranks=1",
             "trainer.test_freq=0",
+            "trainer.off_policy_steps=1",
+        ],
+        3,
+        "trainer.off_policy_steps=1: trains on responses of the previous step's weights",
+    ),
+    (["algorithm.tis_mode=clip"], 1, "algorithm.tis_mode='clip'"),
+    (
+        [
+            "placement.mode=split",
+            "placement.rollout_ranks=1",
+            "trainer.test_freq=0",
             "rollout.multi_turn.enable=true",
         ],
         3,
@@ -167,6 +178,8 @@ def test_split_placement_validates_the_training_layout_on_the_training_ranks():
     dims = validate(composed(*base, "placement.rollout_ranks=2", "rollout.tp=2"), world_size=3)
     assert (dims.world_size, dims.tp) == (1, 1)
     assert validate(composed(), world_size=4).world_size == 4  # colocated (the default): every rank trains
+    off_policy = ["trainer.off_policy_steps=1", "algorithm.tis_cap=2", "algorithm.tis_mode=mask"]
+    assert validate(composed(*base, "placement.rollout_ranks=1", *off_policy), world_size=3).dp == 2
 
 
 def test_uneven_pipeline_stages_are_accepted():

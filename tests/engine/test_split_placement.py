@@ -8,7 +8,8 @@ perf/* (wall clock) and rollout_engine/* (the engine's counters depend on how ma
 
 Launches: 3 ranks (2 train + 1 rollout) killed with SIGKILL inside step 3 after step 2's checkpoint, then
 resumed (trainer.resume=auto), against colocated DP=2; 4 ranks (TP=2 train + 2 rollout replicas sharing its
-prompts) against colocated TP=2 with rollout.tp=1 (a micro-DP group of 2).
+prompts) against colocated TP=2 with rollout.tp=1 (a micro-DP group of 2); 3 ranks one step off policy
+(trainer.off_policy_steps=1) for 40 steps of the embedded task.
 """
 
 from __future__ import annotations
@@ -124,6 +125,41 @@ def test_split_tp2_train_2_rollout_replicas_equals_colocated_micro_dp(tmp_path):
     assert sorted(split) == [1, 2]
     for step, row in split.items():
         assert _comparable(row) == _comparable(colocated[step]), step
+
+
+LEARN = [  # tests/engine/learning_script.py's settings for the embedded `target` task at DP=2, seed 2
+    "data.embedded_task=target",
+    "data.embedded_digits=2",
+    "rollout.max_new_tokens=3",
+    "data.batch_size=16",
+    "rollout.n=8",
+    "trainer.micro_batch_size=32",
+    "trainer.max_tokens_per_micro_batch=256",
+    "algorithm.ppo_epochs=2",
+    "algorithm.num_mini_batches=2",
+    "optim.lr=5e-3",
+    "trainer.seed=2",
+    "trainer.total_steps=40",
+    "trainer.save_freq=0",
+]
+
+
+def test_one_step_off_policy_records_staleness_and_learns_the_embedded_task(tmp_path):
+    """3 ranks, trainer.off_policy_steps=1 with TIS: step 1 trains on its own weights' responses, every later
+    step on the previous step's (staleness 1 on every row); the last step sends no weights; the mean reward
+    of the last 10 of 40 steps beats the first 10 by the margin of tests/engine/test_trainer_learning.py."""
+    off_policy = ["placement.mode=split", "placement.rollout_ranks=1", "trainer.off_policy_steps=1"]
+    rows = _train(3, tmp_path / "off", *LEARN, *off_policy, "algorithm.tis_cap=2")
+    assert sorted(rows) == list(range(1, 41))
+    assert [rows[s]["rollout/staleness_max"] for s in (1, 2, 40)] == [0.0, 1.0, 1.0]
+    assert rows[2]["rollout/staleness_mean"] == 1.0
+    # the rollout-vs-training gap: float noise on-policy, the update's change from step 2 on
+    assert abs(rows[1]["actor/rollout_kl"]) < 1e-6 and abs(rows[2]["actor/rollout_kl"]) > 1e-4
+    assert 0 < rows[2]["actor/tis_weight"] <= 2.0
+    assert "timing/weight_transfer" in rows[39] and "timing/weight_transfer" not in rows[40]
+    rewards = [rows[s]["reward/mean"] for s in sorted(rows)]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.02, (first, last)
 
 
 def test_rollout_replicas_serve_training_replicas_whole_or_in_shares():
