@@ -54,7 +54,8 @@ class Components:
     rollout: RolloutEngine | None
     """None under split placement (the rollout ranks generate)."""
     reward_fn: RewardFn | None
-    """Rule/user scores of decoded responses; None when reward.model_path scores alone (combine=model)."""
+    """Rule/user scores of decoded responses; None when reward.model_path scores alone (combine=model) and
+    under split placement (the rollout ranks score)."""
     loader: PromptLoader
     val_batches: list[list[PromptRecord]]
     logger: MetricsLogger
@@ -267,7 +268,8 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
             cfg, actor.chunks, shape, groups, tokenizer.pad_token_id
         )
     reward_fn = None
-    if not reward_model or cfg.reward.combine == "sum":
+    scores_here = cfg.placement.mode != "split"  # split: the rollout ranks score (engine/split/worker.py)
+    if scores_here and (not reward_model or cfg.reward.combine == "sum"):
         reward_fn = build_reward_fn(
             cfg.reward.fn, gsm8k_method=cfg.reward.gsm8k_method, timeout_s=cfg.reward.timeout_s
         )
