@@ -31,10 +31,11 @@ Losses (algorithms/losses.py). Policy loss names: ppo, gspo. Agg modes: LOSS_AGG
     ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm").
     get_policy_loss(name) -> fn; policy_loss_names() -> list[str]
     fn(log_probs_bt, old_log_probs_bt, advantages_bt, mask_bt, *, loss_agg_mode, global_normalizer,
-       clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, rollout_log_probs_bt=None, tis_cap=0.0)
-       -> (loss 0-dim, metrics {"clipfrac", "clipfrac_lower", "approx_kl"[, "tis_weight_mean"]})
+       clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, rollout_log_probs_bt=None, tis_cap=0.0,
+       tis_mode="truncate") -> (loss 0-dim, metrics {"clipfrac", "clipfrac_lower", "approx_kl"[, "tis_weight_mean"]})
        (gspo's defaults are clip_ratio_low=3e-4, clip_ratio_high=4e-4; it ignores clip_ratio_c.)
        tis_cap > 0: each token loss times detached min(exp(old - rollout), tis_cap); needs rollout_log_probs_bt.
+       tis_mode="mask": times exp(old - rollout) where that is <= tis_cap, else 0 (masked IS; TIS_MODES).
     loss_normalizer(mask_bt, loss_agg_mode, max_len=None) -> float: valid tokens (token-mean) or sequences
        with >= 1 valid token (seq-mean-*), times max_len for seq-mean-token-sum-norm (required there: a
        constant such as the rollout's max new tokens). Additive: global = SUM over DP ranks and micro-batches.

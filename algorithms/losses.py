@@ -144,8 +144,10 @@ def _prepare(
     mask_bt: Tensor,
     rollout_log_probs_bt: Tensor | None,
     tis_cap: float,
+    tis_mode: str = "truncate",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-    """Check shapes, zero the padding (so garbage there cannot reach values or gradients), TIS weights."""
+    """Check shapes, zero the padding (so garbage there cannot reach values or gradients), importance weights
+    between the rollout and the old policy: truncated (min(w, cap)) or masked (w where w <= cap, else 0)."""
     mask_bt = check_mask(mask_bt)
     log_probs_bt = _masked(log_probs_bt, "log_probs_bt", mask_bt)
     old_bt = _masked(old_log_probs_bt, "old_log_probs_bt", mask_bt)
@@ -156,11 +158,20 @@ def _prepare(
     if tis_cap > 0:
         if rollout_log_probs_bt is None:
             raise ValueError(f"rollout_log_probs_bt is required when tis_cap={tis_cap!r} > 0")
+        if tis_mode not in TIS_MODES:
+            raise ValueError(f"tis_mode={tis_mode!r} is not one of {TIS_MODES}")
         rollout_bt = _masked(rollout_log_probs_bt, "rollout_log_probs_bt", mask_bt)
         # min(exp(x), cap) == exp(min(x, log cap)), which cannot overflow
-        log_w_bt = (old_bt - rollout_bt).detach().clamp(max=math.log(tis_cap))
-        tis_weights_bt = torch.where(mask_bt, log_w_bt.exp(), 0.0)
+        raw_bt = (old_bt - rollout_bt).detach()
+        log_w_bt = raw_bt.clamp(max=math.log(tis_cap))
+        keep_bt = mask_bt if tis_mode == "truncate" else mask_bt & (raw_bt <= math.log(tis_cap))
+        tis_weights_bt = torch.where(keep_bt, log_w_bt.exp(), 0.0)
     return mask_bt, log_probs_bt, old_bt, advantages_bt, tis_weights_bt
+
+
+TIS_MODES = ("truncate", "mask")
+"""Importance correction between rollout and old policy (tis_cap > 0): `truncate` weights each token loss by
+min(w, cap) (TIS), `mask` by w where w <= cap and drops the tokens above the cap (masked IS)."""
 
 
 def _check_clip(clip_ratio_low: float, clip_ratio_high: float) -> None:
@@ -200,18 +211,20 @@ def ppo_policy_loss(
     clip_ratio_c: float = 3.0,
     rollout_log_probs_bt: Tensor | None = None,
     tis_cap: float = 0.0,
+    tis_mode: str = "truncate",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clip (Schulman et al. 2017) with decoupled ranges (DAPO clip-higher) and dual clip (Ye et al. 2020).
 
     Per token: max(-A r, -A clip(r, 1 - low, 1 + high)); for A < 0 that is further capped at -A * clip_ratio_c.
-    With tis_cap > 0 each token loss is multiplied by the detached weight min(exp(old - rollout), tis_cap).
+    With tis_cap > 0 each token loss is multiplied by the detached weight min(exp(old - rollout), tis_cap)
+    (tis_mode="mask": exp(old - rollout), and 0 where that exceeds tis_cap).
     Metrics: clipfrac, clipfrac_lower (dual clip active), approx_kl (mean old - new log-prob).
     """
     _check_clip(clip_ratio_low, clip_ratio_high)
     if not clip_ratio_c > 1:
         raise ValueError(f"clip_ratio_c={clip_ratio_c!r} must be > 1 (dual-clip lower bound on -A * ratio)")
     mask_bt, log_probs_bt, old_bt, advantages_bt, tis_weights_bt = _prepare(
-        log_probs_bt, old_log_probs_bt, advantages_bt, mask_bt, rollout_log_probs_bt, tis_cap
+        log_probs_bt, old_log_probs_bt, advantages_bt, mask_bt, rollout_log_probs_bt, tis_cap, tis_mode
     )
     log_ratio_bt = (log_probs_bt - old_bt).clamp(-20.0, 20.0)  # keeps exp finite, as verl
     ratio_bt = log_ratio_bt.exp()
@@ -244,6 +257,7 @@ def gspo_policy_loss(
     clip_ratio_c: float = 3.0,
     rollout_log_probs_bt: Tensor | None = None,
     tis_cap: float = 0.0,
+    tis_mode: str = "truncate",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO-token (Zheng et al. 2025): clip the sequence ratio s_i = exp(mean_t(log pi - log pi_old)).
 
@@ -253,7 +267,7 @@ def gspo_policy_loss(
     """
     _check_clip(clip_ratio_low, clip_ratio_high)
     mask_bt, log_probs_bt, old_bt, advantages_bt, tis_weights_bt = _prepare(
-        log_probs_bt, old_log_probs_bt, advantages_bt, mask_bt, rollout_log_probs_bt, tis_cap
+        log_probs_bt, old_log_probs_bt, advantages_bt, mask_bt, rollout_log_probs_bt, tis_cap, tis_mode
     )
     log_ratio_bt = log_probs_bt - old_bt  # zero on padding
     seq_log_ratio_b = log_ratio_bt.sum(-1) / mask_bt.sum(-1).clamp(min=1)  # (batch,) log of geometric mean

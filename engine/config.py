@@ -290,6 +290,8 @@ class AlgorithmConfig:
     """Critic value clipping range (gae; 0 = off)."""
     tis_cap: float = 0.0
     """Truncated importance-sampling cap between rollout and training log-probs (0 = off)."""
+    tis_mode: str = "truncate"
+    """With tis_cap > 0: truncate (TIS: weight min(w, cap)) | mask (weight w, tokens with w > cap dropped)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and refill the batch with more prompts."""
     max_sampling_rounds: int = 4

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from engine.multi_turn.episode import EpisodeRunner
+    from engine.split.link import TrainerLink
 
 EMBEDDED_TRAIN_ROWS = 4096
 EMBEDDED_VAL_ROWS = 64
@@ -48,10 +49,13 @@ class Components:
     shape: ModelShape
     actor: MegatronRole
     reference: MegatronRole | None
-    weight_sync: WeightSync
-    rollout: RolloutEngine
+    weight_sync: WeightSync | None
+    """None under split placement (the weights go to the rollout ranks through `split`)."""
+    rollout: RolloutEngine | None
+    """None under split placement (the rollout ranks generate)."""
     reward_fn: RewardFn | None
-    """Rule/user scores of decoded responses; None when reward.model_path scores alone (combine=model)."""
+    """Rule/user scores of decoded responses; None when reward.model_path scores alone (combine=model) and
+    under split placement (the rollout ranks score)."""
     loader: PromptLoader
     val_batches: list[list[PromptRecord]]
     logger: MetricsLogger
@@ -63,6 +67,8 @@ class Components:
     """The frozen reward model; built only when reward.model_path is set."""
     episodes: EpisodeRunner | None = None
     """Multi-turn episodes with tools (rollout.multi_turn.enable), else None: single-turn rollouts."""
+    split: TrainerLink | None = None
+    """Split placement: the exchange with the rollout ranks (engine/split/link.py), else None."""
 
 
 def _data_files(cfg: TrainConfig, output_dir: str) -> tuple[str, list[str], list[str]]:
@@ -270,11 +276,14 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
     if cfg.reward.model_path:
         reward_model = build_reward_model(cfg, len(tokenizer), groups, tokenizer.pad_token_id)
     _variable_shapes([actor, reference, critic, reward_model and reward_model.role], cfg, dims.pp)
-    weight_sync, rollout = build_weight_sync_and_rollout(
-        cfg, actor.chunks, shape, groups, tokenizer.pad_token_id
-    )
+    weight_sync, rollout = None, None
+    if cfg.placement.mode != "split":  # split: engine/split/run.py connects the rollout ranks
+        weight_sync, rollout = build_weight_sync_and_rollout(
+            cfg, actor.chunks, shape, groups, tokenizer.pad_token_id
+        )
     reward_fn = None
-    if not reward_model or cfg.reward.combine == "sum":
+    scores_here = cfg.placement.mode != "split"  # split: the rollout ranks score (engine/split/worker.py)
+    if scores_here and (not reward_model or cfg.reward.combine == "sum"):
         reward_fn = build_reward_fn(
             cfg.reward.fn, gsm8k_method=cfg.reward.gsm8k_method, timeout_s=cfg.reward.timeout_s
         )

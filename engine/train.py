@@ -26,7 +26,6 @@ from engine.startup import errors_only, kernels_line
 from engine.tools.plot import plot_at_end
 from engine.validate import validate
 from engine.validate.ignored import ignored_key_warnings
-from engine.validate.placement import refuse_split_run
 from parallel.launch import explain_rank_failures, read_launch_env
 from parallel.state import destroy_distributed, init_distributed, world_size_from_env
 
@@ -49,8 +48,12 @@ def main(raw: DictConfig) -> None:
         errors_only()
     cfg = to_dataclass(raw)
     dims = validate(cfg, world_size_from_env())
-    refuse_split_run(cfg)
     warnings = ignored_key_warnings(cfg)
+    if cfg.placement.mode == "split":  # training and rollout ranks: engine/split/run.py
+        from engine.split.run import run_split
+
+        run_split(cfg, dims, warnings, _output_dir)
+        return
     groups = init_distributed(dims, cfg.cluster.device, cfg.cluster.timeout_s, cfg.trainer.seed)
     try:
         from engine.setup import build_components

@@ -136,6 +136,8 @@ class Trainer:
         try:
             checkpointer = Checkpointer(c, stateful={"kl_ctrl": self.kl_ctrl})
             self.step = checkpointer.resume()
+            if c.split is not None:  # the rollout ranks start where the training side does
+                c.split.start(self.step, c.loader)
             c.logger.resume_at(self.step)
             self.ref_offload.offload()
             save_metrics: dict[str, float] = {}  # the save after a step, logged on the next step's line

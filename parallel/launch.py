@@ -362,10 +362,11 @@ _PEER_GONE = (
 _TIMED_OUT = ("timed out", "timeout")
 
 
-def failure_note(message: str, rank: int, world_size: int, timeout_s: float) -> str | None:
-    """What to tell the user when a collective failed with `message`; None if it does not look like one."""
+def failure_note(message: str, rank: int, world_size: int, timeout_s: float, side: str = "") -> str | None:
+    """What to tell the user when a collective failed with `message`; None if it does not look like one.
+    `side` names the rank's part under split placement ("training", "rollout")."""
     text = message.lower()
-    where = f"rank {rank} of {world_size}"
+    where = f"{side + ' ' if side else ''}rank {rank} of {world_size}"
     if any(marker in text for marker in _PEER_GONE):
         return (
             f"{where}: another rank closed its connection, so it most likely exited; the first rank that failed "
@@ -386,7 +387,7 @@ def is_timeout(message: str) -> bool:
 
 
 @contextmanager
-def explain_rank_failures(rank: int, world_size: int, timeout_s: float) -> Iterator[None]:
+def explain_rank_failures(rank: int, world_size: int, timeout_s: float, side: str = "") -> Iterator[None]:
     """Print `failure_note` for an exception that looks like a failed collective, then let it propagate.
 
     The note turns a bare gloo/NCCL error into 'which rank, what probably happened, what to do'. It is printed
@@ -399,7 +400,7 @@ def explain_rank_failures(rank: int, world_size: int, timeout_s: float) -> Itera
     try:
         yield
     except Exception as err:
-        note = failure_note(str(err), rank, world_size, timeout_s) if world_size > 1 else None
+        note = failure_note(str(err), rank, world_size, timeout_s, side) if world_size > 1 else None
         if note and is_timeout(str(err)):
             from parallel.arrival import report_missing_ranks
 

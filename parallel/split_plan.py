@@ -75,6 +75,29 @@ class SplitLayout:
         """The training DP replica that sends to rollout replica `rollout_dp_rank`."""
         return rollout_dp_rank % self.train.dp
 
+    def assignments(self, rollout_dp_rank: int) -> list[tuple[int, int, int]]:
+        """What rollout replica `rollout_dp_rank` generates each step: (training replica d, share, shares) for
+        each prompt share it owns. With at most as many rollout as training replicas, it serves the whole
+        batches of the replicas d with d mod rollout DP == e (share 0 of 1); with more, the replicas e with
+        e mod d_train == d split replica d's prompts in shares, in order of e (as colocated placement's
+        micro-DP group does)."""
+        e, dp = rollout_dp_rank, self.train.dp
+        if self.rollout_dp <= dp:
+            return [(d, 0, 1) for d in range(e, dp, self.rollout_dp)]
+        peers = list(range(e % dp, self.rollout_dp, dp))
+        return [(e % dp, peers.index(e), len(peers))]
+
+    def serving_ranks(self, train_dp_rank: int) -> list[int]:
+        """The rollout ranks that send training replica `train_dp_rank` its responses, in share order: rollout
+        TP rank 0 of each serving replica (every rank of a rollout replica holds the same responses)."""
+        d, dp = train_dp_rank, self.train.dp
+        replicas = [d % self.rollout_dp] if self.rollout_dp <= dp else list(range(d, self.rollout_dp, dp))
+        return [self.rollout_rank(e, 0) for e in replicas]
+
+    def replica_ranks(self, train_dp_rank: int) -> list[int]:
+        """The training ranks (tp x pp) of training replica `train_dp_rank`."""
+        return [r for r in range(self.num_train_ranks) if self.train.coords(r).dp_rank == train_dp_rank]
+
 
 @dataclass(frozen=True)
 class TensorMeta:

@@ -260,3 +260,25 @@ def init_split_distributed(
         timeout=timeout,
     )
     return groups, dist.group.WORLD
+
+
+_BUILT = "built"
+
+
+def join_megatron_world_gathers() -> None:
+    """Split placement, on a rollout rank: take part in the all-gathers that megatron-core makes over the
+    default group (all ranks) while the training ranks build (`get_megatron_optimizer` gathers every rank's
+    param-group keys, for dense and expert parameters, per optimizer); a rollout rank contributes no keys.
+    Returns at the gather of `end_megatron_world_gathers`, so megatron's count of gathers is not assumed."""
+    while True:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, [])
+        if _BUILT in gathered:
+            return
+
+
+def end_megatron_world_gathers() -> None:
+    """Split placement, on a training rank, once every model role is built: release the rollout ranks from
+    `join_megatron_world_gathers` (a collective of all ranks)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, _BUILT)

@@ -181,11 +181,23 @@ def prepare_output_dir(output_dir: str, t: TrainerConfig, say: Callable[[str], N
 def claimed_output_dir(output_dir: str, t: TrainerConfig, groups: ProcessGroups) -> Iterator[None]:
     """Hold the lock on `output_dir` (global rank 0) and check that this run may start there, for the
     duration of the block; collective: every rank raises the same OutputDirError if it may not."""
+    with claimed_output_dir_over(
+        output_dir, t, groups.rank, groups.dims.world_size, groups.world, groups.device
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def claimed_output_dir_over(
+    output_dir: str, t: TrainerConfig, rank: int, world_size: int, group, device
+) -> Iterator[None]:
+    """`claimed_output_dir` with the ranks that learn the decision given as `group` (of `world_size` ranks,
+    global rank 0 among them): split placement's rollout ranks hold no training `ProcessGroups`."""
     import torch.distributed as dist
 
     lock = None
     box: list[str | None] = [None]
-    if groups.rank == 0:
+    if rank == 0:
         try:
             lock = RunLock.acquire(output_dir)
             prepare_output_dir(output_dir, t)
@@ -193,8 +205,8 @@ def claimed_output_dir(output_dir: str, t: TrainerConfig, groups: ProcessGroups)
             box[0] = str(err) if isinstance(err, OutputDirError) else f"{output_dir}: {err!r}"
             if lock is not None:
                 lock.release()
-    if groups.dims.world_size > 1:
-        dist.broadcast_object_list(box, src=0, group=groups.world, device=groups.device)
+    if world_size > 1:
+        dist.broadcast_object_list(box, src=0, group=group, device=device)
     if box[0] is not None:
         raise OutputDirError(box[0])
     try:

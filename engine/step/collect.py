@@ -17,6 +17,8 @@ def collect(ctx: StepContext) -> tuple[Responses, dict[str, float]]:
     """This replica's scored responses for the step and the `dynamic_sampling/*` metrics (none without)."""
     c = ctx.c
     alg, g = c.cfg.algorithm, c.groups
+    if c.split is not None:  # split placement: the rollout ranks generate and score
+        return c.split.collect(ctx)
     if not alg.dynamic_sampling:
         return scored_responses(ctx, c.loader.next_batch(), 0), {}
     selector = GroupSelector(c.cfg.data.batch_size)

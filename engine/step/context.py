@@ -27,8 +27,13 @@ class StepContext:
         """Keep the rollout engine's statistics of one call for the step's metrics (`rollout_engine/<key>`):
         seconds (keys ending in `_s`, e.g. vLLM's `wake_load_s` and `sleep_s`) add up over the step's calls,
         counts are the last call's (native: `decode_steps`, `compactions`, `chunks`, ...)."""
-        for key, value in stats.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                name = f"rollout_engine/{key}"
-                add = key.endswith("_s") and name in self.engine_stats
-                self.engine_stats[name] = float(value) + (self.engine_stats[name] if add else 0.0)
+        merge_engine_stats(self.engine_stats, stats)
+
+
+def merge_engine_stats(into: dict[str, float], stats: dict) -> None:
+    """Add one rollout-engine call's `stats` to `into` as `StepContext.add_engine_stats` describes."""
+    for key, value in stats.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            name = f"rollout_engine/{key}"
+            add = key.endswith("_s") and name in into
+            into[name] = float(value) + (into[name] if add else 0.0)

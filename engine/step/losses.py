@@ -38,9 +38,11 @@ CRITIC_METRICS = ("vf_loss", "vf_clipfrac", "vpred_mean")
 ACTOR_FIRST_MINI_BATCH_METRICS = ("rollout_kl",)
 
 
-def actor_metric_names(rollout_log_probs: bool) -> tuple[str, ...]:
-    """ACTOR_METRICS, less rollout_kl when the step has no rollout log-probs (rollout.log_probs=false)."""
-    return ACTOR_METRICS if rollout_log_probs else tuple(n for n in ACTOR_METRICS if n != "rollout_kl")
+def actor_metric_names(rollout_log_probs: bool, tis: bool = False) -> tuple[str, ...]:
+    """ACTOR_METRICS, less rollout_kl when the step has no rollout log-probs (rollout.log_probs=false), plus
+    tis_weight (the mean importance weight) with algorithm.tis_cap > 0."""
+    names = ACTOR_METRICS if rollout_log_probs else tuple(n for n in ACTOR_METRICS if n != "rollout_kl")
+    return (*names, "tis_weight") if tis else names
 
 
 def log_prob_fn(stats: ResponseStats, mb: dict):
@@ -74,6 +76,7 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, kl_ref: bool, rollo
             clip_ratio_high=alg.clip_ratio_high,
             rollout_log_probs_bt=mb.get("rollout_log_probs") if alg.tis_cap > 0 else None,
             tis_cap=alg.tis_cap,
+            tis_mode=alg.tis_mode,
             **clip,
         )
         loss = pg_loss
@@ -101,6 +104,8 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, kl_ref: bool, rollo
         }
         if rollout_log_probs:  # k1 KL(rollout || training forward)
             metrics["rollout_kl"] = ((mb["rollout_log_probs"] - logp.detach()) * mask).sum()
+        if alg.tis_cap > 0:
+            metrics["tis_weight"] = m["tis_weight_mean"] * tokens
         return loss, metrics
 
     return loss_fn

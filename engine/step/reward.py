@@ -67,17 +67,26 @@ def score(
 def scored_responses(ctx: StepContext, records, round_index: int) -> Responses:
     """Roll out and score one batch of prompts (with the greedy baseline when the estimator needs one)."""
     c = ctx.c
-    n = c.cfg.rollout.n
     greedy = advantage_traits(c.cfg.algorithm.adv_estimator).needs_greedy_baseline
     outs = rollout(ctx, records, ("sample", "greedy") if greedy else ("sample",), round_index)
     with ctx.timer.phase("reward"):
-        scores, penalty, extras = score(c, outs[0], records, n, ctx.batcher)
-        baseline = None
-        if greedy:
-            greedy_scores, greedy_penalty, _ = score(c, outs[1], records, 1, ctx.batcher)
-            if greedy_penalty is not None:
-                greedy_scores = greedy_scores + greedy_penalty
-            baseline = greedy_scores.repeat_interleave(n)
+        return responses_of(c, records, outs, ctx.batcher)
+
+
+def responses_of(
+    c: Components, records, outs: list[RolloutOutput], batcher: MicroBatcher | None
+) -> Responses:
+    """The scored `Responses` of one batch: `outs` are its "sample" rollout and, when the estimator needs a
+    greedy baseline, its "greedy" one. `c` needs cfg, tokenizer, reward_fn and reward_model (the rollout
+    ranks of split placement pass their worker)."""
+    n = c.cfg.rollout.n
+    scores, penalty, extras = score(c, outs[0], records, n, batcher)
+    baseline = None
+    if len(outs) > 1:
+        greedy_scores, greedy_penalty, _ = score(c, outs[1], records, 1, batcher)
+        if greedy_penalty is not None:
+            greedy_scores = greedy_scores + greedy_penalty
+        baseline = greedy_scores.repeat_interleave(n)
     out = outs[0]
     return Responses(
         records=list(records),

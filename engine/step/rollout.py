@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from engine.multi_turn.episode import EpisodeRunner
 
 
-def _share_bounds(num: int, parts: int, index: int) -> tuple[int, int]:
+def share_bounds(num: int, parts: int, index: int) -> tuple[int, int]:
     base, extra = divmod(num, parts)
     start = index * base + min(index, extra)
     return start, start + base + (1 if index < extra else 0)
@@ -44,7 +44,7 @@ def rollout_replica(
 
     With `episodes` (rollout.multi_turn.enable) each response is a multi-turn episode with tool calls
     (engine/multi_turn/episode.py), `tool_names[p]` naming the tools prompt p may call."""
-    start, end = _share_bounds(len(prompts), weights.micro_dp_size, weights.micro_dp_rank)
+    start, end = share_bounds(len(prompts), weights.micro_dp_size, weights.micro_dp_rank)
     share = prompts[start:end]
     sampling = share_sampling(sampling, start, end)
     if share and episodes is not None:

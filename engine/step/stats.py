@@ -49,6 +49,9 @@ def rollout_metrics(exp: Experience, groups: ProcessGroups, rollout_log_probs: b
     out["response_length/clip_ratio"] = dp_stats(1.0 - exp.tensors["finished"], groups)[0]
     if "overlong_penalty" in exp.tensors:
         out["reward/overlong_penalty_mean"] = dp_stats(exp.tensors["overlong_penalty"], groups)[0]
+    if "staleness" in exp.tensors:  # split placement: how far behind the update its rows were generated
+        mean, _, _, hi = dp_stats(exp.tensors["staleness"], groups)
+        out.update({"rollout/staleness_mean": mean, "rollout/staleness_max": hi})
     if rollout_log_probs:
         mask = exp.response_mask.bool()
         out["rollout/logprob_mean"] = dp_stats(exp.tensors["rollout_log_probs"][mask], groups)[0]

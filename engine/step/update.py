@@ -164,7 +164,7 @@ def update_actor(
         exp,
         alg=alg,
         make_loss=lambda norm: make_actor_loss(alg, norm, kl_ref, rollout_log_probs),
-        metric_names=actor_metric_names(rollout_log_probs),
+        metric_names=actor_metric_names(rollout_log_probs, alg.tis_cap > 0),
         keys=tuple(keys),
         batcher=ctx.batcher,
         max_len=c.cfg.rollout.max_new_tokens,

@@ -154,6 +154,18 @@ def _train_config(overrides: list[str]):
         raise ValueError(f"reward_check: {exc}") from None
 
 
+def _as_colocated(cfg):
+    """The reward check generates on its own ranks: a split-placement config runs colocated (the same rollout
+    and reward; placement only decides which ranks would generate in training)."""
+    from dataclasses import replace
+
+    if cfg.placement.mode != "split":
+        return cfg
+    print("reward_check: placement.mode=split is checked colocated on this launch's ranks", flush=True)
+    placement = replace(cfg.placement, mode="colocated", rollout_ranks=0, critic_ranks=0)
+    return replace(cfg, placement=placement, trainer=replace(cfg.trainer, off_policy_steps=0))
+
+
 def generate_and_score(settings: dict, overrides: list[str]) -> int:
     """Build the configured actor and rollout engine, generate `num_samples` responses per prompt, score them."""
     import tempfile
@@ -165,12 +177,10 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
     from engine.step.reward import decode_responses
     from engine.step.rollout import rollout_replica
     from engine.validate import validate
-    from engine.validate.placement import refuse_split_run
     from parallel.state import destroy_distributed, init_distributed, world_size_from_env
 
-    cfg = _train_config(overrides)
+    cfg = _as_colocated(_train_config(overrides))
     dims = validate(cfg, world_size_from_env())
-    refuse_split_run(cfg)
     groups = init_distributed(dims, cfg.cluster.device, cfg.cluster.timeout_s, cfg.trainer.seed)
     try:
         with tempfile.TemporaryDirectory(prefix="reward_check-") as scratch:

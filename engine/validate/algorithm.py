@@ -7,7 +7,7 @@ import os
 
 from algorithms.advantages import advantage_estimator_names, advantage_traits
 from algorithms.kl import KL_CONTROLLERS, KL_CONTROLLERS_WITH_TARGET, kl_estimator_names
-from algorithms.losses import LOSS_AGG_MODES, policy_loss_names
+from algorithms.losses import LOSS_AGG_MODES, TIS_MODES, policy_loss_names
 from engine.config import TrainConfig
 from engine.validate.model import validate_checkpoint_positions
 from engine.validate.rules import fail, one_of, positive
@@ -47,6 +47,7 @@ def validate_algorithm(cfg: TrainConfig) -> None:
     ):
         if value < 0:
             fail(key, value, "must be >= 0", f"set {key}=0 to turn it off")
+    one_of("algorithm.tis_mode", a.tis_mode, TIS_MODES)
     positive("algorithm.ppo_epochs", a.ppo_epochs)
     positive("algorithm.num_mini_batches", a.num_mini_batches)
     positive("algorithm.max_sampling_rounds", a.max_sampling_rounds)

@@ -126,6 +126,14 @@ def validate_placement(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"use a multiple of {rollout_dp}",
         )
     _refuse_unsupported_with_split(cfg)
+    if cfg.trainer.off_policy_steps and cfg.algorithm.tis_cap <= 0:
+        fail(
+            "trainer.off_policy_steps",
+            cfg.trainer.off_policy_steps,
+            "trains on responses of the previous step's weights, which needs the importance correction with "
+            "the rollout's log-probs (algorithm.tis_cap > 0; algorithm.tis_mode=truncate or mask)",
+            "set algorithm.tis_cap (e.g. 2.0), or trainer.off_policy_steps=0",
+        )
 
 
 def _model_widths(cfg: TrainConfig) -> list[tuple[str, int]]:
@@ -160,12 +168,6 @@ def _refuse_unsupported_with_split(cfg: TrainConfig) -> None:
             cfg.rollout.backend != "native",
             "use rollout.backend=native",
         ),
-        (
-            "trainer.off_policy_steps",
-            cfg.trainer.off_policy_steps,
-            cfg.trainer.off_policy_steps != 0,
-            "use trainer.off_policy_steps=0",
-        ),
         ("reward.model_path", cfg.reward.model_path, bool(cfg.reward.model_path), "use a rule or reward.fn"),
         (
             "algorithm.dynamic_sampling",
@@ -174,20 +176,12 @@ def _refuse_unsupported_with_split(cfg: TrainConfig) -> None:
             "set algorithm.dynamic_sampling=false",
         ),
         ("trainer.test_freq", cfg.trainer.test_freq, cfg.trainer.test_freq != 0, "set trainer.test_freq=0"),
+        (
+            "rollout.multi_turn.enable",
+            cfg.rollout.multi_turn.enable,
+            cfg.rollout.multi_turn.enable,
+            "set rollout.multi_turn.enable=false",
+        ),
     ):
         if on:
             fail(key, value, f"is not supported {split} yet", f"{fix}, or placement.mode=colocated")
-
-
-def refuse_split_run(cfg: TrainConfig) -> None:
-    """The entry points' gate while split placement's training loop is not built: its configuration validates
-    (above) and its weight transfer exists (`parallel/split_transfer.py`), but a run would not place the
-    ranks, so it is refused by key instead of failing at start-up."""
-    if cfg.placement.mode == "split":
-        fail(
-            "placement.mode",
-            "split",
-            "the split training loop (rollout ranks generating beside the trainers) is not built yet; only its "
-            "configuration and weight transfer are",
-            "use placement.mode=colocated",
-        )

@@ -137,6 +137,31 @@ def test_truncated_importance_sampling_hand_example():
         assert rollout.grad is None  # the weight is detached
 
 
+def test_masked_importance_sampling_drops_tokens_above_the_cap():
+    """tis_mode=mask: weight w = exp(old - rollout) where w <= cap, 0 above it (the TIS example above)."""
+    log_probs = t([[0.0, 0.0, GARBAGE]]).requires_grad_()
+    old = t([[0.0, 0.0, GARBAGE]])
+    rollout = t([[-math.log(3.0), math.log(2.0), -GARBAGE]])  # w = 3 (above the cap 2), 0.5
+    adv = t([[1.0, 1.0, GARBAGE]])
+    mask = torch.tensor([[1, 1, 0]])
+    for name in policy_loss_names():
+        log_probs.grad = None
+        loss, metrics = get_policy_loss(name)(
+            log_probs, old, adv, mask, loss_agg_mode="token-mean", global_normalizer=2.0,
+            rollout_log_probs_bt=rollout, tis_cap=2.0, tis_mode="mask",
+        )  # fmt: skip
+        # weights 0 (masked) and 0.5; ratio 1 -> losses 0, -0.5; token-mean -0.25
+        assert loss.item() == pytest.approx(-0.25, abs=1e-12), name
+        assert metrics["tis_weight_mean"].item() == pytest.approx(0.25), name
+        loss.backward()
+        torch.testing.assert_close(log_probs.grad, t([[0.0, -0.25, 0.0]]), atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="tis_mode='clip' is not one of"):
+        get_policy_loss("ppo")(
+            log_probs, old, adv, mask, loss_agg_mode="token-mean", global_normalizer=2.0,
+            rollout_log_probs_bt=rollout, tis_cap=2.0, tis_mode="clip",
+        )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------------------
 # invariants
 

@@ -141,6 +141,27 @@ BAD = [
         2,
         "trainer.test_freq=5: is not supported with placement.mode=split",
     ),
+    (
+        [
+            "placement.mode=split",
+            "placement.rollout_ranks=1",
+            "trainer.test_freq=0",
+            "trainer.off_policy_steps=1",
+        ],
+        3,
+        "trainer.off_policy_steps=1: trains on responses of the previous step's weights",
+    ),
+    (["algorithm.tis_mode=clip"], 1, "algorithm.tis_mode='clip'"),
+    (
+        [
+            "placement.mode=split",
+            "placement.rollout_ranks=1",
+            "trainer.test_freq=0",
+            "rollout.multi_turn.enable=true",
+        ],
+        3,
+        "rollout.multi_turn.enable=True: is not supported with placement.mode=split",
+    ),
 ]
 
 
@@ -157,18 +178,8 @@ def test_split_placement_validates_the_training_layout_on_the_training_ranks():
     dims = validate(composed(*base, "placement.rollout_ranks=2", "rollout.tp=2"), world_size=3)
     assert (dims.world_size, dims.tp) == (1, 1)
     assert validate(composed(), world_size=4).world_size == 4  # colocated (the default): every rank trains
-
-
-def test_entry_points_refuse_a_split_run_by_key():
-    """Split placement validates, but its training loop is not built: engine.train and the reward check refuse
-    it with a message naming placement.mode (not a start-up crash on a rank-count mismatch)."""
-    from engine.validate.placement import refuse_split_run
-
-    cfg = composed("placement.mode=split", "placement.rollout_ranks=1", "trainer.test_freq=0")
-    validate(cfg, world_size=3)
-    with pytest.raises(ConfigError, match="placement.mode='split': the split training loop"):
-        refuse_split_run(cfg)
-    refuse_split_run(composed())
+    off_policy = ["trainer.off_policy_steps=1", "algorithm.tis_cap=2", "algorithm.tis_mode=mask"]
+    assert validate(composed(*base, "placement.rollout_ranks=1", *off_policy), world_size=3).dp == 2
 
 
 def test_uneven_pipeline_stages_are_accepted():

@@ -202,6 +202,14 @@ def test_failure_note(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_failure_note_names_the_side_of_a_split_run(capsys):
+    """placement.mode=split: the note says whether the failing rank trains or generates."""
+    with pytest.raises(RuntimeError), explain_rank_failures(2, 3, 600, "rollout"):
+        raise RuntimeError(GLOO_RESET)
+    assert capsys.readouterr().err.startswith("rollout rank 2 of 3: another rank closed its connection")
+    assert failure_note(GLOO_TIMEOUT, 0, 3, 3.0, "training").startswith("training rank 0 of 3: a collective")
+
+
 def test_cluster_slurm_preset_and_timeout_check():
     from hydra import compose, initialize_config_dir
 

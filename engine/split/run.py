@@ -1,0 +1,95 @@
+"""Start-up of a split-placement run (`python -m engine.train placement.mode=split ...`): the distributed state
+over all ranks, the output directory claimed for all of them, then a training rank builds `Components` with a
+`TrainerLink` (no rollout engine, no hybrid engine) and runs the `Trainer`; a rollout rank builds a
+`RolloutWorker` and serves the steps. Both sides construct the weight transfer together (a collective)."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from engine.checkpoint.run_dir import claimed_output_dir_over
+from engine.config import TrainConfig
+from engine.metrics import run_header
+from engine.startup import kernels_line
+from engine.tools.plot import plot_at_end
+from parallel.dims import ParallelDims
+from parallel.launch import explain_rank_failures
+from parallel.rollout_weights import global_param_names
+from parallel.split_plan import SplitLayout
+from parallel.split_transfer import SplitTransfer
+from parallel.state import (
+    destroy_distributed,
+    end_megatron_world_gathers,
+    init_split_distributed,
+    join_megatron_world_gathers,
+    world_size_from_env,
+)
+
+
+def run_split(
+    cfg: TrainConfig, dims: ParallelDims, warnings: list[str], output_dir_of: Callable[[str], str]
+) -> None:
+    """Run the job on this rank (training or rollout, by rank); `dims` is the validated training layout,
+    `output_dir_of` decides trainer.output_dir for all ranks (a collective)."""
+    world_size = world_size_from_env()
+    c = cfg.cluster
+    groups, everyone = init_split_distributed(dims, world_size, c.device, c.timeout_s, cfg.trainer.seed)
+    try:
+        rank = dist.get_rank()
+        layout = SplitLayout(dims.train_layout(), cfg.rollout.tp, cfg.placement.rollout_ranks)
+        device = groups.device if groups is not None else _rollout_device(c.device)
+        side = "training" if groups is not None else "rollout"
+        with explain_rank_failures(rank, world_size, c.timeout_s, side):
+            output_dir = output_dir_of(cfg.trainer.output_dir)
+            with claimed_output_dir_over(output_dir, cfg.trainer, rank, world_size, everyone, device):
+                if rank == 0:
+                    print(run_header(cfg, dims, output_dir, warnings), flush=True)
+                    print(
+                        f"placement: split, ranks 0-{dims.world_size - 1} train, ranks {dims.world_size}-"
+                        f"{world_size - 1} generate (rollout.tp={layout.rollout_tp} x DP {layout.rollout_dp})",
+                        flush=True,
+                    )
+                    print(kernels_line(device.type), flush=True)
+                if groups is None:
+                    _serve(cfg, layout, rank, everyone, device, output_dir)
+                else:
+                    _train(cfg, layout, groups, everyone, output_dir)
+    finally:
+        destroy_distributed()
+
+
+def _rollout_device(device_type: str) -> torch.device:
+    """A rollout rank's device: the GPU `init_split_distributed` selected, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+
+
+def _serve(cfg: TrainConfig, layout: SplitLayout, rank: int, everyone, device, output_dir: str) -> None:
+    from engine.split.worker import build_rollout_worker
+
+    worker = build_rollout_worker(cfg, layout, rank, everyone, device, output_dir)
+    join_megatron_world_gathers()  # while the training ranks build their optimizers
+    timeout = datetime.timedelta(seconds=cfg.cluster.timeout_s)
+    worker.transfer = SplitTransfer(layout, rank, None, worker.tie_embeddings, device, everyone, timeout)
+    worker.run()
+
+
+def _train(cfg: TrainConfig, layout: SplitLayout, groups, everyone, output_dir: str) -> None:
+    from engine.setup import build_components
+    from engine.split.link import TrainerLink
+    from engine.trainer import Trainer
+
+    c = build_components(cfg, groups, output_dir)
+    end_megatron_world_gathers()
+    layers = groups.dims.train_layout().layers(groups.pp_rank, c.shape.num_layers)
+    local = global_param_names(c.actor.chunks, layers)
+    transfer = SplitTransfer(
+        layout, groups.rank, local, c.shape.tie_embeddings, groups.device, everyone, groups.timeout
+    )
+    c.split = TrainerLink(transfer, layout, groups, everyone)
+    Trainer(c).fit()
+    if cfg.trainer.plot and groups.is_logging_rank:
+        print(plot_at_end(output_dir), flush=True)

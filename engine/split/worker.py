@@ -1,0 +1,196 @@
+"""A rollout rank of split placement: tokenizer, prompt data, rollout engine, reward function and the
+receiving end of the weight transfer; no model role, optimizer or training group.
+
+Rollout replica e generates its prompt shares (`SplitLayout.assignments`: whole batches of the training
+replicas d with d mod rollout DP == e, or with more rollout than training replicas share k of replica
+e mod d_train's batch) exactly as colocated placement generates share k of replica d in a micro-DP group of
+that many shares: a `PromptLoader` with dp_rank=d, the same share of its batch, the seed
+`rollout_seed(seed, step, 0, d, k)`, the same scoring (`responses_of`). Its rollout TP rank 0 sends each
+share's `Responses` (with the loader's position after the batch and the step's rollout-side metrics) to
+replica d's tp x pp ranks, which concatenate the shares in order.
+
+Checkpoints: a rollout rank writes none. Its state is the training side's: the weights arrive every step,
+seeds follow from the step, and at start each training replica's first rank sends the step and its loader
+position (`TrainerLink.start`), so a resumed run regenerates the batch that was in flight at the kill.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from algorithms.advantages import advantage_traits
+from engine.config import TrainConfig
+from engine.data import PromptLoader, load_prompt_dataset, load_tokenizer
+from engine.metrics import PhaseTimer
+from engine.rewards.build import build_reward_fn
+from engine.rewards.reward_fn import RewardFn
+from engine.rollout import build_rollout_engine
+from engine.rollout.base import RolloutEngine
+from engine.setup import _data_files, model_shape
+from engine.split.link import recv_object, send_object
+from engine.step.context import merge_engine_stats
+from engine.step.reward import responses_of
+from engine.step.rollout import rollout_replica, rollout_seed, sampling_params, share_bounds
+from parallel.rollout_weights import RolloutWeights
+from parallel.split_plan import SplitLayout
+from parallel.split_transfer import SplitTransfer
+
+
+@dataclass
+class RolloutWorker:
+    """The rollout rank's loop (`run`); built by `build_rollout_worker`."""
+
+    cfg: TrainConfig
+    tokenizer: object
+    reward_fn: RewardFn
+    engine: RolloutEngine
+    layout: SplitLayout
+    rank: int
+    everyone: dist.ProcessGroup
+    device: torch.device
+    loaders: dict[int, PromptLoader]
+    """One prompt loader per training replica this rank serves, by training dp_rank."""
+    shares: dict[int, tuple[int, int]]
+    """(share, shares) of each served training replica's prompts that this rank generates."""
+    tie_embeddings: bool
+    """Whether the model ties its output layer to the embedding (the weight transfer sends one copy)."""
+    transfer: SplitTransfer | None = None
+    """The receiving end of the weight transfer (set once every rank has built its side)."""
+    reward_model: None = None
+    """Never set: split placement scores with a rule or reward.fn (`responses_of` reads it)."""
+    weights: RolloutWeights | None = None
+    """The actor's weights the engine generates with (the latest received)."""
+    weights_step: int = 0
+    """The step at whose start the trainers held `weights`."""
+    wait_train: float = 0.0
+    """Seconds spent receiving weights (waiting for the trainers included) since the last send."""
+
+    def _start_step(self) -> int:
+        """The step to start at and each served replica's loader position, from its first training rank."""
+        steps = set()
+        for d, loader in self.loaders.items():
+            step, state = recv_object(self.layout.replica_ranks(d)[0], self.everyone)
+            loader.load_state_dict(state)
+            steps.add(step)
+        if len(steps) != 1:
+            raise RuntimeError(f"the training replicas start at different steps {sorted(steps)}")
+        return steps.pop()
+
+    def run(self) -> None:
+        """Serve every step from the start step to trainer.total_steps.
+
+        On-policy (trainer.off_policy_steps=0): per step receive the weights, generate, send. One step off
+        policy: the batch of step k is generated with the weights of step k - 1 while the trainers update on
+        step k - 1's batch, then the weights of step k arrive and the batch goes out (the first step after the
+        start is on-policy; the last step's weights are not sent, nothing would use them)."""
+        start, total = self._start_step(), self.cfg.trainer.total_steps
+        ahead = self.cfg.trainer.off_policy_steps
+        for step in range(start, total):
+            if not ahead or step == start:
+                self._receive(step)
+                ready = self._generate(step)
+            else:
+                ready = self._generate(step)
+                if step < total - 1:
+                    self._receive(step)
+            self._send(step, *ready)
+
+    def _receive(self, step: int) -> None:
+        """The weights the trainers hold at the start of `step`, into the rollout engine."""
+        start = time.perf_counter()
+        self.weights = self.transfer.receive()
+        self.wait_train += time.perf_counter() - start
+        self.engine.set_weights(self.weights)
+        self.weights_step = step
+
+    def _generate(self, step: int) -> tuple[dict, dict[str, float]]:
+        """Generate and score each served share of `step`'s batch with the weights held now: {training
+        replica: (Responses, its loader's position after the batch)} and the rollout side's metrics."""
+        timer = PhaseTimer(self.device)
+        engine_stats: dict[str, float] = {}
+        cfg, eos = self.cfg, self.tokenizer.eos_token_id
+        greedy = advantage_traits(cfg.algorithm.adv_estimator).needs_greedy_baseline
+        messages = {}
+        for d, loader in self.loaders.items():
+            share, shares = self.shares[d]
+            batch = loader.next_batch()
+            first, end = share_bounds(len(batch), shares, share)
+            records = batch[first:end]
+            prompts = [r.prompt_ids for r in records]
+            seed = rollout_seed(cfg.trainer.seed, step, 0, d, share)
+            params = [sampling_params(cfg, eos, False, seed)]
+            if greedy:
+                params.append(sampling_params(cfg, eos, True, seed, temperature=0.0))
+            outs = []
+            for sampling in params:
+                with timer.phase("gen"):
+                    outs.append(rollout_replica(self.engine, self.weights, prompts, sampling))
+                merge_engine_stats(engine_stats, self.engine.last_stats)
+            with timer.phase("reward"):
+                responses = responses_of(self, records, outs, None)
+            if cfg.trainer.off_policy_steps:
+                rows = responses.response_ids.shape[0]
+                responses.staleness = torch.full((rows,), float(step - self.weights_step))
+            messages[d] = (responses, loader.state_dict())
+        return messages, {**timer.as_metrics(), **engine_stats}
+
+    def _send(self, step: int, messages: dict, metrics: dict[str, float]) -> None:
+        """Rollout TP rank 0: each share to its training replica's ranks, with the rollout side's metrics."""
+        side = {**metrics, "timing/wait_train": self.wait_train}
+        self.wait_train = 0.0
+        if self.layout.rollout_coords(self.rank)[0] != 0:
+            return
+        for d, (responses, state) in messages.items():
+            for dst in self.layout.replica_ranks(d):
+                send_object((responses, state, side), dst, self.everyone)
+
+
+def build_rollout_worker(
+    cfg: TrainConfig, layout: SplitLayout, rank: int, everyone, device: torch.device, output_dir: str
+) -> RolloutWorker:
+    """Everything a rollout rank needs except the weight transfer (constructed after, on every rank)."""
+    tok_dir, train_files, _ = _data_files(cfg, output_dir)
+    tokenizer = load_tokenizer(
+        tok_dir, key="model.path" if tok_dir == cfg.model.path else "model.tokenizer_path"
+    )
+    records, _ = load_prompt_dataset(train_files, tokenizer, cfg.data.max_prompt_len, cfg.data.bad_rows)
+    train = layout.train
+    shape = model_shape(cfg.model, len(tokenizer), train.tp)
+    engine = build_rollout_engine(
+        cfg.rollout, shape, device, tokenizer.pad_token_id, model_dir=cfg.model.path, seed=cfg.trainer.seed
+    )
+    reward_fn = build_reward_fn(
+        cfg.reward.fn, gsm8k_method=cfg.reward.gsm8k_method, timeout_s=cfg.reward.timeout_s
+    )
+    reward_fn.check_data_sources([r.data_source for r in records])
+    _, e = layout.rollout_coords(rank)
+    shares = {d: (share, num) for d, share, num in layout.assignments(e)}
+    loaders = {
+        d: PromptLoader(
+            records,
+            cfg.data.batch_size,
+            cfg.trainer.seed,
+            d,
+            train.dp,
+            cfg.data.shuffle,
+            num_mini_batches=cfg.algorithm.num_mini_batches,
+        )
+        for d in shares
+    }
+    return RolloutWorker(
+        cfg,
+        tokenizer,
+        reward_fn,
+        engine,
+        layout,
+        rank,
+        everyone,
+        device,
+        loaders,
+        shares,
+        shape.tie_embeddings,
+    )

@@ -1,0 +1,173 @@
+"""Split placement (`placement.mode=split`) end to end on CPU/gloo: `python -m engine.train` under torchrun with
+training ranks and rollout ranks, against colocated runs of the same job.
+
+Bit-exact (compared with ==) on every non-timing metric (rewards, losses, grad norms, KL, entropy): split with
+trainer.off_policy_steps=0 equals colocated, because each rollout replica generates a training replica's
+prompts (or its share of them) with the colocated path's loader, seeds and scoring. Excluded: timing/*,
+perf/* (wall clock) and rollout_engine/* (the engine's counters depend on how many prompts one call holds).
+
+Launches: 3 ranks (2 train + 1 rollout) killed with SIGKILL inside step 3 after step 2's checkpoint, then
+resumed (trainer.resume=auto), against colocated DP=2; 4 ranks (TP=2 train + 2 rollout replicas sharing its
+prompts) against colocated TP=2 with rollout.tp=1 (a micro-DP group of 2); 3 ranks one step off policy
+(trainer.off_policy_steps=1) for 40 steps of the embedded task.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from distributed import run_torchrun
+
+from parallel.layout import TrainLayout
+from parallel.split_plan import SplitLayout
+
+REWARD = f"reward.fn={os.path.join(os.path.dirname(__file__), 'stall_reward.py')}:score"
+RUN = [
+    "trainer.total_steps=4",
+    "trainer.test_freq=0",
+    "trainer.progress_bar=false",
+    "trainer.loggers=[jsonl]",
+    "trainer.plot=false",
+    "trainer.save_freq=2",
+    "data.batch_size=4",
+    "rollout.n=4",
+    "trainer.micro_batch_size=4",
+    REWARD,
+]
+SPLIT = ["placement.mode=split"]
+
+
+def _metrics(out) -> dict[int, dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return {row["step"]: row for row in rows}
+
+
+def _comparable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(("timing/", "perf/", "rollout_engine/"))}
+
+
+def _train(nproc: int, out, *overrides: str) -> dict[int, dict]:
+    run_torchrun("-m", nproc, ["engine.train", f"trainer.output_dir={out}", *RUN, *overrides])
+    return _metrics(out)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (torchrun's ranks: each in a session of its own)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def _kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL every rank's process group (the ranks and what they started), then torchrun's."""
+    for pid in _children(proc.pid):
+        try:
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+def _killed_in_step_3(out, *overrides: str) -> None:
+    """A 3-rank split run SIGKILLed (all ranks) while its rollout rank scores step 3, after step 2's save."""
+    stall_at = os.path.join(out, "checkpoints", "global_step_2")
+    env = dict(os.environ, OMP_NUM_THREADS="1", STALL_AFTER_CHECKPOINT=stall_at)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
+    cmd += ["-m", "engine.train", f"trainer.output_dir={out}", *RUN, *overrides]
+    proc = subprocess.Popen(
+        cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(f"{stall_at}.stalled"):
+            assert proc.poll() is None, f"the run ended before stalling:\n{proc.stdout.read()[-6000:]}"
+            assert time.monotonic() < deadline, "no stall within 300 s"
+            time.sleep(0.05)
+    finally:
+        _kill_job(proc)
+
+
+def test_split_3_ranks_equals_colocated_dp2_and_resumes_after_sigkill(tmp_path):
+    colocated = _train(2, tmp_path / "colocated")
+
+    split = ["placement.mode=split", "placement.rollout_ranks=1"]
+    out = tmp_path / "split"
+    _killed_in_step_3(out, *split)
+    assert sorted(_metrics(out)) == [1, 2]  # killed inside step 3
+    rows = _train(3, out, *split, "trainer.resume=auto")
+    assert sorted(rows) == [1, 2, 3, 4]
+    for step, row in rows.items():
+        assert _comparable(row) == _comparable(colocated[step]), step
+        for key in ("timing/weight_transfer", "timing/wait_rollout", "timing/wait_train", "timing/gen"):
+            assert row[key] >= 0, (step, key)
+    assert "actor/grad_norm" in rows[4] and "reward/mean" in rows[4]
+
+
+def test_split_tp2_train_2_rollout_replicas_equals_colocated_micro_dp(tmp_path):
+    """4 ranks: TP=2 trains (DP=1), two rollout replicas generate one half of its prompts each."""
+    short = ["trainer.total_steps=2", "trainer.save_freq=0", "parallel.tp=2", "rollout.tp=1"]
+    colocated = _train(2, tmp_path / "colocated", *short)
+    split = _train(4, tmp_path / "split", *short, "placement.mode=split", "placement.rollout_ranks=2")
+    assert sorted(split) == [1, 2]
+    for step, row in split.items():
+        assert _comparable(row) == _comparable(colocated[step]), step
+
+
+LEARN = [  # tests/engine/learning_script.py's settings for the embedded `target` task at DP=2, seed 2
+    "data.embedded_task=target",
+    "data.embedded_digits=2",
+    "rollout.max_new_tokens=3",
+    "data.batch_size=16",
+    "rollout.n=8",
+    "trainer.micro_batch_size=32",
+    "trainer.max_tokens_per_micro_batch=256",
+    "algorithm.ppo_epochs=2",
+    "algorithm.num_mini_batches=2",
+    "optim.lr=5e-3",
+    "trainer.seed=2",
+    "trainer.total_steps=40",
+    "trainer.save_freq=0",
+]
+
+
+def test_one_step_off_policy_records_staleness_and_learns_the_embedded_task(tmp_path):
+    """3 ranks, trainer.off_policy_steps=1 with TIS: step 1 trains on its own weights' responses, every later
+    step on the previous step's (staleness 1 on every row); the last step sends no weights; the mean reward
+    of the last 10 of 40 steps beats the first 10 by the margin of tests/engine/test_trainer_learning.py."""
+    off_policy = ["placement.mode=split", "placement.rollout_ranks=1", "trainer.off_policy_steps=1"]
+    rows = _train(3, tmp_path / "off", *LEARN, *off_policy, "algorithm.tis_cap=2")
+    assert sorted(rows) == list(range(1, 41))
+    assert [rows[s]["rollout/staleness_max"] for s in (1, 2, 40)] == [0.0, 1.0, 1.0]
+    assert rows[2]["rollout/staleness_mean"] == 1.0
+    # the rollout-vs-training gap: float noise on-policy, the update's change from step 2 on
+    assert abs(rows[1]["actor/rollout_kl"]) < 1e-6 and abs(rows[2]["actor/rollout_kl"]) > 1e-4
+    assert 0 < rows[2]["actor/tis_weight"] <= 2.0
+    assert "timing/weight_transfer" in rows[39] and "timing/weight_transfer" not in rows[40]
+    rewards = [rows[s]["reward/mean"] for s in sorted(rows)]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.02, (first, last)
+
+
+def test_rollout_replicas_serve_training_replicas_whole_or_in_shares():
+    """No processes: which prompts each rollout replica generates, and whom each training replica hears from."""
+    fewer = SplitLayout(TrainLayout(tp=1, pp=1, dp=4), rollout_tp=1, rollout_ranks=2)  # ranks 4, 5
+    assert [fewer.assignments(e) for e in range(2)] == [[(0, 0, 1), (2, 0, 1)], [(1, 0, 1), (3, 0, 1)]]
+    assert [fewer.serving_ranks(d) for d in range(4)] == [[4], [5], [4], [5]]
+    more = SplitLayout(TrainLayout(tp=2, pp=1, dp=2), rollout_tp=2, rollout_ranks=6)  # replicas at 4, 6, 8
+    assert [more.assignments(e) for e in range(3)] == [[(0, 0, 2)], [(1, 0, 1)], [(0, 1, 2)]]
+    assert [more.serving_ranks(d) for d in range(2)] == [[4, 8], [6]]
+    assert more.replica_ranks(1) == [2, 3]
