@@ -22,6 +22,8 @@ class StepContext:
     timer: PhaseTimer
     engine_stats: dict[str, float] = field(default_factory=dict)
     """This rank's rollout engine statistics of the step (`add_engine_stats`)."""
+    multi_turn: dict[str, float] = field(default_factory=dict)
+    """This replica's totals over the step's training episodes (`add_episodes`; empty without multi-turn)."""
 
     def add_engine_stats(self, stats: dict) -> None:
         """Keep the rollout engine's statistics of one call for the step's metrics (`rollout_engine/<key>`):
@@ -32,3 +34,16 @@ class StepContext:
                 name = f"rollout_engine/{key}"
                 add = key.endswith("_s") and name in self.engine_stats
                 self.engine_stats[name] = float(value) + (self.engine_stats[name] if add else 0.0)
+
+    def add_episodes(self, episodes: list, tool_s: float) -> None:
+        """Count one training rollout's episodes (the replica's: every rank of it holds all of them) and the
+        seconds this rank spent in tool calls; dynamic-sampling rounds add up."""
+        totals = {
+            "episodes": len(episodes),
+            "turns": sum(e.num_assistant_turns for e in episodes),
+            "tool_calls": sum(e.num_tool_calls for e in episodes),
+            "tool_errors": sum(e.num_tool_errors for e in episodes),
+            "tool_s": tool_s,
+        }
+        for key, value in totals.items():
+            self.multi_turn[key] = self.multi_turn.get(key, 0.0) + float(value)
