@@ -108,7 +108,8 @@ class MultiTurnConfig:
     sandbox_memory_mb: int = 512
     """Address-space limit of the `python` tool's process."""
     max_tool_result_chars: int = 512
-    """Tool results longer than this are cut (the end kept) before they are rendered."""
+    """Tool results longer than this are cut before they are rendered: their start and end kept around a marker
+    that counts the cut characters (engine/multi_turn/episode.py `cut_tool_result`)."""
 
 
 @dataclass
@@ -298,7 +299,8 @@ class AlgorithmConfig:
     """Dynamic sampling: most rollout rounds per step (the first included); when hit, the batch is completed
     with dropped groups (logged as dynamic_sampling/filler_groups)."""
     overlong_buffer_len: int = 0
-    """DAPO: soft overlong penalty over the last N of rollout.max_new_tokens tokens (0 = off; <= max_new_tokens)."""
+    """DAPO: soft overlong penalty over the last N of rollout.max_new_tokens tokens (0 = off; <= max_new_tokens);
+    multi-turn: of the episode's rollout.multi_turn.max_total_tokens (`max_response_tokens`)."""
     overlong_buffer_frac: float = 0.0
     """DAPO: the overlong buffer as a fraction of rollout.max_new_tokens (rounded down, at least 1 token), used
     when overlong_buffer_len is 0 (0 = off)."""
@@ -397,8 +399,18 @@ def needs_old_log_prob_forward(alg: AlgorithmConfig, rollout_log_probs: bool = T
     return alg.ppo_epochs > 1 or alg.num_mini_batches > 1 or (alg.kl_in_reward and not rollout_log_probs)
 
 
+def max_response_tokens(rollout: RolloutConfig) -> int:
+    """The most tokens of one response, the length DAPO's overlong penalty ramps towards: rollout.max_new_tokens,
+    or with rollout.multi_turn.enable the episode's budget, multi_turn.max_total_tokens, which counts tool
+    tokens too (as verl's agent loop counts its response_length, and its DAPO reward manager the episode's
+    length): tool results spend the episode's room as generated tokens do, and per-turn lengths say nothing
+    about how close an episode came to being cut."""
+    return rollout.multi_turn.max_total_tokens if rollout.multi_turn.enable else rollout.max_new_tokens
+
+
 def overlong_buffer_tokens(alg: AlgorithmConfig, max_new_tokens: int) -> int:
-    """The overlong buffer in tokens: algorithm.overlong_buffer_len, else overlong_buffer_frac of max_new_tokens."""
+    """The overlong buffer in tokens: algorithm.overlong_buffer_len, else overlong_buffer_frac of max_new_tokens
+    (`max_response_tokens`)."""
     if alg.overlong_buffer_len > 0 or alg.overlong_buffer_frac <= 0:
         return alg.overlong_buffer_len
     return max(1, int(alg.overlong_buffer_frac * max_new_tokens))

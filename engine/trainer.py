@@ -35,7 +35,7 @@ from engine.step.batch import Experience, experience_from
 from engine.step.collect import collect
 from engine.step.context import StepContext
 from engine.step.losses import log_prob_fn, value_fn
-from engine.step.stats import perf_metrics, rollout_metrics
+from engine.step.stats import multi_turn_metrics, perf_metrics, rollout_metrics
 from engine.step.update import forward_rows, update_actor, update_critic
 from engine.step.validation import validate
 from engine.tools.export import export_after_fit
@@ -124,6 +124,8 @@ class Trainer:
             **ctx.engine_stats,
         }
         metrics.update(perf_metrics(c, exp, timer.seconds, timer.peak_gb, tuple(self.batcher.token_counts)))
+        if c.episodes is not None:
+            metrics.update(multi_turn_metrics(ctx.multi_turn, g))
         metrics["data/epoch"] = c.loader.epoch
         return metrics
 

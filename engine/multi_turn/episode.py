@@ -33,7 +33,7 @@ import torch
 from engine.config import MultiTurnConfig
 from engine.multi_turn.parsers import get_tool_parser
 from engine.multi_turn.render import TurnRenderer
-from engine.multi_turn.tools import Tool, call_tools
+from engine.multi_turn.tools import Tool, ToolCall, call_tools
 from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 
 
@@ -43,7 +43,9 @@ class Episode:
 
     turns: list[dict] = field(default_factory=list)
     """{"role": "assistant" | "tool", "content": text} per turn in order (assistant text with special tokens
-    skipped, tool results as rendered); what a reward function reads as extra_info["turns"]."""
+    skipped, tool results as rendered); an assistant turn whose calls ran also has "tool_calls": [{"name",
+    "arguments"}] (a malformed call: name "" or its name, with "error"). What a reward function reads as
+    extra_info["turns"]."""
     num_tool_calls: int = 0
     num_tool_errors: int = 0
     """Calls that returned an error message (unknown tool, malformed call, failure, time limit)."""
@@ -81,10 +83,6 @@ class EpisodeRunner:
         if not names:
             return list(self.tools.values())
         return [self.tools[name] for name in names]
-
-    def _cut(self, text: str) -> str:
-        limit = self.cfg.max_tool_result_chars
-        return text if len(text) <= limit else "..." + text[len(text) - limit :]
 
     def run(
         self,
@@ -161,6 +159,7 @@ class EpisodeRunner:
                 continue
             calls = self.parser(text, row_tools[r])
             if calls:
+                episodes[r].turns[-1]["tool_calls"] = [_call_record(c) for c in calls]
                 pending.append((r, calls))
         return pending
 
@@ -168,7 +167,7 @@ class EpisodeRunner:
         """Append the tool turns that fit; return the rows that continue."""
         live = []
         for (r, calls), row_results in zip(pending, results):
-            texts = [self._cut(text) for text, _ in row_results]
+            texts = [cut_tool_result(text, self.cfg.max_tool_result_chars) for text, _ in row_results]
             turn_ids = self.renderer.tool_turn_ids(texts, stopped=reasons[r] == "stop")
             episode = episodes[r]
             episode.num_tool_calls += len(calls)
@@ -196,15 +195,39 @@ class EpisodeRunner:
         return RolloutOutput(out_ids, out_mask, out_logp if with_log_probs else None, reasons, episodes)
 
 
+def _call_record(call: ToolCall) -> dict:
+    record = {"name": call.name, "arguments": call.args}
+    return {**record, "error": call.error} if call.error else record
+
+
+def cut_tool_result(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` characters: its start and its end, joined by a marker that says how many
+    characters were cut (both ends matter: a program's output opens with what it computed, a traceback ends
+    with the error). A limit too small for the marker and a character on each side keeps the end alone. The
+    marker uses only characters the embedded character-level tokenizer knows."""
+    if len(text) <= limit:
+        return text
+    num_cut = len(text) - limit
+    while True:  # the marker's own length adds to the cut, and the cut's digits to the marker
+        marker = f"\n... {num_cut} characters cut ...\n"
+        if len(text) - (limit - len(marker)) == num_cut:
+            break
+        num_cut = len(text) - (limit - len(marker))
+    keep = limit - len(marker)
+    if keep < 2:
+        return text[len(text) - limit :]
+    head = keep // 2
+    return text[:head] + marker + text[len(text) - (keep - head) :]
+
+
 def _episode_stats(episodes: list[Episode], stats: dict[str, float]) -> dict[str, float]:
-    """Per-call statistics, logged as rollout_engine/episode_*: means per episode, and the turn count and tool
-    seconds of the call."""
-    num = max(len(episodes), 1)
-    calls = sum(e.num_tool_calls for e in episodes)
+    """Totals of one call: episodes, assistant turns, tool calls, failed tool calls, `generate` rounds and
+    seconds spent in tools (engine/step/rollout.py turns a step's episodes into the `multi_turn/*` metrics)."""
     return {
-        "episode_assistant_turns": sum(e.num_assistant_turns for e in episodes) / num,
-        "episode_tool_calls": calls / num,
-        "episode_tool_error_frac": sum(e.num_tool_errors for e in episodes) / max(calls, 1),
-        "episode_rounds": stats["turns"],
-        "episode_tool_s": round(stats["tool_s"], 3),
+        "episodes": float(len(episodes)),
+        "turns": float(sum(e.num_assistant_turns for e in episodes)),
+        "tool_calls": float(sum(e.num_tool_calls for e in episodes)),
+        "tool_errors": float(sum(e.num_tool_errors for e in episodes)),
+        "rounds": stats["turns"],
+        "tool_s": round(stats["tool_s"], 3),
     }

@@ -22,12 +22,27 @@ class StepContext:
     timer: PhaseTimer
     engine_stats: dict[str, float] = field(default_factory=dict)
     """This rank's rollout engine statistics of the step (`add_engine_stats`)."""
+    multi_turn: dict[str, float] = field(default_factory=dict)
+    """This replica's totals over the step's training episodes (`add_episodes`; empty without multi-turn)."""
 
     def add_engine_stats(self, stats: dict) -> None:
         """Keep the rollout engine's statistics of one call for the step's metrics (`rollout_engine/<key>`):
         seconds (keys ending in `_s`, e.g. vLLM's `wake_load_s` and `sleep_s`) add up over the step's calls,
         counts are the last call's (native: `decode_steps`, `compactions`, `chunks`, ...)."""
         merge_engine_stats(self.engine_stats, stats)
+
+    def add_episodes(self, episodes: list, tool_s: float) -> None:
+        """Count one training rollout's episodes (the replica's: every rank of it holds all of them) and the
+        seconds this rank spent in tool calls; dynamic-sampling rounds add up."""
+        totals = {
+            "episodes": len(episodes),
+            "turns": sum(e.num_assistant_turns for e in episodes),
+            "tool_calls": sum(e.num_tool_calls for e in episodes),
+            "tool_errors": sum(e.num_tool_errors for e in episodes),
+            "tool_s": tool_s,
+        }
+        for key, value in totals.items():
+            self.multi_turn[key] = self.multi_turn.get(key, 0.0) + float(value)
 
 
 def merge_engine_stats(into: dict[str, float], stats: dict) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from algorithms.advantages import advantage_traits
 from algorithms.dapo import overlong_penalty
-from engine.config import overlong_buffer_tokens
+from engine.config import max_response_tokens, overlong_buffer_tokens
 from engine.roles.dynamic_batch import MicroBatcher
 from engine.rollout.base import RolloutOutput
 from engine.step.batch import Responses, response_lengths
@@ -38,10 +38,11 @@ def score(
     batcher: MicroBatcher,
     texts: list[str] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
-    """Reward-function scores (rows,), the overlong penalty (rows,) or None, and the reward function's
+    """Reward-function scores (rows,), the overlong penalty (rows,: DAPO's, on the response's or the
+    episode's length) or None, and the reward function's
     numeric extras {key: (rows,)} (engine/rewards/reward_fn.py) of `out`'s rows, `n` per record; `texts`:
     the rows already decoded (`decode_responses`), else decoded here."""
-    alg, max_new = c.cfg.algorithm, c.cfg.rollout.max_new_tokens
+    alg, max_len = c.cfg.algorithm, max_response_tokens(c.cfg.rollout)
     if texts is None:
         texts = decode_responses(c.tokenizer, out.response_ids, out.response_mask)
     rec = [records[r // n] for r in range(len(texts))]
@@ -56,10 +57,13 @@ def score(
         prompts = [r.prompt_ids for r in records]
         scores = scores + c.reward_model(prompts, out.response_ids, out.response_mask, n, batcher)
     penalty = None
-    buffer = overlong_buffer_tokens(alg, max_new)
-    if buffer > 0:
+    buffer = overlong_buffer_tokens(alg, max_len)
+    if buffer > 0:  # an episode's length counts its tool turns (engine/config.py max_response_tokens)
+        lengths = (
+            response_lengths(out.response_mask) if out.episodes is not None else out.response_mask.sum(-1)
+        )
         penalty = overlong_penalty(
-            out.response_mask.sum(-1), max_len=max_new, buffer_len=buffer, penalty_factor=alg.overlong_penalty
+            lengths, max_len=max_len, buffer_len=buffer, penalty_factor=alg.overlong_penalty
         ).to(scores.dtype)
     return scores, penalty, extras
 

@@ -143,13 +143,15 @@ def rollout(ctx: StepContext, records, kinds: tuple[str, ...], round_index: int 
     tool_names = [r.tools for r in records] if c.episodes is not None else None
     outs = []
     for kind in kinds:
+        if c.episodes is not None:
+            c.episodes.last_stats = {}  # a rank with no prompts to roll out runs no episodes
         with timer.phase("gen"):
             outs.append(
                 rollout_replica(c.rollout, c.rollout_weights, prompts, params[kind], c.episodes, tool_names)
             )
         ctx.add_engine_stats(c.rollout.last_stats)
-        if c.episodes is not None:
-            ctx.add_engine_stats(c.episodes.last_stats)
+        if c.episodes is not None and kind == "sample":  # the episodes trained on: `multi_turn/*`
+            ctx.add_episodes(outs[-1].episodes, c.episodes.last_stats.get("tool_s", 0.0))
     with timer.phase("reshard"):
         c.weight_sync.to_train()
         c.rollout_weights = None

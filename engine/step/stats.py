@@ -59,6 +59,24 @@ def rollout_metrics(exp: Experience, groups: ProcessGroups, rollout_log_probs: b
     return out
 
 
+def multi_turn_metrics(totals: dict[str, float], groups: ProcessGroups) -> dict[str, float]:
+    """`multi_turn/*` of the step's training episodes (StepContext.add_episodes) over all DP replicas:
+    `episodes` (every dynamic-sampling round counted), `turns_mean` (assistant turns per episode),
+    `tool_calls_mean` (per episode), `tool_error_frac` (of the calls: unknown tool, malformed call, failure,
+    time limit) and `tool_s` (this rank's seconds in tool calls, like `timing/*`)."""
+    keys = ("episodes", "turns", "tool_calls", "tool_errors")
+    sums = torch.tensor([totals.get(k, 0.0) for k in keys], dtype=torch.float64, device=groups.device)
+    dist.all_reduce(sums, group=groups.dp)
+    episodes, turns, calls, errors = sums.tolist()
+    return {
+        "multi_turn/episodes": episodes,
+        "multi_turn/turns_mean": turns / max(episodes, 1.0),
+        "multi_turn/tool_calls_mean": calls / max(episodes, 1.0),
+        "multi_turn/tool_error_frac": errors / max(calls, 1.0),
+        "multi_turn/tool_s": totals.get("tool_s", 0.0),
+    }
+
+
 def reward_extra_metrics(exp: Experience, groups: ProcessGroups) -> dict[str, float]:
     """`reward/extra/<key>`: mean over the DP replicas' rows of each numeric extra of a dict-returning
     reward function (the union of the replicas' keys: a replica without one contributes no rows)."""

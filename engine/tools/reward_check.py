@@ -19,11 +19,13 @@ Every other argument is then a training override (groups like `task=`, `model=` 
 model (model.path or its random init) generates K responses per prompt with the configured rollout engine
 and sampling (`rollout.*`), for `reward_check.sample_prompt` or the first `reward_check.num_rows` rows of
 data.train_files (or the embedded task), and each response is printed with its score and the reward
-function's extra keys.
+function's extra keys. With `rollout.multi_turn.enable=true` each response is a whole episode: every turn in
+order (the assistant's text, the tool calls parsed from it, each tool's result), then the episode's score.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -173,7 +175,14 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
     from engine.data import PromptRecord, chat_prompt_ids, load_prompt_dataset, load_tokenizer
     from engine.rewards.build import build_reward_fn
     from engine.rollout.base import SamplingParams
-    from engine.setup import _data_files, build_policy_chunks, build_weight_sync_and_rollout, model_shape
+    from engine.setup import (
+        _data_files,
+        build_episode_tools,
+        build_episodes,
+        build_policy_chunks,
+        build_weight_sync_and_rollout,
+        model_shape,
+    )
     from engine.step.reward import decode_responses
     from engine.step.rollout import rollout_replica
     from engine.validate import validate
@@ -188,14 +197,19 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
             tokenizer = load_tokenizer(
                 tok_dir, key="model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
             )
+            tools = build_episode_tools(cfg)
+            schemas = [tool.schema for tool in tools.values()] if tools else None
             if settings["sample_prompt"]:
-                ids = chat_prompt_ids(tokenizer, [[{"role": "user", "content": settings["sample_prompt"]}]])[
-                    0
-                ]
+                conversation = [{"role": "user", "content": settings["sample_prompt"]}]
+                ids = chat_prompt_ids(tokenizer, [conversation], schemas)[0]
                 records = [PromptRecord(ids, settings["data_source"], settings["ground_truth"], {}, 0)]
             else:
                 records = load_prompt_dataset(
-                    train_files, tokenizer, cfg.data.max_prompt_len, cfg.data.bad_rows
+                    train_files,
+                    tokenizer,
+                    cfg.data.max_prompt_len,
+                    cfg.data.bad_rows,
+                    tool_schemas={t.name: t.schema for t in tools.values()} if tools else None,
                 )[0]
                 records = records[: settings["num_rows"]]
             shape = model_shape(cfg.model, len(tokenizer), dims.tp)
@@ -208,15 +222,18 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
                 n=k, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
                 stop_token_ids=(tokenizer.eos_token_id,), ignore_eos=False, seed=cfg.trainer.seed, log_probs=False,
             )  # fmt: skip
-            out = rollout_replica(engine, weights, [rec.prompt_ids for rec in records], sampling)
+            episodes = build_episodes(cfg, tools, tokenizer, shape, records)
+            tool_names = [rec.tools for rec in records] if episodes is not None else None
+            prompts = [rec.prompt_ids for rec in records]
+            out = rollout_replica(engine, weights, prompts, sampling, episodes, tool_names)
             texts = decode_responses(tokenizer, out.response_ids, out.response_mask)
             rows = [records[i // k] for i in range(len(texts))]
+            infos = [x.extra_info for x in rows]
+            if out.episodes is not None:  # as the trainer scores episodes (engine/step/reward.py)
+                infos = [{**info, "turns": e.turns} for info, e in zip(infos, out.episodes)]
             reward_fn = build_reward_fn(cfg.reward.fn, cfg.reward.gsm8k_method)
             result = reward_fn.score(
-                [x.data_source for x in rows],
-                texts,
-                [x.ground_truth for x in rows],
-                [x.extra_info for x in rows],
+                [x.data_source for x in rows], texts, [x.ground_truth for x in rows], infos
             )
             if groups.is_logging_rank:
                 print(
@@ -230,10 +247,24 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
                         )
                     extras = "".join(f"  {key}={float(v[i]):.4g}" for key, v in result.extras.items())
                     print(f"\n[prompt {i // k}, sample {i % k}] score={float(result.scores[i]):.4f}{extras}")
-                    print(text)
+                    print(text if out.episodes is None else _episode_text(out.episodes[i]))
     finally:
         destroy_distributed()
     return 0
+
+
+def _episode_text(episode) -> str:
+    """A multi-turn episode turn by turn: each assistant turn, the calls parsed from it, each tool's result."""
+    lines = [
+        f"episode: {episode.num_assistant_turns} assistant turn(s), {episode.num_tool_calls} tool call(s), "
+        f"{episode.num_tool_errors} failed"
+    ]
+    for turn in episode.turns:
+        lines.append(f"  [{turn['role']}] {_snippet(turn['content'], 400)}")
+        for call in turn.get("tool_calls", []):
+            error = f" (malformed: {call['error']})" if call.get("error") else ""
+            lines.append(f"    -> call {call['name'] or '?'}({json.dumps(call['arguments'])}){error}")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

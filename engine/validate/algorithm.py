@@ -8,7 +8,7 @@ import os
 from algorithms.advantages import advantage_estimator_names, advantage_traits
 from algorithms.kl import KL_CONTROLLERS, KL_CONTROLLERS_WITH_TARGET, kl_estimator_names
 from algorithms.losses import LOSS_AGG_MODES, TIS_MODES, policy_loss_names
-from engine.config import TrainConfig
+from engine.config import TrainConfig, max_response_tokens
 from engine.validate.model import validate_checkpoint_positions
 from engine.validate.rules import fail, one_of, positive
 
@@ -54,21 +54,24 @@ def validate_algorithm(cfg: TrainConfig) -> None:
     validate_kl_in_reward(cfg)
     if a.value_clip < 0:
         fail("algorithm.value_clip", a.value_clip, "must be >= 0", "use 0.2, or 0 to turn clipping off")
-    if a.overlong_buffer_len < 0 or a.overlong_buffer_len > cfg.rollout.max_new_tokens:
+    max_len, len_key = max_response_tokens(cfg.rollout), "rollout.max_new_tokens"
+    if cfg.rollout.multi_turn.enable:
+        len_key = "rollout.multi_turn.max_total_tokens"
+    if a.overlong_buffer_len < 0 or a.overlong_buffer_len > max_len:
         fail(
             "algorithm.overlong_buffer_len",
             a.overlong_buffer_len,
-            f"the overlong penalty ramps over the last overlong_buffer_len of rollout.max_new_tokens="
-            f"{cfg.rollout.max_new_tokens} tokens, so it must lie in [0, rollout.max_new_tokens]",
-            f"set algorithm.overlong_buffer_len<={cfg.rollout.max_new_tokens} (e.g. a quarter of "
-            "rollout.max_new_tokens), use algorithm.overlong_buffer_frac (a fraction of it) with "
-            "overlong_buffer_len=0, raise rollout.max_new_tokens, or use 0 to turn overlong shaping off",
+            f"the overlong penalty ramps over the last overlong_buffer_len of {len_key}="
+            f"{max_len} tokens, so it must lie in [0, {len_key}]",
+            f"set algorithm.overlong_buffer_len<={max_len} (e.g. a quarter of "
+            f"{len_key}), use algorithm.overlong_buffer_frac (a fraction of it) with "
+            f"overlong_buffer_len=0, raise {len_key}, or use 0 to turn overlong shaping off",
         )
     if not 0.0 <= a.overlong_buffer_frac <= 1.0:
         fail(
             "algorithm.overlong_buffer_frac",
             a.overlong_buffer_frac,
-            "is a fraction of rollout.max_new_tokens, so it must lie in [0, 1]",
+            f"is a fraction of {len_key}, so it must lie in [0, 1]",
             "use 0.2 (DAPO's 4096 of 20480 tokens), or 0 to turn overlong shaping off",
         )
     if a.overlong_penalty < 0:
