@@ -95,7 +95,14 @@ def _val_batches(
     records: list[PromptRecord], groups: ProcessGroups, per_rank: int
 ) -> list[list[PromptRecord]]:
     """This DP rank's validation prompts (an equal share per rank; the remainder is dropped), in batches."""
-    dp, rank = groups.dims.dp, groups.dp_rank
+    return replica_val_batches(records, groups.dims.dp, groups.dp_rank, per_rank)
+
+
+def replica_val_batches(
+    records: list[PromptRecord], dp: int, rank: int, per_rank: int
+) -> list[list[PromptRecord]]:
+    """Training replica `rank`'s validation batches of `per_rank` prompts among `dp` replicas (`_val_batches`;
+    the rollout ranks of split placement ask for the replicas they serve)."""
     usable = len(records) // dp * dp
     mine = records[rank:usable:dp]
     return [mine[i : i + per_rank] for i in range(0, len(mine), per_rank)]

@@ -37,7 +37,7 @@ from engine.step.context import StepContext
 from engine.step.losses import log_prob_fn, value_fn
 from engine.step.stats import multi_turn_metrics, perf_metrics, rollout_metrics
 from engine.step.update import forward_rows, update_actor, update_critic
-from engine.step.validation import validate
+from engine.step.validation import validate, validation_due
 from engine.tools.export import export_after_fit
 
 
@@ -145,11 +145,7 @@ class Trainer:
             save_metrics: dict[str, float] = {}  # the save after a step, logged on the next step's line
             while self.step < t.total_steps:
                 metrics = self.train_step()
-                if (
-                    t.test_freq
-                    and (self.step % t.test_freq == 0 or self.step == t.total_steps)
-                    and c.val_batches
-                ):
+                if validation_due(t, self.step) and c.val_batches:
                     metrics.update(self.validate())
                 metrics.update(save_metrics)
                 c.logger.log(self.step, metrics)  # written before the save: a kill during it keeps the line

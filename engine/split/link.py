@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 from engine.data import PromptLoader
@@ -37,6 +38,8 @@ class TrainerLink:
         self.transfer, self.layout, self.groups, self.everyone = transfer, layout, groups, everyone
         self.start_step = 0
         """The step this run started at (0, or the resumed checkpoint's)."""
+        self.sent_for = -1
+        """The step whose starting weights the rollout ranks already hold (sent for validation), else -1."""
 
     def start(self, step: int, loader: PromptLoader) -> None:
         """Tell the rollout ranks serving this replica where the run starts: the step (fresh: 0, resumed: the
@@ -49,16 +52,20 @@ class TrainerLink:
             for j in range(layout.rollout_tp):
                 send_object((step, loader.state_dict()), first + j, self.everyone)
 
-    def collect(self, ctx: StepContext) -> tuple[Responses, dict[str, float]]:
+    def collect(self, ctx: StepContext, round_index: int = 0) -> tuple[Responses, dict[str, float]]:
         """Send the current weights, then wait for this replica's responses (`timing/weight_transfer`,
         `timing/wait_rollout`); the loader takes the rollout side's position after this batch. Returns the
         responses and the rollout side's metrics of the step (`timing/gen`, `timing/reward`,
-        `timing/wait_train`, `rollout_engine/*`).
+        `timing/wait_train`, `rollout_engine/*`; summed over the step's rounds so far).
 
         One step off policy (trainer.off_policy_steps=1) the responses arriving were generated with the
-        previous step's weights (engine/split/worker.py `run`), and the last step sends none."""
+        previous step's weights (engine/split/worker.py `run`), and the last step sends none. No weights go
+        out when validation after the previous step already sent them (timed in that step's `timing/testing`; no
+        `timing/weight_transfer` then), nor for dynamic sampling's further
+        rounds (`round_index` > 0: the rollout ranks generate them with the weights they hold)."""
         t = ctx.c.cfg.trainer
-        if not t.off_policy_steps or ctx.step == self.start_step or ctx.step < t.total_steps - 1:
+        on_policy = not t.off_policy_steps or ctx.step == self.start_step or ctx.step < t.total_steps - 1
+        if round_index == 0 and on_policy and self.sent_for != ctx.step:
             with ctx.timer.phase("weight_transfer"):
                 self.transfer.send()
         with ctx.timer.phase("wait_rollout"):
@@ -68,3 +75,31 @@ class TrainerLink:
         ctx.c.loader.load_state_dict(parts[0][1])
         responses = parts[0][0] if len(parts) == 1 else Responses.concat([p[0] for p in parts])
         return responses, parts[0][2]
+
+    def next_round(self, more: bool) -> None:
+        """Dynamic sampling: tell the rollout ranks serving this replica whether the step needs another
+        rollout round (the same answer on every replica). Sent by the replica's first rank."""
+        d, layout = self.groups.dp_rank, self.layout
+        if layout.replica_ranks(d)[0] != self.groups.rank:
+            return
+        for first in layout.serving_ranks(d):
+            for j in range(layout.rollout_tp):
+                send_object(more, first + j, self.everyone)
+
+    def validate(self, ctx: StepContext) -> list[tuple[list[str], dict[str, torch.Tensor]]]:
+        """Validation after `ctx.step` steps: send the weights (which the next step then does not send),
+        receive each validation batch's (data sources, {name: value per prompt}) from the rollout ranks
+        serving this replica, shares concatenated in order (engine/step/validation.py `batch_values`)."""
+        with ctx.timer.phase("weight_transfer"):
+            self.transfer.send()
+        self.sent_for = ctx.step
+        with ctx.timer.phase("wait_rollout"):
+            parts = [
+                recv_object(src, self.everyone) for src in self.layout.serving_ranks(self.groups.dp_rank)
+            ]
+        per_prompt = []
+        for shares in zip(*parts):  # one validation batch: each serving replica's share of its prompts
+            sources = [source for share_sources, _ in shares for source in share_sources]
+            values = {name: torch.cat([v[name] for _, v in shares]) for name in shares[0][1]}
+            per_prompt.append((sources, values))
+        return per_prompt

@@ -30,11 +30,12 @@ from engine.rewards.build import build_reward_fn
 from engine.rewards.reward_fn import RewardFn
 from engine.rollout import build_rollout_engine
 from engine.rollout.base import RolloutEngine
-from engine.setup import _data_files, model_shape
+from engine.setup import _data_files, model_shape, replica_val_batches
 from engine.split.link import recv_object, send_object
 from engine.step.context import merge_engine_stats
 from engine.step.reward import responses_of
-from engine.step.rollout import rollout_replica, rollout_seed, sampling_params, share_bounds
+from engine.step.rollout import rollout_params, rollout_replica, rollout_seed, share_bounds
+from engine.step.validation import batch_values, validation_due
 from parallel.rollout_weights import RolloutWeights
 from parallel.split_plan import SplitLayout
 from parallel.split_transfer import SplitTransfer
@@ -64,6 +65,8 @@ class RolloutWorker:
     """Never set: split placement scores with a rule or reward.fn (`responses_of` reads it)."""
     weights: RolloutWeights | None = None
     """The actor's weights the engine generates with (the latest received)."""
+    val_batches: dict[int, list] | None = None
+    """The validation batches of each served training replica (as `Components.val_batches` there)."""
     weights_step: int = 0
     """The step at whose start the trainers held `weights`."""
     wait_train: float = 0.0
@@ -86,32 +89,56 @@ class RolloutWorker:
         On-policy (trainer.off_policy_steps=0): per step receive the weights, generate, send. One step off
         policy: the batch of step k is generated with the weights of step k - 1 while the trainers update on
         step k - 1's batch, then the weights of step k arrive and the batch goes out (the first step after the
-        start is on-policy; the last step's weights are not sent, nothing would use them)."""
+        start is on-policy; the last step's weights are not sent, nothing would use them, unless validation
+        after step k - 1 needs them). Validation after k steps runs on the weights of step k as soon as they
+        arrive (`_receive`); dynamic sampling's further rounds follow the first (`_more_rounds`)."""
         start, total = self._start_step(), self.cfg.trainer.total_steps
         ahead = self.cfg.trainer.off_policy_steps
         for step in range(start, total):
+            timer, engine_stats = PhaseTimer(self.device), {}
             if not ahead or step == start:
-                self._receive(step)
-                ready = self._generate(step)
+                self._receive(step, start)
+                ready = self._generate(step, 0, timer, engine_stats)
             else:
-                ready = self._generate(step)
-                if step < total - 1:
-                    self._receive(step)
-            self._send(step, *ready)
+                ready = self._generate(step, 0, timer, engine_stats)
+                if step < total - 1 or self._validates_at(step):
+                    self._receive(step, start)
+            self._send(ready, timer, engine_stats)
+            self._more_rounds(step, timer, engine_stats)
+        if start < total and self._validates_at(total):
+            self._receive(total, start)
 
-    def _receive(self, step: int) -> None:
-        """The weights the trainers hold at the start of `step`, into the rollout engine."""
-        start = time.perf_counter()
+    def _validates_at(self, step: int) -> bool:
+        """Whether the trainers validate after `step` steps (as engine/trainer.py decides)."""
+        return bool(self.val_batches) and validation_due(self.cfg.trainer, step)
+
+    def _receive(self, step: int, start: int) -> None:
+        """The weights the trainers hold at the start of `step`, into the rollout engine; then validation
+        after `step` steps if the trainers run one (not at the start step: validated before its checkpoint)."""
+        begin = time.perf_counter()
         self.weights = self.transfer.receive()
-        self.wait_train += time.perf_counter() - start
+        self.wait_train += time.perf_counter() - begin
         self.engine.set_weights(self.weights)
         self.weights_step = step
+        if step != start and self._validates_at(step):
+            self._validate(step)
 
-    def _generate(self, step: int) -> tuple[dict, dict[str, float]]:
-        """Generate and score each served share of `step`'s batch with the weights held now: {training
-        replica: (Responses, its loader's position after the batch)} and the rollout side's metrics."""
-        timer = PhaseTimer(self.device)
-        engine_stats: dict[str, float] = {}
+    def _more_rounds(self, step: int, timer: PhaseTimer, engine_stats: dict[str, float]) -> None:
+        """Dynamic sampling: generate and send further rounds of `step` while the trainers ask for one (each
+        served replica's first rank says so; they agree)."""
+        if not self.cfg.algorithm.dynamic_sampling:
+            return
+        round_index = 1
+        while all([recv_object(self.layout.replica_ranks(d)[0], self.everyone) for d in self.loaders]):
+            self._send(self._generate(step, round_index, timer, engine_stats), timer, engine_stats)
+            round_index += 1
+
+    def _generate(
+        self, step: int, round_index: int, timer: PhaseTimer, engine_stats: dict[str, float]
+    ) -> dict[int, tuple]:
+        """Generate and score each served share of one rollout round of `step`'s batch with the weights held
+        now: {training replica: (Responses, its loader's position after the batch)}; the rollout side's
+        seconds and engine statistics add to `timer` and `engine_stats`."""
         cfg, eos = self.cfg, self.tokenizer.eos_token_id
         greedy = advantage_traits(cfg.algorithm.adv_estimator).needs_greedy_baseline
         messages = {}
@@ -121,14 +148,12 @@ class RolloutWorker:
             first, end = share_bounds(len(batch), shares, share)
             records = batch[first:end]
             prompts = [r.prompt_ids for r in records]
-            seed = rollout_seed(cfg.trainer.seed, step, 0, d, share)
-            params = [sampling_params(cfg, eos, False, seed)]
-            if greedy:
-                params.append(sampling_params(cfg, eos, True, seed, temperature=0.0))
+            seed = rollout_seed(cfg.trainer.seed, step, round_index, d, share)
+            params = rollout_params(cfg, eos, seed, records)
             outs = []
-            for sampling in params:
+            for kind in ("sample", "greedy") if greedy else ("sample",):
                 with timer.phase("gen"):
-                    outs.append(rollout_replica(self.engine, self.weights, prompts, sampling))
+                    outs.append(rollout_replica(self.engine, self.weights, prompts, params[kind]))
                 merge_engine_stats(engine_stats, self.engine.last_stats)
             with timer.phase("reward"):
                 responses = responses_of(self, records, outs, None)
@@ -136,11 +161,32 @@ class RolloutWorker:
                 rows = responses.response_ids.shape[0]
                 responses.staleness = torch.full((rows,), float(step - self.weights_step))
             messages[d] = (responses, loader.state_dict())
-        return messages, {**timer.as_metrics(), **engine_stats}
+        return messages
 
-    def _send(self, step: int, messages: dict, metrics: dict[str, float]) -> None:
+    def _validate(self, step: int) -> None:
+        """Generate and score each served share of every validation batch with the weights held now (those
+        of step `step`, after `step` steps), with the seeds and scoring of colocated validation; rollout TP
+        rank 0 sends each training replica's [(data sources, {name: value per prompt}) per batch]."""
+        cfg, eos = self.cfg, self.tokenizer.eos_token_id
+        kinds = ("val", "val_sample") if cfg.rollout.val_n > 1 else ("val",)
+        for d, batches in self.val_batches.items():
+            share, shares = self.shares[d]
+            seed = rollout_seed(cfg.trainer.seed, step, 0, d, share)
+            per_batch = []
+            for batch in batches:
+                first, end = share_bounds(len(batch), shares, share)
+                records = batch[first:end]
+                params = rollout_params(cfg, eos, seed, records)
+                prompts = [r.prompt_ids for r in records]
+                outs = [rollout_replica(self.engine, self.weights, prompts, params[k]) for k in kinds]
+                per_batch.append(([r.data_source for r in records], batch_values(self, records, outs, None)))
+            if self.layout.rollout_coords(self.rank)[0] == 0:
+                for dst in self.layout.replica_ranks(d):
+                    send_object(per_batch, dst, self.everyone)
+
+    def _send(self, messages: dict, timer: PhaseTimer, engine_stats: dict[str, float]) -> None:
         """Rollout TP rank 0: each share to its training replica's ranks, with the rollout side's metrics."""
-        side = {**metrics, "timing/wait_train": self.wait_train}
+        side = {**timer.as_metrics(), **engine_stats, "timing/wait_train": self.wait_train}
         self.wait_train = 0.0
         if self.layout.rollout_coords(self.rank)[0] != 0:
             return
@@ -153,11 +199,20 @@ def build_rollout_worker(
     cfg: TrainConfig, layout: SplitLayout, rank: int, everyone, device: torch.device, output_dir: str
 ) -> RolloutWorker:
     """Everything a rollout rank needs except the weight transfer (constructed after, on every rank)."""
-    tok_dir, train_files, _ = _data_files(cfg, output_dir)
+    tok_dir, train_files, val_files = _data_files(cfg, output_dir)
     tokenizer = load_tokenizer(
         tok_dir, key="model.path" if tok_dir == cfg.model.path else "model.tokenizer_path"
     )
-    records, _ = load_prompt_dataset(train_files, tokenizer, cfg.data.max_prompt_len, cfg.data.bad_rows)
+    limit = cfg.rollout.max_new_tokens
+    data = cfg.data
+    records, _ = load_prompt_dataset(
+        train_files, tokenizer, data.max_prompt_len, data.bad_rows, max_new_tokens=limit
+    )
+    val_records = []
+    if val_files and cfg.trainer.test_freq:
+        val_records, _ = load_prompt_dataset(
+            val_files, tokenizer, data.max_prompt_len, data.bad_rows, "data.val_files", max_new_tokens=limit
+        )
     train = layout.train
     shape = model_shape(cfg.model, len(tokenizer), train.tp)
     engine = build_rollout_engine(
@@ -181,6 +236,8 @@ def build_rollout_worker(
         )
         for d in shares
     }
+    per_rank = cfg.data.batch_size // train.dp
+    val_batches = {d: replica_val_batches(val_records, train.dp, d, per_rank) for d in shares}
     return RolloutWorker(
         cfg,
         tokenizer,
@@ -193,4 +250,5 @@ def build_rollout_worker(
         loaders,
         shares,
         shape.tie_embeddings,
+        val_batches=val_batches if any(val_batches.values()) else {},
     )

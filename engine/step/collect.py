@@ -1,6 +1,8 @@
 """The step's responses on this replica: one rollout round, or with dynamic sampling (DAPO) further rounds
 while the batch lacks informative groups, selected over all replicas' responses
-(engine/step/dynamic_sampling.py)."""
+(engine/step/dynamic_sampling.py). Under split placement the rollout ranks generate and score every round
+(`TrainerLink.collect`); the selection runs here on the training ranks, which tell the rollout ranks whether
+another round is needed (`TrainerLink.next_round`)."""
 
 from __future__ import annotations
 
@@ -17,25 +19,32 @@ def collect(ctx: StepContext) -> tuple[Responses, dict[str, float]]:
     """This replica's scored responses for the step and the `dynamic_sampling/*` metrics (none without)."""
     c = ctx.c
     alg, g = c.cfg.algorithm, c.groups
-    if c.split is not None:  # split placement: the rollout ranks generate and score
-        return c.split.collect(ctx)
     if not alg.dynamic_sampling:
+        if c.split is not None:  # split placement: the rollout ranks generate and score
+            return c.split.collect(ctx)
         return scored_responses(ctx, c.loader.next_batch(), 0), {}
     selector = GroupSelector(c.cfg.data.batch_size)
-    rounds = 0
+    rounds, side_metrics = 0, {}
     while True:
         parts: list[Responses | None] = [None] * g.dims.dp
-        mine = scored_responses(ctx, c.loader.next_batch(), rounds)
+        if c.split is not None:  # the rollout ranks generate and score each round
+            mine, side_metrics = c.split.collect(ctx, rounds)
+        else:
+            mine = scored_responses(ctx, c.loader.next_batch(), rounds)
         dist.all_gather_object(parts, mine, group=g.dp)
         selector.add(global_order(parts, alg.num_mini_batches))
         rounds += 1
         missing = torch.tensor(float(selector.missing), device=g.device)
         dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=g.world)
-        if float(missing) == 0 or rounds >= alg.max_sampling_rounds:
+        done = float(missing) == 0 or rounds >= alg.max_sampling_rounds
+        if c.split is not None:
+            c.split.next_round(not done)
+        if done:
             break
     batch, counts = selector.finish()  # the same on every replica: counts are global
     responses = replica_share(batch, g.dp_rank, g.dims.dp, alg.num_mini_batches)
     return responses, {
+        **side_metrics,
         "dynamic_sampling/rounds": float(rounds),
         "dynamic_sampling/generated_groups": float(counts["generated"]),
         "dynamic_sampling/dropped_groups": float(counts["dropped"]),

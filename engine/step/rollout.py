@@ -117,6 +117,20 @@ def rollout_seed(seed: int, step: int, round_index: int, dp_rank: int, micro_dp_
     )
 
 
+def rollout_params(cfg: TrainConfig, eos_token_id: int, seed: int, records) -> dict[str, SamplingParams]:
+    """The sampling parameters of each kind of rollout (`rollout`) of `records`, each prompt capped at its
+    record's `max_new_tokens` where it has one; the rollout ranks of split placement use the same."""
+    eos = eos_token_id
+    params = {
+        "sample": sampling_params(cfg, eos, False, seed),
+        "greedy": sampling_params(cfg, eos, True, seed, temperature=0.0),
+        "val": sampling_params(cfg, eos, True, seed),
+        "val_sample": replace(sampling_params(cfg, eos, False, seed), n=cfg.rollout.val_n, log_probs=False),
+    }
+    limits = row_limits(records, cfg.rollout.max_new_tokens)  # the data rows' response budgets
+    return {kind: replace(p, max_new_tokens_per_prompt=limits) for kind, p in params.items()}
+
+
 def rollout(ctx: StepContext, records, kinds: tuple[str, ...], round_index: int = 0) -> list[RolloutOutput]:
     """One train -> rollout -> train transition and a rollout per kind: "sample" (rollout.n sampled
     responses), "greedy" (one at temperature 0: a greedy baseline), "val" (one at rollout.val_temperature),
@@ -131,15 +145,7 @@ def rollout(ctx: StepContext, records, kinds: tuple[str, ...], round_index: int 
     seed = rollout_seed(
         cfg.trainer.seed, ctx.step, round_index, c.groups.dp_rank, c.rollout_weights.micro_dp_rank
     )
-    eos = c.tokenizer.eos_token_id
-    params = {
-        "sample": sampling_params(cfg, eos, False, seed),
-        "greedy": sampling_params(cfg, eos, True, seed, temperature=0.0),
-        "val": sampling_params(cfg, eos, True, seed),
-        "val_sample": replace(sampling_params(cfg, eos, False, seed), n=cfg.rollout.val_n, log_probs=False),
-    }
-    limits = row_limits(records, cfg.rollout.max_new_tokens)  # the data rows' response budgets
-    params = {kind: replace(p, max_new_tokens_per_prompt=limits) for kind, p in params.items()}
+    params = rollout_params(cfg, c.tokenizer.eos_token_id, seed, records)
     tool_names = [r.tools for r in records] if c.episodes is not None else None
     outs = []
     for kind in kinds:

@@ -86,24 +86,42 @@ def per_source_means(
     }
 
 
+def validation_due(trainer, completed: int) -> bool:
+    """Whether validation runs after `completed` steps (trainer.test_freq and the run's last step); the
+    trainer and, under split placement, the rollout ranks ask the same."""
+    t = trainer
+    return bool(t.test_freq) and (completed % t.test_freq == 0 or completed == t.total_steps)
+
+
+def batch_values(c, records, outs: list, batcher) -> dict[str, torch.Tensor]:
+    """{name: value per prompt} of one validation batch: `reward` of the "val" rollout `outs[0]`, and with
+    rollout.val_n=k > 1 mean@k, best@k (and maj@k) of the "val_sample" rollout `outs[1]`. `c` needs cfg,
+    tokenizer, reward_fn and reward_model (the rollout ranks of split placement pass their worker)."""
+    k = c.cfg.rollout.val_n
+    values = {"reward": score(c, outs[0], records, 1, batcher)[0]}
+    if k > 1:
+        texts = decode_responses(c.tokenizer, outs[1].response_ids, outs[1].response_mask)
+        sampled = score(c, outs[1], records, k, batcher, texts)[0]
+        answers = None
+        if c.cfg.reward.fn == "" and c.reward_model is None:
+            sources = [records[i // k].data_source for i in range(len(texts))]
+            answers = response_answers(sources, texts, c.cfg.reward.gsm8k_method)
+        values.update(sample_metrics(sampled.view(len(records), k), answers))
+    return values
+
+
 def validate(ctx: StepContext) -> dict[str, float]:
-    """`val/*` metrics over every validation batch of this rank (collective over DP); `ctx.timer` times it."""
+    """`val/*` metrics over every validation batch of this rank (collective over DP); `ctx.timer` times it.
+    Under split placement the rollout ranks generate and score the batches (`TrainerLink.validate`)."""
     c, k = ctx.c, ctx.c.cfg.rollout.val_n
-    scores, per_prompt = [], []
-    for records in c.val_batches:
-        outs = rollout(ctx, records, ("val", "val_sample") if k > 1 else ("val",))
-        values = {"reward": score(c, outs[0], records, 1, ctx.batcher)[0]}
-        scores.append(values["reward"])
-        if k > 1:
-            texts = decode_responses(c.tokenizer, outs[1].response_ids, outs[1].response_mask)
-            sampled = score(c, outs[1], records, k, ctx.batcher, texts)[0]
-            answers = None
-            if c.cfg.reward.fn == "" and c.reward_model is None:
-                sources = [records[i // k].data_source for i in range(len(texts))]
-                answers = response_answers(sources, texts, c.cfg.reward.gsm8k_method)
-            values.update(sample_metrics(sampled.view(len(records), k), answers))
-        per_prompt.append(([r.data_source for r in records], values))
-    mean, std, _, _ = dp_stats(torch.cat(scores), c.groups)
+    if c.split is not None:
+        per_prompt = c.split.validate(ctx)
+    else:
+        per_prompt = []
+        for records in c.val_batches:
+            outs = rollout(ctx, records, ("val", "val_sample") if k > 1 else ("val",))
+            per_prompt.append(([r.data_source for r in records], batch_values(c, records, outs, ctx.batcher)))
+    mean, std, _, _ = dp_stats(torch.cat([values["reward"] for _, values in per_prompt]), c.groups)
     return {
         "val/reward_mean": mean,
         "val/reward_std": std,

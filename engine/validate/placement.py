@@ -170,13 +170,6 @@ def _refuse_unsupported_with_split(cfg: TrainConfig) -> None:
         ),
         ("reward.model_path", cfg.reward.model_path, bool(cfg.reward.model_path), "use a rule or reward.fn"),
         (
-            "algorithm.dynamic_sampling",
-            cfg.algorithm.dynamic_sampling,
-            cfg.algorithm.dynamic_sampling,
-            "set algorithm.dynamic_sampling=false",
-        ),
-        ("trainer.test_freq", cfg.trainer.test_freq, cfg.trainer.test_freq != 0, "set trainer.test_freq=0"),
-        (
             "rollout.multi_turn.enable",
             cfg.rollout.multi_turn.enable,
             cfg.rollout.multi_turn.enable,

@@ -137,11 +137,6 @@ BAD = [
         "placement.critic_ranks=1: a critic on ranks of its own is not built yet",
     ),
     (
-        ["placement.mode=split", "placement.rollout_ranks=1", "trainer.test_freq=5"],
-        2,
-        "trainer.test_freq=5: is not supported with placement.mode=split",
-    ),
-    (
         [
             "placement.mode=split",
             "placement.rollout_ranks=1",
@@ -180,6 +175,8 @@ def test_split_placement_validates_the_training_layout_on_the_training_ranks():
     assert validate(composed(), world_size=4).world_size == 4  # colocated (the default): every rank trains
     off_policy = ["trainer.off_policy_steps=1", "algorithm.tis_cap=2", "algorithm.tis_mode=mask"]
     assert validate(composed(*base, "placement.rollout_ranks=1", *off_policy), world_size=3).dp == 2
+    served = ["trainer.test_freq=5", "algorithm.dynamic_sampling=true"]  # the rollout ranks run these too
+    assert validate(composed(*base, "placement.rollout_ranks=1", *served), world_size=3).dp == 2
 
 
 def test_uneven_pipeline_stages_are_accepted():

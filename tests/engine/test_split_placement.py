@@ -23,6 +23,7 @@ import time
 
 from distributed import run_torchrun
 
+from engine.tasks.embedded import write_embedded_dataset
 from parallel.layout import TrainLayout
 from parallel.split_plan import SplitLayout
 
@@ -40,6 +41,13 @@ RUN = [
     REWARD,
 ]
 SPLIT = ["placement.mode=split"]
+
+
+def _validation(tmp_path, test_freq: int) -> list[str]:
+    """Validation every `test_freq` steps on 8 prompts of the embedded task (a parquet file of its own), each
+    with a greedy and rollout.val_n=2 sampled responses."""
+    val = write_embedded_dataset(str(tmp_path / "val"), "copy", 8, 4, seed=7, split="val")
+    return [f"trainer.test_freq={test_freq}", "rollout.val_n=2", f"data.val_files=[{val}]"]
 
 
 def _metrics(out) -> dict[int, dict]:
@@ -102,9 +110,13 @@ def _killed_in_step_3(out, *overrides: str) -> None:
 
 
 def test_split_3_ranks_equals_colocated_dp2_and_resumes_after_sigkill(tmp_path):
-    colocated = _train(2, tmp_path / "colocated")
+    """Validation after steps 3 and 4 (the last) of the resumed run equals colocated's too. (None before the
+    kill: validation after step 2 would send step 3's weights before step 2's checkpoint exists, and step 3
+    could then be scored, not stalled, before it does.)"""
+    validation = _validation(tmp_path, 3)
+    colocated = _train(2, tmp_path / "colocated", *validation)
 
-    split = ["placement.mode=split", "placement.rollout_ranks=1"]
+    split = ["placement.mode=split", "placement.rollout_ranks=1", *validation]
     out = tmp_path / "split"
     _killed_in_step_3(out, *split)
     assert sorted(_metrics(out)) == [1, 2]  # killed inside step 3
@@ -112,19 +124,27 @@ def test_split_3_ranks_equals_colocated_dp2_and_resumes_after_sigkill(tmp_path):
     assert sorted(rows) == [1, 2, 3, 4]
     for step, row in rows.items():
         assert _comparable(row) == _comparable(colocated[step]), step
-        for key in ("timing/weight_transfer", "timing/wait_rollout", "timing/wait_train", "timing/gen"):
+        for key in ("timing/wait_rollout", "timing/wait_train", "timing/gen"):
             assert row[key] >= 0, (step, key)
+    # validation after step 3 sent step 4's weights (timed in step 3's timing/testing)
+    assert [s for s in rows if "timing/weight_transfer" in rows[s]] == [1, 2, 3]
     assert "actor/grad_norm" in rows[4] and "reward/mean" in rows[4]
+    assert [s for s in rows if "val/reward_mean" in rows[s]] == [3, 4]
 
 
 def test_split_tp2_train_2_rollout_replicas_equals_colocated_micro_dp(tmp_path):
-    """4 ranks: TP=2 trains (DP=1), two rollout replicas generate one half of its prompts each."""
+    """4 ranks: TP=2 trains (DP=1), two rollout replicas generate one half of its prompts each; with DAPO's
+    dynamic sampling (further rounds until the batch has enough groups whose rewards differ) and validation
+    after every step."""
     short = ["trainer.total_steps=2", "trainer.save_freq=0", "parallel.tp=2", "rollout.tp=1"]
+    short += ["algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3", *_validation(tmp_path, 1)]
     colocated = _train(2, tmp_path / "colocated", *short)
     split = _train(4, tmp_path / "split", *short, "placement.mode=split", "placement.rollout_ranks=2")
     assert sorted(split) == [1, 2]
     for step, row in split.items():
         assert _comparable(row) == _comparable(colocated[step]), step
+        assert "val/reward_mean" in row and "val/embedded/copy/mean@2" in row, step
+    assert max(row["dynamic_sampling/rounds"] for row in split.values()) > 1  # further rounds ran
 
 
 LEARN = [  # tests/engine/learning_script.py's settings for the embedded `target` task at DP=2, seed 2
@@ -149,8 +169,10 @@ def test_one_step_off_policy_records_staleness_and_learns_the_embedded_task(tmp_
     step on the previous step's (staleness 1 on every row); the last step sends no weights; the mean reward
     of the last 10 of 40 steps beats the first 10 by the margin of tests/engine/test_trainer_learning.py."""
     off_policy = ["placement.mode=split", "placement.rollout_ranks=1", "trainer.off_policy_steps=1"]
-    rows = _train(3, tmp_path / "off", *LEARN, *off_policy, "algorithm.tis_cap=2")
+    validation = _validation(tmp_path, 13)  # after steps 13, 26, 39 (whose weights go out only for it), 40
+    rows = _train(3, tmp_path / "off", *LEARN, *off_policy, "algorithm.tis_cap=2", *validation)
     assert sorted(rows) == list(range(1, 41))
+    assert [s for s in rows if "val/reward_mean" in rows[s]] == [13, 26, 39, 40]
     assert [rows[s]["rollout/staleness_max"] for s in (1, 2, 40)] == [0.0, 1.0, 1.0]
     assert rows[2]["rollout/staleness_mean"] == 1.0
     # the rollout-vs-training gap: float noise on-policy, the update's change from step 2 on
