@@ -3,7 +3,8 @@
 Training layout TP=2; rollout.tp 2 (the training shards themselves) and 1 (regrouped by the 3D-HybridEngine,
 prompts split over the micro-DP group). Checks: greedy == transformers, rollout log-probs == the actor's
 training forward (MegatronRole.run + log_prob_fn) within 1e-4 in float32, a turn continued from the kept KV
-cache == a full prefill, identical outputs on both ranks, and the vLLM weight loader against vLLM's sharding rules. See the script's docstring.
+cache == a full prefill, identical outputs on both ranks, and the vLLM weight loader against vLLM's sharding
+rules. See the script's docstring.
 """
 
 from __future__ import annotations
