@@ -328,8 +328,8 @@ def test_continued_turns_keep_the_cache_and_equal_a_full_prefill(tiny, family, g
     1e-5 (float32); mixed prompt, response and appended lengths, rows that finished early (compacted away
     in graph mode and eager), shuffled and dropped rows. Sampling with a seed repeats itself and draws what
     the full prefill draws. Without max_len the layout is too short for turn 2 and the engine prefills in
-    full; with keep_cache=False the cache is freed when the hold ends; a prompt that does not extend the row
-    it names is an error."""
+    full, and so does a turn after a call that needed more than one chunk; with keep_cache=False the cache is
+    freed when the hold ends; a prompt that does not extend the row it names is an error."""
     shape = tiny[family][0]
     prompts = random_prompts(shape.vocab_size, lens=tuple(range(1, 13)), seed=3)
     free = engine_for(tiny, family).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))
@@ -379,5 +379,11 @@ def test_continued_turns_keep_the_cache_and_equal_a_full_prefill(tiny, family, g
     short = engine()  # no max_len: turn 2 needs a longer cache than turn 1 laid out
     turns = episode_turns(short, prompts, first, None)
     assert turns[1][4]["continued_rows"] == 0
+    for p, sampling, _, out, _ in turns:
+        assert torch.equal(out.response_ids, full.generate(p, sampling).response_ids)
+    # 12 rows in chunks of 8 keep nothing (turn 2 prefills in full); turn 2's 8 rows fit: turn 3 continues
+    chunked = engine_for(tiny, family, max_num_seqs=8)
+    turns = episode_turns(chunked, prompts, first, hold_len)
+    assert [t[4]["continued_rows"] for t in turns] == [0, 0, len(turns[2][0])]
     for p, sampling, _, out, _ in turns:
         assert torch.equal(out.response_ids, full.generate(p, sampling).response_ids)
