@@ -17,10 +17,12 @@ One `EpisodeRunner.run` call rolls out `sampling.n` episodes per prompt:
 All episodes of a call advance together, turn by turn; finished ones drop out. Each turn's limit is
 rollout.max_new_tokens, cut to what is left of max_total_tokens.
 
-KV cache across turns: the native engine prefills each continuation again (its cache rows are laid out per
-`generate` call, left-padded per batch, so a row's cache cannot be carried into the next call's batch);
-vLLM keeps the episode's blocks through prefix caching, with the engine kept awake across the turns of one
-call (`RolloutEngine.hold`).
+KV cache across turns: the turns of one call run inside `RolloutEngine.hold(max_len)` (max_len: the longest
+prompt + max_total_tokens + one turn), and turn k > 1 goes through `generate_continued`, naming each
+episode's row of the turn before. The native engine keeps each row's K/V between turns and prefills only the
+tool turn (and the last generated token), falling back to a full prefill where the rows do not fit its cache
+at once (engine/rollout/native.py); vLLM keeps the episode's blocks through prefix caching while it stays
+awake.
 """
 
 from __future__ import annotations
@@ -111,8 +113,8 @@ class EpisodeRunner:
         episodes = [Episode() for _ in range(num_rows)]
         live = list(range(num_rows))
         stats = {"turns": 0.0, "tool_s": 0.0}
-        turn = 0
-        with engine.hold():
+        turn, previous = 0, list(range(num_rows))  # previous[i]: live row i's row in the last call's output
+        with engine.hold(max_len=longest + budget + per_turn):  # all rows decode to the longest's end
             while live:
                 if turn == 0:
                     turn_prompts = prompts
@@ -127,7 +129,11 @@ class EpisodeRunner:
                         max_new_tokens_per_prompt=tuple(limits) if min(limits) < max(limits) else (),
                         seed=_turn_seed(sampling.seed, turn),
                     )
-                out = engine.generate(turn_prompts, turn_sampling)
+                if turn == 0:
+                    out = engine.generate(turn_prompts, turn_sampling)
+                else:
+                    out = engine.generate_continued(turn_prompts, turn_sampling, [previous[r] for r in live])
+                previous = {r: i for i, r in enumerate(live)}
                 stats["turns"] += 1
                 pending = self._append_turn(out, live, ids, mask, logp, reasons, episodes, row_tools)
                 start = time.perf_counter()

@@ -98,10 +98,19 @@ class RolloutEngine:
     def release(self) -> None:
         """Free memory held between rollouts (no-op by default)."""
 
+    def generate_continued(
+        self, prompts: list[list[int]], sampling: SamplingParams, previous: list[int]
+    ) -> RolloutOutput:
+        """`generate`, where prompt i extends row `previous[i]` of the latest call inside `hold()`: that row's
+        prompt and response, then new tokens (the next turn of an episode). Engines that keep a row's KV cache
+        (native) prefill only the new tokens; by default the prompts are generated from as they are."""
+        return self.generate(prompts, sampling)
+
     @contextmanager
-    def hold(self):
+    def hold(self, max_len: int | None = None):
         """Keep what the engine holds (weights loaded, KV cache, prefix cache) across the `generate` calls made
-        inside, e.g. the turns of multi-turn episodes; released on exit. No-op by default."""
+        inside, e.g. the turns of multi-turn episodes; released on exit. `max_len`: the longest prompt +
+        response a call inside needs (a hint for engines that size their cache once). No-op by default."""
         yield
 
 

@@ -7,8 +7,10 @@ TP size differs from the training modules'. Parity with the training forward is 
 (tests/engine/test_rollout_native.py), not assumed. Nothing here allocates per-sequence state: the KV cache
 and the batch bookkeeping belong to engine/rollout/native.py.
 
-Two entry points:
+Three entry points:
 - `prefill`: left-padded prompts (u, s) -> logits of the last position, K/V written into cache rows;
+- `prefill_continued`: new tokens of rows whose earlier K/V are in the cache (the next turn of an episode),
+  attending over the row's cache and each other, causally -> logits of the last position;
 - `decode`: one token per cache row at one common cache position `cur` (a 1-element tensor, so that the step
   can be captured in a CUDA graph), attending over the row's written positions.
 The KV cache of a layer is (rows, positions, groups, head_dim): a row's keys are contiguous, so the flash
@@ -357,6 +359,49 @@ class RolloutModel:
             return out.transpose(1, 2).reshape(u, n, self.heads * self.head_dim)
 
         h = self._layers(self.embed(ids_us), cos, sin, attend)
+        return self.logits(h[:, -1])
+
+    def prefill_continued(
+        self,
+        ids_uc: torch.Tensor,
+        real_uc: torch.Tensor,
+        pad_u: torch.Tensor,
+        end: int,
+        cache_k: list[torch.Tensor],
+        cache_v: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Prefill with the past in the cache: tokens `ids_uc` (u, c) sit at cache positions [end - c, end) of
+        rows [0, u), whose earlier positions [pad_u[r], end - c) already hold K/V; only the positions where
+        `real_uc` is true are new tokens (the others, right-aligned rows' leading fillers, keep what the cache
+        holds: their K/V are not written). Queries attend causally over [pad_u[r], own position]. Returns the
+        logits of the last position, (u, vocab_size) float32.
+
+        A filler query attends to its own cache position as well, so that no query row is fully masked (a NaN
+        there would not reach real rows: filler K/V are never written, and real queries read the cache)."""
+        u, c = ids_uc.shape
+        dev = ids_uc.device
+        at_q, at_k = torch.arange(end - c, end, device=dev), torch.arange(end, device=dev)
+        pos = (at_q[None] - pad_u[:, None]).clamp(min=0)  # (u, c): positions count real tokens only
+        mask = (at_k[None, None] >= pad_u[:, None, None]) & (at_k[None, None] <= at_q[None, :, None])
+        mask = (mask | (at_k[None, None] == at_q[None, :, None])).unsqueeze(1)  # (u, 1, queries, keys)
+        cos, sin = self.cos[pos][:, :, None, None], self.sin[pos][:, :, None, None]  # (u, c, 1, 1, dim)
+        new = real_uc[:, :, None, None]  # (u, c, 1, 1)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            for cache, x in ((cache_k[i], k), (cache_v[i], v)):
+                window = cache[:, end - c : end]
+                window.copy_(torch.where(new, x, window))
+            q = q.reshape(u, c, self.heads, self.head_dim).transpose(1, 2)
+            k, v = (
+                cache_k[i][:, :end].transpose(1, 2),
+                cache_v[i][:, :end].transpose(1, 2),
+            )  # (u, groups, end, d)
+            if self.per_group > 1:
+                k, v = k.repeat_interleave(self.per_group, dim=1), v.repeat_interleave(self.per_group, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (u, heads, c, dim)
+            return out.transpose(1, 2).reshape(u, c, self.heads * self.head_dim)
+
+        h = self._layers(self.embed(ids_uc), cos, sin, attend)
         return self.logits(h[:, -1])
 
     def decode(

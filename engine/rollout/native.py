@@ -13,6 +13,12 @@ How a `generate` call runs (the forward itself is engine/rollout/model.py):
 - on CUDA the decode step is replayed from a CUDA graph per batch bucket (engine/rollout/cuda_graphs.py) and
   the host checks for finished rows every `check_every` steps only; on CPU every step, inside
   `parallel.cpu.no_shim_overhead()` (the megatron CPU shims' TorchFunctionMode costs a Python call per op).
+- the turns of multi-turn episodes (`hold(max_len)`, then `generate_continued`): when a call's rows fit one
+  chunk, the cache keeps each row's K/V (finished rows are compacted behind the live ones, not overwritten),
+  laid out for max_len positions; the next turn moves each continued row's K/V to this call's left padding
+  (one gather per layer: RoPE positions count real tokens, so they stay valid) and prefills only its new
+  tokens against them (engine/rollout/model.py `prefill_continued`). Rows that did not fit one chunk, or a
+  turn longer than the layout, are prefilled in full (`last_stats["continued_rows"]` says which happened).
 
 Every TP rank of the group draws the same tokens: they see bitwise-identical logits (all-gathered) and
 use the same seed. Same inputs, seed and engine settings give the same responses; a different chunking
@@ -23,6 +29,7 @@ Log-probs are always returned, `SamplingParams.log_probs` or not: the sampler ha
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +84,23 @@ class _Outputs:
     limits."""
 
 
+@dataclass
+class _Kept:
+    """The cache rows of the latest `generate` call inside `hold()`, per output row of that call."""
+
+    slot: list[int]
+    """Cache slot of the row."""
+    pad: list[int]
+    """Left padding of the row: its K/V sit at cache positions [pad, pad + valid)."""
+    valid: list[int]
+    """Tokens whose K/V are written: the prompt and every generated token but the last (never fed back)."""
+    tokens: list[list[int]]
+    """The row's prompt and response ids (a continuation's prompt must start with them)."""
+    slots: int
+    seq_len: int
+    """The cache layout (slots, seq_len) the rows live in."""
+
+
 class NativeRollout(RolloutEngine):
     """KV-cache generation on `RolloutWeights`; call `set_weights` after each train -> rollout transition.
 
@@ -86,7 +110,9 @@ class NativeRollout(RolloutEngine):
     `cuda_graphs` (None: on CUDA), `keep_cache` (None: on CPU only; on CUDA the cache and graphs are freed
     after each call so that training gets the memory back), `prefill_tokens` (tokens per prefill forward),
     `check_every` (decode steps between host checks for finished rows; None: 1 on CPU, 8 on CUDA),
-    `kernels` (the forward's fast kernels, engine/rollout/model.py `DecodeKernels`; default: all where they apply).
+    `kernels` (the forward's fast kernels, engine/rollout/model.py `DecodeKernels`; default: all where they apply),
+    `keep_episode_cache` (inside `hold()`, keep each row's K/V for `generate_continued`; False: every call
+    prefills its prompts in full).
     """
 
     def __init__(
@@ -103,6 +129,7 @@ class NativeRollout(RolloutEngine):
         prefill_tokens: int = 8192,
         check_every: int | None = None,
         kernels: DecodeKernels | None = None,
+        keep_episode_cache: bool = True,
     ):
         device = torch.device(device)
         on_cuda = device.type == "cuda"
@@ -121,6 +148,10 @@ class NativeRollout(RolloutEngine):
         self.check_every = check_every or (8 if on_cuda else 1)
         self.seq_align = 64 if on_cuda else 8
         self.kernels = kernels or DecodeKernels()
+        self.keep_episode_cache = keep_episode_cache
+        self._holding = False
+        self._hold_len: int | None = None
+        self._kept: _Kept | None = None
         self.weights: RolloutWeights | None = None
         self.model: RolloutModel | None = None
         self.pool: KVCachePool | None = None
@@ -163,6 +194,7 @@ class NativeRollout(RolloutEngine):
         if self.pool is not None:
             self.pool.release()
         self._rows = None
+        self._kept = None
 
     def _rows_state(self, slots: int) -> _Rows:
         if self._rows is None or self._rows.tokens.numel() != slots:
@@ -178,7 +210,50 @@ class NativeRollout(RolloutEngine):
         return self._rows
 
     # ---- generation ------------------------------------------------------------------------------
+    @contextmanager
+    def hold(self, max_len: int | None = None):
+        """Keep the KV cache across the `generate` calls inside, and each row's K/V for `generate_continued`
+        (with `keep_episode_cache`); freed on exit unless `keep_cache`. `max_len` (the longest prompt +
+        response a call inside will need) sizes the cache once, so that the continuations fit its layout."""
+        self._holding, self._hold_len, self._kept = True, max_len, None
+        try:
+            yield
+        finally:
+            self._holding, self._hold_len, self._kept = False, None, None
+            if not self.keep_cache:
+                self.release()
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+        return self._generate(prompts, sampling, None)
+
+    def generate_continued(
+        self, prompts: list[list[int]], sampling: SamplingParams, previous: list[int]
+    ) -> RolloutOutput:
+        """`generate`, where prompt i extends row `previous[i]` of the latest call inside `hold()` (that row's
+        prompt and response, then new tokens). When every such row is still in the cache and fits the
+        cache's layout, each row's K/V are moved (within the cache) to where this call's left padding puts
+        them and only the new tokens are prefilled; otherwise (not held, the previous call needed more
+        than one chunk, n > 1, a longer layout) the prompts are prefilled in full."""
+        if len(previous) != len(prompts):
+            raise ValueError(f"generate_continued: {len(previous)} previous rows for {len(prompts)} prompts")
+        kept = self._kept
+        usable = (
+            kept is not None
+            and sampling.n == 1
+            and len(set(previous)) == len(previous)
+            and max(map(len, prompts), default=0) + sampling.max_new_tokens <= kept.seq_len
+        )
+        if usable:
+            for i, r in enumerate(previous):
+                if not 0 <= r < len(kept.tokens) or prompts[i][: len(kept.tokens[r])] != kept.tokens[r]:
+                    raise ValueError(
+                        f"generate_continued: prompt {i} does not start with row {r}'s prompt and response "
+                        "of the previous call; pass the previous call's row index of each continued episode"
+                    )
+        return self._generate(prompts, sampling, (kept, previous) if usable else None)
+
+    def _generate(self, prompts, sampling: SamplingParams, continued) -> RolloutOutput:
+        """`generate`; `continued` = (the kept rows, the kept row of each prompt) or None (prefill in full)."""
         if self.model is None:
             raise RuntimeError("NativeRollout.generate called before set_weights()")
         check_sampling(sampling)
@@ -190,11 +265,11 @@ class NativeRollout(RolloutEngine):
             empty = torch.zeros(0, new)
             return RolloutOutput(empty.long(), empty, empty, [])
         longest = max(len(p) for p in prompts)
-        # cache length rounded up (fewer distinct graph keys), never past the RoPE table
-        seq_len = min(
-            -(-(longest + new) // self.seq_align) * self.seq_align, self.shape.max_position_embeddings
-        )
-        slots = min(self.max_num_seqs, num_rows, self._budget_slots(seq_len))
+        if continued is not None:  # the kept rows' layout
+            seq_len, slots = continued[0].seq_len, continued[0].slots
+        else:
+            seq_len = self._seq_len(longest + new)
+            slots = min(self.max_num_seqs, num_rows, self._budget_slots(seq_len))
         # longest responses first (chunks of similar length), then longest prompts
         order = sorted(range(len(prompts)), key=lambda i: (-sampling.limit_of(i), -len(prompts[i])))
         rows = [(p * sampling.n + j, p) for p in order for j in range(sampling.n)]
@@ -206,7 +281,11 @@ class NativeRollout(RolloutEngine):
             "decode_steps": 0,
             "slot_steps": 0,
         }
+        if self._holding:
+            self.last_stats["continued_rows"] = 0 if continued is None else num_rows
         self.last_stats_by_width = {}
+        # inside hold(): track where each row's K/V end up, when one chunk holds every row
+        keep = self._holding and self.keep_episode_cache and num_rows <= slots
         with torch.inference_mode(), no_shim_overhead():
             out = _Outputs(
                 ids=torch.full((new, num_rows + 1), self.pad_id, dtype=torch.long, device=self.device),
@@ -222,8 +301,9 @@ class NativeRollout(RolloutEngine):
             if sampling.stop_token_ids and not sampling.ignore_eos:
                 stops = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=self.device)
             for start in range(0, num_rows, slots):
-                self._generate_chunk(
-                    rows[start : start + slots], prompts, sampling, gen, stops, out, slots, seq_len
+                chunk = rows[start : start + slots]
+                track = self._generate_chunk(
+                    chunk, prompts, sampling, gen, stops, out, slots, seq_len, continued, keep
                 )
             result = RolloutOutput(
                 response_ids=out.ids[:, :num_rows].t().cpu(),
@@ -231,11 +311,41 @@ class NativeRollout(RolloutEngine):
                 log_probs=out.log_probs[:, :num_rows].t().cpu(),
                 finish_reasons=["stop" if s else "length" for s in out.stopped[:num_rows].tolist()],
             )
+        if self._holding:
+            self._kept = self._kept_rows(rows, prompts, result, track, slots, seq_len) if keep else None
         if self.graphs is not None:
             self.last_stats["graphs"] = self.graphs.num_graphs
-        if not self.keep_cache:
+        if not self.keep_cache and not self._holding:
             self.release()
         return result
+
+    def _seq_len(self, needed: int) -> int:
+        """Cache length for calls needing `needed` positions: rounded up (fewer distinct graph keys), never past
+        the RoPE table; inside `hold(max_len)` at least max_len where the budget holds one such sequence."""
+        align, limit = self.seq_align, self.shape.max_position_embeddings
+        seq_len = min(-(-needed // align) * align, limit)
+        if self._holding and self.keep_episode_cache and self._hold_len and self._hold_len > needed:
+            held = min(-(-self._hold_len // align) * align, limit)
+            if self.pool.max_slots(held) >= 1:
+                return held
+        return seq_len
+
+    def _kept_rows(self, rows, prompts, result: RolloutOutput, track, slots: int, seq_len: int) -> _Kept:
+        """Where each output row's K/V sit after a one-chunk call: `track` = (chunk row of each slot, -1 for
+        none; left padding of each slot)."""
+        home, pad = (t.tolist() for t in track)
+        num_rows = len(rows)
+        kept = _Kept([-1] * num_rows, [0] * num_rows, [0] * num_rows, [[]] * num_rows, slots, seq_len)
+        lengths = result.response_mask.sum(-1).long().tolist()
+        for slot, i in enumerate(home):
+            if i < 0:
+                continue
+            r, p = rows[i]
+            length = lengths[r]
+            kept.slot[r], kept.pad[r] = slot, pad[slot]
+            kept.valid[r] = len(prompts[p]) + length - 1  # the last token was never fed back
+            kept.tokens[r] = list(prompts[p]) + result.response_ids[r, :length].tolist()
+        return kept
 
     def _budget_slots(self, seq_len: int) -> int:
         slots = self.pool.max_slots(seq_len)
@@ -282,12 +392,57 @@ class NativeRollout(RolloutEngine):
             )
         return logits_u[row_prompt_t], pad_u[row_prompt_t], plen
 
-    def _generate_chunk(self, chunk, prompts, sampling, gen, stops, out: _Outputs, slots, seq_len) -> None:
+    def _prefill_continued(self, chunk, prompts, caches, kept: _Kept, previous: list[int]):
+        """`_prefill` for prompts that extend kept rows: row j of the chunk (prompt p, kept row previous[p])
+        gets that row's K/V moved from its slot into slot j, shifted to this call's left padding (RoPE
+        positions count real tokens, so they stay valid), then the tokens past the kept ones are prefilled
+        against them. Returns what `_prefill` returns."""
+        dev, n = self.device, len(chunk)
+        lens = [len(prompts[p]) for _, p in chunk]
+        plen = max(lens)
+        src = torch.tensor([kept.slot[previous[p]] for _, p in chunk], device=dev)
+        old_pad = torch.tensor([kept.pad[previous[p]] for _, p in chunk], device=dev)
+        pad_r = torch.tensor([plen - length for length in lens], device=dev)
+        # slot j, position t <- slot src[j], position t - pad_r[j] + old_pad[j] (the clamped ends are padding
+        # or are overwritten by the prefill below); gathered before written, so slots may swap
+        at = (torch.arange(plen, device=dev) - pad_r[:, None] + old_pad[:, None]).clamp(0, kept.seq_len - 1)
+        for cache in (*caches[0], *caches[1]):
+            cache[:n, :plen] = cache[src[:, None], at]
+        valid = [kept.valid[previous[p]] for _, p in chunk]
+        width = max(length - v for length, v in zip(lens, valid))
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        real = torch.zeros(n, width, dtype=torch.bool)
+        for j, (_, p) in enumerate(chunk):  # the new tokens, right-aligned to end at plen
+            tail = prompts[p][valid[j] :]
+            ids[j, width - len(tail) :], real[j, width - len(tail) :] = torch.tensor(tail), True
+        ids, real = ids.to(dev), real.to(dev)
+        logits = torch.empty(n, self.shape.vocab_size, device=dev)
+        per = max(1, self.prefill_tokens // plen)
+        for a in range(0, n, per):
+            b = min(n, a + per)
+            cache_k, cache_v = [k[a:b] for k in caches[0]], [v[a:b] for v in caches[1]]
+            logits[a:b] = self.model.prefill_continued(
+                ids[a:b], real[a:b], pad_r[a:b], plen, cache_k, cache_v
+            )
+        return logits, pad_r, plen
+
+    def _generate_chunk(
+        self, chunk, prompts, sampling, gen, stops, out: _Outputs, slots, seq_len, continued=None, keep=False
+    ):
+        """Prefill the chunk's rows (in full, or the new tokens of `continued` rows) and decode them; with
+        `keep`, return (chunk row of each slot or -1, left padding of each slot) as they end up."""
         self.last_stats["chunks"] += 1
         caches = self.pool.views(slots, seq_len)
         st = self._rows_state(slots)
-        logits, pad_r, plen = self._prefill(chunk, prompts, caches)
+        if continued is None:
+            logits, pad_r, plen = self._prefill(chunk, prompts, caches)
+        else:
+            logits, pad_r, plen = self._prefill_continued(chunk, prompts, caches, *continued)
         n = len(chunk)
+        track = None
+        if keep:  # permuted with the slots when finished rows are compacted away
+            track = (torch.full((slots,), -1, dtype=torch.long, device=self.device), st.pad.new_zeros(slots))
+            track[0][:n], track[1][:n] = torch.arange(n, device=self.device), pad_r
         buckets = batch_buckets(slots) if self.graphs is not None else None
         width = bucket_for(n, buckets) if buckets else n
         scratch = out.stopped.numel() - 1
@@ -314,13 +469,14 @@ class NativeRollout(RolloutEngine):
                 since, since_steps = now, 0
                 if live == 0:
                     break
-                width = self._maybe_compact(live, width, cur, caches, st, buckets, scratch)
+                width = self._maybe_compact(live, width, cur, caches, st, buckets, scratch, track)
             st.cur.fill_(cur)
             logits = self._decode(width, cur, caches, st, seq_len)
             self.last_stats["decode_steps"] += 1
             self.last_stats["slot_steps"] += width
             since_steps += 1
             cur += 1
+        return track
 
     def _time_width(self, width: int, steps: int, seconds: float) -> None:
         """Add `steps` decode steps of batch width `width` that took `seconds` (host clock between two host
@@ -351,8 +507,10 @@ class NativeRollout(RolloutEngine):
         st.tokens[:width] = torch.where(alive, tokens, self.pad_id)
         st.pad[:width] = torch.where(alive, st.pad[:width], next_pos)
 
-    def _maybe_compact(self, live, width, cur, caches, st: _Rows, buckets, scratch) -> int:
-        """Move the live slots to the front when enough finished; returns the new batch width."""
+    def _maybe_compact(self, live, width, cur, caches, st: _Rows, buckets, scratch, track=None) -> int:
+        """Move the live slots to the front when enough finished; returns the new batch width. With `track`
+        (slot bookkeeping of kept rows), the finished slots' K/V move behind the live ones instead of being
+        overwritten, and `track` is permuted with them."""
         if buckets:
             target = bucket_for(live, buckets)
             if target >= width:
@@ -362,7 +520,13 @@ class NativeRollout(RolloutEngine):
                 return width
             target = live
         keep = st.alive[:width].nonzero().squeeze(1)
-        compact_rows(*caches, keep, cur)
+        if track is None:
+            compact_rows(*caches, keep, cur)
+        else:
+            order = torch.cat((keep, (~st.alive[:width]).nonzero().squeeze(1)))
+            compact_rows(*caches, order, cur)
+            for buf in track:
+                buf[:width] = buf[order]
         for buf in (st.tokens, st.pad, st.row_of):
             buf[:live] = buf[keep]
         st.alive[:live] = True

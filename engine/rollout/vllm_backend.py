@@ -401,9 +401,9 @@ class VllmRollout(RolloutEngine):
         return RolloutOutput(ids, mask, log_probs, reasons)
 
     @contextlib.contextmanager
-    def hold(self):
+    def hold(self, max_len: int | None = None):
         """Stay awake across the `generate` calls inside (weights loaded once, prefix cache kept: the turns of
-        multi-turn episodes reuse their earlier turns' KV blocks); sleep on exit."""
+        multi-turn episodes reuse their earlier turns' KV blocks); sleep on exit. `max_len` is not needed."""
         self._holding, self._held_loaded = True, False
         try:
             yield

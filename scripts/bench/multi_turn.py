@@ -10,7 +10,8 @@ assistant turn is --turn-tokens long (EOS ignored) and calls the synthetic tool,
 --tool-latency-ms with a fixed --tool-result-chars string, rendered by the embedded character-level chat
 template (engine/tasks/embedded.py); so every episode has exactly --turns assistant turns and the backends do
 the same work. Generated ids are shown to the tokenizer modulo its vocabulary (only the tool turns' text
-matters here). The native engine prefills each turn's prompt again; vLLM keeps the episode's KV blocks through
+matters here). The native engine keeps each episode's K/V across turns and prefills only the tool turn
+(`native_reprefill`: it prefills each turn's prompt in full); vLLM keeps the episode's KV blocks through
 prefix caching while it stays awake across the turns (`RolloutEngine.hold`). Timed: one `EpisodeRunner.run`
 after a warm-up of one turn of 8 tokens.
 """
@@ -78,7 +79,11 @@ class ModuloTokenizer:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=PRESETS, default="tiny")
-    ap.add_argument("--backends", default="native,vllm", help="comma-separated: native, vllm")
+    ap.add_argument(
+        "--backends",
+        default="native,native_reprefill,vllm",
+        help="comma-separated: native, native_reprefill (no KV cache kept across turns), vllm",
+    )
     ap.add_argument("--prompts", type=int, help="default 256 (16 for tiny)")
     ap.add_argument("--prompt-len", type=int, help="default 256 (16 for tiny)")
     ap.add_argument("--turns", type=int, help="assistant turns per episode; default 4 (3 for tiny)")
@@ -92,10 +97,11 @@ def parse_args() -> argparse.Namespace:
 
 
 def make_engine(name: str, shape, device, args):
-    if name == "native":
+    if name in ("native", "native_reprefill"):
         from engine.rollout.native import NativeRollout
 
-        return NativeRollout(shape, device, max_num_seqs=args.prompts)
+        keep = name == "native"
+        return NativeRollout(shape, device, max_num_seqs=args.prompts, keep_episode_cache=keep)
     if device.type != "cuda":
         return None
     from engine.rollout.vllm_backend import VllmRollout

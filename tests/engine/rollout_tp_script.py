@@ -8,6 +8,8 @@ with `build_and_load`, and for rollout.tp in (2, 1) via `HybridEngine(..., rollo
   halves are gathered) equals transformers' greedy generation token for token;
 - sampled responses (n=2, T=0.7, top-p, a stop token): their rollout log-probs equal the actor's training
   forward (MegatronRole.run + log_prob_fn at the same temperature) within LOGP_TOL (float32);
+- an episode's next turn continued from the kept KV cache gives a full prefill's tokens (log-probs within
+  LOGP_TOL);
 - both ranks hold identical outputs; asked for no log-probs (SamplingParams.log_probs=False, what
   rollout.log_probs=false asks), the same responses come back with log_probs None, exchange included;
 - the vLLM weight loader (engine/rollout/vllm_weights.py) fills vLLM-shaped parameters from the rollout shards
@@ -108,6 +110,23 @@ def same_on_all_ranks(t: torch.Tensor) -> bool:
     return all(torch.equal(parts[0], p) for p in parts)
 
 
+def check_continued_turn(engine: NativeRollout, prompts: list[list[int]]) -> float:
+    """An episode's next turn continued from the kept KV cache (engine/rollout/native.py
+    `generate_continued`, the TP collectives of `prefill_continued`) gives a full prefill's tokens; returns
+    the largest log-prob difference."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW)
+    with engine.hold(max_len=max(map(len, prompts)) + 2 * NEW + 3):
+        first = engine.generate(prompts, greedy)
+        turn2 = [
+            p + r + [5] * (1 + i % 3) for i, (p, r) in enumerate(zip(prompts, first.response_ids.tolist()))
+        ]
+        cont = engine.generate_continued(turn2, greedy, list(range(len(prompts))))
+        continued = engine.last_stats["continued_rows"]
+    full = engine.generate(turn2, greedy)
+    assert continued == len(prompts) and torch.equal(cont.response_ids, full.response_ids), (continued,)
+    return (cont.log_probs - full.log_probs).abs().max().item()
+
+
 def check_family(groups, family: str, path: str) -> None:
     start = time.perf_counter()
     chunks, shape = build_and_load(path, groups)  # training layout TP=2
@@ -151,6 +170,7 @@ def check_family(groups, family: str, path: str) -> None:
         bare = rollout_replica(engine, weights, prompts, replace(sampling, log_probs=False))
         assert bare.log_probs is None and torch.equal(bare.response_ids, sampled.response_ids)
         num_stopped = sampled.finish_reasons.count("stop")
+        cont_diff = check_continued_turn(engine, prompts[:4])
 
         # vLLM's parameters, as vLLM shards them, filled from the rollout shards
         vocab = shape.vocab_size
@@ -173,6 +193,7 @@ def check_family(groups, family: str, path: str) -> None:
                         "greedy_logp_diff": greedy_diff,
                         "sampled_logp_diff": sampled_diff,
                         "stopped_rows": num_stopped,
+                        "continued_logp_diff": cont_diff,
                         "vllm_tensors": stats["tensors"],
                         "vllm_vocab_bytes_received": stats["bytes_received"],
                         "elapsed_s": round(time.perf_counter() - start, 2),

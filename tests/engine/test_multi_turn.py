@@ -2,6 +2,7 @@
 - an episode's token ids are exactly the generated ids and the rendered tool-turn ids, concatenated (each turn
   regenerated greedily from the episode's own prefix gives the same ids: nothing was re-tokenised); the mask
   is 1 on generated tokens and 0 on tool tokens, which stay in the training sequence as context;
+- the native engine keeps each episode's KV cache across turns and gives the episodes of a full prefill;
 - advantages with interior holes: tokens before a tool turn keep the outcome advantage (GRPO, GAE);
 - tools: the calculator parses arithmetic without eval; a failing or slow user tool becomes an error message;
 - the Python sandbox contains a fork bomb, an infinite loop, a write outside its directory and network use;
@@ -65,7 +66,7 @@ def tokenizer(tmp_path_factory):
     return load_tokenizer(build_embedded_tokenizer(str(tmp_path_factory.mktemp("tok"))))
 
 
-def _random_engine(tokenizer, max_pos: int = 96) -> NativeRollout:
+def _random_engine(tokenizer, max_pos: int = 96, **kw) -> NativeRollout:
     """The native engine on a seeded random tiny model (megatron parameter names and layout)."""
     shape = resolve_shape(ModelConfig(max_position_embeddings=max_pos), len(tokenizer), 1)
     g = torch.Generator().manual_seed(0)
@@ -90,7 +91,7 @@ def _random_engine(tokenizer, max_pos: int = 96) -> NativeRollout:
             p + "mlp.linear_fc1.weight": w(2 * f, h),
             p + "mlp.linear_fc2.weight": w(h, f),
         }
-    engine = NativeRollout(shape, CPU, pad_id=tokenizer.pad_token_id)
+    engine = NativeRollout(shape, CPU, pad_id=tokenizer.pad_token_id, **kw)
     engine.set_weights(RolloutWeights(params, 1, 0, None, None, 0, 1))
     return engine
 
@@ -142,6 +143,30 @@ def test_episode_ids_are_generated_and_tool_tokens_concatenated(tokenizer):
         p, length = int(exp.prompt_lens[r]), int(lengths[r])
         assert exp.tokens[r, p : p + length].tolist() == out.response_ids[r, :length].tolist()
         assert 0 < exp.response_mask[r].sum() < length
+
+
+def test_native_episodes_keep_the_kv_cache_across_turns(tokenizer):
+    """The native engine continues each episode from its kept K/V (only the tool turn is prefilled) and the
+    episodes equal those of an engine that prefills every turn in full: ids exactly, log-probs within 1e-5
+    (float32), greedy and sampled with a seed; the cache is freed when the episode loop ends."""
+    cfg = MultiTurnConfig(enable=True, max_turns=3, max_total_tokens=40, tool_format="test_every_turn")
+    runner = EpisodeRunner(cfg, tokenizer, {"calculator": Calculator()}, 96, tokenizer.pad_token_id)
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        for q in ("12+30", "7+8", "1")
+    ]
+    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+    for temperature in (0.0, 1.0):
+        sampling = SamplingParams(
+            n=2, temperature=temperature, max_new_tokens=6, stop_token_ids=(tokenizer.eos_token_id,), seed=3
+        )
+        kept = _random_engine(tokenizer, keep_cache=False)
+        out = runner.run(kept, prompts, sampling)
+        assert kept.last_stats["continued_rows"] == 6 and runner.last_stats["rounds"] == 3
+        assert kept.pool.allocated_bytes() == 0
+        ref = runner.run(_random_engine(tokenizer, keep_episode_cache=False), prompts, sampling)
+        assert torch.equal(out.response_ids, ref.response_ids) and out.finish_reasons == ref.finish_reasons
+        torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
 
 
 def test_advantages_with_tool_holes_keep_the_outcome():

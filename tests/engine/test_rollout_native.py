@@ -10,6 +10,8 @@ Tolerances (float32): log-probs within 1e-4 of transformers' (measured ~1e-6); g
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import hf_tiny
 import pytest
 import torch
@@ -282,3 +284,106 @@ def test_per_prompt_limits_stop_each_prompts_rows(tiny, check_every):
         engine.generate(
             prompts, SamplingParams(max_new_tokens=7, max_new_tokens_per_prompt=(8, 1, 1, 1, 1, 1))
         )
+
+
+def episode_turns(engine, prompts, first: SamplingParams, hold_len, seed: int = 0, temperature: float = 0.0):
+    """Three turns as the episode loop runs them, inside `hold(hold_len)`: turn 1 generates `prompts`; each
+    later turn continues a shuffled subset of the last turn's rows (one in three dropped) with 1-6 appended
+    ids and its own per-row limits. Returns [(prompts, sampling, previous rows or None, output,
+    engine.last_stats)] per turn."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.shape.vocab_size
+    turns = []
+    with engine.hold(hold_len):
+        out = engine.generate(prompts, first)
+        turns.append((prompts, first, None, out, dict(engine.last_stats)))
+        for turn in (1, 2):
+            rows = [r for r in torch.randperm(len(prompts), generator=g).tolist() if r % 3 != turn]
+            lengths = out.response_mask.sum(-1).long().tolist()
+            prompts = [
+                prompts[r]
+                + out.response_ids[r, : lengths[r]].tolist()
+                + torch.randint(
+                    0, vocab, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g
+                ).tolist()
+                for r in rows
+            ]
+            limits = tuple(torch.randint(2, 9, (len(rows),), generator=g).tolist())
+            sampling = SamplingParams(
+                temperature=temperature,
+                max_new_tokens=max(limits),
+                max_new_tokens_per_prompt=limits,
+                stop_token_ids=first.stop_token_ids,
+                seed=seed + turn,
+            )
+            out = engine.generate_continued(prompts, sampling, rows)
+            turns.append((prompts, sampling, rows, out, dict(engine.last_stats)))
+    return turns
+
+
+@pytest.mark.parametrize("family,graphs", [("qwen2", False), ("qwen3", True)])
+def test_continued_turns_keep_the_cache_and_equal_a_full_prefill(tiny, family, graphs):
+    """Episode turns continued from the kept KV cache (rows moved to this call's padding, only the appended
+    tokens prefilled) give the tokens of a full prefill of the same prompts, greedy, with log-probs within
+    1e-5 (float32); mixed prompt, response and appended lengths, rows that finished early (compacted away
+    in graph mode and eager), shuffled and dropped rows. Sampling with a seed repeats itself and draws what
+    the full prefill draws. Without max_len the layout is too short for turn 2 and the engine prefills in
+    full, and so does a turn after a call that needed more than one chunk; with keep_cache=False the cache is
+    freed when the hold ends; a prompt that does not extend the row it names is an error."""
+    shape = tiny[family][0]
+    prompts = random_prompts(shape.vocab_size, lens=tuple(range(1, 13)), seed=3)
+    free = engine_for(tiny, family).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))
+    stop = int(torch.bincount(free.response_ids.flatten()).argmax())  # rows finish at different steps
+    first = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(stop,))
+    hold_len = 12 + 3 * (8 + 6) + 8
+
+    def engine(keep_episode_cache: bool = True):  # the same batch widths, hence random stream, for both
+        e = engine_for(
+            tiny,
+            family,
+            keep_cache=False,
+            max_num_seqs=16 if graphs else 256,
+            keep_episode_cache=keep_episode_cache,
+        )
+        if graphs:
+            e.graphs = EagerGraphs()
+        return e
+
+    full = engine(keep_episode_cache=False)
+    for temperature in (0.0, 1.0):
+        kept = engine()
+        turns = episode_turns(
+            kept, prompts, replace(first, temperature=temperature), hold_len, 0, temperature
+        )
+        assert [t[4]["continued_rows"] for t in turns] == [0, len(turns[1][0]), len(turns[2][0])]
+        assert turns[1][4]["compactions"] >= 1  # finished rows moved behind the live ones, then continued
+        assert kept.pool.allocated_bytes() == 0 and kept._kept is None  # freed when the hold ended
+        for p, sampling, _, out, _ in turns:
+            ref = full.generate(p, sampling)
+            assert (
+                torch.equal(out.response_ids, ref.response_ids) and out.finish_reasons == ref.finish_reasons
+            )
+            torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
+        if temperature:
+            again = episode_turns(
+                engine(), prompts, replace(first, temperature=temperature), hold_len, 0, 1.0
+            )
+            for a, b in zip(turns, again):
+                assert torch.equal(a[3].response_ids, b[3].response_ids)
+        else:
+            assert any(r == "stop" for r in turns[0][3].finish_reasons)
+    with kept.hold(hold_len):
+        kept.generate(prompts[:2], first)
+        with pytest.raises(ValueError, match="prompt 0 does not start with row 1's prompt and response"):
+            kept.generate_continued([prompts[0] + [1]], first, [1])
+    short = engine()  # no max_len: turn 2 needs a longer cache than turn 1 laid out
+    turns = episode_turns(short, prompts, first, None)
+    assert turns[1][4]["continued_rows"] == 0
+    for p, sampling, _, out, _ in turns:
+        assert torch.equal(out.response_ids, full.generate(p, sampling).response_ids)
+    # 12 rows in chunks of 8 keep nothing (turn 2 prefills in full); turn 2's 8 rows fit: turn 3 continues
+    chunked = engine_for(tiny, family, max_num_seqs=8)
+    turns = episode_turns(chunked, prompts, first, hold_len)
+    assert [t[4]["continued_rows"] for t in turns] == [0, 0, len(turns[2][0])]
+    for p, sampling, _, out, _ in turns:
+        assert torch.equal(out.response_ids, full.generate(p, sampling).response_ids)
