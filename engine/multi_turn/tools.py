@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import operator
-import os
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.errors import UserError
+from engine.user_code import import_target, split_target
 
 
 class ToolSpecError(UserError, ValueError):
@@ -176,24 +173,15 @@ def _in_daemon_thread(fn: Callable, args: dict) -> asyncio.Future:
 
 
 def _import_attr(spec: str, key: str):
-    target, sep, name = spec.strip().rpartition(":")
-    if not sep or not target or not name:
+    parts = split_target(spec)
+    if parts is None:
         raise ToolSpecError(
             f"{key}: {spec!r} is neither a built-in tool ({sorted(TOOLS)}) nor 'module:function' / "
             "'path/to/file.py:function'. Fix: name a built-in tool or a function after a colon"
         )
+    target, name = parts
     try:
-        if target.endswith(".py") or "/" in target:
-            path = os.path.abspath(target)
-            module_name = "engine_user_tool_" + str(abs(hash(path)))
-            module_spec = importlib.util.spec_from_file_location(module_name, path)
-            if module_spec is None or not os.path.isfile(path):
-                raise FileNotFoundError(path)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[module_name] = module
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
+        module = import_target(target, "engine_user_tool_")
     except Exception as exc:
         raise ToolSpecError(
             f"{key}: cannot import {target!r} for tool {spec!r} ({type(exc).__name__}: {exc}). Fix: put the "

@@ -11,14 +11,10 @@ Every output is checked: one finite number per response; errors name the functio
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
 import os
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -26,6 +22,7 @@ import torch
 
 from engine.errors import RewardFnCallError, RewardFnError
 from engine.rewards.registry import get_rule
+from engine.user_code import import_target, is_file_target, split_target
 
 UserRewardFn = Callable[[str, str, str, dict], "float | dict"]
 BUILTIN_NAME = "the built-in rule rewards (reward.fn empty)"
@@ -154,40 +151,30 @@ def _as_number(value) -> float | None:
 
 def load_user_fn(spec: str) -> UserRewardFn:
     """Import the function named by `reward.fn` (`module:function` or `path/to/file.py:function`)."""
-    target, sep, fn_name = spec.strip().rpartition(":")
-    if not sep or not target or not fn_name:
+    parts = split_target(spec)
+    if parts is None:
         raise RewardFnError(
             f"reward.fn={spec!r}: expected 'module:function' or 'path/to/file.py:function'. Fix: name the "
             "function after a colon, e.g. reward.fn=my_reward.py:score"
         )
-    if target.endswith(".py") or "/" in target or os.sep in target:
-        path = os.path.abspath(target)
-        if not os.path.isfile(path):
+    target, fn_name = parts
+    try:
+        module = import_target(target, "engine_user_reward_")
+    except FileNotFoundError as exc:
+        raise RewardFnError(
+            f"reward.fn={spec!r}: file {exc} not found. Fix: give the path of an existing .py file "
+            "(relative paths start at the working directory)"
+        ) from exc
+    except Exception as exc:
+        if is_file_target(target):
             raise RewardFnError(
-                f"reward.fn={spec!r}: file {path} not found. Fix: give the path of an existing .py file "
-                "(relative paths start at the working directory)"
-            )
-        # A stable, unique module name: two files called reward.py must not overwrite each other.
-        module_name = "engine_user_reward_" + hashlib.sha1(path.encode()).hexdigest()[:12]
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as exc:
-            del sys.modules[module_name]
-            raise RewardFnError(
-                f"reward.fn={spec!r}: importing {path} failed: {type(exc).__name__}: {exc}. Fix: make the "
-                "file import cleanly (python path/to/file.py shows the traceback)"
+                f"reward.fn={spec!r}: importing {os.path.abspath(target)} failed: {type(exc).__name__}: {exc}. "
+                "Fix: make the file import cleanly (python path/to/file.py shows the traceback)"
             ) from exc
-    else:
-        try:
-            module = importlib.import_module(target)
-        except Exception as exc:
-            raise RewardFnError(
-                f"reward.fn={spec!r}: cannot import module {target!r} ({type(exc).__name__}: {exc}). "
-                "Fix: put it on PYTHONPATH, or give a file: reward.fn=path/to/file.py:function"
-            ) from exc
+        raise RewardFnError(
+            f"reward.fn={spec!r}: cannot import module {target!r} ({type(exc).__name__}: {exc}). "
+            "Fix: put it on PYTHONPATH, or give a file: reward.fn=path/to/file.py:function"
+        ) from exc
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         names = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
