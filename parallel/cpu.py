@@ -1,6 +1,6 @@
 """megatron-core on CPU with gloo: every shim the engine needs, in one place, applied only on CPU.
 
-megatron-core 0.16 assumes CUDA in a handful of places.
+megatron-core 0.16 assumes CUDA in a handful of places (shims 1-5, 7; sequence parallelism needs none, see below).
 Each shim below names the megatron code it works around; tests/parallel/test_cpu_shims.py exercises each
 one against the real megatron code so that a megatron upgrade that moves the target fails loudly there.
 Never import this module's shims on a GPU run: `install_cpu_shims()` refuses when CUDA is in use.
@@ -93,6 +93,38 @@ def _tensor_type_reporting_cuda(self, dtype=None, non_blocking=False, **kwargs):
     return _original_tensor_type(self, dtype, non_blocking, **kwargs)
 
 
+class _CpuStream:
+    """Shim 7: the one "stream" of a CPU process, for megatron's MoE code that overlaps work on CUDA side
+    streams: transformer/moe/token_dispatcher.py (`MoEAlltoAllTokenDispatcher.cuda_dtoh_stream`, its
+    `record_event().synchronize()`), transformer/moe/shared_experts.py (the shared-expert overlap stream).
+    CPU ops run in order, so waiting and synchronising are no-ops; every stream is this one object, so code
+    that checks `current_stream() != side_stream` sees no side stream."""
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event: object = None) -> _CpuStream:
+        return self  # an "event" whose synchronize() is a no-op
+
+    def query(self) -> bool:
+        return True
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _install_stream_shims() -> None:
+    torch.cuda.Stream = lambda *args, **kwargs: _CPU_STREAM
+    torch.cuda.current_stream = lambda device=None: _CPU_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
 def install_cpu_shims() -> None:
     """Apply every shim once per process. Call before building megatron models on CPU."""
     global _installed
@@ -104,6 +136,7 @@ def install_cpu_shims() -> None:
     torch.cuda.synchronize = lambda device=None: None  # shim 3: p2p_communication.py synchronizes
     _install_rng_shims()
     torch.Tensor.type = _tensor_type_reporting_cuda
+    _install_stream_shims()
     _CudaToCpuMode().__enter__()  # active for the rest of the process
     _installed = True
 

@@ -25,6 +25,23 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class ExpertGroups:
+    """megatron's expert-parallel groups of this rank (MoE models); expert TP is 1, so an expert's weights are
+    whole on each rank that holds it, replicated over `expt_dp`."""
+
+    ep: dist.ProcessGroup
+    """Expert-parallel group: the ranks that split one MoE layer's experts (tokens go between them)."""
+    tp_ep: dist.ProcessGroup
+    """Tensor x expert parallel group (the token dispatcher's group)."""
+    tp_ep_pp: dist.ProcessGroup
+    """Tensor x expert x pipeline group (one replica of the experts)."""
+    expt_dp: dist.ProcessGroup
+    """Expert data-parallel group: the ranks holding the same experts (their gradients are summed)."""
+    tp_dp: dist.ProcessGroup
+    """Tensor x data parallel group (the router's load-balancing statistics are global over it)."""
+
+
+@dataclass
 class ProcessGroups:
     """The groups of this rank, plus its coordinates; created once by `init_distributed`."""
 
@@ -48,9 +65,11 @@ class ProcessGroups:
     """Tied-embedding group: the first and last stage of this rank's PP group (this rank alone at pp=1);
     None on the middle stages."""
     alone: dist.ProcessGroup
-    """This rank by itself: megatron's context- and expert-parallel groups (the engine uses neither)."""
+    """This rank by itself: megatron's context-parallel and expert tensor-parallel groups (the engine uses neither)."""
     timeout: datetime.timedelta = datetime.timedelta(seconds=600)
     """Collective timeout of every group above (`cluster.timeout_s`); pass it to any `dist.new_group`."""
+    experts: ExpertGroups | None = None
+    """Expert-parallel groups (MoE models); None where they were not created (split placement)."""
 
     @property
     def tp_rank(self) -> int:
@@ -94,13 +113,18 @@ class ProcessGroups:
         """These groups as megatron-core's `ProcessGroupCollection`, for GPTModel, DDP, the optimizer,
         the schedules and finalize_model_grads (`pg_collection=`).
 
-        With no context or expert parallelism, megatron's data-parallel-with-context, expert-data-parallel
-        and expert tensor-model-pipeline groups have the ranks of dp and mp, and the distributed optimizer
-        (one instance) reduces gradient statistics over every rank of the role (`world`). The engine's
-        models have no learned position embeddings (RoPE), so no position-embedding group.
+        With no context parallelism, megatron's data-parallel-with-context group is dp and its
+        tensor-with-context groups are tp and tp x dp; the expert groups are `experts` (for a dense model
+        without them: ep alone, expert data parallel = dp, tp_ep_pp = mp). The distributed optimizer (one
+        instance) reduces gradient statistics over every rank of the role (`world`). The engine's models
+        have no learned position embeddings (RoPE), so no position-embedding group.
         """
         from megatron.core.process_groups_config import ProcessGroupCollection
 
+        e = self.experts
+        extra = {}
+        if e is not None:
+            extra = dict(expt_tp=self.alone, tp_ep=e.tp_ep, tp_cp=self.tp, tp_dp_cp=e.tp_dp)
         return ProcessGroupCollection(
             tp=self.tp,
             pp=self.pp,
@@ -108,12 +132,13 @@ class ProcessGroups:
             embd=self.embd,
             pos_embd=None,
             cp=self.alone,
-            ep=self.alone,
+            ep=e.ep if e else self.alone,
             dp=self.dp,
             dp_cp=self.dp,
-            expt_dp=self.dp,
-            tp_ep_pp=self.mp,
+            expt_dp=e.expt_dp if e else self.dp,
+            tp_ep_pp=e.tp_ep_pp if e else self.mp,
             intra_dist_opt=self.world,
+            **extra,
         )
 
 
@@ -165,6 +190,8 @@ def init_distributed(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=1,
         distributed_timeout_minutes=timeout_s / 60,  # megatron makes a timedelta of it: keep seconds exact
         create_gloo_process_groups=(backend == "gloo"),
     )
@@ -181,6 +208,13 @@ def init_distributed(
         embd=parallel_state.get_embedding_group(check_initialized=False),
         alone=parallel_state.get_context_parallel_group(),
         timeout=datetime.timedelta(seconds=timeout_s),
+        experts=ExpertGroups(
+            ep=parallel_state.get_expert_model_parallel_group(),
+            tp_ep=parallel_state.get_expert_tensor_and_model_parallel_group(),
+            tp_ep_pp=parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
+            expt_dp=parallel_state.get_expert_data_parallel_group(),
+            tp_dp=parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True),
+        ),
     )
 
 

@@ -34,6 +34,7 @@ def validate_parallel(cfg: TrainConfig, world_size: int) -> ParallelDims:
             sp=cfg.parallel.sp,
             first_stage_layers=cfg.parallel.first_stage_layers,
             last_stage_layers=cfg.parallel.last_stage_layers,
+            ep=cfg.parallel.ep,
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
@@ -78,6 +79,7 @@ def validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
         ("model.ffn_hidden_size", m.ffn_hidden_size),
     ):
         positive(key, value)
+    validate_moe(cfg, dims)
     if m.path:
         validate_checkpoint_positions(cfg, "model.path", m.path)  # config.json readable first
     validate_stage_layers(cfg, dims)
@@ -117,6 +119,75 @@ def validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
             longest,
             f"must be <= model.max_position_embeddings={m.max_position_embeddings}",
             "shorten prompts/responses or raise model.max_position_embeddings",
+        )
+
+
+def validate_moe(cfg: TrainConfig, dims: ParallelDims) -> None:
+    """model.moe.* and parallel.ep: the router, the experts' split over the expert-parallel ranks, and the
+    combinations the MoE path does not run (yet)."""
+    e = cfg.model.moe
+    if e.num_experts < 0:
+        fail("model.moe.num_experts", e.num_experts, "must be >= 0", "use 0 for a dense model")
+    if e.num_experts == 0:
+        if dims.ep > 1:
+            fail(
+                "parallel.ep",
+                dims.ep,
+                "expert parallelism needs a mixture-of-experts model (model.moe.num_experts is 0)",
+                "set parallel.ep=1 or pick an MoE model (model=tiny_moe)",
+            )
+        return
+    one_of("model.moe.score_function", e.score_function, ("softmax", "sigmoid"))
+    one_of("model.moe.token_dispatcher", e.token_dispatcher, ("alltoall", "allgather"))
+    if not 1 <= e.top_k <= e.num_experts:
+        fail(
+            "model.moe.top_k",
+            e.top_k,
+            f"must be between 1 and model.moe.num_experts={e.num_experts}",
+            "route each token to fewer experts or add experts",
+        )
+    if e.num_experts % dims.ep:
+        fail(
+            "model.moe.num_experts",
+            e.num_experts,
+            f"must be divisible by parallel.ep={dims.ep} (each expert-parallel rank holds as many experts)",
+            "pick a parallel.ep that divides the expert count",
+        )
+    for key, value in (
+        ("model.moe.ffn_hidden_size", e.ffn_hidden_size),
+        ("model.moe.shared_expert_ffn_hidden_size", e.shared_expert_ffn_hidden_size),
+        ("model.moe.aux_loss_coef", e.aux_loss_coef),
+        ("model.moe.z_loss_coef", e.z_loss_coef),
+    ):
+        if value < 0:
+            fail(key, value, "must be >= 0", f"set {key}=0 for the default / off")
+    if e.shared_expert_gate and e.shared_expert_ffn_hidden_size == 0:
+        fail(
+            "model.moe.shared_expert_gate",
+            True,
+            "gates the shared expert, but model.moe.shared_expert_ffn_hidden_size is 0 (no shared expert)",
+            "set model.moe.shared_expert_ffn_hidden_size or shared_expert_gate=false",
+        )
+    if e.score_function == "sigmoid" and not e.norm_topk_prob:
+        fail(
+            "model.moe.norm_topk_prob",
+            False,
+            "megatron's sigmoid router always renormalises the top-k weights",
+            "set model.moe.norm_topk_prob=true with score_function=sigmoid",
+        )
+    if e.score_function == "softmax" and e.top_k == 1 and e.norm_topk_prob:
+        fail(
+            "model.moe.norm_topk_prob",
+            True,
+            "with top_k=1 the renormalised weight is always 1 and the router gets no gradient",
+            "set model.moe.norm_topk_prob=false (softmax over all experts, then top-1)",
+        )
+    if cfg.placement.mode != "colocated":
+        fail(
+            "placement.mode",
+            cfg.placement.mode,
+            "mixture-of-experts models run colocated only (split placement builds no expert groups)",
+            "set placement.mode=colocated",
         )
 
 

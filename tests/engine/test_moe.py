@@ -1,0 +1,106 @@
+"""Mixture-of-experts models (engine/models/builder.py, spec.py, moe.py), world size 1 in the pytest process.
+
+megatron's MoELayer as the builder configures it (router scoring, top-k renormalisation, shared expert and
+its gate, aux/z losses) against the plain reference of engine/models/moe.py, which the native rollout runs.
+Tolerance: float32, 1e-6 absolute on layer outputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.config import ModelConfig, MoEConfig
+from engine.models.builder import build_gpt_chunks, resolve_shape
+from engine.models.moe import routed_experts, shared_expert
+from parallel.dims import ParallelDims
+
+HIDDEN, VOCAB = 32, 40
+
+
+@pytest.fixture(scope="module")
+def groups():
+    from parallel.state import destroy_distributed, init_distributed
+
+    saved = dict(os.environ)  # init_distributed exports MASTER_PORT & co: put the environment back
+    g = init_distributed(ParallelDims(world_size=1), "cpu", seed=3)
+    yield g
+    destroy_distributed()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def moe_model(groups, **moe):
+    m = ModelConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        max_position_embeddings=64,
+        moe=MoEConfig(**{"num_experts": 4, "top_k": 2, "ffn_hidden_size": 16, **moe}),
+    )
+    shape = resolve_shape(m, VOCAB, 1)
+    torch.manual_seed(0)
+    (model,) = build_gpt_chunks(shape, groups, init_std=0.2, recompute=False)
+    return model, shape
+
+
+ROUTERS = {
+    "softmax_renormalised": {},
+    "softmax_unnormalised": {"norm_topk_prob": False},
+    "softmax_top1": {"top_k": 1, "norm_topk_prob": False},
+    "sigmoid": {"score_function": "sigmoid"},
+    "shared_gated": {
+        "shared_expert_ffn_hidden_size": 24,
+        "shared_expert_gate": True,
+        "norm_topk_prob": False,
+    },
+    "shared_ungated": {"shared_expert_ffn_hidden_size": 24},
+    "allgather": {"token_dispatcher": "allgather"},
+}
+
+
+@pytest.mark.parametrize("router", list(ROUTERS))
+def test_megatron_moe_layer_matches_the_reference(groups, router):
+    model, shape = moe_model(groups, **ROUTERS[router])
+    mlp = model.decoder.layers[0].mlp
+    p = dict(mlp.named_parameters())
+    x_sbh = torch.randn(6, 3, HIDDEN, generator=torch.Generator().manual_seed(1))
+    out, bias = mlp(x_sbh)
+    assert bias is None
+    x_th = x_sbh.reshape(-1, HIDDEN)
+    experts = range(shape.moe.num_experts)
+    want, index = routed_experts(
+        x_th,
+        p["router.weight"],
+        [p[f"experts.local_experts.{e}.linear_fc1.weight"] for e in experts],
+        [p[f"experts.local_experts.{e}.linear_fc2.weight"] for e in experts],
+        shape.moe,
+    )
+    if shape.moe.shared_ffn_hidden_size:
+        gate = p.get("shared_experts.gate_weight")
+        assert (gate is not None) == shape.moe.shared_gate
+        want = want + shared_expert(
+            x_th, p["shared_experts.linear_fc1.weight"], p["shared_experts.linear_fc2.weight"], gate
+        )
+    assert len(index.unique()) > 1  # the tokens really spread over experts
+    torch.testing.assert_close(out.reshape(-1, HIDDEN), want, atol=1e-6, rtol=1e-5)
+
+
+def test_aux_and_z_losses_reach_the_router_gradient(groups):
+    """model.moe.aux_loss_coef / z_loss_coef add megatron's load-balancing and z losses to the backward:
+    with the same weights and input, the router's gradient changes and the experts' does not."""
+    grads = {}
+    for name, coefs in (("none", {}), ("aux", {"aux_loss_coef": 0.5}), ("z", {"z_loss_coef": 0.5})):
+        model, _ = moe_model(groups, **coefs)
+        mlp = model.decoder.layers[0].mlp
+        x = torch.randn(6, 3, HIDDEN, generator=torch.Generator().manual_seed(1))
+        mlp(x)[0].sum().backward()
+        grads[name] = {k: v.grad.clone() for k, v in mlp.named_parameters()}
+    fc1 = "experts.local_experts.0.linear_fc1.weight"
+    for name in ("aux", "z"):
+        assert not torch.allclose(grads[name]["router.weight"], grads["none"]["router.weight"]), name
+        torch.testing.assert_close(grads[name][fc1], grads["none"][fc1])
