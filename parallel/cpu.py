@@ -1,6 +1,6 @@
 """megatron-core on CPU with gloo: every shim the engine needs, in one place, applied only on CPU.
 
-megatron-core 0.16 assumes CUDA in a handful of places (shims 1-5, 7; sequence parallelism needs none, see below).
+megatron-core 0.16 assumes CUDA in a handful of places (shims 1-5, 7, 8; sequence parallelism needs none, see below).
 Each shim below names the megatron code it works around; tests/parallel/test_cpu_shims.py exercises each
 one against the real megatron code so that a megatron upgrade that moves the target fails loudly there.
 Never import this module's shims on a GPU run: `install_cpu_shims()` refuses when CUDA is in use.
@@ -125,6 +125,23 @@ def _install_stream_shims() -> None:
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 
 
+def _install_split_sizes_shim() -> None:
+    """Shim 8: megatron's all-to-all token dispatcher (transformer/moe/token_dispatcher.py,
+    `_maybe_dtoh_and_synchronize`) turns its split sizes into host numpy arrays through
+    `moe_utils.maybe_move_tensor_to_cpu`, which converts CUDA tensors only; on CPU they stayed tensors, which
+    `all_to_all_single` refuses as split sizes. Here a CPU tensor asked for `as_numpy` becomes one too."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def move(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move
+
+
 def install_cpu_shims() -> None:
     """Apply every shim once per process. Call before building megatron models on CPU."""
     global _installed
@@ -137,6 +154,7 @@ def install_cpu_shims() -> None:
     _install_rng_shims()
     torch.Tensor.type = _tensor_type_reporting_cuda
     _install_stream_shims()
+    _install_split_sizes_shim()
     _CudaToCpuMode().__enter__()  # active for the rest of the process
     _installed = True
 

@@ -84,6 +84,15 @@ class ProcessGroups:
         return dist.get_rank(self.dp)
 
     @property
+    def ep_rank(self) -> int:
+        """This rank's index in its expert-parallel group (0 without expert groups)."""
+        return dist.get_rank(self.experts.ep) if self.experts is not None else 0
+
+    def expert_offset(self, num_experts: int) -> int:
+        """Global index of this rank's first local expert (each of `dims.ep` ranks holds num_experts / ep)."""
+        return self.ep_rank * (num_experts // self.dims.ep)
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 

@@ -182,6 +182,21 @@ def validate_moe(cfg: TrainConfig, dims: ParallelDims) -> None:
             "with top_k=1 the renormalised weight is always 1 and the router gets no gradient",
             "set model.moe.norm_topk_prob=false (softmax over all experts, then top-1)",
         )
+    if dims.tp > 1 and not dims.sp:
+        fail(
+            "parallel.sp",
+            False,
+            f"megatron's MoE layers train at parallel.tp={dims.tp} only with sequence parallelism",
+            "set parallel.sp=true (or parallel.tp=1)",
+        )
+    if dims.ep > 1:
+        fail(
+            "parallel.ep",
+            dims.ep,
+            "the weight transition to the rollout does not gather expert weights across expert-parallel "
+            "ranks yet (each rank would generate with its own experts only)",
+            "train with parallel.ep=1 (experts replicated over the data-parallel ranks)",
+        )
     if cfg.placement.mode != "colocated":
         fail(
             "placement.mode",

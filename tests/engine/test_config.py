@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from engine.config import ConfigError, TrainConfig, register_configs, to_dataclass
 from engine.validate import validate
 from engine.validate.ignored import ignored_key_warnings
+from parallel.dims import ParallelDims
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 register_configs()
@@ -43,9 +44,9 @@ def test_moe_presets_compose_validate_and_resolve(preset):
     their Hugging Face family uses (softmax, renormalised over the top-k for Qwen3-MoE, not for Qwen2-MoE)."""
     from engine.models.builder import resolve_shape
 
-    cfg = composed(f"model={preset}", "parallel.ep=2", "data.max_prompt_len=32")
-    dims = validate(cfg, world_size=2)
-    assert dims.ep == 2
+    cfg = composed(f"model={preset}", "data.max_prompt_len=32")
+    assert validate(cfg, world_size=2).dp == 2
+    assert ParallelDims(world_size=2, ep=2).ep == 2  # the experts divide over 2 ranks
     moe = resolve_shape(cfg.model, 100, 1).moe
     assert moe.num_experts == cfg.model.moe.num_experts > moe.top_k
     assert moe.norm_topk_prob == (preset != "qwen1_5_moe_a2_7b")
@@ -186,6 +187,12 @@ BAD = [
         "model.moe.norm_topk_prob=False: megatron's sigmoid router always renormalises",
     ),
     (["model=tiny_moe", "model.moe.top_k=1"], 1, "model.moe.norm_topk_prob=True: with top_k=1"),
+    (
+        ["model=tiny_moe", "parallel.tp=2"],
+        2,
+        "parallel.sp=False: megatron's MoE layers train at parallel.tp=2",
+    ),
+    (["model=tiny_moe", "parallel.ep=2"], 2, "parallel.ep=2: the weight transition to the rollout does not"),
     (
         ["model=tiny_moe", "placement.mode=split", "placement.rollout_ranks=1"],
         2,

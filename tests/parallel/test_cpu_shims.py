@@ -77,6 +77,17 @@ def test_shim7_moe_side_streams_are_the_one_cpu_stream(groups):
     assert hasattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream")  # the target the shim serves
 
 
+def test_shim8_dispatcher_split_sizes_become_host_arrays(groups):
+    """all_to_all_single takes split sizes as a list/array, not a tensor: the dispatcher's host copy of them
+    must give numpy on CPU as it does from CUDA."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    sizes = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+    assert sizes.tolist() == [3, 1] and not torch.is_tensor(sizes)
+    kept = torch.tensor([2])
+    assert token_dispatcher.maybe_move_tensor_to_cpu(kept) is kept
+
+
 def test_megatron_optimizer_and_schedule_run_on_cpu(groups):
     """The pieces that combine shims 1, 2, 4 and 5: build, DDP, optimizer step, forward/backward schedule."""
     from engine.config import ModelConfig, OptimConfig
