@@ -98,7 +98,15 @@ class _CpuStream:
     streams: transformer/moe/token_dispatcher.py (`MoEAlltoAllTokenDispatcher.cuda_dtoh_stream`, its
     `record_event().synchronize()`), transformer/moe/shared_experts.py (the shared-expert overlap stream).
     CPU ops run in order, so waiting and synchronising are no-ops; every stream is this one object, so code
-    that checks `current_stream() != side_stream` sees no side stream."""
+    that checks `current_stream() != side_stream` sees no side stream. A class (not a factory function), so
+    that annotations such as `torch.cuda.Stream | None` in other libraries still evaluate."""
+
+    _one: _CpuStream | None = None
+
+    def __new__(cls, *args, **kwargs) -> _CpuStream:
+        if cls._one is None:
+            cls._one = super().__new__(cls)
+        return cls._one
 
     def wait_stream(self, stream: object) -> None:
         pass
@@ -116,12 +124,9 @@ class _CpuStream:
         return True
 
 
-_CPU_STREAM = _CpuStream()
-
-
 def _install_stream_shims() -> None:
-    torch.cuda.Stream = lambda *args, **kwargs: _CPU_STREAM
-    torch.cuda.current_stream = lambda device=None: _CPU_STREAM
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.current_stream = lambda device=None: _CpuStream()
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 
 
