@@ -197,6 +197,14 @@ def validate_moe(cfg: TrainConfig, dims: ParallelDims) -> None:
             "ranks yet (each rank would generate with its own experts only)",
             "train with parallel.ep=1 (experts replicated over the data-parallel ranks)",
         )
+    if cfg.rollout.backend != "native":
+        fail(
+            "rollout.backend",
+            cfg.rollout.backend,
+            "mixture-of-experts models roll out with the native engine only (the vLLM weight loader does not "
+            "name routed experts yet)",
+            "set rollout.backend=native",
+        )
     if cfg.placement.mode != "colocated":
         fail(
             "placement.mode",

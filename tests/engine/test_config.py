@@ -194,6 +194,11 @@ BAD = [
     ),
     (["model=tiny_moe", "parallel.ep=2"], 2, "parallel.ep=2: the weight transition to the rollout does not"),
     (
+        ["model=tiny_moe", "rollout.backend=vllm"],
+        1,
+        "rollout.backend='vllm': mixture-of-experts models roll out",
+    ),
+    (
         ["model=tiny_moe", "placement.mode=split", "placement.rollout_ranks=1"],
         2,
         "placement.mode='split': mixture-of-experts models run colocated only",

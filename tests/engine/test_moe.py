@@ -104,3 +104,34 @@ def test_aux_and_z_losses_reach_the_router_gradient(groups):
     for name in ("aux", "z"):
         assert not torch.allclose(grads[name]["router.weight"], grads["none"]["router.weight"]), name
         torch.testing.assert_close(grads[name][fc1], grads["none"][fc1])
+
+
+def test_router_load_counts_the_tokens_each_expert_receives(groups):
+    """RouterLoad (the actor's `moe_load_imbalance` metric) counts what the reference router picks: max over
+    mean tokens per expert, 1 when balanced, num_experts / top_k when every token picks the same experts."""
+    from engine.roles.router_load import RouterLoad
+
+    model, shape = moe_model(groups)
+    mlp = model.decoder.layers[0].mlp
+    p = dict(mlp.named_parameters())
+    x = torch.randn(6, 3, HIDDEN, generator=torch.Generator().manual_seed(1))
+    with RouterLoad([model], shape.num_layers, 4, groups.world, groups.device) as load:
+        mlp(x)
+    mlp(x)  # outside the context: not counted
+    experts = range(4)
+    _, index = routed_experts(
+        x.reshape(-1, HIDDEN),
+        p["router.weight"],
+        [p[f"experts.local_experts.{e}.linear_fc1.weight"] for e in experts],
+        [p[f"experts.local_experts.{e}.linear_fc2.weight"] for e in experts],
+        shape.moe,
+    )
+    counts = torch.bincount(index.flatten(), minlength=4).float()
+    assert torch.equal(load.counts_le[0], counts)
+    assert load.metrics()["moe_load_imbalance"] == pytest.approx((counts.max() / counts.mean()).item())
+    with torch.no_grad():
+        p["router.weight"].zero_()
+        p["router.weight"][:2] += 1.0  # positive inputs score experts 0 and 1 highest, the others 0
+    with RouterLoad([model], shape.num_layers, 4, groups.world, groups.device) as skewed:
+        mlp(x.abs())
+    assert skewed.metrics()["moe_load_imbalance"] == pytest.approx(4 / 2)

@@ -80,7 +80,7 @@ JOBS["grpo_val_at_k"] = (
     (*BASE, "val/reward_mean", *VAL_AT_K),
 )
 # a mixture-of-experts actor (4 experts, top-2) with the native rollout
-JOBS["grpo_tiny_moe"] = (["model=tiny_moe"], 2, BASE)
+JOBS["grpo_tiny_moe"] = (["model=tiny_moe"], 2, (*BASE, "actor/moe_load_imbalance"))
 ROLLOUT_LOG_PROB_KEYS = ("actor/rollout_kl", "rollout/logprob_mean")
 
 
