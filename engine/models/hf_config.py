@@ -244,19 +244,27 @@ def hf_config_from_shape(
 
 
 def _moe_model_type(shape: ModelShape) -> str:
-    """qwen3_moe (QK-norm, no shared expert) or qwen2_moe (gated shared expert): the Hugging Face family that
-    computes what `shape.moe` does, or a ValueError saying why none does."""
     moe = shape.moe
-    if moe.score_function != "softmax":
-        raise ValueError(f"no supported Hugging Face MoE family has a {moe.score_function} router")
-    if moe.shared_ffn_hidden_size:
-        if not moe.shared_gate or shape.qk_norm or not shape.qkv_bias:
+    return moe_model_type(
+        shape.qkv_bias, shape.qk_norm, moe.score_function, moe.shared_ffn_hidden_size, moe.shared_gate
+    )
+
+
+def moe_model_type(
+    qkv_bias: bool, qk_norm: bool, score_function: str, shared_ffn_hidden_size: int, shared_gate: bool
+) -> str:
+    """qwen3_moe (QK-norm, no shared expert) or qwen2_moe (gated shared expert): the Hugging Face family that
+    computes what this MoE architecture does, or a ValueError naming the keys that differ."""
+    if score_function != "softmax":
+        raise ValueError(f"no supported Hugging Face MoE family has a {score_function} router")
+    if shared_ffn_hidden_size:
+        if not shared_gate or qk_norm or not qkv_bias:
             raise ValueError(
                 "a shared expert is written as Qwen2-MoE, which gates it and has a QKV bias and no QK-norm; "
                 "this model differs (model.moe.shared_expert_gate, model.qkv_bias, model.qk_norm)"
             )
         return "qwen2_moe"
-    if shape.qkv_bias or not shape.qk_norm:
+    if qkv_bias or not qk_norm:
         raise ValueError(
             "an MoE model without a shared expert is written as Qwen3-MoE, which has QK-norm and no QKV bias; "
             "this model differs (model.qk_norm, model.qkv_bias)"

@@ -197,6 +197,21 @@ def validate_moe(cfg: TrainConfig, dims: ParallelDims) -> None:
             "ranks yet (each rank would generate with its own experts only)",
             "train with parallel.ep=1 (experts replicated over the data-parallel ranks)",
         )
+    if cfg.trainer.export_hf and not cfg.model.path:
+        from engine.models.hf_config import moe_model_type
+
+        m = cfg.model
+        try:
+            moe_model_type(
+                m.qkv_bias, m.qk_norm, e.score_function, e.shared_expert_ffn_hidden_size, e.shared_expert_gate
+            )
+        except ValueError as err:
+            fail(
+                "trainer.export_hf",
+                True,
+                f"the MoE model cannot be written as a Hugging Face checkpoint: {err}",
+                "set trainer.export_hf=false or change those model keys (model=tiny_moe is Qwen3-MoE-shaped)",
+            )
     if cfg.rollout.backend != "native":
         fail(
             "rollout.backend",
