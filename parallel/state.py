@@ -9,6 +9,7 @@ initialised for code that still reads it, but the engine's model, DDP, optimizer
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -117,6 +118,17 @@ class ProcessGroups:
             self.is_first_stage and vp_stage == 0,
             self.is_last_stage and vp_stage == self.dims.vpp - 1,
         )
+
+    def without_expert_parallel(self) -> ProcessGroups:
+        """These groups as if parallel.ep were 1 (every expert on this rank), for building a model of the
+        EP=1 layout on this rank (engine/models/builder.py `build_gpt_chunks_ep_invariant`); not for training."""
+        e = self.experts
+        experts = None
+        if e is not None:
+            experts = ExpertGroups(
+                ep=self.alone, tp_ep=self.tp, tp_ep_pp=self.mp, expt_dp=self.dp, tp_dp=e.tp_dp
+            )
+        return dataclasses.replace(self, dims=dataclasses.replace(self.dims, ep=1), experts=experts)
 
     def megatron_groups(self) -> ProcessGroupCollection:
         """These groups as megatron-core's `ProcessGroupCollection`, for GPTModel, DDP, the optimizer,

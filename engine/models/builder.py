@@ -304,3 +304,35 @@ def build_gpt_chunks(
             model.output_layer = ValueHead(shape.hidden_size, shape.dtype, dims.sp, groups.tp)
         chunks.append(model.to(device))
     return chunks
+
+
+@torch.no_grad()
+def build_gpt_chunks_ep_invariant(
+    shape: ModelShape, groups: ProcessGroups, *, init_std: float, recompute: bool, value_head: bool = False
+) -> list[GPTModel]:
+    """`build_gpt_chunks` whose random init is the same model at every parallel.ep: megatron draws each
+    rank's local experts from one shared stream (local expert i would be equal on every expert-parallel rank,
+    and every parameter after the experts would be drawn from another point of the stream than at EP=1).
+    At ep > 1 the chunks are first built at EP=1 from the current RNG state (all experts: a transient second
+    copy of the model on this rank) and their weights copied into this rank's chunks, experts by global index."""
+    if groups.dims.ep == 1:
+        return build_gpt_chunks(shape, groups, init_std=init_std, recompute=recompute, value_head=value_head)
+    full = build_gpt_chunks(
+        shape, groups.without_expert_parallel(), init_std=init_std, recompute=recompute, value_head=value_head
+    )
+    chunks = build_gpt_chunks(shape, groups, init_std=init_std, recompute=recompute, value_head=value_head)
+    offset = groups.expert_offset(shape.moe.num_experts)
+    for mine, whole in zip(chunks, full):
+        source = dict(whole.named_parameters())
+        for name, param in mine.named_parameters():
+            param.copy_(source[_global_expert_name(name, offset)])
+    return chunks
+
+
+def _global_expert_name(name: str, offset: int) -> str:
+    """`...local_experts.{i}...` -> `...local_experts.{offset + i}...`; other names unchanged."""
+    head, sep, rest = name.partition(".local_experts.")
+    if not sep:
+        return name
+    index, _, tail = rest.partition(".")
+    return f"{head}{sep}{int(index) + offset}.{tail}"

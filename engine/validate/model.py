@@ -190,13 +190,7 @@ def validate_moe(cfg: TrainConfig, dims: ParallelDims) -> None:
             "set parallel.sp=true (or parallel.tp=1)",
         )
     if dims.ep > 1:
-        fail(
-            "parallel.ep",
-            dims.ep,
-            "the weight transition to the rollout does not gather expert weights across expert-parallel "
-            "ranks yet (each rank would generate with its own experts only)",
-            "train with parallel.ep=1 (experts replicated over the data-parallel ranks)",
-        )
+        validate_expert_parallel_run(cfg, dims)
     if cfg.trainer.export_hf and not cfg.model.path:
         from engine.models.hf_config import moe_model_type
 
@@ -227,6 +221,44 @@ def validate_moe(cfg: TrainConfig, dims: ParallelDims) -> None:
             "mixture-of-experts models run colocated only (split placement builds no expert groups)",
             "set placement.mode=colocated",
         )
+
+
+def validate_expert_parallel_run(cfg: TrainConfig, dims: ParallelDims) -> None:
+    """parallel.ep > 1 in a training job: the rollout gathers the experts over the expert-parallel group after
+    a transition that leaves each rank its own training weights (parallel/expert_gather.py), and nothing
+    gathers them for a Hugging Face export."""
+    for key, value, bad, rule, fix in (
+        (
+            "parallel.pp",
+            dims.pp,
+            dims.pp > 1,
+            "with parallel.ep > 1 the pipeline must be 1 stage",
+            "set parallel.pp=1",
+        ),
+        (
+            "rollout.weight_sync",
+            cfg.rollout.weight_sync,
+            cfg.rollout.weight_sync != "hybrid",
+            "with parallel.ep > 1 the rollout weights come from the 3D-HybridEngine",
+            "set rollout.weight_sync=hybrid",
+        ),
+        (
+            "rollout.tp",
+            cfg.rollout.tp,
+            cfg.rollout.tp != dims.tp,
+            f"with parallel.ep > 1 the rollout keeps the training TP size parallel.tp={dims.tp}",
+            f"set rollout.tp={dims.tp}",
+        ),
+        (
+            "trainer.export_hf",
+            cfg.trainer.export_hf,
+            cfg.trainer.export_hf,
+            "exporting gathers no experts across expert-parallel ranks",
+            "set trainer.export_hf=false (or train with parallel.ep=1)",
+        ),
+    ):
+        if bad:
+            fail(key, value, rule, fix)
 
 
 def validate_tokenizer_source(cfg: TrainConfig) -> None:

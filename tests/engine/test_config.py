@@ -46,7 +46,9 @@ def test_moe_presets_compose_validate_and_resolve(preset):
 
     cfg = composed(f"model={preset}", "data.max_prompt_len=32")
     assert validate(cfg, world_size=2).dp == 2
-    assert ParallelDims(world_size=2, ep=2).ep == 2  # the experts divide over 2 ranks
+    assert (
+        validate(composed(f"model={preset}", "data.max_prompt_len=32", "parallel.ep=2"), world_size=2).ep == 2
+    )
     moe = resolve_shape(cfg.model, 100, 1).moe
     assert moe.num_experts == cfg.model.moe.num_experts > moe.top_k
     assert moe.norm_topk_prob == (preset != "qwen1_5_moe_a2_7b")
@@ -192,7 +194,26 @@ BAD = [
         2,
         "parallel.sp=False: megatron's MoE layers train at parallel.tp=2",
     ),
-    (["model=tiny_moe", "parallel.ep=2"], 2, "parallel.ep=2: the weight transition to the rollout does not"),
+    (
+        ["model=tiny_moe", "parallel.ep=2", "parallel.pp=2"],
+        4,
+        "parallel.pp=2: with parallel.ep > 1 the pipeline",
+    ),
+    (
+        ["model=tiny_moe", "parallel.ep=2", "parallel.tp=2", "parallel.sp=true"],
+        4,
+        "rollout.tp=1: with parallel.ep > 1 the rollout keeps the training TP size parallel.tp=2",
+    ),
+    (
+        ["model=tiny_moe", "parallel.ep=2", "rollout.weight_sync=naive"],
+        2,
+        "rollout.weight_sync='naive': with parallel.ep > 1",
+    ),
+    (
+        ["model=tiny_moe", "parallel.ep=2", "trainer.export_hf=true"],
+        2,
+        "trainer.export_hf=True: exporting gathers",
+    ),
     (
         ["model=tiny_moe", "rollout.backend=vllm"],
         1,
@@ -288,7 +309,6 @@ def test_cli_rejects_bad_config_before_distributed_start():
 def test_vllm_needs_rollout_tp_one_or_full():
     """vLLM's TP groups are consecutive ranks; the HybridEngine's are strided unless t_g is 1 or t."""
     from engine.validate.rollout import validate_rollout
-    from parallel.dims import ParallelDims
 
     cfg = composed("rollout.backend=vllm", "rollout.tp=2", "parallel.tp=4")
     cfg.cluster.device = "cuda"  # checked on its own before this rule; pretend a GPU is visible
@@ -302,7 +322,6 @@ def test_vllm_log_probs_with_truncation_need_temperature_one():
     """vLLM's log-probs are raw (before temperature) or processed (after top-p/top-k truncation): with top-p or
     top-k at T != 1 neither is the full distribution at T, so rollout.log_probs must be off there."""
     from engine.validate.rollout import validate_rollout
-    from parallel.dims import ParallelDims
 
     dims = ParallelDims(world_size=1, tp=1)
     for overrides in (["rollout.top_p=0.9"], ["rollout.top_k=20"], ["rollout.temperature=0.7"]):

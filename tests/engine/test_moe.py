@@ -25,8 +25,19 @@ def groups():
     from parallel.state import destroy_distributed, init_distributed
 
     saved = dict(os.environ)  # init_distributed exports MASTER_PORT & co: put the environment back
+    from megatron.core.transformer.moe.moe_utils import (
+        MoEAuxLossAutoScaler,
+        get_moe_layer_wise_logging_tracker,
+    )
+
     g = init_distributed(ParallelDims(world_size=1), "cpu", seed=3)
+    # megatron's schedules set the aux-loss gradient scale (shape (1,)) before a backward; the backward
+    # here runs outside them, so set it the same way. Reset it, and megatron's aux-loss tracker (sized by
+    # the first model's layer count), for later tests of this process.
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
     yield g
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    get_moe_layer_wise_logging_tracker().clear()
     destroy_distributed()
     os.environ.clear()
     os.environ.update(saved)
