@@ -12,7 +12,6 @@ from hydra import compose, initialize_config_dir
 from engine.config import ConfigError, TrainConfig, register_configs, to_dataclass
 from engine.validate import validate
 from engine.validate.ignored import ignored_key_warnings
-from parallel.dims import ParallelDims
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 register_configs()
@@ -309,6 +308,7 @@ def test_cli_rejects_bad_config_before_distributed_start():
 def test_vllm_needs_rollout_tp_one_or_full():
     """vLLM's TP groups are consecutive ranks; the HybridEngine's are strided unless t_g is 1 or t."""
     from engine.validate.rollout import validate_rollout
+    from parallel.dims import ParallelDims
 
     cfg = composed("rollout.backend=vllm", "rollout.tp=2", "parallel.tp=4")
     cfg.cluster.device = "cuda"  # checked on its own before this rule; pretend a GPU is visible
@@ -322,6 +322,7 @@ def test_vllm_log_probs_with_truncation_need_temperature_one():
     """vLLM's log-probs are raw (before temperature) or processed (after top-p/top-k truncation): with top-p or
     top-k at T != 1 neither is the full distribution at T, so rollout.log_probs must be off there."""
     from engine.validate.rollout import validate_rollout
+    from parallel.dims import ParallelDims
 
     dims = ParallelDims(world_size=1, tp=1)
     for overrides in (["rollout.top_p=0.9"], ["rollout.top_k=20"], ["rollout.temperature=0.7"]):
