@@ -9,7 +9,8 @@ the chain HF -> M(1,1) -> HF -> M(2,1) -> ... is checked at every hop against th
 - logits parity with transformers (float32, tol 1e-5) on the checkpoint being loaded;
 - every saved tensor torch.equal to the original (names, dtypes, config.json too).
 The mixture-of-experts families (Qwen3-MoE; Qwen2-MoE with a gated shared expert) run the same chain, then
-load at expert-parallel layouts (tp, pp, ep) in {(1,1,2), (1,1,4), (2,1,2), (1,2,2)} with logits parity.
+load at expert-parallel layouts (tp, pp, ep) in {(1,1,2), (1,1,4), (2,1,2), (1,2,2), (2,2,2)} with logits
+parity.
 Then: the critic (value head from `score.weight`, vs transformers' token classification head, and a zero
 head from a causal-LM checkpoint), a bfloat16 model's round trip, the largest tensor created while loading at TP=2, and the errors for
 weights that disagree with config.json; a 3-layer Qwen2 at TP2 x PP2 (megatron's uneven stages: parity and
@@ -99,11 +100,11 @@ def chain(family: str, src: str, out_root: str) -> None:
 
 def moe_expert_parallel(family: str, src: str) -> None:
     """Load an MoE checkpoint with its experts split over expert-parallel ranks: logits vs transformers."""
-    for tp, pp, ep in ((1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)):
+    for tp, pp, ep in ((1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 2)):
         groups = relayout(tp, pp, ep=ep)
         chunks, shape = build_and_load(src, groups)
         report = compare_logits(chunks, shape, src, groups, PARITY)
-        result(groups, kind="moe_ep", family=family, ep=ep, **report)
+        result(groups, kind="moe_ep", family=family, **report)  # the report names tp, pp, ep
 
 
 def critic(dirs: dict[str, str], out_root: str) -> None:

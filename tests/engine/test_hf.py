@@ -64,7 +64,9 @@ def test_world4_parity_round_trip_memory_errors(tiny):
     }
     moe_ep = [r for r in results if r["kind"] == "moe_ep"]
     assert {(r["family"], r["tp"], r["pp"], r["ep"]) for r in moe_ep} == {
-        (f, *layout) for f in hf_tiny.MOE_FAMILIES for layout in ((1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2))
+        (f, *layout)
+        for f in hf_tiny.MOE_FAMILIES
+        for layout in ((1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 2))
     }
     assert all(r["ok"] and r["max_abs_logit_diff"] <= TOL for r in moe_ep), moe_ep
     for r in layouts:
