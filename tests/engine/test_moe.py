@@ -146,3 +146,35 @@ def test_router_load_counts_the_tokens_each_expert_receives(groups):
     with RouterLoad([model], shape.num_layers, 4, groups.world, groups.device) as skewed:
         mlp(x.abs())
     assert skewed.metrics()["moe_load_imbalance"] == pytest.approx(4 / 2)
+
+
+@pytest.mark.parametrize("copies", [1, 2])
+def test_router_losses_enter_the_update_as_a_mean_over_micro_batches(groups, copies):
+    """Through MegatronRole (the engine's zero-token-count loss convention), the aux and z losses reach the
+    router's gradient with their configured coefficients, averaged over the step's micro-batches: the same
+    micro-batch once or twice gives the gradient of one plain backward of it (not scaled by its tokens)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from engine.config import OptimConfig
+    from engine.roles.policy import MegatronRole
+
+    coefs = {"aux_loss_coef": 0.5, "z_loss_coef": 0.1}
+    tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(8).expand(2, 8)
+
+    model, _ = moe_model(groups, **coefs)  # the reference: one plain backward of the router losses alone
+    for module in model.modules():
+        if hasattr(module, "calculate_per_token_loss"):
+            module.calculate_per_token_loss = False
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
+    (model(tokens, positions, None).sum() * 0.0).backward()
+    want = model.decoder.layers[0].mlp.router.weight.grad.clone()
+    assert want.abs().max() > 0
+
+    model, shape = moe_model(groups, **coefs)
+    role = MegatronRole([model], groups, shape, OptimConfig(), head="logits")
+    mb = {"tokens": tokens, "positions": positions}
+    role.run([mb] * copies, lambda logits, mb: (logits.sum() * 0.0, {}), forward_only=False)
+    router = role.chunks[0].module.decoder.layers[0].mlp.router.weight
+    torch.testing.assert_close(router.main_grad, want, atol=1e-7, rtol=1e-5)
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))  # the schedule left its scale; restore the test's
