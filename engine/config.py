@@ -83,6 +83,10 @@ class ParallelConfig:
     """Transformer layers of the first pipeline stage (0 = automatic: parallel/layout.py stage_layer_counts)."""
     last_stage_layers: int = 0
     """Transformer layers of the last pipeline stage (0 = automatic); the middle stages share the rest equally."""
+    ep: int = 1
+    """Expert-parallel size (MoE models): the routed experts of every MoE layer are split over `ep` ranks of
+    the data-parallel axis (tokens travel to their experts by all-to-all); must divide model.moe.num_experts
+    and the data-parallel size. Experts are not tensor-parallel (megatron's expert TP size is 1)."""
 
 
 @dataclass
@@ -180,6 +184,33 @@ class DataConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts MLPs (megatron-core's MoELayer) in every transformer layer; off when num_experts=0."""
+
+    num_experts: int = 0
+    """Routed experts per layer; 0 = a dense SwiGLU MLP (model.ffn_hidden_size)."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    ffn_hidden_size: int = 0
+    """SwiGLU inner width of one routed expert (Hugging Face `moe_intermediate_size`); 0 = model.ffn_hidden_size."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Inner width of the shared expert every token passes through (Qwen2-MoE); 0 = no shared expert."""
+    shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(a learned per-token gate), as Qwen2-MoE does."""
+    score_function: str = "softmax"
+    """Router scores: `softmax` (Qwen2/Qwen3-MoE, Mixtral, OLMoE) or `sigmoid` (DeepSeek-V3 style)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k weights of a token to sum to 1 (Qwen3-MoE: true; Qwen2-MoE, OLMoE: false).
+    score_function=sigmoid always renormalises (megatron's router)."""
+    aux_loss_coef: float = 0.0
+    """Load-balancing auxiliary loss coefficient (megatron's `aux_loss`, Switch-Transformer style; 0 = off)."""
+    z_loss_coef: float = 0.0
+    """Router z-loss coefficient (ST-MoE; 0 = off)."""
+    token_dispatcher: str = "alltoall"
+    """How tokens reach experts on other ranks: `alltoall` or `allgather` (megatron's dispatchers)."""
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny"
     """Preset name, for logs."""
@@ -221,6 +252,8 @@ class ModelConfig:
     """Parameter dtype for compute: float32, bfloat16 or float16."""
     recompute: bool = False
     """Full activation recompute of every layer."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts MLPs (off by default)."""
 
 
 @dataclass

@@ -13,7 +13,7 @@ from algorithms.advantages import advantage_traits
 from engine.config import ConfigError, ModelConfig, TrainConfig
 from engine.data import PromptLoader, PromptRecord, load_prompt_dataset, load_tokenizer, refuse_row_caps
 from engine.metrics import MetricsLogger
-from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape
+from engine.models.builder import ModelShape, build_gpt_chunks, build_gpt_chunks_ep_invariant, resolve_shape
 from engine.models.hf import HFCheckpoint, check_tp_layout, load_hf_weights
 from engine.models.hf_config import model_config_from_hf
 from engine.rewards.build import build_reward_fn
@@ -23,6 +23,7 @@ from engine.roles.reward_model import RewardModel
 from engine.rollout import build_rollout_engine
 from engine.rollout.base import RolloutEngine
 from engine.tasks.embedded import build_embedded_tokenizer, write_embedded_dataset
+from parallel.expert_gather import ExpertGather
 from parallel.hybrid_engine import HybridEngine
 from parallel.naive_gather import NaiveGather
 from parallel.rollout_weights import RolloutWeights, WeightSync
@@ -122,7 +123,9 @@ def model_shape(model: ModelConfig, tokenizer_vocab: int, tp: int) -> ModelShape
 def build_policy_chunks(cfg: TrainConfig, shape: ModelShape, groups: ProcessGroups) -> list:
     """Actor/reference chunks: loaded from `model.path`, or seeded random init (same on every DP replica)."""
     torch.manual_seed(cfg.trainer.seed)
-    chunks = build_gpt_chunks(shape, groups, init_std=cfg.model.init_std, recompute=cfg.model.recompute)
+    # a random init is the same model at every parallel.ep
+    build = build_gpt_chunks if cfg.model.path else build_gpt_chunks_ep_invariant
+    chunks = build(shape, groups, init_std=cfg.model.init_std, recompute=cfg.model.recompute)
     if cfg.model.path:
         load_hf_weights(chunks, cfg.model.path, shape, groups)
     return chunks
@@ -209,6 +212,8 @@ def build_weight_sync_and_rollout(
             rollout_tp=cfg.rollout.tp,
             keep_rollout_weights=cfg.rollout.keep_rollout_weights,
         )
+    if shape.moe is not None and groups.dims.ep > 1:  # the rollout runs every expert
+        weight_sync = ExpertGather(weight_sync, groups, shape.moe.num_experts)
     rollout = build_rollout_engine(
         cfg.rollout, shape, groups.device, pad_id, model_dir=cfg.model.path, seed=cfg.trainer.seed
     )

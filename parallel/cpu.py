@@ -1,6 +1,6 @@
 """megatron-core on CPU with gloo: every shim the engine needs, in one place, applied only on CPU.
 
-megatron-core 0.16 assumes CUDA in a handful of places.
+megatron-core 0.16 assumes CUDA in a handful of places (shims 1-5, 7, 8; sequence parallelism needs none, see below).
 Each shim below names the megatron code it works around; tests/parallel/test_cpu_shims.py exercises each
 one against the real megatron code so that a megatron upgrade that moves the target fails loudly there.
 Never import this module's shims on a GPU run: `install_cpu_shims()` refuses when CUDA is in use.
@@ -93,6 +93,60 @@ def _tensor_type_reporting_cuda(self, dtype=None, non_blocking=False, **kwargs):
     return _original_tensor_type(self, dtype, non_blocking, **kwargs)
 
 
+class _CpuStream:
+    """Shim 7: the one "stream" of a CPU process, for megatron's MoE code that overlaps work on CUDA side
+    streams: transformer/moe/token_dispatcher.py (`MoEAlltoAllTokenDispatcher.cuda_dtoh_stream`, its
+    `record_event().synchronize()`), transformer/moe/shared_experts.py (the shared-expert overlap stream).
+    CPU ops run in order, so waiting and synchronising are no-ops; every stream is this one object, so code
+    that checks `current_stream() != side_stream` sees no side stream. A class (not a factory function), so
+    that annotations such as `torch.cuda.Stream | None` in other libraries still evaluate."""
+
+    _one: _CpuStream | None = None
+
+    def __new__(cls, *args, **kwargs) -> _CpuStream:
+        if cls._one is None:
+            cls._one = super().__new__(cls)
+        return cls._one
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event: object = None) -> _CpuStream:
+        return self  # an "event" whose synchronize() is a no-op
+
+    def query(self) -> bool:
+        return True
+
+
+def _install_stream_shims() -> None:
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.current_stream = lambda device=None: _CpuStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
+def _install_split_sizes_shim() -> None:
+    """Shim 8: megatron's all-to-all token dispatcher (transformer/moe/token_dispatcher.py,
+    `_maybe_dtoh_and_synchronize`) turns its split sizes into host numpy arrays through
+    `moe_utils.maybe_move_tensor_to_cpu`, which converts CUDA tensors only; on CPU they stayed tensors, which
+    `all_to_all_single` refuses as split sizes. Here a CPU tensor asked for `as_numpy` becomes one too."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def move(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move
+
+
 def install_cpu_shims() -> None:
     """Apply every shim once per process. Call before building megatron models on CPU."""
     global _installed
@@ -104,6 +158,8 @@ def install_cpu_shims() -> None:
     torch.cuda.synchronize = lambda device=None: None  # shim 3: p2p_communication.py synchronizes
     _install_rng_shims()
     torch.Tensor.type = _tensor_type_reporting_cuda
+    _install_stream_shims()
+    _install_split_sizes_shim()
     _CudaToCpuMode().__enter__()  # active for the rest of the process
     _installed = True
 

@@ -28,6 +28,9 @@ class ParallelDims:
     """Layers of the first pipeline stage (`parallel.first_stage_layers`); 0 = automatic."""
     last_stage_layers: int = 0
     """Layers of the last pipeline stage (`parallel.last_stage_layers`); 0 = automatic."""
+    ep: int = 1
+    """Expert-parallel size (`parallel.ep`): MoE experts split over ep ranks of one pipeline stage (megatron's
+    expert layout tp-ep-dp-pp with expert TP 1: consecutive ranks, TP ranks first)."""
 
     def __post_init__(self) -> None:
         for key, value in (("parallel.tp", self.tp), ("parallel.pp", self.pp), ("parallel.vpp", self.vpp)):
@@ -46,6 +49,13 @@ class ParallelDims:
         if self.vpp > 1 and self.pp == 1:
             raise ValueError(
                 f"parallel.vpp={self.vpp} needs parallel.pp > 1 (interleaving needs stages). Fix: set parallel.pp >= 2 or parallel.vpp=1"
+            )
+        if self.ep < 1 or (self.world_size // self.pp) % self.ep:
+            raise ValueError(
+                f"parallel.ep={self.ep} must be >= 1 and divide the ranks of one pipeline stage, "
+                f"world {self.world_size} / parallel.pp {self.pp} = {self.world_size // self.pp} (experts are "
+                f"split over the tensor- and data-parallel ranks of a stage). Fix: lower parallel.ep to a "
+                f"divisor of {self.world_size // self.pp} or launch more ranks"
             )
         check_stage_layer_keys(self.pp, self.vpp, self.first_stage_layers, self.last_stage_layers)
         if self.sp and self.tp == 1:

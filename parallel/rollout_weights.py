@@ -20,6 +20,10 @@ import torch.distributed as dist
 from parallel.layout import PartitionKind
 
 _KIND_BY_SUFFIX = (
+    ("mlp.router.weight", PartitionKind.REPLICATED),
+    ("mlp.shared_experts.gate_weight", PartitionKind.REPLICATED),
+    ("mlp.shared_experts.linear_fc1.weight", PartitionKind.COLUMN_GATED),
+    ("mlp.shared_experts.linear_fc2.weight", PartitionKind.ROW),
     ("self_attention.linear_qkv.weight", PartitionKind.COLUMN),
     ("self_attention.linear_qkv.bias", PartitionKind.COLUMN),
     ("self_attention.linear_proj.weight", PartitionKind.ROW),
@@ -29,10 +33,19 @@ _KIND_BY_SUFFIX = (
     ("output_layer.weight", PartitionKind.COLUMN),
 )
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+
+
+def is_expert_param(name: str) -> bool:
+    """Whether `name` is a routed expert's weight (split over expert-parallel ranks by expert, whole on each)."""
+    return _EXPERT_RE.match(name) is not None
 
 
 def partition_kind(name: str) -> PartitionKind:
-    """How megatron splits parameter `name` over TP ranks (norms and QK-norms are replicated)."""
+    """How megatron splits parameter `name` over TP ranks (norms, QK-norms, routers and routed experts are
+    replicated: expert TP is 1)."""
+    if is_expert_param(name):
+        return PartitionKind.REPLICATED
     for suffix, kind in _KIND_BY_SUFFIX:
         if name.endswith(suffix):
             return kind
@@ -48,10 +61,11 @@ def split_layer_name(name: str) -> tuple[int, str] | None:
 
 
 def global_param_names(
-    chunks: list[torch.nn.Module], layer_ranges: list[range]
+    chunks: list[torch.nn.Module], layer_ranges: list[range], expert_offset: int = 0
 ) -> dict[str, torch.nn.Parameter]:
     """This rank's training parameters keyed by global name (chunk-local layer ids mapped through
-    `layer_ranges`, one range per virtual chunk). Unwraps megatron's DDP/Float16 wrappers."""
+    `layer_ranges`, one range per virtual chunk; local expert i of an MoE layer named as expert
+    `expert_offset + i`, the offset being ep_rank * local experts). Unwraps megatron's DDP/Float16 wrappers."""
     out: dict[str, torch.nn.Parameter] = {}
     for chunk, layers in zip(chunks, layer_ranges):
         for name, param in chunk.named_parameters():
@@ -59,6 +73,9 @@ def global_param_names(
             parts = split_layer_name(name)
             if parts is not None:
                 name = f"decoder.layers.{layers[parts[0]]}.{parts[1]}"
+            expert = _EXPERT_RE.match(name)
+            if expert is not None and expert_offset:
+                name = f"{expert.group(1)}{int(expert.group(2)) + expert_offset}{expert.group(3)}"
             out[name] = param
     return out
 

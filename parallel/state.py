@@ -9,6 +9,7 @@ initialised for code that still reads it, but the engine's model, DDP, optimizer
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,6 +23,23 @@ from parallel.launch import cuda_device_index, export_launch_env, read_launch_en
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
+
+
+@dataclass
+class ExpertGroups:
+    """megatron's expert-parallel groups of this rank (MoE models); expert TP is 1, so an expert's weights are
+    whole on each rank that holds it, replicated over `expt_dp`."""
+
+    ep: dist.ProcessGroup
+    """Expert-parallel group: the ranks that split one MoE layer's experts (tokens go between them)."""
+    tp_ep: dist.ProcessGroup
+    """Tensor x expert parallel group (the token dispatcher's group)."""
+    tp_ep_pp: dist.ProcessGroup
+    """Tensor x expert x pipeline group (one replica of the experts)."""
+    expt_dp: dist.ProcessGroup
+    """Expert data-parallel group: the ranks holding the same experts (their gradients are summed)."""
+    tp_dp: dist.ProcessGroup
+    """Tensor x data parallel group (the router's load-balancing statistics are global over it)."""
 
 
 @dataclass
@@ -48,9 +66,11 @@ class ProcessGroups:
     """Tied-embedding group: the first and last stage of this rank's PP group (this rank alone at pp=1);
     None on the middle stages."""
     alone: dist.ProcessGroup
-    """This rank by itself: megatron's context- and expert-parallel groups (the engine uses neither)."""
+    """This rank by itself: megatron's context-parallel and expert tensor-parallel groups (the engine uses neither)."""
     timeout: datetime.timedelta = datetime.timedelta(seconds=600)
     """Collective timeout of every group above (`cluster.timeout_s`); pass it to any `dist.new_group`."""
+    experts: ExpertGroups | None = None
+    """Expert-parallel groups (MoE models); None where they were not created (split placement)."""
 
     @property
     def tp_rank(self) -> int:
@@ -63,6 +83,15 @@ class ProcessGroups:
     @property
     def dp_rank(self) -> int:
         return dist.get_rank(self.dp)
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in its expert-parallel group (0 without expert groups)."""
+        return dist.get_rank(self.experts.ep) if self.experts is not None else 0
+
+    def expert_offset(self, num_experts: int) -> int:
+        """Global index of this rank's first local expert (each of `dims.ep` ranks holds num_experts / ep)."""
+        return self.ep_rank * (num_experts // self.dims.ep)
 
     @property
     def is_first_stage(self) -> bool:
@@ -90,17 +119,33 @@ class ProcessGroups:
             self.is_last_stage and vp_stage == self.dims.vpp - 1,
         )
 
+    def without_expert_parallel(self) -> ProcessGroups:
+        """These groups as if parallel.ep were 1 (every expert on this rank), for building a model of the
+        EP=1 layout on this rank (engine/models/builder.py `build_gpt_chunks_ep_invariant`); not for training."""
+        e = self.experts
+        experts = None
+        if e is not None:
+            experts = ExpertGroups(
+                ep=self.alone, tp_ep=self.tp, tp_ep_pp=self.mp, expt_dp=self.dp, tp_dp=e.tp_dp
+            )
+        return dataclasses.replace(self, dims=dataclasses.replace(self.dims, ep=1), experts=experts)
+
     def megatron_groups(self) -> ProcessGroupCollection:
         """These groups as megatron-core's `ProcessGroupCollection`, for GPTModel, DDP, the optimizer,
         the schedules and finalize_model_grads (`pg_collection=`).
 
-        With no context or expert parallelism, megatron's data-parallel-with-context, expert-data-parallel
-        and expert tensor-model-pipeline groups have the ranks of dp and mp, and the distributed optimizer
-        (one instance) reduces gradient statistics over every rank of the role (`world`). The engine's
-        models have no learned position embeddings (RoPE), so no position-embedding group.
+        With no context parallelism, megatron's data-parallel-with-context group is dp and its
+        tensor-with-context groups are tp and tp x dp; the expert groups are `experts` (for a dense model
+        without them: ep alone, expert data parallel = dp, tp_ep_pp = mp). The distributed optimizer (one
+        instance) reduces gradient statistics over every rank of the role (`world`). The engine's models
+        have no learned position embeddings (RoPE), so no position-embedding group.
         """
         from megatron.core.process_groups_config import ProcessGroupCollection
 
+        e = self.experts
+        extra = {}
+        if e is not None:
+            extra = dict(expt_tp=self.alone, tp_ep=e.tp_ep, tp_cp=self.tp, tp_dp_cp=e.tp_dp)
         return ProcessGroupCollection(
             tp=self.tp,
             pp=self.pp,
@@ -108,12 +153,13 @@ class ProcessGroups:
             embd=self.embd,
             pos_embd=None,
             cp=self.alone,
-            ep=self.alone,
+            ep=e.ep if e else self.alone,
             dp=self.dp,
             dp_cp=self.dp,
-            expt_dp=self.dp,
-            tp_ep_pp=self.mp,
+            expt_dp=e.expt_dp if e else self.dp,
+            tp_ep_pp=e.tp_ep_pp if e else self.mp,
             intra_dist_opt=self.world,
+            **extra,
         )
 
 
@@ -165,6 +211,8 @@ def init_distributed(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=1,
         distributed_timeout_minutes=timeout_s / 60,  # megatron makes a timedelta of it: keep seconds exact
         create_gloo_process_groups=(backend == "gloo"),
     )
@@ -181,6 +229,13 @@ def init_distributed(
         embd=parallel_state.get_embedding_group(check_initialized=False),
         alone=parallel_state.get_context_parallel_group(),
         timeout=datetime.timedelta(seconds=timeout_s),
+        experts=ExpertGroups(
+            ep=parallel_state.get_expert_model_parallel_group(),
+            tp_ep=parallel_state.get_expert_tensor_and_model_parallel_group(),
+            tp_ep_pp=parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
+            expt_dp=parallel_state.get_expert_data_parallel_group(),
+            tp_dp=parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True),
+        ),
     )
 
 

@@ -70,7 +70,7 @@ from engine.checkpoint.store import (
 )
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
-from engine.models.builder import ModelShape
+from engine.models.builder import ModelShape, moe_config
 from engine.roles.offload import all_onloaded
 from engine.roles.policy import MegatronRole
 from parallel.state import ProcessGroups
@@ -91,6 +91,7 @@ def run_layout(groups: ProcessGroups, distributed_optimizer: bool) -> dict[str, 
         "distributed_optimizer": bool(distributed_optimizer),
         # only when set, so that checkpoints of the automatic split keep the layout they were saved with
         **{k: getattr(d, k) for k in ("first_stage_layers", "last_stage_layers") if getattr(d, k)},
+        **({"ep": d.ep} if d.ep > 1 else {}),
     }
 
 
@@ -125,8 +126,8 @@ def resolved_model_config(model: ModelConfig, shape: ModelShape) -> ModelConfig:
     """The model config with every architecture field as built (from model.path's config.json and the
     tokenizer's vocabulary too): enough to rebuild the same chunks without the source checkpoint."""
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    arch = {k: v for k, v in shape_fields(shape).items() if k in fields}
-    return dataclasses.replace(model, **arch)
+    arch = {k: v for k, v in shape_fields(shape).items() if k in fields and k != "moe"}
+    return dataclasses.replace(model, **arch, moe=moe_config(shape.moe))
 
 
 def flat_config(cfg: Any) -> dict[str, Any]:

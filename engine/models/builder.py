@@ -18,12 +18,33 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from engine.config import ModelConfig
-from engine.models.spec import Fusions, install_rope_fusion, layer_spec, norm_spec
+from engine.config import ModelConfig, MoEConfig
+from engine.models.spec import Fusions, install_moe_without_te, install_rope_fusion, layer_spec, norm_spec
 from parallel.dims import ParallelDims
 from parallel.state import ProcessGroups
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The mixture-of-experts MLP of every layer (model.moe.*), resolved once."""
+
+    num_experts: int
+    top_k: int
+    ffn_hidden_size: int
+    """Inner width of one routed expert."""
+    shared_ffn_hidden_size: int = 0
+    """Inner width of the shared expert; 0 = none."""
+    shared_gate: bool = False
+    """sigmoid(gate . x) scales the shared expert's output (Qwen2-MoE)."""
+    score_function: str = "softmax"
+    """`softmax` or `sigmoid` router scores."""
+    norm_topk_prob: bool = True
+    """Top-k weights renormalised to sum to 1 (always with sigmoid)."""
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    token_dispatcher: str = "alltoall"
 
 
 @dataclass(frozen=True)
@@ -49,6 +70,8 @@ class ModelShape:
     dtype: torch.dtype
     rope_scaling_factor: float = 0.0
     """Llama-3 RoPE scaling factor (0 = none); low/high frequency factors 1/4, original context 8192."""
+    moe: MoEShape | None = None
+    """Mixture-of-experts MLPs in every layer; None = dense SwiGLU MLPs."""
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -76,6 +99,72 @@ def resolve_shape(m: ModelConfig, vocab_size: int, tp: int) -> ModelShape:
         tie_embeddings=m.tie_embeddings,
         dtype=_DTYPES[m.dtype],
         rope_scaling_factor=m.rope_scaling_factor,
+        moe=moe_shape(m),
+    )
+
+
+def moe_shape(m: ModelConfig) -> MoEShape | None:
+    """model.moe as a `MoEShape`, or None for a dense model (model.moe.num_experts=0)."""
+    e = m.moe
+    if e.num_experts == 0:
+        return None
+    return MoEShape(
+        num_experts=e.num_experts,
+        top_k=e.top_k,
+        ffn_hidden_size=e.ffn_hidden_size or m.ffn_hidden_size,
+        shared_ffn_hidden_size=e.shared_expert_ffn_hidden_size,
+        shared_gate=e.shared_expert_gate,
+        score_function=e.score_function,
+        norm_topk_prob=e.norm_topk_prob,
+        aux_loss_coef=e.aux_loss_coef,
+        z_loss_coef=e.z_loss_coef,
+        token_dispatcher=e.token_dispatcher,
+    )
+
+
+def moe_config(moe: MoEShape | None) -> MoEConfig:
+    """The model.moe config that builds `moe` (the inverse of `moe_shape`; dense: the default, 0 experts)."""
+    if moe is None:
+        return MoEConfig()
+    return MoEConfig(
+        num_experts=moe.num_experts,
+        top_k=moe.top_k,
+        ffn_hidden_size=moe.ffn_hidden_size,
+        shared_expert_ffn_hidden_size=moe.shared_ffn_hidden_size,
+        shared_expert_gate=moe.shared_gate,
+        score_function=moe.score_function,
+        norm_topk_prob=moe.norm_topk_prob,
+        aux_loss_coef=moe.aux_loss_coef,
+        z_loss_coef=moe.z_loss_coef,
+        token_dispatcher=moe.token_dispatcher,
+    )
+
+
+def moe_config_fields(moe: MoEShape | None, ep: int) -> dict:
+    """megatron's TransformerConfig MoE fields for `moe` at expert-parallel size `ep` (none when dense).
+
+    megatron's softmax router applies softmax after top-k unless `moe_router_pre_softmax`: over the top-k
+    logits that is the renormalised top-k softmax (norm_topk_prob=true), and softmax-then-top-k is the
+    unnormalised one. Experts are not tensor-parallel (expert TP size 1)."""
+    if moe is None:
+        return {}
+    install_moe_without_te()
+    losses = "aux_loss" if moe.aux_loss_coef > 0 else "none"
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=moe.shared_ffn_hidden_size or None,
+        moe_shared_expert_gate=moe.shared_gate,
+        moe_router_score_function=moe.score_function,
+        moe_router_pre_softmax=moe.score_function == "softmax" and not moe.norm_topk_prob,
+        moe_router_load_balancing_type=losses,
+        moe_aux_loss_coeff=moe.aux_loss_coef,
+        moe_z_loss_coeff=moe.z_loss_coef or None,
+        moe_token_dispatcher_type=moe.token_dispatcher,
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
     )
 
 
@@ -136,6 +225,7 @@ def transformer_config(
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
         deallocate_pipeline_outputs=False,
+        **moe_config_fields(shape.moe, dims.ep),
     )
 
 
@@ -184,7 +274,7 @@ def build_gpt_chunks(
     config = transformer_config(
         shape, dims, init_std, recompute, on_cpu=device.type == "cpu", fusions=fusions
     )
-    spec = layer_spec(shape.qk_norm, fusions)
+    spec = layer_spec(shape.qk_norm, fusions, num_experts=shape.moe.num_experts if shape.moe else None)
     pg_collection = groups.megatron_groups()
     chunks = []
     for vp_stage in range(dims.vpp):
@@ -214,3 +304,35 @@ def build_gpt_chunks(
             model.output_layer = ValueHead(shape.hidden_size, shape.dtype, dims.sp, groups.tp)
         chunks.append(model.to(device))
     return chunks
+
+
+@torch.no_grad()
+def build_gpt_chunks_ep_invariant(
+    shape: ModelShape, groups: ProcessGroups, *, init_std: float, recompute: bool, value_head: bool = False
+) -> list[GPTModel]:
+    """`build_gpt_chunks` whose random init is the same model at every parallel.ep: megatron draws each
+    rank's local experts from one shared stream (local expert i would be equal on every expert-parallel rank,
+    and every parameter after the experts would be drawn from another point of the stream than at EP=1).
+    At ep > 1 the chunks are first built at EP=1 from the current RNG state (all experts: a transient second
+    copy of the model on this rank) and their weights copied into this rank's chunks, experts by global index."""
+    if groups.dims.ep == 1:
+        return build_gpt_chunks(shape, groups, init_std=init_std, recompute=recompute, value_head=value_head)
+    full = build_gpt_chunks(
+        shape, groups.without_expert_parallel(), init_std=init_std, recompute=recompute, value_head=value_head
+    )
+    chunks = build_gpt_chunks(shape, groups, init_std=init_std, recompute=recompute, value_head=value_head)
+    offset = groups.expert_offset(shape.moe.num_experts)
+    for mine, whole in zip(chunks, full):
+        source = dict(whole.named_parameters())
+        for name, param in mine.named_parameters():
+            param.copy_(source[_global_expert_name(name, offset)])
+    return chunks
+
+
+def _global_expert_name(name: str, offset: int) -> str:
+    """`...local_experts.{i}...` -> `...local_experts.{offset + i}...`; other names unchanged."""
+    head, sep, rest = name.partition(".local_experts.")
+    if not sep:
+        return name
+    index, _, tail = rest.partition(".")
+    return f"{head}{sep}{int(index) + offset}.{tail}"

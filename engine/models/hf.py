@@ -36,6 +36,7 @@ from engine.models.hf_map import (
     WeightRule,
     hf_from_shards,
     hf_names,
+    local_expert,
     match_rule,
     shard_from_hf,
 )
@@ -164,21 +165,24 @@ def load_hf_weights(
     """
     tp, tp_rank = groups.dims.tp, groups.tp_rank
     check_tp_layout(shape, tp, os.path.join(path, HF_CONFIG_FILE))
+    offset = groups.expert_offset(shape.moe.num_experts) if shape.moe else 0
     with HFCheckpoint(path) as ckpt:
         for chunk in chunks:
             for name, param in chunk.named_parameters():
                 rule, layer = _rule_for(chunk, name, shape)
-                names = hf_names(rule, layer)
+                expert = local_expert(name) + offset if rule.expert else None
+                names = hf_names(rule, layer, expert)
                 if rule is VALUE_HEAD_RULE:
                     if names[0] not in ckpt:
                         continue  # a fresh critic head: keep the zero init
                     _check_zero_bias(ckpt)
-                _check_shapes(ckpt, rule, names, name, param.shape, shape, tp)
+                split_tp, split_rank = (1, 0) if rule.expert else (tp, tp_rank)  # experts: whole per rank
+                _check_shapes(ckpt, rule, names, name, param.shape, shape, split_tp)
 
                 def read(i, index, names=names):
                     return ckpt.tensor(names[i])[index]
 
-                shard_from_hf(rule, read, param.data, shape, tp, tp_rank)
+                shard_from_hf(rule, read, param.data, shape, split_tp, split_rank)
 
 
 def _check_zero_bias(ckpt: HFCheckpoint) -> None:
@@ -215,13 +219,14 @@ def _local_hf_tensors(
             if rule is TIED_OUTPUT_RULE:
                 continue  # the first stage writes model.embed_tokens.weight
             shard = param.detach()
-            if tp > 1:
+            if tp > 1 and not rule.expert:
                 gathered = [torch.empty_like(shard) for _ in range(tp)]
                 dist.all_gather(gathered, shard.contiguous(), group=groups.tp)
             else:
                 gathered = [shard]
             if groups.tp_rank == 0:
-                named = dict(zip(hf_names(rule, layer), hf_from_shards(rule, gathered, shape)))
+                expert = local_expert(name) if rule.expert else None  # save refuses ep > 1: local = global
+                named = dict(zip(hf_names(rule, layer, expert), hf_from_shards(rule, gathered, shape)))
                 if rule is VALUE_HEAD_RULE and head_bias:
                     named[VALUE_HEAD_BIAS] = shard.new_zeros(1)
                 yield named
@@ -316,6 +321,11 @@ def save_hf_checkpoint(
     `out_dir` may hold only files an export writes; anything else is refused before any work
     (HFCheckpointError on every rank), as replacing the directory would delete it.
     """
+    if groups.dims.ep > 1:
+        raise HFCheckpointError(
+            f"saving a Hugging Face checkpoint at parallel.ep={groups.dims.ep} is not supported (the experts "
+            "of other expert-parallel ranks are not gathered); save from a parallel.ep=1 layout"
+        )
     rank0 = groups.rank == 0
     head_bias = any(a.endswith("ForTokenClassification") for a in hf_config.get("architectures") or [])
     problem = [_foreign_entry_problem(out_dir) if rank0 else None]

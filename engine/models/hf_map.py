@@ -13,6 +13,10 @@ Megatron layouts (per TP rank r of T): the fused QKV holds, for each of this ran
 g in [r*G/T, (r+1)*G/T), [q heads of g; k of g; v of g]; the SwiGLU fc1 holds [gate_r; up_r]
 (concatenating shards does NOT give the unsharded fc1); embeddings/output layer rows are split over
 the vocabulary padded to a multiple of T (padded rows are zero and never exported).
+Mixture of experts (Qwen3-MoE / Qwen2-MoE): the router is `mlp.gate`, replicated; routed expert e of a layer is
+`local_experts.{expert}` in Megatron (the local index on its expert-parallel rank; `hf_names` takes the
+global one) and `mlp.experts.{e}.gate_proj/up_proj/down_proj` in HF, whole on every TP rank (expert TP is 1:
+use tp=1, rank 0 for `WeightRule.expert` rules); Qwen2-MoE's shared expert is split over TP like a dense MLP.
 Pure tensor code: no I/O, no torch.distributed.
 """
 
@@ -53,6 +57,8 @@ class WeightRule:
     """HF tensor names; `{layer}` stands for the global (0-based) layer index."""
     split: Split
     """TP split rule."""
+    expert: bool = False
+    """A routed expert's weight: `{expert}` in both names; whole on each TP rank (split it with tp=1)."""
 
 
 _L = "model.layers.{layer}."
@@ -78,6 +84,30 @@ WEIGHT_MAP: tuple[WeightRule, ...] = (
         _M + "mlp.linear_fc1.weight", (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"), Split.GATE_UP
     ),
     WeightRule(_M + "mlp.linear_fc2.weight", (_L + "mlp.down_proj.weight",), Split.ROW),
+    WeightRule(_M + "mlp.router.weight", (_L + "mlp.gate.weight",), Split.REPLICATED),
+    WeightRule(
+        _M + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
+        (_L + "mlp.experts.{expert}.gate_proj.weight", _L + "mlp.experts.{expert}.up_proj.weight"),
+        Split.GATE_UP,
+        expert=True,
+    ),
+    WeightRule(
+        _M + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
+        (_L + "mlp.experts.{expert}.down_proj.weight",),
+        Split.ROW,
+        expert=True,
+    ),
+    WeightRule(
+        _M + "mlp.shared_experts.linear_fc1.weight",
+        (_L + "mlp.shared_expert.gate_proj.weight", _L + "mlp.shared_expert.up_proj.weight"),
+        Split.GATE_UP,
+    ),
+    WeightRule(
+        _M + "mlp.shared_experts.linear_fc2.weight", (_L + "mlp.shared_expert.down_proj.weight",), Split.ROW
+    ),
+    WeightRule(
+        _M + "mlp.shared_experts.gate_weight", (_L + "mlp.shared_expert_gate.weight",), Split.REPLICATED
+    ),
     WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",), Split.REPLICATED),
     WeightRule("output_layer.weight", ("lm_head.weight",), Split.VOCAB),
 )
@@ -89,7 +119,17 @@ VALUE_HEAD_BIAS = "score.bias"
 """HF *ForTokenClassification heads have a bias the engine's ValueHead lacks: loaded only if zero, saved as zero."""
 
 _PATTERNS = [
-    (re.compile("^" + re.escape(r.megatron).replace(r"\{layer\}", r"(\d+)") + "$"), r) for r in WEIGHT_MAP
+    (
+        re.compile(
+            "^"
+            + re.escape(r.megatron)
+            .replace(r"\{layer\}", r"(?P<layer>\d+)")
+            .replace(r"\{expert\}", r"(?P<expert>\d+)")
+            + "$"
+        ),
+        r,
+    )
+    for r in WEIGHT_MAP
 ]
 
 
@@ -98,13 +138,22 @@ def match_rule(name: str) -> tuple[WeightRule, int | None]:
     for pattern, rule in _PATTERNS:
         m = pattern.match(name)
         if m:
-            return rule, int(m.group(1)) if m.groups() else None
+            return rule, int(m.group("layer")) if "layer" in pattern.groupindex else None
     raise KeyError(f"no HF mapping for Megatron parameter {name!r}; add a WeightRule to WEIGHT_MAP")
 
 
-def hf_names(rule: WeightRule, layer: int | None) -> tuple[str, ...]:
-    """The HF tensor names of `rule` for global layer `layer`."""
-    return tuple(n.format(layer=layer) for n in rule.hf)
+def local_expert(name: str) -> int:
+    """The expert index in Megatron parameter `name` of an expert rule (local to its expert-parallel rank)."""
+    for pattern, rule in _PATTERNS:
+        m = pattern.match(name)
+        if m and rule.expert:
+            return int(m.group("expert"))
+    raise KeyError(f"{name!r} is not a routed expert's parameter")
+
+
+def hf_names(rule: WeightRule, layer: int | None, expert: int | None = None) -> tuple[str, ...]:
+    """The HF tensor names of `rule` for global layer `layer` (and global expert `expert` of expert rules)."""
+    return tuple(n.format(layer=layer, expert=expert) for n in rule.hf)
 
 
 def _qkv_rows(shape: ModelShape) -> tuple[int, int]:

@@ -274,12 +274,26 @@ def install_rope_fusion() -> None:
         rope_utils.fused_apply_rotary_pos_emb_thd = fused_rope_thd
 
 
-def layer_spec(qk_norm: bool, fusions: Fusions | None = None) -> ModuleSpec:
-    """megatron's local GPT layer spec (RMSNorm, optional QK-norm) with SDPA attention and our RMSNorm."""
+def install_moe_without_te() -> None:
+    """Let megatron's MoE router run without TransformerEngine: `moe_utils.RouterGatingLinearFunction` tests
+    `te_general_gemm is not None`, a name megatron-core 0.16 binds only when TE imports; bound to None, the
+    router takes its plain `torch.mm` path. Idempotent; a TE kernel, when installed, is left in place."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def layer_spec(qk_norm: bool, fusions: Fusions | None = None, num_experts: int | None = None) -> ModuleSpec:
+    """megatron's local GPT layer spec (RMSNorm, optional QK-norm) with SDPA attention and our RMSNorm; with
+    `num_experts`, megatron's local MoE MLP (top-k router, experts as a loop of SwiGLU MLPs
+    (`SequentialMLP`), optional shared expert) in place of the dense MLP."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     norm = norm_spec(fusions or Fusions())
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_norm, normalization="RMSNorm"
+    )
     sub = spec.submodules
     sub.input_layernorm = norm
     sub.pre_mlp_layernorm = norm

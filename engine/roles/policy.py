@@ -41,6 +41,7 @@ from engine.models.output_head import (
     response_token_stats,
     unpack_rows,
 )
+from engine.roles.moe_losses import RouterLossWeights
 from parallel.state import ProcessGroups
 
 # What a role's loss_fn(output, micro_batch) -> (loss, metrics) receives as `output`, by the role's `head`
@@ -96,6 +97,7 @@ class MegatronRole:
         # casting the last stage's whole (b, s, vocab) output to fp32, is not wanted: the "response" head
         # computes fp32 logits of response positions chunk by chunk (engine/models/fused_logprobs.py).
         self.trainable = optim is not None
+        self.router_losses: RouterLossWeights | None = None
         if not self.trainable:
             for c in chunks:
                 c.eval()
@@ -103,6 +105,7 @@ class MegatronRole:
             self.chunks, self.optimizer, self.scheduler = chunks, None, None
             return
         config.calculate_per_token_loss = True
+        self.router_losses = RouterLossWeights(chunks, config) if config.num_moe_experts else None  # MoE
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -176,6 +179,8 @@ class MegatronRole:
             self.optimizer.zero_grad()
         b, s = micro_batches[0]["tokens"].shape
         g = self.groups
+        if self.router_losses is not None and not forward_only:
+            self.router_losses.for_step(len(micro_batches), g.dims.dp)
         check_pipeline_micro_batches(micro_batches, g.dims.pp, g.dims.vpp, self.config.variable_seq_lengths)
 
         def forward_step(data_iterator, model):

@@ -2,7 +2,8 @@
 
 It re-implements megatron's GPTModel with our layer spec (engine/models/spec.py: RMSNorm in float32, fused
 QKV interleaved per query group, optional QKV bias and QK-norm, RoPE with megatron's cos/sin rounding and
-Llama-3 scaling, SDPA core attention, SwiGLU [gate; up], tied or untied output layer) because the rollout
+Llama-3 scaling, SDPA core attention, SwiGLU [gate; up] or a mixture of experts (engine/models/moe.py: the
+router's top-k and weights as megatron computes them), tied or untied output layer) because the rollout
 TP size differs from the training modules'. Parity with the training forward is tested
 (tests/engine/test_rollout_native.py), not assumed. Nothing here allocates per-sequence state: the KV cache
 and the batch bookkeeping belong to engine/rollout/native.py.
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from engine.models import moe
 from engine.models.builder import ModelShape
 from engine.models.compiled import ROLLOUT, cuda_kernel
 from engine.rollout import triton_decode
@@ -185,8 +187,24 @@ class _Layer:
     k_norm: torch.Tensor | None
     proj_w: torch.Tensor
     mlp_norm: torch.Tensor
-    fc1_w: torch.Tensor
-    fc2_w: torch.Tensor
+    fc1_w: torch.Tensor | None
+    """Dense SwiGLU [gate; up] (None in an MoE layer)."""
+    fc2_w: torch.Tensor | None
+    moe: _MoEWeights | None = None
+    """The MoE MLP's weights (None in a dense layer)."""
+
+
+@dataclass
+class _MoEWeights:
+    """One MoE layer: router and routed experts whole on every rollout-TP rank (expert TP is 1), the shared
+    expert split over TP like a dense MLP."""
+
+    router: torch.Tensor
+    expert_fc1: list[torch.Tensor]
+    expert_fc2: list[torch.Tensor]
+    shared_fc1: torch.Tensor | None
+    shared_fc2: torch.Tensor | None
+    shared_gate: torch.Tensor | None
 
 
 def _required(params: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -251,10 +269,10 @@ class RolloutModel:
         self._add_norm, self._norm = kernel(add_rms_norm), kernel(rms_norm)
         self._swiglu, self._rope = kernel(swiglu), kernel(_rope)
 
-    @staticmethod
-    def _layer(p: dict[str, torch.Tensor], i: int) -> _Layer:
+    def _layer(self, p: dict[str, torch.Tensor], i: int) -> _Layer:
         pre = f"decoder.layers.{i}."
         att = pre + "self_attention."
+        dense = self.shape.moe is None
         return _Layer(
             input_norm=_required(p, pre + "input_layernorm.weight"),
             qkv_w=_required(p, att + "linear_qkv.weight"),
@@ -263,9 +281,33 @@ class RolloutModel:
             k_norm=p.get(att + "k_layernorm.weight"),
             proj_w=_required(p, att + "linear_proj.weight"),
             mlp_norm=_required(p, pre + "pre_mlp_layernorm.weight"),
-            fc1_w=_required(p, pre + "mlp.linear_fc1.weight"),
-            fc2_w=_required(p, pre + "mlp.linear_fc2.weight"),
+            fc1_w=_required(p, pre + "mlp.linear_fc1.weight") if dense else None,
+            fc2_w=_required(p, pre + "mlp.linear_fc2.weight") if dense else None,
+            moe=None if dense else self._moe_layer(p, pre + "mlp."),
         )
+
+    def _moe_layer(self, p: dict[str, torch.Tensor], pre: str) -> _MoEWeights:
+        experts = range(self.shape.moe.num_experts)
+        return _MoEWeights(
+            router=_required(p, pre + "router.weight"),
+            expert_fc1=[_required(p, f"{pre}experts.local_experts.{e}.linear_fc1.weight") for e in experts],
+            expert_fc2=[_required(p, f"{pre}experts.local_experts.{e}.linear_fc2.weight") for e in experts],
+            shared_fc1=p.get(pre + "shared_experts.linear_fc1.weight"),
+            shared_fc2=p.get(pre + "shared_experts.linear_fc2.weight"),
+            shared_gate=p.get(pre + "shared_experts.gate_weight"),
+        )
+
+    def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP on normed hidden states h (b, s, hidden), summed over the TP group. MoE: the
+        router and the routed experts run whole on every TP rank (same numerics as training:
+        engine/models/moe.py); only the shared expert's partial sums are reduced."""
+        if layer.moe is None:
+            return self._all_reduce(F.linear(self._swiglu(F.linear(h, layer.fc1_w)), layer.fc2_w))
+        w, h_th = layer.moe, h.reshape(-1, h.shape[-1])
+        out, _ = moe.routed_experts(h_th, w.router, w.expert_fc1, w.expert_fc2, self.shape.moe)
+        if w.shared_fc1 is not None:
+            out = out + self._all_reduce(moe.shared_expert(h_th, w.shared_fc1, w.shared_fc2, w.shared_gate))
+        return out.view_as(h)
 
     # ---- pieces ---------------------------------------------------------------------------------
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -319,7 +361,7 @@ class RolloutModel:
             q, k, v = self._qkv(layer, h, cos, sin)
             proj = self._all_reduce(F.linear(attend(i, q, k, v), layer.proj_w))
             x, h = self._add_norm(x, proj, layer.mlp_norm, eps)
-            mlp = self._all_reduce(F.linear(self._swiglu(F.linear(h, layer.fc1_w)), layer.fc2_w))
+            mlp = self._mlp(layer, h)
             after = layers[i + 1].input_norm if i + 1 < len(layers) else self.final_norm
             x, h = self._add_norm(x, mlp, after, eps)
         return h

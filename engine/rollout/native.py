@@ -107,7 +107,7 @@ class NativeRollout(RolloutEngine):
     `max_num_seqs`: most sequences decoded at once (`rollout.max_num_seqs`); `pad_id` pads the responses.
     `kv_cache_budget_bytes`: KV cache memory (None: `kv_cache_memory_fraction` of the free GPU memory on CUDA,
     1 GiB at most on CPU); it bounds the sequences decoded at once, larger batches are chunked.
-    `cuda_graphs` (None: on CUDA), `keep_cache` (None: on CPU only; on CUDA the cache and graphs are freed
+    `cuda_graphs` (None: on CUDA for dense models; MoE models decode eagerly), `keep_cache` (None: on CPU only; on CUDA the cache and graphs are freed
     after each call so that training gets the memory back), `prefill_tokens` (tokens per prefill forward),
     `check_every` (decode steps between host checks for finished rows; None: 1 on CPU, 8 on CUDA),
     `kernels` (the forward's fast kernels, engine/rollout/model.py `DecodeKernels`; default: all where they apply),
@@ -142,7 +142,13 @@ class NativeRollout(RolloutEngine):
         self.shape, self.device, self.max_num_seqs, self.pad_id = shape, device, max_num_seqs, pad_id
         self.kv_cache_budget_bytes = kv_cache_budget_bytes
         self.kv_cache_memory_fraction = kv_cache_memory_fraction
-        self.use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
+        if cuda_graphs and shape.moe is not None:
+            raise ValueError(
+                "rollout.cuda_graphs=true: the native MoE forward picks each expert's tokens with a host sync, "
+                "which a CUDA graph cannot capture; set rollout.cuda_graphs=false for MoE models"
+            )
+        # MoE: eager decode (the experts' token selection syncs with the host)
+        self.use_graphs = (on_cuda and shape.moe is None) if cuda_graphs is None else cuda_graphs
         self.keep_cache = (not on_cuda) if keep_cache is None else keep_cache
         self.prefill_tokens = prefill_tokens
         self.check_every = check_every or (8 if on_cuda else 1)

@@ -11,6 +11,7 @@ loss reads (engine/step/losses.py), and their metrics.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -18,8 +19,10 @@ import torch.distributed as dist
 
 from algorithms.losses import loss_normalizer
 from engine.config import AlgorithmConfig
+from engine.models.builder import ModelShape
 from engine.roles.dynamic_batch import MicroBatcher
 from engine.roles.policy import LossFn, MegatronRole
+from engine.roles.router_load import RouterLoad
 from engine.step.batch import Experience
 from engine.step.context import StepContext
 from engine.step.losses import (
@@ -159,20 +162,32 @@ def update_actor(
         keys.append("old_log_probs")
     if kl_ref:
         keys.append("ref_log_probs")
-    out = run_updates(
-        c.actor,
-        exp,
-        alg=alg,
-        make_loss=lambda norm: make_actor_loss(alg, norm, kl_ref, rollout_log_probs),
-        metric_names=actor_metric_names(rollout_log_probs, alg.tis_cap > 0),
-        keys=tuple(keys),
-        batcher=ctx.batcher,
-        max_len=c.cfg.rollout.max_new_tokens,
-        seed=c.cfg.trainer.seed + ctx.step,
-        temperature=c.cfg.rollout.temperature,
-        first_only=ACTOR_FIRST_MINI_BATCH_METRICS,
-    )
+    load = router_load(c.actor, c.shape)
+    with load or contextlib.nullcontext():
+        out = run_updates(
+            c.actor,
+            exp,
+            alg=alg,
+            make_loss=lambda norm: make_actor_loss(alg, norm, kl_ref, rollout_log_probs),
+            metric_names=actor_metric_names(rollout_log_probs, alg.tis_cap > 0),
+            keys=tuple(keys),
+            batcher=ctx.batcher,
+            max_len=c.cfg.rollout.max_new_tokens,
+            seed=c.cfg.trainer.seed + ctx.step,
+            temperature=c.cfg.rollout.temperature,
+            first_only=ACTOR_FIRST_MINI_BATCH_METRICS,
+        )
+    if load is not None:
+        out.update(load.metrics())
     return {f"actor/{k}": v for k, v in out.items()}
+
+
+def router_load(role: MegatronRole, shape: ModelShape) -> RouterLoad | None:
+    """The router statistics of an MoE role's update (engine/roles/router_load.py); None for a dense model."""
+    if shape.moe is None:
+        return None
+    g = role.groups
+    return RouterLoad(role.chunks, shape.num_layers, shape.moe.num_experts, g.world, g.device)
 
 
 def update_critic(ctx: StepContext, exp: Experience) -> dict[str, float]:

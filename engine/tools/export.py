@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         vpp=layout["vpp"],
         first_stage_layers=layout.get("first_stage_layers", 0),  # absent: the automatic split
         last_stage_layers=layout.get("last_stage_layers", 0),
+        ep=layout.get("ep", 1),
     )
     groups = init_distributed(dims, args.device)
     try:

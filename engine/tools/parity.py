@@ -158,6 +158,7 @@ def compare_logits(chunks, shape: ModelShape, path: str, groups: ProcessGroups, 
             "tp": dims.tp,
             "pp": dims.pp,
             "vpp": dims.vpp,
+            "ep": dims.ep,
             "batch": parity.batch,
             "seq_len": parity.seq_len,
             "dtype": "float32",
@@ -194,6 +195,7 @@ def main(argv: list[str]) -> int:
         vpp=p.vpp,
         first_stage_layers=p.first_stage_layers,
         last_stage_layers=p.last_stage_layers,
+        ep=p.ep,
     )
     try:
         dims.stage_layer_counts(shape.num_layers)

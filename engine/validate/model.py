@@ -34,6 +34,7 @@ def validate_parallel(cfg: TrainConfig, world_size: int) -> ParallelDims:
             sp=cfg.parallel.sp,
             first_stage_layers=cfg.parallel.first_stage_layers,
             last_stage_layers=cfg.parallel.last_stage_layers,
+            ep=cfg.parallel.ep,
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
@@ -78,6 +79,7 @@ def validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
         ("model.ffn_hidden_size", m.ffn_hidden_size),
     ):
         positive(key, value)
+    validate_moe(cfg, dims)
     if m.path:
         validate_checkpoint_positions(cfg, "model.path", m.path)  # config.json readable first
     validate_stage_layers(cfg, dims)
@@ -118,6 +120,145 @@ def validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"must be <= model.max_position_embeddings={m.max_position_embeddings}",
             "shorten prompts/responses or raise model.max_position_embeddings",
         )
+
+
+def validate_moe(cfg: TrainConfig, dims: ParallelDims) -> None:
+    """model.moe.* and parallel.ep: the router, the experts' split over the expert-parallel ranks, and the
+    combinations the MoE path does not run (yet)."""
+    e = cfg.model.moe
+    if e.num_experts < 0:
+        fail("model.moe.num_experts", e.num_experts, "must be >= 0", "use 0 for a dense model")
+    if e.num_experts == 0:
+        if dims.ep > 1:
+            fail(
+                "parallel.ep",
+                dims.ep,
+                "expert parallelism needs a mixture-of-experts model (model.moe.num_experts is 0)",
+                "set parallel.ep=1 or pick an MoE model (model=tiny_moe)",
+            )
+        return
+    one_of("model.moe.score_function", e.score_function, ("softmax", "sigmoid"))
+    one_of("model.moe.token_dispatcher", e.token_dispatcher, ("alltoall", "allgather"))
+    if not 1 <= e.top_k <= e.num_experts:
+        fail(
+            "model.moe.top_k",
+            e.top_k,
+            f"must be between 1 and model.moe.num_experts={e.num_experts}",
+            "route each token to fewer experts or add experts",
+        )
+    if e.num_experts % dims.ep:
+        fail(
+            "model.moe.num_experts",
+            e.num_experts,
+            f"must be divisible by parallel.ep={dims.ep} (each expert-parallel rank holds as many experts)",
+            "pick a parallel.ep that divides the expert count",
+        )
+    for key, value in (
+        ("model.moe.ffn_hidden_size", e.ffn_hidden_size),
+        ("model.moe.shared_expert_ffn_hidden_size", e.shared_expert_ffn_hidden_size),
+        ("model.moe.aux_loss_coef", e.aux_loss_coef),
+        ("model.moe.z_loss_coef", e.z_loss_coef),
+    ):
+        if value < 0:
+            fail(key, value, "must be >= 0", f"set {key}=0 for the default / off")
+    if e.shared_expert_gate and e.shared_expert_ffn_hidden_size == 0:
+        fail(
+            "model.moe.shared_expert_gate",
+            True,
+            "gates the shared expert, but model.moe.shared_expert_ffn_hidden_size is 0 (no shared expert)",
+            "set model.moe.shared_expert_ffn_hidden_size or shared_expert_gate=false",
+        )
+    if e.score_function == "sigmoid" and not e.norm_topk_prob:
+        fail(
+            "model.moe.norm_topk_prob",
+            False,
+            "megatron's sigmoid router always renormalises the top-k weights",
+            "set model.moe.norm_topk_prob=true with score_function=sigmoid",
+        )
+    if e.score_function == "softmax" and e.top_k == 1 and e.norm_topk_prob:
+        fail(
+            "model.moe.norm_topk_prob",
+            True,
+            "with top_k=1 the renormalised weight is always 1 and the router gets no gradient",
+            "set model.moe.norm_topk_prob=false (softmax over all experts, then top-1)",
+        )
+    if dims.tp > 1 and not dims.sp:
+        fail(
+            "parallel.sp",
+            False,
+            f"megatron's MoE layers train at parallel.tp={dims.tp} only with sequence parallelism",
+            "set parallel.sp=true (or parallel.tp=1)",
+        )
+    if dims.ep > 1:
+        validate_expert_parallel_run(cfg, dims)
+    if cfg.trainer.export_hf and not cfg.model.path:
+        from engine.models.hf_config import moe_model_type
+
+        m = cfg.model
+        try:
+            moe_model_type(
+                m.qkv_bias, m.qk_norm, e.score_function, e.shared_expert_ffn_hidden_size, e.shared_expert_gate
+            )
+        except ValueError as err:
+            fail(
+                "trainer.export_hf",
+                True,
+                f"the MoE model cannot be written as a Hugging Face checkpoint: {err}",
+                "set trainer.export_hf=false or change those model keys (model=tiny_moe is Qwen3-MoE-shaped)",
+            )
+    if cfg.rollout.backend != "native":
+        fail(
+            "rollout.backend",
+            cfg.rollout.backend,
+            "mixture-of-experts models roll out with the native engine only (the vLLM weight loader does not "
+            "name routed experts yet)",
+            "set rollout.backend=native",
+        )
+    if cfg.placement.mode != "colocated":
+        fail(
+            "placement.mode",
+            cfg.placement.mode,
+            "mixture-of-experts models run colocated only (split placement builds no expert groups)",
+            "set placement.mode=colocated",
+        )
+
+
+def validate_expert_parallel_run(cfg: TrainConfig, dims: ParallelDims) -> None:
+    """parallel.ep > 1 in a training job: the rollout gathers the experts over the expert-parallel group after
+    a transition that leaves each rank its own training weights (parallel/expert_gather.py), and nothing
+    gathers them for a Hugging Face export."""
+    for key, value, bad, rule, fix in (
+        (
+            "parallel.pp",
+            dims.pp,
+            dims.pp > 1,
+            "with parallel.ep > 1 the pipeline must be 1 stage",
+            "set parallel.pp=1",
+        ),
+        (
+            "rollout.weight_sync",
+            cfg.rollout.weight_sync,
+            cfg.rollout.weight_sync != "hybrid",
+            "with parallel.ep > 1 the rollout weights come from the 3D-HybridEngine",
+            "set rollout.weight_sync=hybrid",
+        ),
+        (
+            "rollout.tp",
+            cfg.rollout.tp,
+            cfg.rollout.tp != dims.tp,
+            f"with parallel.ep > 1 the rollout keeps the training TP size parallel.tp={dims.tp}",
+            f"set rollout.tp={dims.tp}",
+        ),
+        (
+            "trainer.export_hf",
+            cfg.trainer.export_hf,
+            cfg.trainer.export_hf,
+            "exporting gathers no experts across expert-parallel ranks",
+            "set trainer.export_hf=false (or train with parallel.ep=1)",
+        ),
+    ):
+        if bad:
+            fail(key, value, rule, fix)
 
 
 def validate_tokenizer_source(cfg: TrainConfig) -> None:

@@ -8,6 +8,9 @@ chained: layout k loads the checkpoint that layout k-1 saved (every other one sh
 the chain HF -> M(1,1) -> HF -> M(2,1) -> ... is checked at every hop against the original:
 - logits parity with transformers (float32, tol 1e-5) on the checkpoint being loaded;
 - every saved tensor torch.equal to the original (names, dtypes, config.json too).
+The mixture-of-experts families (Qwen3-MoE; Qwen2-MoE with a gated shared expert) run the same chain, then
+load at expert-parallel layouts (tp, pp, ep) in {(1,1,2), (1,1,4), (2,1,2), (1,2,2), (2,2,2)} with logits
+parity.
 Then: the critic (value head from `score.weight`, vs transformers' token classification head, and a zero
 head from a causal-LM checkpoint), a bfloat16 model's round trip, the largest tensor created while loading at TP=2, and the errors for
 weights that disagree with config.json; a 3-layer Qwen2 at TP2 x PP2 (megatron's uneven stages: parity and
@@ -51,10 +54,10 @@ TOL = 5e-5  # float32 logits of magnitude ~6; TP=2 changes the summation order (
 PARITY = ParityConfig(batch=2, seq_len=16, tol=TOL, seed=0)
 
 
-def relayout(tp: int, pp: int, vpp: int = 1):
+def relayout(tp: int, pp: int, vpp: int = 1, ep: int = 1):
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    return init_distributed(ParallelDims(WORLD, tp=tp, pp=pp, vpp=vpp), DEVICE)
+    return init_distributed(ParallelDims(WORLD, tp=tp, pp=pp, vpp=vpp, ep=ep), DEVICE)
 
 
 def result(groups, **fields) -> None:
@@ -93,6 +96,15 @@ def chain(family: str, src: str, out_root: str) -> None:
             groups, kind="layout", family=family, loaded=prev, saved_sharded=sharded, tensors=num, **report
         )
         prev = out
+
+
+def moe_expert_parallel(family: str, src: str) -> None:
+    """Load an MoE checkpoint with its experts split over expert-parallel ranks: logits vs transformers."""
+    for tp, pp, ep in ((1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 2)):
+        groups = relayout(tp, pp, ep=ep)
+        chunks, shape = build_and_load(src, groups)
+        report = compare_logits(chunks, shape, src, groups, PARITY)
+        result(groups, kind="moe_ep", family=family, **report)  # the report names tp, pp, ep
 
 
 def critic(dirs: dict[str, str], out_root: str) -> None:
@@ -241,12 +253,25 @@ def cli(path: str) -> None:
 
 
 def main(root: str) -> None:
-    names = ("qwen2", "qwen3", "llama", "critic", "big", "bad_shape", "missing_layer", "qwen2_3l")
+    names = (
+        "qwen2",
+        "qwen3",
+        "llama",
+        "qwen3_moe",
+        "qwen2_moe",
+        "critic",
+        "big",
+        "bad_shape",
+        "missing_layer",
+        "qwen2_3l",
+    )
     dirs = {name: os.path.join(root, name) for name in names}
     out_root = os.path.join(root, "out")
     try:
-        for family in ("qwen2", "qwen3", "llama"):
+        for family in ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"):
             chain(family, dirs[family], out_root)
+        for family in ("qwen3_moe", "qwen2_moe"):
+            moe_expert_parallel(family, dirs[family])
         critic(dirs, out_root)
         bf16_round_trip(dirs["llama"], out_root)
         load_memory(dirs["big"])

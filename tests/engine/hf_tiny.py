@@ -33,10 +33,12 @@ _COMMON = dict(
     initializer_range=0.2,
 )
 FAMILIES = ("qwen2", "qwen3", "llama")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 def _config(family: str, **overrides):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     kw = dict(_COMMON)
     if family == "qwen2":  # QKV bias (built in), tied embeddings
@@ -45,6 +47,12 @@ def _config(family: str, **overrides):
         cls, kw["head_dim"] = Qwen3Config, 32
     elif family == "llama":  # untied, Llama-3.1 RoPE scaling
         cls, kw["rope_parameters"], kw["tie_word_embeddings"] = LlamaConfig, LLAMA3_ROPE, False
+    elif family == "qwen3_moe":  # QK-norm, 4 experts top-2 renormalised
+        cls = Qwen3MoeConfig
+        kw.update(_MOE, head_dim=32, norm_topk_prob=True, tie_word_embeddings=False)
+    elif family == "qwen2_moe":  # QKV bias, top-2 not renormalised, gated shared expert, tied embeddings
+        cls = Qwen2MoeConfig
+        kw.update(_MOE, norm_topk_prob=False, shared_expert_intermediate_size=48, tie_word_embeddings=True)
     else:
         raise ValueError(family)
     kw.update(overrides)
@@ -76,7 +84,7 @@ def save_tiny(family: str, out_dir: str, seed: int = 0, head: str = "causal", **
 
 def make_all(root: str) -> dict[str, str]:
     """Every model the multi-rank script needs, under `root`; returns name -> directory."""
-    dirs = {f: save_tiny(f, os.path.join(root, f), seed=i) for i, f in enumerate(FAMILIES)}
+    dirs = {f: save_tiny(f, os.path.join(root, f), seed=i) for i, f in enumerate(FAMILIES + MOE_FAMILIES)}
     dirs["critic"] = save_tiny("qwen2", os.path.join(root, "critic"), seed=7, head="token")
     # 3 layers: PP=2 takes megatron's uneven stages (2 layers, then 1)
     dirs["qwen2_3l"] = save_tiny("qwen2", os.path.join(root, "qwen2_3l"), seed=5, num_hidden_layers=3)

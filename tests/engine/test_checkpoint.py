@@ -27,7 +27,7 @@ from engine.checkpoint.store import (
     read_meta,
     read_rank_state,
 )
-from engine.config import ConfigError, ModelConfig, register_configs, to_dataclass
+from engine.config import ConfigError, ModelConfig, MoEConfig, register_configs, to_dataclass
 from engine.errors import CheckpointError
 from engine.models.builder import resolve_shape
 from engine.models.hf_config import hf_config_from_shape, model_config_from_hf
@@ -236,6 +236,18 @@ def test_layout_mismatch_names_both_layouts_and_the_way_out():
         {"tie_embeddings": True, "head_dim": 32, "rope_scaling_factor": 8.0, "rope_theta": 500000.0},
         {"qkv_bias": True, "tie_embeddings": True},  # qwen2
         {"qk_norm": True},  # qwen3
+        {"qk_norm": True, "moe": MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=32, aux_loss_coef=0.001)},
+        {  # qwen2_moe: gated shared expert, top-k weights not renormalised
+            "qkv_bias": True,
+            "moe": MoEConfig(
+                num_experts=4,
+                top_k=2,
+                ffn_hidden_size=32,
+                shared_expert_ffn_hidden_size=48,
+                shared_expert_gate=True,
+                norm_topk_prob=False,
+            ),
+        },
     ],
 )
 def test_random_init_config_json_reads_back_as_the_same_shape(overrides, tmp_path):

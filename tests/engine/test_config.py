@@ -37,6 +37,24 @@ def test_presets_compose_and_validate(algorithm):
     validate(composed(f"algorithm={algorithm}"), world_size=1)
 
 
+@pytest.mark.parametrize("preset", ["tiny_moe", "qwen3_30b_a3b", "qwen1_5_moe_a2_7b"])
+def test_moe_presets_compose_validate_and_resolve(preset):
+    """The MoE presets validate at a layout that splits their experts, and resolve to the router that
+    their Hugging Face family uses (softmax, renormalised over the top-k for Qwen3-MoE, not for Qwen2-MoE)."""
+    from engine.models.builder import resolve_shape
+
+    cfg = composed(f"model={preset}", "data.max_prompt_len=32")
+    assert validate(cfg, world_size=2).dp == 2
+    assert (
+        validate(composed(f"model={preset}", "data.max_prompt_len=32", "parallel.ep=2"), world_size=2).ep == 2
+    )
+    moe = resolve_shape(cfg.model, 100, 1).moe
+    assert moe.num_experts == cfg.model.moe.num_experts > moe.top_k
+    assert moe.norm_topk_prob == (preset != "qwen1_5_moe_a2_7b")
+    assert (moe.shared_ffn_hidden_size > 0) == moe.shared_gate == (preset == "qwen1_5_moe_a2_7b")
+    assert resolve_shape(composed().model, 100, 1).moe is None  # the default model stays dense
+
+
 def test_unknown_key_fails_at_compose():
     with pytest.raises(Exception, match="trainer.totl_steps|totl_steps"):
         composed("trainer.totl_steps=3")
@@ -156,6 +174,70 @@ BAD = [
         ],
         3,
         "rollout.multi_turn.enable=True: is not supported with placement.mode=split",
+    ),
+    # mixture of experts: the router, the experts over parallel.ep
+    (["parallel.ep=2"], 2, "parallel.ep=2: expert parallelism needs a mixture-of-experts model"),
+    (
+        ["model=tiny_moe", "parallel.ep=3"],
+        4,
+        "parallel.ep=3 must be >= 1 and divide the ranks of one pipeline",
+    ),
+    (["model=tiny_moe", "parallel.ep=2", "parallel.pp=2"], 2, "parallel.ep=2 must be >= 1 and divide"),
+    (
+        ["model=tiny_moe", "model.moe.num_experts=6", "parallel.ep=4"],
+        4,
+        "model.moe.num_experts=6: must be divisible",
+    ),
+    (["model=tiny_moe", "model.moe.top_k=5"], 1, "model.moe.top_k=5: must be between 1 and"),
+    (["model=tiny_moe", "model.moe.top_k=0"], 1, "model.moe.top_k=0: must be between 1 and"),
+    (
+        ["model=tiny_moe", "model.moe.score_function=relu"],
+        1,
+        "model.moe.score_function='relu': unknown value",
+    ),
+    (["model=tiny_moe", "model.moe.token_dispatcher=flex"], 1, "model.moe.token_dispatcher='flex'"),
+    (["model=tiny_moe", "model.moe.aux_loss_coef=-1"], 1, "model.moe.aux_loss_coef=-1.0: must be >= 0"),
+    (["model=tiny_moe", "model.moe.shared_expert_gate=true"], 1, "model.moe.shared_expert_gate=True"),
+    (
+        ["model=tiny_moe", "model.moe.score_function=sigmoid", "model.moe.norm_topk_prob=false"],
+        1,
+        "model.moe.norm_topk_prob=False: megatron's sigmoid router always renormalises",
+    ),
+    (["model=tiny_moe", "model.moe.top_k=1"], 1, "model.moe.norm_topk_prob=True: with top_k=1"),
+    (
+        ["model=tiny_moe", "parallel.tp=2"],
+        2,
+        "parallel.sp=False: megatron's MoE layers train at parallel.tp=2",
+    ),
+    (
+        ["model=tiny_moe", "parallel.ep=2", "parallel.pp=2"],
+        4,
+        "parallel.pp=2: with parallel.ep > 1 the pipeline",
+    ),
+    (
+        ["model=tiny_moe", "parallel.ep=2", "parallel.tp=2", "parallel.sp=true"],
+        4,
+        "rollout.tp=1: with parallel.ep > 1 the rollout keeps the training TP size parallel.tp=2",
+    ),
+    (
+        ["model=tiny_moe", "parallel.ep=2", "rollout.weight_sync=naive"],
+        2,
+        "rollout.weight_sync='naive': with parallel.ep > 1",
+    ),
+    (
+        ["model=tiny_moe", "parallel.ep=2", "trainer.export_hf=true"],
+        2,
+        "trainer.export_hf=True: exporting gathers",
+    ),
+    (
+        ["model=tiny_moe", "rollout.backend=vllm"],
+        1,
+        "rollout.backend='vllm': mixture-of-experts models roll out",
+    ),
+    (
+        ["model=tiny_moe", "placement.mode=split", "placement.rollout_ranks=1"],
+        2,
+        "placement.mode='split': mixture-of-experts models run colocated only",
     ),
 ]
 

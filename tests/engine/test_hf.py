@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,7 +28,9 @@ from engine.models.hf_map import (
     WEIGHT_MAP,
     Split,
     hf_from_shards,
+    hf_names,
     hf_pieces_of_shard,
+    local_expert,
     match_rule,
     shard_from_hf,
 )
@@ -53,12 +56,19 @@ def test_world4_parity_round_trip_memory_errors(tiny):
     out = run_torchrun(SCRIPT, 4, [os.path.dirname(tiny["qwen2"])])
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT {" in line]
     layouts = [r for r in results if r["kind"] == "layout"]
-    # 3 families x (TP, PP, VPP) in {(1,1,1), (2,1,1), (1,2,1), (2,2,1), (1,2,2)}
+    # 5 families (2 of them MoE) x (TP, PP, VPP) in {(1,1,1), (2,1,1), (1,2,1), (2,2,1), (1,2,2)}
     assert {(r["family"], r["tp"], r["pp"], r["vpp"]) for r in layouts} == {
         (f, *layout)
-        for f in hf_tiny.FAMILIES
+        for f in hf_tiny.FAMILIES + hf_tiny.MOE_FAMILIES
         for layout in ((1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2))
     }
+    moe_ep = [r for r in results if r["kind"] == "moe_ep"]
+    assert {(r["family"], r["tp"], r["pp"], r["ep"]) for r in moe_ep} == {
+        (f, *layout)
+        for f in hf_tiny.MOE_FAMILIES
+        for layout in ((1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 2))
+    }
+    assert all(r["ok"] and r["max_abs_logit_diff"] <= TOL for r in moe_ep), moe_ep
     for r in layouts:
         assert r["ok"] and r["max_abs_logit_diff"] <= TOL, r
         assert r["tensors"] > 0, r  # every saved tensor torch.equal to the original (checked in the script)
@@ -158,8 +168,43 @@ def test_match_rule_gives_local_layer_and_names_unknown_parameters():
     rule, layer = match_rule("decoder.layers.3.mlp.linear_fc1.weight")
     assert rule.split is Split.GATE_UP and layer == 3
     assert match_rule("decoder.final_layernorm.weight")[1] is None
-    with pytest.raises(KeyError, match="decoder.layers.0.mlp.router.weight"):
-        match_rule("decoder.layers.0.mlp.router.weight")
+    with pytest.raises(KeyError, match="decoder.layers.0.mlp.routers.weight"):
+        match_rule("decoder.layers.0.mlp.routers.weight")
+
+
+def test_moe_rules_name_global_experts_and_stay_whole_per_tp_rank():
+    """A routed expert's Megatron name carries its local index; its HF names take the global one (local +
+    ep_rank * local experts). Expert weights are never TP-split; the router and shared expert map too."""
+    name = "decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight"
+    rule, layer = match_rule(name)
+    assert rule.expert and rule.split is Split.GATE_UP and layer == 2 and local_expert(name) == 1
+    assert hf_names(rule, 5, 1 + 2 * 4) == (
+        "model.layers.5.mlp.experts.9.gate_proj.weight",
+        "model.layers.5.mlp.experts.9.up_proj.weight",
+    )
+    fc2, _ = match_rule("decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight")
+    assert fc2.expert and hf_names(fc2, 0, 3) == ("model.layers.0.mlp.experts.3.down_proj.weight",)
+    assert hf_names(match_rule("decoder.layers.0.mlp.router.weight")[0], 0) == (
+        "model.layers.0.mlp.gate.weight",
+    )
+    gate, _ = match_rule("decoder.layers.0.mlp.shared_experts.gate_weight")
+    assert hf_names(gate, 0) == ("model.layers.0.mlp.shared_expert_gate.weight",)
+    shared, _ = match_rule("decoder.layers.0.mlp.shared_experts.linear_fc1.weight")
+    assert not shared.expert and shared.split is Split.GATE_UP
+
+
+def test_moe_export_config_refuses_what_no_family_computes():
+    from engine.models.builder import MoEShape
+    from engine.models.hf_config import hf_config_from_shape
+
+    base = resolve_shape(ModelConfig(qk_norm=True), 11, 1)
+    moe = MoEShape(num_experts=4, top_k=2, ffn_hidden_size=8)
+    cfg = hf_config_from_shape(replace(base, moe=moe))
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["num_experts"] == 4
+    with pytest.raises(ValueError, match="sigmoid router"):
+        hf_config_from_shape(replace(base, moe=replace(moe, score_function="sigmoid")))
+    with pytest.raises(ValueError, match="Qwen2-MoE"):
+        hf_config_from_shape(replace(base, moe=replace(moe, shared_ffn_hidden_size=8)))
 
 
 # --- config.json -> ModelConfig overrides ---
@@ -189,6 +234,18 @@ def test_model_config_from_hf_families(tiny):
         0.0,
     )
     assert set(qwen2) <= set(ModelConfig.__dataclass_fields__)
+    assert qwen2["moe"].num_experts == 0  # dense families resolve to no experts
+
+
+def test_model_config_from_hf_moe_families(tiny):
+    qwen3_moe, qwen2_moe = (model_config_from_hf(tiny[f]) for f in hf_tiny.MOE_FAMILIES)
+    for o in (qwen3_moe, qwen2_moe):
+        assert (o["moe"].num_experts, o["moe"].top_k, o["moe"].ffn_hidden_size) == (4, 2, 32)
+        assert o["moe"].score_function == "softmax"
+    assert qwen3_moe["qk_norm"] and not qwen3_moe["qkv_bias"] and qwen3_moe["moe"].norm_topk_prob
+    assert qwen3_moe["moe"].shared_expert_ffn_hidden_size == 0
+    assert qwen2_moe["qkv_bias"] and not qwen2_moe["moe"].norm_topk_prob
+    assert (qwen2_moe["moe"].shared_expert_ffn_hidden_size, qwen2_moe["moe"].shared_expert_gate) == (48, True)
 
 
 def _write_config(tmp_path, config: dict) -> str:
@@ -227,6 +284,22 @@ REAL_CONFIGS = {
         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
         max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-05, tie_word_embeddings=False,
         hidden_act="silu", attention_bias=False, mlp_bias=False, rope_scaling=None,
+    ),
+    "qwen3_30b_a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-06, tie_word_embeddings=False,
+        hidden_act="silu", attention_bias=False, use_sliding_window=False, rope_scaling=None,
+        decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=768, norm_topk_prob=True,
+        num_experts=128, num_experts_per_tok=8, router_aux_loss_coef=0.001,
+    ),
+    "qwen1_5_moe_a2_7b": dict(
+        architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", hidden_size=2048, intermediate_size=5632,
+        num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,
+        max_position_embeddings=8192, rope_theta=1000000.0, rms_norm_eps=1e-06, tie_word_embeddings=False,
+        hidden_act="silu", use_sliding_window=False, decoder_sparse_step=1, moe_intermediate_size=1408,
+        norm_topk_prob=False, num_experts=60, num_experts_per_tok=4, shared_expert_intermediate_size=5632,
+        router_aux_loss_coef=0.001,
     ),
 }  # fmt: skip
 

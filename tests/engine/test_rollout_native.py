@@ -27,6 +27,8 @@ CPU = torch.device("cpu")
 LOGP_TOL = 1e-4
 PROMPT_LENS = (1, 4, 9, 13, 6, 2)
 FAMILIES = ("qwen2", "llama", "qwen3")  # tied + QKV bias; untied + Llama-3 RoPE; QK-norm
+# 4 experts top-2: renormalised (Qwen3-MoE); unnormalised with a gated shared expert (Qwen2-MoE)
+MOE_FAMILIES = hf_tiny.MOE_FAMILIES
 
 
 def rollout_weights_from_hf(path: str) -> tuple:
@@ -35,15 +37,17 @@ def rollout_weights_from_hf(path: str) -> tuple:
     params = {}
     with HFCheckpoint(path) as ckpt:
         for rule in WEIGHT_MAP:
-            for layer in range(shape.num_layers) if "{layer}" in rule.megatron else [None]:
-                names = hf_names(rule, layer)
-                if names[0] not in ckpt:  # no lm_head when tied, no bias / QK-norm for some families
+            experts = range(shape.moe.num_experts if shape.moe and rule.expert else 1)
+            layers = range(shape.num_layers) if "{layer}" in rule.megatron else [None]
+            for layer, expert in ((layer, e if rule.expert else None) for layer in layers for e in experts):
+                names = hf_names(rule, layer, expert)
+                if names[0] not in ckpt:  # no lm_head when tied, no bias / QK-norm / experts in some families
                     continue
                 hf = [ckpt.tensor(n) for n in names]
                 rows = shape.padded_vocab_size if rule.split is Split.VOCAB else sum(t.shape[0] for t in hf)
                 out = torch.empty(rows, *hf[0].shape[1:])
                 shard_from_hf(rule, lambda i, index, hf=hf: hf[i][index], out, shape, 1, 0)
-                params[rule.megatron.format(layer=layer)] = out
+                params[rule.megatron.format(layer=layer, expert=expert)] = out
     return shape, RolloutWeights(params, 1, 0, None, None, 0, 1)
 
 
@@ -54,7 +58,7 @@ def tiny(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("rollout_hf")
     out = {}
-    for i, family in enumerate(FAMILIES):
+    for i, family in enumerate(FAMILIES + MOE_FAMILIES):
         path = hf_tiny.save_tiny(family, str(root / family), seed=i)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         hf.generation_config.eos_token_id = None  # the engine stops only at SamplingParams.stop_token_ids
@@ -101,7 +105,7 @@ def hf_log_probs(hf, prompt: list[int], response: list[int], temperature: float)
 # ---- parity with transformers ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)
 def test_greedy_equals_transformers_token_for_token(tiny, family):
     """Left-padded prompts of different lengths, chunked (3 sequences at once) and sorted by length."""
     hf = tiny[family][2]
@@ -117,7 +121,7 @@ def test_greedy_equals_transformers_token_for_token(tiny, family):
     assert out.response_mask.eq(1).all() and out.finish_reasons == ["length"] * len(prompts)
 
 
-@pytest.mark.parametrize("family", ("qwen2", "llama"))
+@pytest.mark.parametrize("family", ("qwen2", "llama", *MOE_FAMILIES))
 def test_sampled_log_probs_are_full_vocab_at_the_temperature(tiny, family):
     """top-k restricts the draws; the log-prob is still under softmax(logits / T) over the whole vocabulary."""
     hf = tiny[family][2]

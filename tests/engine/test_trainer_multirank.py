@@ -5,7 +5,8 @@ by a reward model (reward.model_path) at TP=2 x PP=2 equal to transformers' scor
 (old/ref log-probs, values, reward scores) with a short last micro-batch at PP=2 and PP=2 x VPP=2 equal to
 PP=1, then the loss/gradient parity of token-budget vs fixed micro-batches at TP=2 x PP=2 (stages exchange shapes), packed vs
 padded micro-batches (log-probs, entropy, values, scores, actor and critic gradients) at TP=2 x PP=2 with SP off
-and on, then the advantages of the same 16 rows at DP=1 and DP=2 (whitening summed over DP with gloo).
+and on, then the advantages of the same 16 rows at DP=1 and DP=2 (whitening summed over DP with gloo), then
+one step of model=tiny_moe at TP=2 (SP) x DP=2 with parallel.ep=1 and 2 (same init, rollout and update).
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp
     # gae, reinforce_pp (KL in the reward), reinforce_pp_baseline, grpo: float64 moments, float32 advantages
     dp_invariance = json.loads(out.split("dp_invariance ", 1)[1].splitlines()[0])
     assert max(dp_invariance.values()) <= 1e-6, dp_invariance
+    # MoE at EP=2 vs EP=1: the same samples (rewards equal), gradients equal up to summation order (float32)
+    moe_ep = json.loads(out.split("moe_ep ", 1)[1].splitlines()[0])
+    assert moe_ep["reward_diff"] == 0.0 and moe_ep["same_keys"] == 1.0, moe_ep
+    assert moe_ep["grad_norm_rel"] <= 1e-4 and 1.0 <= moe_ep["load_imbalance_ep2"] <= 2.0, moe_ep
     ppo = [json.loads(line) for line in (tmp_path / "ppo_tp2_pp2" / "metrics.jsonl").read_text().splitlines()]
     assert "val/reward_mean" in ppo[-1]
     assert all(row["actor/reward_kl_coef"] == 0.001 for row in ppo)

@@ -79,6 +79,8 @@ JOBS["grpo_val_at_k"] = (
     1,
     (*BASE, "val/reward_mean", *VAL_AT_K),
 )
+# a mixture-of-experts actor (4 experts, top-2) with the native rollout, exported as Qwen3-MoE at the end
+JOBS["grpo_tiny_moe"] = (["model=tiny_moe", "trainer.export_hf=true"], 2, (*BASE, "actor/moe_load_imbalance"))
 ROLLOUT_LOG_PROB_KEYS = ("actor/rollout_kl", "rollout/logprob_mean")
 
 
@@ -103,6 +105,17 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(JOBS))
 def test_job_trains_with_finite_metrics(runs, name):
     runs(name)
+
+
+def test_tiny_moe_exports_a_checkpoint_transformers_loads_as_qwen3_moe(runs):
+    from transformers import AutoModelForCausalLM
+
+    trainer, rows = runs("grpo_tiny_moe")
+    assert all(1.0 <= row["actor/moe_load_imbalance"] <= 4 / 2 for row in rows)
+    out = os.path.join(trainer.c.cfg.trainer.output_dir, "hf_actor")
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM" and hf.config.num_experts_per_tok == 2
+    assert torch.isfinite(hf(torch.tensor([[1, 2, 3]])).logits).all()
 
 
 def test_on_policy_single_step_skips_old_forward_and_ratio_is_one(runs):

@@ -393,6 +393,35 @@ def dp_advantage_invariance() -> dict[str, float]:
     return dict(zip(algs, maxima.tolist()))
 
 
+def moe_expert_parallel_invariance(out_root: str) -> dict[str, float]:
+    """model=tiny_moe at TP=2 (SP) x DP=2, one step at parallel.ep=1 and at parallel.ep=2 (the experts split
+    over each TP pair, gathered for the rollout): the same random init, rollout and update. Returns the
+    largest difference of any first-step metric (timings aside), the rewards' difference and the relative
+    grad-norm difference (only the first step: Adam's first update is the sign of each gradient, so entries
+    near zero may step differently and later rollouts diverge)."""
+    rows = {}
+    for ep in (1, 2):
+        out = os.path.join(out_root, f"moe_tp2_ep{ep}")
+        overrides = [
+            "model=tiny_moe",
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "rollout.tp=2",
+            f"parallel.ep={ep}",
+        ]
+        run_job([*overrides, "trainer.total_steps=1"], out, keep_process_group=True)
+        rows[ep] = read_metrics(out)[0]
+    a, b = rows[1], rows[2]
+    skip = ("timing/", "perf/", "rollout_engine/", "memory/")
+    keys = [k for k in a if not k.startswith(skip) and isinstance(a[k], (int, float))]
+    return {
+        "reward_diff": abs(a["reward/mean"] - b["reward/mean"]),
+        "grad_norm_rel": abs(a["actor/grad_norm"] - b["actor/grad_norm"]) / a["actor/grad_norm"],
+        "load_imbalance_ep2": b["actor/moe_load_imbalance"],
+        "same_keys": float(set(keys) <= set(b)),
+    }
+
+
 def read_metrics(output_dir: str) -> list[dict]:
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -419,7 +448,7 @@ CRITIC_KEYS = (
 def main(out_root: str) -> None:
     """World size 4: the jobs below in sequence (the last scored by a reward model at TP=2 x PP=2), then the
     dynamic-batching parity and the packing parity (SP off, on) at TP=2 x PP=2, then the DP=1 vs DP=2
-    advantages."""
+    advantages, then an MoE step at EP=1 vs EP=2."""
     rank = int(os.environ.get("RANK", "0"))
     jobs = {
         "ppo_tp2_pp2": (
@@ -484,6 +513,9 @@ def main(out_root: str) -> None:
     dp_invariance = dp_advantage_invariance()
     if rank == 0:
         print("dp_invariance " + json.dumps(dp_invariance), flush=True)
+    moe_ep = moe_expert_parallel_invariance(out_root)
+    if rank == 0:
+        print("moe_ep " + json.dumps(moe_ep), flush=True)
     destroy_distributed()
 
 

@@ -2,7 +2,10 @@
 (MegatronRole: DDP + megatron's forward/backward schedule) at several layouts versus one TP=1/PP=1 model
 with the same weights. Launched by tests/parallel/test_model_parity.py; prints one line per layout.
 
-Layouts (world 4): tp2 pp2; tp1 pp2 vpp2 dp2 (tied embeddings); tp2 dp2 with sequence parallelism. Each
+Layouts (world 4): tp2 pp2; tp1 pp2 vpp2 dp2 (tied embeddings); tp2 dp2 with sequence parallelism; and a
+tiny mixture-of-experts model (4 experts, top-2, a gated shared expert) at tp2 dp2 ep2, pp2 dp2 ep2 and
+tp2 pp2 ep2 (experts split over the TP pair; TP with sequence parallelism, as megatron's MoE requires) against the same MoE model at EP=1 (no aux/z loss: those are
+statistics of a micro-batch, which the reference's one forward does not split the same way). Each
 layout runs both output heads of MegatronRole: "logits" and the fused "response" head
 (engine/models/fused_logprobs.py), with temperature 0.8 and a loss of log-likelihood plus an entropy bonus.
 Tolerance: float32, |diff| <= 2e-5 on logits, log-probs and entropies, relative 1e-4 on gradients.
@@ -15,7 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from engine.config import ModelConfig, OptimConfig
+from engine.config import ModelConfig, MoEConfig, OptimConfig
 from engine.models.builder import build_gpt_chunks, resolve_shape
 from engine.models.logprobs import token_entropy, token_log_probs
 from engine.roles.policy import MegatronRole
@@ -29,8 +32,14 @@ VOCAB, SEQ, ROWS, LAYERS = 40, 12, 8, 4
 TEMPERATURE, ENTROPY_COEF = 0.8, 0.1
 
 
-def model_cfg(tied: bool) -> ModelConfig:
+MOE = MoEConfig(
+    num_experts=4, top_k=2, ffn_hidden_size=16, shared_expert_ffn_hidden_size=24, shared_expert_gate=True
+)
+
+
+def model_cfg(tied: bool, moe: bool = False) -> ModelConfig:
     return ModelConfig(
+        moe=MOE if moe else MoEConfig(),
         num_layers=LAYERS,
         hidden_size=32,
         ffn_hidden_size=64,
@@ -49,11 +58,11 @@ def batch():
     return tokens, weights
 
 
-def reference(tied: bool):
-    """Full model (TP=1, PP=1): state, logits, log-probs, entropies and grads of the loss on the whole batch."""
+def reference(tied: bool, moe: bool = False):
+    """Full model (TP=1, PP=1, EP=1): state, logits, log-probs, entropies and grads of the loss on the whole batch."""
     dims = ParallelDims(world_size=4)
     groups = init_distributed(dims, "cpu", seed=0)
-    shape = resolve_shape(model_cfg(tied), VOCAB, 1)
+    shape = resolve_shape(model_cfg(tied, moe), VOCAB, 1)
     torch.manual_seed(1234)
     (model,) = build_gpt_chunks(shape, groups, init_std=0.05, recompute=False)
     tokens, weights = batch()
@@ -72,7 +81,7 @@ def loss_of(logp: torch.Tensor, ent: torch.Tensor, w: torch.Tensor) -> torch.Ten
     return -((logp + ENTROPY_COEF * ent) * w).sum() / (ROWS * (SEQ - 1))
 
 
-def sharded(name: str, dims: ParallelDims, tied: bool, ref) -> None:
+def sharded(name: str, dims: ParallelDims, tied: bool, ref, moe: bool = False) -> None:
     """Both output heads of MegatronRole at `dims`: "logits" (vocab-parallel logits; the loss computes
     log-probs and entropy from them) and "response" (the fused head), against the reference."""
     _, state, grads, ref_logits, ref_logp, ref_ent = ref
@@ -81,7 +90,8 @@ def sharded(name: str, dims: ParallelDims, tied: bool, ref) -> None:
     # the groups the engine passes (ProcessGroups). The sequence-parallel gather buffer is not a group.
     parallel_state.destroy_model_parallel()
     parallel_state._set_global_memory_buffer()
-    shape = resolve_shape(model_cfg(tied), VOCAB, dims.tp)
+    shape = resolve_shape(model_cfg(tied, moe), VOCAB, dims.tp)
+    offset = groups.expert_offset(MOE.num_experts) if moe else 0
     layout = TrainLayout(tp=dims.tp, pp=dims.pp, dp=dims.dp, vpp=dims.vpp)
     tokens, weights = batch()
     rows = torch.arange(ROWS).chunk(dims.dp)[groups.dp_rank]  # each DP replica takes its share
@@ -117,7 +127,7 @@ def sharded(name: str, dims: ParallelDims, tied: bool, ref) -> None:
     figures = []
     for head, loss_fn in (("logits", logits_loss), ("response", response_loss)):
         chunks = build_gpt_chunks(shape, groups, init_std=0.05, recompute=False)
-        local = global_param_names(chunks, layout.layers(groups.pp_rank, LAYERS))
+        local = global_param_names(chunks, layout.layers(groups.pp_rank, LAYERS), offset)
         for pname, param in local.items():
             src = "embedding.word_embeddings.weight" if pname == "output_layer.weight" and tied else pname
             param.data.copy_(megatron_shard(state[src], partition_kind(pname), dims.tp, groups.tp_rank))
@@ -130,7 +140,8 @@ def sharded(name: str, dims: ParallelDims, tied: bool, ref) -> None:
             worst["logp"] = max(worst["logp"], _diff(o["logp"], ref_logp[o["rows"]]))
             worst["ent"] = max(worst["ent"], _diff(o["ent"], ref_ent[o["rows"]]))
         worst_grad = 0.0
-        for pname, param in global_param_names(role.chunks, layout.layers(groups.pp_rank, LAYERS)).items():
+        held = global_param_names(role.chunks, layout.layers(groups.pp_rank, LAYERS), offset)
+        for pname, param in held.items():
             src = "embedding.word_embeddings.weight" if pname == "output_layer.weight" and tied else pname
             want = megatron_shard(grads[src], partition_kind(pname), dims.tp, groups.tp_rank)
             rel = ((param.main_grad - want).abs().max() / want.abs().max().clamp(min=1e-8)).item()
@@ -163,6 +174,13 @@ def main() -> None:
         ref = reference(tied)
         for name, dims in layouts:
             sharded(name, dims, tied, ref)
+    ref = reference(False, moe=True)
+    for name, dims in (
+        ("moe_tp2_dp2_ep2_sp", ParallelDims(world_size=4, tp=2, ep=2, sp=True)),
+        ("moe_pp2_dp2_ep2", ParallelDims(world_size=4, pp=2, ep=2)),
+        ("moe_tp2_pp2_ep2_sp", ParallelDims(world_size=4, tp=2, pp=2, ep=2, sp=True)),
+    ):
+        sharded(name, dims, False, ref, moe=True)
     dist.destroy_process_group()
 
 

@@ -66,6 +66,28 @@ def test_shim5_type_reports_cuda_names_for_megatron_asserts(groups):
     assert torch.allclose(p.grad, torch.full((4,), 0.5), atol=1e-5)
 
 
+def test_shim7_moe_side_streams_are_the_one_cpu_stream(groups):
+    """megatron's all-to-all token dispatcher makes a class-wide CUDA side stream at construction and copies
+    its split sizes on it; on CPU every stream is one object, so its "side stream" branch is never taken."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    assert torch.cuda.Stream() is torch.cuda.current_stream()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        torch.cuda.current_stream().record_event().synchronize()
+    assert hasattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream")  # the target the shim serves
+
+
+def test_shim8_dispatcher_split_sizes_become_host_arrays(groups):
+    """all_to_all_single takes split sizes as a list/array, not a tensor: the dispatcher's host copy of them
+    must give numpy on CPU as it does from CUDA."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    sizes = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+    assert sizes.tolist() == [3, 1] and not torch.is_tensor(sizes)
+    kept = torch.tensor([2])
+    assert token_dispatcher.maybe_move_tensor_to_cpu(kept) is kept
+
+
 def test_megatron_optimizer_and_schedule_run_on_cpu(groups):
     """The pieces that combine shims 1, 2, 4 and 5: build, DDP, optimizer step, forward/backward schedule."""
     from engine.config import ModelConfig, OptimConfig
