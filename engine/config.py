@@ -401,6 +401,11 @@ class PlacementConfig:
     critic_ranks: int = 0
     """split with a critic (algorithm.adv_estimator=gae): ranks of their own for the critic, before the rollout
     ranks (0 = the critic shares the actor's ranks)."""
+    critic_tp: int = 0
+    """Tensor-parallel size of the critic on its own ranks (placement.critic_ranks > 0); 0 = parallel.tp."""
+    critic_pp: int = 0
+    """Pipeline-parallel size of the critic on its own ranks; 0 = parallel.pp. The critic's DP size
+    (critic_ranks / (critic_tp x critic_pp)) must equal the actor's: critic replica d serves actor replica d."""
 
 
 @dataclass

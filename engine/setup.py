@@ -281,8 +281,8 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
     actor = MegatronRole(actor_chunks, groups, shape, cfg.optim, total_optimizer_steps=steps)
     critic = (
         build_critic(cfg, shape, len(tokenizer), groups, steps)
-        if advantage_traits(alg.adv_estimator).needs_critic
-        else None
+        if advantage_traits(alg.adv_estimator).needs_critic and not cfg.placement.critic_ranks
+        else None  # placement.critic_ranks: the critic trains on its own ranks (engine/split/critic.py)
     )
     reward_model = None
     if cfg.reward.model_path:

@@ -86,6 +86,9 @@ class Trainer:
         exp = experience_from(
             responses, g.dp_rank, c.tokenizer.pad_token_id, g.dims.seq_multiple, self.rollout_log_probs
         )
+        critic_ranks = c.split is not None and c.split.has_critic  # engine/split/critic.py
+        if critic_ranks:
+            c.split.send_experience(self.step, exp)
         if self.needs_old_forward:
             with timer.phase("old_log_prob"):
                 exp.tensors["old_log_probs"] = forward_rows(
@@ -99,9 +102,14 @@ class Trainer:
         if c.critic is not None:
             with timer.phase("values"):
                 exp.tensors["values"] = forward_rows(c.critic, exp, value_fn, "values", self.batcher)
+        elif critic_ranks:
+            with timer.phase("wait_critic"):
+                exp.tensors["values"] = c.split.receive_values()
         with timer.phase("adv"):
             adv_metrics = advantages(exp, self.cfg.algorithm, self.kl_ctrl, g)
         critic_metrics = {}
+        if critic_ranks:
+            c.split.send_returns(exp)
         self.batcher.token_counts = [0, 0]  # the update phases' micro-batches, for perf/padding_fraction
         if c.critic is not None:
             with timer.phase("update_critic"), self.critic_optim_offload.onloaded():
@@ -110,6 +118,9 @@ class Trainer:
             actor_metrics = update_actor(
                 ctx, exp, self.needs_old_forward, self.kl_ref, self.rollout_log_probs
             )
+        if critic_ranks:
+            with timer.phase("wait_critic"):
+                critic_metrics = c.split.receive_critic_metrics()
         timer.seconds["step"] = time.perf_counter() - start
         self.step += 1
         self.last_experience = exp

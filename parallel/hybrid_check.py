@@ -143,7 +143,7 @@ def verify_split_transfer(transfer, group) -> list[str]:
     layout, rank = transfer.layout, transfer.rank
     train = layout.train
     errors = []
-    for dst in range(layout.num_train_ranks, layout.world_size):
+    for dst in range(layout.rollout_start, layout.world_size):
         j, e = layout.rollout_coords(dst)
         replica = layout.source_replica(e)
         for name, meta in transfer.tensors.items():

@@ -2,8 +2,9 @@
 
 Pure integers and ranges: no torch, no process groups (`parallel/split_transfer.py` moves the bytes).
 
-Ranks [0, n) train with megatron's layout (t, p, d); ranks [n, n + K) generate with their own layout of
-t_g-way TP and K / t_g replicas (rollout rank n + e * t_g + j has rollout TP rank j in replica e, no rollout PP).
+Ranks [0, n) train with megatron's layout (t, p, d); with `placement.critic_ranks` = C, ranks [n, n + C) train
+PPO's critic with a layout of its own (the same DP size d); ranks [n + C, n + C + K) generate with their own layout of
+t_g-way TP and K / t_g replicas (rollout rank n + C + e * t_g + j has rollout TP rank j in replica e, no rollout PP).
 Every rollout rank needs its rollout-TP shard of every tensor of the model. Replica e reads from training
 replica e % d, so the training replicas share the sending. Each training TP shard and each rollout TP shard
 is a union of contiguous index ranges of the full tensor along the partition dim (one range; two for the
@@ -27,7 +28,7 @@ from parallel.layout import PartitionKind, TrainLayout
 
 @dataclass(frozen=True)
 class SplitLayout:
-    """Training ranks [0, train.world_size), rollout ranks after them."""
+    """Training ranks [0, train.world_size), the critic's ranks (if any) after them, then the rollout ranks."""
 
     train: TrainLayout
     """Layout of the training ranks."""
@@ -35,6 +36,9 @@ class SplitLayout:
     """Rollout TP size t_g (`rollout.tp`)."""
     rollout_ranks: int
     """Number of rollout ranks K (`placement.rollout_ranks`)."""
+    critic: TrainLayout | None = None
+    """Layout of the critic's own ranks (`placement.critic_ranks`), None when the critic (if any) shares the
+    actor's ranks. Its DP size is the actor's: critic replica d serves training replica d."""
 
     def __post_init__(self) -> None:
         if self.rollout_ranks < 1 or self.rollout_tp < 1 or self.rollout_ranks % self.rollout_tp:
@@ -47,8 +51,25 @@ class SplitLayout:
         return self.train.world_size
 
     @property
+    def num_critic_ranks(self) -> int:
+        return self.critic.world_size if self.critic is not None else 0
+
+    @property
+    def rollout_start(self) -> int:
+        """The first rollout rank."""
+        return self.num_train_ranks + self.num_critic_ranks
+
+    @property
     def world_size(self) -> int:
-        return self.train.world_size + self.rollout_ranks
+        return self.rollout_start + self.rollout_ranks
+
+    def is_critic_rank(self, rank: int) -> bool:
+        return self.num_train_ranks <= rank < self.rollout_start
+
+    def critic_replica_ranks(self, train_dp_rank: int) -> list[int]:
+        """The critic's ranks (tp x pp) serving training replica `train_dp_rank` (critic replica of that index)."""
+        n = self.num_train_ranks
+        return [n + r for r in range(self.num_critic_ranks) if self.critic.coords(r).dp_rank == train_dp_rank]
 
     @property
     def rollout_dp(self) -> int:
@@ -56,14 +77,14 @@ class SplitLayout:
         return self.rollout_ranks // self.rollout_tp
 
     def is_rollout_rank(self, rank: int) -> bool:
-        return rank >= self.num_train_ranks
+        return rank >= self.rollout_start
 
     def rollout_rank(self, dp_rank: int, tp_rank: int) -> int:
-        return self.num_train_ranks + dp_rank * self.rollout_tp + tp_rank
+        return self.rollout_start + dp_rank * self.rollout_tp + tp_rank
 
     def rollout_coords(self, rank: int) -> tuple[int, int]:
         """(rollout tp_rank, rollout dp_rank) of a rollout rank."""
-        local = rank - self.num_train_ranks
+        local = rank - self.rollout_start
         if not 0 <= local < self.rollout_ranks:
             raise ValueError(f"rank {rank} is not a rollout rank")
         return local % self.rollout_tp, local // self.rollout_tp
@@ -204,7 +225,7 @@ def plan_split_transfer(layout: SplitLayout, tensors: list[TensorMeta], bucket_b
     train, tg = layout.train, layout.rollout_tp
     check_divisible(tensors, (train.tp, tg))
     pairs: dict[tuple[int, int], list[tuple[str, range, range, int]]] = {}
-    for dst in range(layout.num_train_ranks, layout.world_size):
+    for dst in range(layout.rollout_start, layout.world_size):
         j, e = layout.rollout_coords(dst)
         replica = layout.source_replica(e)
         for t in tensors:

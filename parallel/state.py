@@ -250,11 +250,17 @@ def destroy_distributed() -> None:
 
 
 def init_split_distributed(
-    dims: ParallelDims, world_size: int, device_type: str = "cpu", timeout_s: float = 600.0, seed: int = 0
+    dims: ParallelDims,
+    world_size: int,
+    device_type: str = "cpu",
+    timeout_s: float = 600.0,
+    seed: int = 0,
+    critic: ParallelDims | None = None,
 ) -> tuple[ProcessGroups | None, dist.ProcessGroup]:
     """Split placement: start torch.distributed over all `world_size` ranks; the first `dims.world_size` ranks
-    train with `dims`, the others only generate. Returns (this rank's training groups, None on a rollout rank;
-    the group of all ranks).
+    train with `dims`, the next `critic.world_size` (if `critic`) train PPO's critic with that layout, the others
+    only generate. Returns (this rank's training groups: the actor's or, on a critic rank, the critic's; None on
+    a rollout rank; the group of all ranks).
 
     megatron's parallel_state lays its groups over the whole world, so it stays uninitialised here: the
     training groups are built from `TrainLayout`'s rank lists (megatron's rank order) and handed to megatron
@@ -291,15 +297,39 @@ def init_split_distributed(
             found = group if rank in ranks else found
         return found
 
-    train_world = mine([list(range(dims.world_size))])
-    tp, pp, dp = mine(layout.tp_groups()), mine(layout.pp_groups()), mine(layout.dp_groups())
-    mp = mine([[r for r in range(dims.world_size) if layout.coords(r).dp_rank == d] for d in range(dims.dp)])
-    ends = [sorted({g[0], g[-1]}) for g in layout.pp_groups()]
-    embd = mine(ends)
+    def training_groups(layout, first: int) -> tuple:
+        """(world, tp, pp, dp, mp, embd) of `layout` laid over ranks [first, first + its world size)."""
+
+        def shift(rank_lists: list[list[int]]) -> list[list[int]]:
+            return [[first + r for r in ranks] for ranks in rank_lists]
+
+        world = mine([list(range(first, first + layout.world_size))])
+        tp, pp, dp = (
+            mine(shift(lists)) for lists in (layout.tp_groups(), layout.pp_groups(), layout.dp_groups())
+        )
+        mp = mine(
+            shift(
+                [
+                    [r for r in range(layout.world_size) if layout.coords(r).dp_rank == d]
+                    for d in range(layout.dp)
+                ]
+            )
+        )
+        embd = mine(shift([sorted({g[0], g[-1]}) for g in layout.pp_groups()]))
+        return world, tp, pp, dp, mp, embd
+
+    train_world, tp, pp, dp, mp, embd = training_groups(layout, 0)
     alone = mine([[r] for r in range(world_size)])
-    if rank >= dims.world_size:
+    local = rank
+    if critic is not None:
+        critic_groups = training_groups(critic.train_layout(), dims.world_size)
+        if dims.world_size <= rank < dims.world_size + critic.world_size:
+            local = rank - dims.world_size
+            dims, layout = critic, critic.train_layout()
+            train_world, tp, pp, dp, mp, embd = critic_groups
+    if train_world is None:  # a rollout rank
         return None, dist.group.WORLD
-    coords = layout.coords(rank)
+    coords = layout.coords(local)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=coords.tp_rank, ep_rank=0, etp_rank=0)
     groups = ProcessGroups(
         dims=dims,

@@ -10,5 +10,6 @@ replica is cut into as many prompt shares on both sides: colocated cuts it over 
 parallel.tp x parallel.pp / rollout.tp ranks, split over the rollout replicas that serve it (one share at
 TP = PP = 1 training and rollout.tp=1 on both sides; two for TP=2 training with two rollout replicas). Then
 loader, shares and seeds are the same, so are the responses and every metric but timing. `run.py` starts a split run, `worker.py` is the rollout ranks' loop, `link.py` the
-training ranks' side of the exchange.
+training ranks' side of the exchange, `critic.py` the loop of PPO's critic on ranks of its own
+(`placement.critic_ranks`, between the training and the rollout ranks).
 """

@@ -1,5 +1,7 @@
 """A training rank's side of split placement: each step, send the actor's weights to the rollout ranks and
-receive this replica's scored responses (engine/step/collect.py calls `collect` in place of a rollout).
+receive this replica's scored responses (engine/step/collect.py calls `collect` in place of a rollout); with
+critic ranks (`placement.critic_ranks`), exchange experience, values, returns and metrics with the critic
+replica serving this replica (engine/split/critic.py).
 
 What must not happen here: generation or scoring (the rollout ranks do both, engine/split/worker.py).
 """
@@ -12,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from engine.data import PromptLoader
-from engine.step.batch import Responses
+from engine.step.batch import Experience, Responses
 from parallel.split_plan import SplitLayout
 from parallel.split_transfer import SplitTransfer
 from parallel.state import ProcessGroups
@@ -41,13 +43,52 @@ class TrainerLink:
         self.sent_for = -1
         """The step whose starting weights the rollout ranks already hold (sent for validation), else -1."""
 
+    @property
+    def has_critic(self) -> bool:
+        """Whether PPO's critic runs on ranks of its own (`placement.critic_ranks`)."""
+        return self.layout.critic is not None
+
+    def _is_replica_sender(self) -> bool:
+        return self.layout.replica_ranks(self.groups.dp_rank)[0] == self.groups.rank
+
+    def _to_critic(self, obj) -> None:
+        """From the replica's first rank to every rank of the critic replica serving it."""
+        if self._is_replica_sender():
+            for dst in self.layout.critic_replica_ranks(self.groups.dp_rank):
+                send_object(obj, dst, self.everyone)
+
+    def _from_critic(self):
+        return recv_object(self.layout.critic_replica_ranks(self.groups.dp_rank)[0], self.everyone)
+
+    def send_experience(self, step: int, exp: Experience) -> None:
+        """Critic ranks: the step's experience (its layout only) to the critic replica, which starts its value
+        forward while this replica runs its own forwards."""
+        from engine.split.critic import experience_for_critic
+
+        self._to_critic((step, experience_for_critic(exp)))
+
+    def receive_values(self) -> torch.Tensor:
+        """Critic ranks: the (rows, T) values of this replica's experience."""
+        return self._from_critic()
+
+    def send_returns(self, exp: Experience) -> None:
+        """Critic ranks: the (rows, T) returns of GAE, the critic's targets."""
+        self._to_critic(exp.tensors["returns"])
+
+    def receive_critic_metrics(self) -> dict[str, float]:
+        """Critic ranks: the critic's metrics of the step (critic/*, timing/values, timing/critic_update)."""
+        return self._from_critic()
+
     def start(self, step: int, loader: PromptLoader) -> None:
         """Tell the rollout ranks serving this replica where the run starts: the step (fresh: 0, resumed: the
-        checkpoint's) and this replica's prompt-loader position. Sent by the replica's first rank."""
+        checkpoint's) and this replica's prompt-loader position; the critic ranks get the step. Sent by the
+        replica's first rank."""
         self.start_step = step
         d, layout = self.groups.dp_rank, self.layout
         if layout.replica_ranks(d)[0] != self.groups.rank:
             return
+        if self.has_critic:
+            self._to_critic(step)
         for first in layout.serving_ranks(d):
             for j in range(layout.rollout_tp):
                 send_object((step, loader.state_dict()), first + j, self.everyone)

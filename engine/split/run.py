@@ -1,7 +1,8 @@
 """Start-up of a split-placement run (`python -m engine.train placement.mode=split ...`): the distributed state
 over all ranks, the output directory claimed for all of them, then a training rank builds `Components` with a
-`TrainerLink` (no rollout engine, no hybrid engine) and runs the `Trainer`; a rollout rank builds a
-`RolloutWorker` and serves the steps. Both sides construct the weight transfer together (a collective)."""
+`TrainerLink` (no rollout engine, no hybrid engine) and runs the `Trainer`; a critic rank (placement.critic_ranks)
+builds a `CriticWorker`; a rollout rank builds a `RolloutWorker` and serves the steps. All ranks construct the
+weight transfer together (a collective)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from engine.config import TrainConfig
 from engine.metrics import run_header
 from engine.startup import kernels_line
 from engine.tools.plot import plot_at_end
+from engine.validate.placement import critic_dims
 from parallel.dims import ParallelDims
 from parallel.launch import explain_rank_failures
 from parallel.rollout_weights import global_param_names
@@ -37,29 +39,59 @@ def run_split(
     `output_dir_of` decides trainer.output_dir for all ranks (a collective)."""
     world_size = world_size_from_env()
     c = cfg.cluster
-    groups, everyone = init_split_distributed(dims, world_size, c.device, c.timeout_s, cfg.trainer.seed)
+    critic = critic_dims(cfg, dims)
+    groups, everyone = init_split_distributed(
+        dims, world_size, c.device, c.timeout_s, cfg.trainer.seed, critic=critic
+    )
     try:
         rank = dist.get_rank()
-        layout = SplitLayout(dims.train_layout(), cfg.rollout.tp, cfg.placement.rollout_ranks)
+        layout = SplitLayout(
+            dims.train_layout(),
+            cfg.rollout.tp,
+            cfg.placement.rollout_ranks,
+            critic=critic.train_layout() if critic is not None else None,
+        )
         device = groups.device if groups is not None else _rollout_device(c.device)
-        side = "training" if groups is not None else "rollout"
+        side = "rollout" if groups is None else "critic" if layout.is_critic_rank(rank) else "training"
         with explain_rank_failures(rank, world_size, c.timeout_s, side):
             output_dir = output_dir_of(cfg.trainer.output_dir)
             with claimed_output_dir_over(output_dir, cfg.trainer, rank, world_size, everyone, device):
                 if rank == 0:
                     print(run_header(cfg, dims, output_dir, warnings), flush=True)
                     print(
-                        f"placement: split, ranks 0-{dims.world_size - 1} train, ranks {dims.world_size}-"
-                        f"{world_size - 1} generate (rollout.tp={layout.rollout_tp} x DP {layout.rollout_dp})",
+                        f"placement: split, ranks 0-{dims.world_size - 1} train, ranks {layout.rollout_start}-"
+                        f"{world_size - 1} generate (rollout.tp={layout.rollout_tp} x DP {layout.rollout_dp})"
+                        + _critic_line(critic, dims.world_size),
                         flush=True,
                     )
                     print(kernels_line(device.type), flush=True)
                 if groups is None:
                     _serve(cfg, layout, rank, everyone, device, output_dir)
+                elif side == "critic":
+                    _critic(cfg, layout, groups, everyone, output_dir)
                 else:
                     _train(cfg, layout, groups, everyone, output_dir)
     finally:
         destroy_distributed()
+
+
+def _critic_line(critic: ParallelDims | None, first: int) -> str:
+    if critic is None:
+        return ""
+    return (
+        f", ranks {first}-{first + critic.world_size - 1} train the critic "
+        f"(TP {critic.tp} x PP {critic.pp} x DP {critic.dp})"
+    )
+
+
+def _critic(cfg: TrainConfig, layout: SplitLayout, groups, everyone, output_dir: str) -> None:
+    from engine.split.critic import build_critic_worker
+
+    worker = build_critic_worker(cfg, layout, groups, everyone, output_dir)
+    end_megatron_world_gathers()  # the critic's optimizer gathers with the actor's
+    tie = worker.side.critic.shape.tie_embeddings
+    SplitTransfer(layout, groups.rank, None, tie, groups.device, everyone, groups.timeout)
+    worker.run()
 
 
 def _rollout_device(device_type: str) -> torch.device:

@@ -77,20 +77,64 @@ def training_world_size(cfg: TrainConfig, world_size: int) -> int:
                 f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} has no critic",
                 "set placement.critic_ranks=0 (only algorithm.adv_estimator=gae trains a critic)",
             )
-        if p.critic_ranks % mp:
-            fail(
-                "placement.critic_ranks",
-                p.critic_ranks,
-                f"the critic uses the actor's parallel.tp x parallel.pp = {mp} per replica, which must divide it",
-                f"use a multiple of {mp}",
-            )
+        _check_critic_layout(cfg, train // mp)
+    return train
+
+
+def critic_dims(cfg: TrainConfig, dims: ParallelDims) -> ParallelDims | None:
+    """The critic's layout on its own ranks (placement.critic_ranks), None when it shares the actor's: TP and PP
+    from placement.critic_tp / critic_pp (0 = the actor's), its DP the actor's, no VPP nor SP."""
+    p = cfg.placement
+    if p.mode != "split" or not p.critic_ranks:
+        return None
+    return ParallelDims(world_size=p.critic_ranks, tp=p.critic_tp or dims.tp, pp=p.critic_pp or dims.pp)
+
+
+def _check_critic_layout(cfg: TrainConfig, actor_dp: int) -> None:
+    """placement.critic_ranks: TP x PP x the actor's DP, the model's widths and layers split by them, and the
+    settings a critic on its own ranks does not run with."""
+    p = cfg.placement
+    for key, value in (("placement.critic_tp", p.critic_tp), ("placement.critic_pp", p.critic_pp)):
+        if value < 0:
+            fail(key, value, "must be >= 0", f"use {key}=0 for the actor's size, or a positive size")
+    tp, pp = p.critic_tp or cfg.parallel.tp, p.critic_pp or cfg.parallel.pp
+    if p.critic_ranks != tp * pp * actor_dp:
         fail(
             "placement.critic_ranks",
             p.critic_ranks,
-            "a critic on ranks of its own is not built yet (the critic trains on the actor's ranks)",
-            "set placement.critic_ranks=0",
+            f"must be critic TP x PP x the actor's DP = {tp} x {pp} x {actor_dp} = {tp * pp * actor_dp} "
+            "(placement.critic_tp / critic_pp, 0 = parallel.tp / pp; critic replica d serves actor replica d)",
+            f"set placement.critic_ranks={tp * pp * actor_dp}, or change placement.critic_tp / critic_pp",
         )
-    return train
+    for key, value in _model_widths(cfg):
+        if value % tp:
+            fail(
+                "placement.critic_tp",
+                tp,
+                f"must divide {key}={value} (each critic rank holds 1/critic_tp of every head and width)",
+                "pick a placement.critic_tp that divides the model's head counts and ffn width",
+            )
+    if not cfg.model.path and cfg.model.num_layers % pp:
+        fail(
+            "placement.critic_pp",
+            pp,
+            f"must divide model.num_layers={cfg.model.num_layers} (the critic's stages split the layers evenly)",
+            "pick a placement.critic_pp that divides model.num_layers",
+        )
+    if cfg.trainer.save_freq:
+        fail(
+            "trainer.save_freq",
+            cfg.trainer.save_freq,
+            "checkpoints of a critic on its own ranks (placement.critic_ranks) are not built yet",
+            "set trainer.save_freq=0, or placement.critic_ranks=0 (the critic on the actor's ranks)",
+        )
+    if cfg.trainer.resume not in ("off", "auto"):
+        fail(
+            "trainer.resume",
+            cfg.trainer.resume,
+            "resuming a critic on its own ranks (placement.critic_ranks) is not built yet",
+            "set trainer.resume=off, or placement.critic_ranks=0",
+        )
 
 
 def validate_placement(cfg: TrainConfig, dims: ParallelDims) -> None:

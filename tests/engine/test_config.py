@@ -150,9 +150,21 @@ BAD = [
     (["placement.mode=split", "placement.rollout_ranks=3", "data.batch_size=16"], 4, "rollout DP size 3"),
     (["placement.mode=split", "placement.rollout_ranks=1", "placement.critic_ranks=1"], 3, "has no critic"),
     (
-        ["placement.mode=split", "placement.rollout_ranks=1", "placement.critic_ranks=1", "algorithm=ppo"],
+        ["placement.mode=split", "placement.rollout_ranks=1", "placement.critic_ranks=2", "algorithm=ppo"],
+        4,
+        "placement.critic_ranks=2: must be critic TP x PP x the actor's DP = 1 x 1 x 1 = 1",
+    ),
+    (
+        ["placement.mode=split", "placement.rollout_ranks=1", "placement.critic_ranks=3", "algorithm=ppo"]
+        + ["placement.critic_tp=3", "model.num_query_groups=2"],
+        5,
+        "placement.critic_tp=3: must divide model.num_attention_heads=4",
+    ),
+    (
+        ["placement.mode=split", "placement.rollout_ranks=1", "placement.critic_ranks=1", "algorithm=ppo"]
+        + ["trainer.save_freq=2"],
         3,
-        "placement.critic_ranks=1: a critic on ranks of its own is not built yet",
+        "trainer.save_freq=2: checkpoints of a critic on its own ranks",
     ),
     (
         [

@@ -9,7 +9,8 @@ perf/* (wall clock) and rollout_engine/* (the engine's counters depend on how ma
 Launches: 3 ranks (2 train + 1 rollout) killed with SIGKILL inside step 3 after step 2's checkpoint, then
 resumed (trainer.resume=auto), against colocated DP=2; 4 ranks (TP=2 train + 2 rollout replicas sharing its
 prompts) against colocated TP=2 with rollout.tp=1 (a micro-DP group of 2); 3 ranks one step off policy
-(trainer.off_policy_steps=1) for 40 steps of the embedded task.
+(trainer.off_policy_steps=1) for 40 steps of the embedded task; PPO with the critic on a rank of its own
+(placement.critic_ranks=1, 3 ranks) against the critic on the actor's rank (2 ranks).
 """
 
 from __future__ import annotations
@@ -184,6 +185,29 @@ def test_one_step_off_policy_records_staleness_and_learns_the_embedded_task(tmp_
     assert last > first + 0.02, (first, last)
 
 
+def test_ppo_critic_on_its_own_rank_equals_the_critic_on_the_actors_rank(tmp_path):
+    """PPO (GAE, KL in the reward): 3 ranks (1 actor + 1 critic + 1 rollout) against 2 ranks (1 trainer holding
+    actor and critic + 1 rollout), which equals colocated (the tests above): every non-timing metric, the
+    critic's included, is equal; the critic side's seconds arrive as timing/critic_update and timing/values,
+    the actor's waits for it as timing/wait_critic."""
+    ppo = [
+        "algorithm=ppo",
+        "trainer.total_steps=3",
+        "trainer.save_freq=0",
+        *SPLIT,
+        "placement.rollout_ranks=1",
+    ]
+    shared = _train(2, tmp_path / "shared", *ppo)
+    own = _train(3, tmp_path / "own", *ppo, "placement.critic_ranks=1")
+    assert sorted(own) == [1, 2, 3]
+    for step, row in own.items():
+        assert _comparable(row) == _comparable(shared[step]), step
+        assert row["critic/grad_norm"] > 0 and "critic/vf_loss" in row, step
+        for key in ("timing/critic_update", "timing/values", "timing/wait_critic"):
+            assert row[key] >= 0, (step, key)
+        assert "timing/update_critic" not in row, step
+
+
 def test_rollout_replicas_serve_training_replicas_whole_or_in_shares():
     """No processes: which prompts each rollout replica generates, and whom each training replica hears from."""
     fewer = SplitLayout(TrainLayout(tp=1, pp=1, dp=4), rollout_tp=1, rollout_ranks=2)  # ranks 4, 5
@@ -193,3 +217,9 @@ def test_rollout_replicas_serve_training_replicas_whole_or_in_shares():
     assert [more.assignments(e) for e in range(3)] == [[(0, 0, 2)], [(1, 0, 1)], [(0, 1, 2)]]
     assert [more.serving_ranks(d) for d in range(2)] == [[4, 8], [6]]
     assert more.replica_ranks(1) == [2, 3]
+    # critic ranks sit between the actor's and the rollout ranks: actor 0-3, critic 4-7 (TP=2 x DP=2), rollout 8-9
+    critic = SplitLayout(TrainLayout(tp=2, pp=1, dp=2), 1, 2, critic=TrainLayout(tp=2, pp=1, dp=2))
+    assert critic.rollout_start == 8 and critic.world_size == 10
+    assert [critic.critic_replica_ranks(d) for d in range(2)] == [[4, 5], [6, 7]]
+    assert critic.is_critic_rank(4) and not critic.is_critic_rank(8) and critic.is_rollout_rank(8)
+    assert critic.serving_ranks(1) == [9] and critic.rollout_coords(9) == (0, 1)
