@@ -168,7 +168,6 @@ def _refuse_unsupported_with_split(cfg: TrainConfig) -> None:
             cfg.rollout.backend != "native",
             "use rollout.backend=native",
         ),
-        ("reward.model_path", cfg.reward.model_path, bool(cfg.reward.model_path), "use a rule or reward.fn"),
         (
             "rollout.multi_turn.enable",
             cfg.rollout.multi_turn.enable,
@@ -178,3 +177,12 @@ def _refuse_unsupported_with_split(cfg: TrainConfig) -> None:
     ):
         if on:
             fail(key, value, f"is not supported {split} yet", f"{fix}, or placement.mode=colocated")
+    if cfg.reward.model_path and advantage_traits(cfg.algorithm.adv_estimator).needs_greedy_baseline:
+        fail(
+            "reward.model_path",
+            cfg.reward.model_path,
+            f"with placement.mode=split and algorithm.adv_estimator={cfg.algorithm.adv_estimator} is not "
+            "supported: the reward model runs on the training ranks, which receive only the sampled responses, "
+            "not the greedy baseline's",
+            "use a rule or reward.fn, another estimator (e.g. grpo, rloo), or placement.mode=colocated",
+        )

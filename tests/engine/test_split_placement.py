@@ -7,7 +7,8 @@ prompts (or its share of them) with the colocated path's loader, seeds and scori
 perf/* (wall clock) and rollout_engine/* (the engine's counters depend on how many prompts one call holds).
 
 Launches: 3 ranks (2 train + 1 rollout) killed with SIGKILL inside step 3 after step 2's checkpoint, then
-resumed (trainer.resume=auto), against colocated DP=2; 4 ranks (TP=2 train + 2 rollout replicas sharing its
+resumed (trainer.resume=auto), against colocated DP=2, both scored by a reward model (reward.combine=sum: the
+rollout rank scores the rule, the training ranks add the model's score, in training and validation); 4 ranks (TP=2 train + 2 rollout replicas sharing its
 prompts) against colocated TP=2 with rollout.tp=1 (a micro-DP group of 2); 3 ranks one step off policy
 (trainer.off_policy_steps=1) for 40 steps of the embedded task.
 """
@@ -21,9 +22,10 @@ import subprocess
 import sys
 import time
 
+import hf_tiny
 from distributed import run_torchrun
 
-from engine.tasks.embedded import write_embedded_dataset
+from engine.tasks.embedded import EMBEDDED_VOCAB, write_embedded_dataset
 from parallel.layout import TrainLayout
 from parallel.split_plan import SplitLayout
 
@@ -112,8 +114,13 @@ def _killed_in_step_3(out, *overrides: str) -> None:
 def test_split_3_ranks_equals_colocated_dp2_and_resumes_after_sigkill(tmp_path):
     """Validation after steps 3 and 4 (the last) of the resumed run equals colocated's too. (None before the
     kill: validation after step 2 would send step 3's weights before step 2's checkpoint exists, and step 3
-    could then be scored, not stalled, before it does.)"""
-    validation = _validation(tmp_path, 3)
+    could then be scored, not stalled, before it does.) A reward model scores on the training ranks and
+    its score is added to the rule's (reward.combine=sum), as colocated adds them."""
+    # the embedded tokenizer's vocabulary, so the reward model reads the actor's token ids
+    reward_model = hf_tiny.save_tiny(
+        "qwen2", str(tmp_path / "rm"), seed=3, head="sequence", vocab_size=len(EMBEDDED_VOCAB)
+    )
+    validation = [*_validation(tmp_path, 3), f"reward.model_path={reward_model}", "reward.combine=sum"]
     colocated = _train(2, tmp_path / "colocated", *validation)
 
     split = ["placement.mode=split", "placement.rollout_ranks=1", *validation]
@@ -130,6 +137,8 @@ def test_split_3_ranks_equals_colocated_dp2_and_resumes_after_sigkill(tmp_path):
     assert [s for s in rows if "timing/weight_transfer" in rows[s]] == [1, 2, 3]
     assert "actor/grad_norm" in rows[4] and "reward/mean" in rows[4]
     assert [s for s in rows if "val/reward_mean" in rows[s]] == [3, 4]
+    assert all(rows[s]["timing/reward_model"] >= 0 for s in rows)  # scored on the training ranks
+    assert "val/embedded/copy/maj@2" not in rows[4]  # with a reward model no majority vote (as colocated)
 
 
 def test_split_tp2_train_2_rollout_replicas_equals_colocated_micro_dp(tmp_path):
