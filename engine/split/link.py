@@ -43,6 +43,9 @@ class TrainerLink:
         """The step this run started at (0, or the resumed checkpoint's)."""
         self.sent_for = -1
         """The step whose starting weights the rollout ranks already hold (sent for validation), else -1."""
+        self.idle_engine = None
+        """This rank's never-used rollout engine when the engine's start spans every rank (vLLM), held for the
+        run (engine/split/run.py `_idle_rollout_engine`)."""
 
     def start(self, step: int, loader: PromptLoader) -> None:
         """Tell the rollout ranks serving this replica where the run starts: the step (fresh: 0, resumed: the

@@ -11,6 +11,9 @@ state; their memory is the rollout engine's): they add its scores to the shares 
 rank 0 sends each share's `Responses` (with the loader's position after the batch and the step's rollout-side metrics) to
 replica d's tp x pp ranks, which concatenate the shares in order.
 
+The rollout engine is `rollout.backend`'s (native or vLLM), fed with the shard `SplitTransfer.receive` returns:
+the rollout TP group's ranks are consecutive, as vLLM's TP groups are (engine/validate/placement.py).
+
 Checkpoints: a rollout rank writes none. Its state is the training side's: the weights arrive every step,
 seeds follow from the step, and at start each training replica's first rank sends the step and its loader
 position (`TrainerLink.start`), so a resumed run regenerates the batch that was in flight at the kill.

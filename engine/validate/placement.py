@@ -126,6 +126,15 @@ def validate_placement(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"use a multiple of {rollout_dp}",
         )
     _refuse_unsupported_with_split(cfg)
+    if r.backend == "vllm" and dims.world_size % r.tp:
+        fail(
+            "rollout.tp",
+            r.tp,
+            f"with rollout.backend=vllm must divide the {dims.world_size} training ranks: vLLM groups consecutive "
+            "ranks of the whole job into TP groups, so the rollout ranks' TP groups line up only when the "
+            "training ranks before them fill whole groups",
+            "change placement.rollout_ranks or the number of ranks launched, or use rollout.backend=native",
+        )
     if cfg.trainer.off_policy_steps and cfg.algorithm.tis_cap <= 0:
         fail(
             "trainer.off_policy_steps",
@@ -162,12 +171,6 @@ def _refuse_unsupported_with_split(cfg: TrainConfig) -> None:
     """Settings whose split-placement path is not built: refused here rather than run differently."""
     split = "with placement.mode=split"
     for key, value, on, fix in (
-        (
-            "rollout.backend",
-            cfg.rollout.backend,
-            cfg.rollout.backend != "native",
-            "use rollout.backend=native",
-        ),
         (
             "rollout.multi_turn.enable",
             cfg.rollout.multi_turn.enable,

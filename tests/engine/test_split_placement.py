@@ -10,7 +10,9 @@ Launches: 3 ranks (2 train + 1 rollout) killed with SIGKILL inside step 3 after 
 resumed (trainer.resume=auto), against colocated DP=2, both scored by a reward model (reward.combine=sum: the
 rollout rank scores the rule, the training ranks add the model's score, in training and validation); 4 ranks (TP=2 train + 2 rollout replicas sharing its
 prompts) against colocated TP=2 with rollout.tp=1 (a micro-DP group of 2); 3 ranks one step off policy
-(trainer.off_policy_steps=1) for 40 steps of the embedded task.
+(trainer.off_policy_steps=1) for 40 steps of the embedded task. GPU + vLLM (marked `vllm`): 1 + 1 GPUs with
+rollout.backend=vllm against colocated vLLM on 1 GPU (on CPU, tests/parallel/hybrid_reshard_script.py feeds
+the received shards to the vLLM backend against tests/engine/fake_vllm.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 import time
 
 import hf_tiny
+import pytest
 from distributed import run_torchrun
 
 from engine.tasks.embedded import EMBEDDED_VOCAB, write_embedded_dataset
@@ -154,6 +157,28 @@ def test_split_tp2_train_2_rollout_replicas_equals_colocated_micro_dp(tmp_path):
         assert _comparable(row) == _comparable(colocated[step]), step
         assert "val/reward_mean" in row and "val/embedded/copy/mean@2" in row, step
     assert max(row["dynamic_sampling/rounds"] for row in split.values()) > 1  # further rounds ran
+
+
+@pytest.mark.vllm
+def test_split_with_vllm_equals_colocated_with_vllm_on_gpus(tmp_path):
+    """GPU + vLLM, 1 + 1 GPUs against 1 GPU: split placement (rank 0 trains, rank 1 generates with
+    rollout.backend=vllm; rank 0 starts an idle vLLM engine, since vLLM's start spans every rank) gives the
+    colocated vLLM run's metrics. Both generate one training replica's prompts in one share with the same seeds;
+    float32 on both sides, compared to rel 1e-5 (vLLM on another GPU of the same kind)."""
+    import torch
+
+    from engine.rollout.vllm_backend import import_vllm
+
+    import_vllm()
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    gpu = ["cluster=single_gpu", "rollout.backend=vllm", "model.dtype=float32", "trainer.save_freq=0"]
+    gpu += ["trainer.total_steps=2", *_validation(tmp_path, 2)]
+    colocated = _train(1, tmp_path / "colocated", *gpu)
+    split = _train(2, tmp_path / "split", *gpu, "placement.mode=split", "placement.rollout_ranks=1")
+    assert sorted(split) == [1, 2]
+    for step, row in split.items():
+        assert _comparable(row) == pytest.approx(_comparable(colocated[step]), rel=1e-5), step
 
 
 LEARN = [  # tests/engine/learning_script.py's settings for the embedded `target` task at DP=2, seed 2
