@@ -10,6 +10,13 @@ from engine.models.builder import ModelShape
 from engine.rollout.base import RolloutEngine
 
 
+def starts_on_every_rank(backend: str) -> bool:
+    """Whether starting `backend`'s engine is a collective over every rank of the job: vLLM's external launcher
+    builds its process groups over the whole torch.distributed world and takes the minimum of free memory over
+    it, so under split placement the training ranks start one too (engine/split/run.py) and leave it asleep."""
+    return backend == "vllm"
+
+
 def build_rollout_engine(
     rollout_cfg, shape: ModelShape, device: torch.device, pad_id: int, *, model_dir: str = "", seed: int = 0
 ) -> RolloutEngine:

@@ -1,7 +1,9 @@
 """A training rank's side of split placement: each step, send the actor's weights to the rollout ranks and
-receive this replica's scored responses (engine/step/collect.py calls `collect` in place of a rollout); with
-critic ranks (`placement.critic_ranks`), exchange experience, values, returns and metrics with the critic
-replica serving this replica (engine/split/critic.py).
+receive this replica's scored responses (engine/step/collect.py calls `collect` in place of a rollout); a
+reward model (reward.model_path, in the training layout here) adds its scores to what arrives, as colocated
+scoring adds them to the rule's (engine/step/reward.py `score`); with critic ranks (`placement.critic_ranks`),
+exchange experience, values, returns and metrics with the critic replica serving this replica
+(engine/split/critic.py).
 
 What must not happen here: generation or scoring (the rollout ranks do both, engine/split/worker.py).
 """
@@ -15,6 +17,7 @@ import torch.distributed as dist
 
 from engine.data import PromptLoader
 from engine.step.batch import Experience, Responses
+from engine.step.validation import prompt_values
 from parallel.split_plan import SplitLayout
 from parallel.split_transfer import SplitTransfer
 from parallel.state import ProcessGroups
@@ -42,6 +45,9 @@ class TrainerLink:
         """The step this run started at (0, or the resumed checkpoint's)."""
         self.sent_for = -1
         """The step whose starting weights the rollout ranks already hold (sent for validation), else -1."""
+        self.idle_engine = None
+        """This rank's never-used rollout engine when the engine's start spans every rank (vLLM), held for the
+        run (engine/split/run.py `_idle_rollout_engine`)."""
 
     @property
     def has_critic(self) -> bool:
@@ -95,8 +101,9 @@ class TrainerLink:
 
     def collect(self, ctx: StepContext, round_index: int = 0) -> tuple[Responses, dict[str, float]]:
         """Send the current weights, then wait for this replica's responses (`timing/weight_transfer`,
-        `timing/wait_rollout`); the loader takes the rollout side's position after this batch. Returns the
-        responses and the rollout side's metrics of the step (`timing/gen`, `timing/reward`,
+        `timing/wait_rollout`), and score them with the reward model if there is one (`timing/reward_model`;
+        `timing/reward` is the rollout side's); the loader takes the rollout side's position after this batch.
+        Returns the responses and the rollout side's metrics of the step (`timing/gen`, `timing/reward`,
         `timing/wait_train`, `rollout_engine/*`; summed over the step's rounds so far).
 
         One step off policy (trainer.off_policy_steps=1) the responses arriving were generated with the
@@ -115,6 +122,15 @@ class TrainerLink:
             ]
         ctx.c.loader.load_state_dict(parts[0][1])
         responses = parts[0][0] if len(parts) == 1 else Responses.concat([p[0] for p in parts])
+        reward_model = ctx.c.reward_model
+        # per round, before dynamic sampling's selection (engine/step/collect.py)
+        if reward_model is not None:
+            with ctx.timer.phase("reward_model"):
+                prompts = [r.prompt_ids for r in responses.records]
+                scores = reward_model(
+                    prompts, responses.response_ids, responses.response_mask, responses.n, ctx.batcher
+                )
+            responses.scores = responses.scores + scores
         return responses, parts[0][2]
 
     def next_round(self, more: bool) -> None:
@@ -129,8 +145,9 @@ class TrainerLink:
 
     def validate(self, ctx: StepContext) -> list[tuple[list[str], dict[str, torch.Tensor]]]:
         """Validation after `ctx.step` steps: send the weights (which the next step then does not send),
-        receive each validation batch's (data sources, {name: value per prompt}) from the rollout ranks
-        serving this replica, shares concatenated in order (engine/step/validation.py `batch_values`)."""
+        receive each validation batch's shares from the rollout ranks serving this replica (worker.py
+        `_validate`), concatenate them in order, add the reward model's scores (if any) and return each batch's
+        (data sources, {name: value per prompt}) (engine/step/validation.py `prompt_values`)."""
         with ctx.timer.phase("weight_transfer"):
             self.transfer.send()
         self.sent_for = ctx.step
@@ -138,9 +155,16 @@ class TrainerLink:
             parts = [
                 recv_object(src, self.everyone) for src in self.layout.serving_ranks(self.groups.dp_rank)
             ]
-        per_prompt = []
-        for shares in zip(*parts):  # one validation batch: each serving replica's share of its prompts
-            sources = [source for share_sources, _ in shares for source in share_sources]
-            values = {name: torch.cat([v[name] for _, v in shares]) for name in shares[0][1]}
-            per_prompt.append((sources, values))
+        c, per_prompt = ctx.c, []
+        for b, shares in enumerate(zip(*parts)):  # one validation batch: each serving replica's share
+            sources = [source for share in shares for source in share[0]]
+            scores = [torch.cat([share[1][i] for share in shares]) for i in range(len(shares[0][1]))]
+            answers = None if shares[0][2] is None else [a for share in shares for a in share[2]]
+            if c.reward_model is not None:
+                prompts = [r.prompt_ids for r in c.val_batches[b]]
+                for i, n in enumerate((1, c.cfg.rollout.val_n)[: len(scores)]):
+                    ids = torch.cat([share[3][i][0] for share in shares])
+                    mask = torch.cat([share[3][i][1] for share in shares])
+                    scores[i] = scores[i] + c.reward_model(prompts, ids, mask, n, ctx.batcher)
+            per_prompt.append((sources, prompt_values(c.cfg.rollout.val_n, scores, answers)))
         return per_prompt

@@ -1,8 +1,9 @@
 """Start-up of a split-placement run (`python -m engine.train placement.mode=split ...`): the distributed state
 over all ranks, the output directory claimed for all of them, then a training rank builds `Components` with a
-`TrainerLink` (no rollout engine, no hybrid engine) and runs the `Trainer`; a critic rank (placement.critic_ranks)
-builds a `CriticWorker`; a rollout rank builds a `RolloutWorker` and serves the steps. All ranks construct the
-weight transfer together (a collective)."""
+`TrainerLink` (no rollout engine, no hybrid engine; but an idle one where the engine's start spans every
+rank: vLLM) and runs the `Trainer`; a critic rank (placement.critic_ranks) builds a `CriticWorker`; a rollout
+rank builds a `RolloutWorker` and serves the steps. All ranks construct the weight transfer together (a
+collective)."""
 
 from __future__ import annotations
 
@@ -114,6 +115,7 @@ def _train(cfg: TrainConfig, layout: SplitLayout, groups, everyone, output_dir: 
     from engine.split.link import TrainerLink
     from engine.trainer import Trainer
 
+    idle_engine = _idle_rollout_engine(cfg, groups.device, output_dir)
     c = build_components(cfg, groups, output_dir)
     end_megatron_world_gathers()
     layers = groups.dims.train_layout().layers(groups.pp_rank, c.shape.num_layers)
@@ -122,6 +124,32 @@ def _train(cfg: TrainConfig, layout: SplitLayout, groups, everyone, output_dir: 
         layout, groups.rank, local, c.shape.tie_embeddings, groups.device, everyone, groups.timeout
     )
     c.split = TrainerLink(transfer, layout, groups, everyone)
+    c.split.idle_engine = idle_engine
     Trainer(c).fit()
     if cfg.trainer.plot and groups.is_logging_rank:
         print(plot_at_end(output_dir), flush=True)
+
+
+def _idle_rollout_engine(cfg: TrainConfig, device: torch.device, output_dir: str):
+    """A training rank's part in starting the rollout ranks' engine when that start is a collective over every
+    rank (`starts_on_every_rank`: vLLM), left asleep for the run; None otherwise. Started first, as the rollout
+    ranks start theirs before any other collective (engine/split/worker.py `build_rollout_worker`), and with this
+    process's random generators kept (vLLM reseeds them), so the actor initialises as without it."""
+    from engine.checkpoint.checkpoint_state import rng_state, set_rng_state
+    from engine.data import load_tokenizer
+    from engine.rollout import build_rollout_engine, starts_on_every_rank
+    from engine.setup import _data_files, model_shape
+
+    if not starts_on_every_rank(cfg.rollout.backend):
+        return None
+    tok_dir, _, _ = _data_files(cfg, output_dir)
+    tokenizer = load_tokenizer(
+        tok_dir, key="model.path" if tok_dir == cfg.model.path else "model.tokenizer_path"
+    )
+    shape = model_shape(cfg.model, len(tokenizer), cfg.parallel.tp)
+    states = rng_state(device)
+    engine = build_rollout_engine(
+        cfg.rollout, shape, device, tokenizer.pad_token_id, model_dir=cfg.model.path, seed=cfg.trainer.seed
+    )
+    set_rng_state(states, device)
+    return engine

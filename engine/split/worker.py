@@ -5,9 +5,14 @@ Rollout replica e generates its prompt shares (`SplitLayout.assignments`: whole 
 replicas d with d mod rollout DP == e, or with more rollout than training replicas share k of replica
 e mod d_train's batch) exactly as colocated placement generates share k of replica d in a micro-DP group of
 that many shares: a `PromptLoader` with dp_rank=d, the same share of its batch, the seed
-`rollout_seed(seed, step, 0, d, k)`, the same scoring (`responses_of`). Its rollout TP rank 0 sends each
-share's `Responses` (with the loader's position after the batch and the step's rollout-side metrics) to
+`rollout_seed(seed, step, 0, d, k)`, the same scoring (`responses_of`) but for a reward model
+(reward.model_path), which lives on the training ranks in the training layout (these ranks hold no megatron
+state; their memory is the rollout engine's): they add its scores to the shares they receive. Its rollout TP
+rank 0 sends each share's `Responses` (with the loader's position after the batch and the step's rollout-side metrics) to
 replica d's tp x pp ranks, which concatenate the shares in order.
+
+The rollout engine is `rollout.backend`'s (native or vLLM), fed with the shard `SplitTransfer.receive` returns:
+the rollout TP group's ranks are consecutive, as vLLM's TP groups are (engine/validate/placement.py).
 
 Checkpoints: a rollout rank writes none. Its state is the training side's: the weights arrive every step,
 seeds follow from the step, and at start each training replica's first rank sends the step and its loader
@@ -35,7 +40,7 @@ from engine.split.link import recv_object, send_object
 from engine.step.context import merge_engine_stats
 from engine.step.reward import responses_of
 from engine.step.rollout import rollout_params, rollout_replica, rollout_seed, share_bounds
-from engine.step.validation import batch_values, validation_due
+from engine.step.validation import row_scores, validation_due
 from parallel.rollout_weights import RolloutWeights
 from parallel.split_plan import SplitLayout
 from parallel.split_transfer import SplitTransfer
@@ -47,7 +52,8 @@ class RolloutWorker:
 
     cfg: TrainConfig
     tokenizer: object
-    reward_fn: RewardFn
+    reward_fn: RewardFn | None
+    """The rule or reward.fn; None when the reward model's score is the reward alone (reward.combine=model)."""
     engine: RolloutEngine
     layout: SplitLayout
     rank: int
@@ -62,7 +68,8 @@ class RolloutWorker:
     transfer: SplitTransfer | None = None
     """The receiving end of the weight transfer (set once every rank has built its side)."""
     reward_model: None = None
-    """Never set: split placement scores with a rule or reward.fn (`responses_of` reads it)."""
+    """Never set: a reward model (reward.model_path) runs on the training ranks, which add its scores to the
+    ones sent from here (`TrainerLink.collect`, `TrainerLink.validate`); `responses_of` reads it."""
     weights: RolloutWeights | None = None
     """The actor's weights the engine generates with (the latest received)."""
     val_batches: dict[int, list] | None = None
@@ -166,7 +173,9 @@ class RolloutWorker:
     def _validate(self, step: int) -> None:
         """Generate and score each served share of every validation batch with the weights held now (those
         of step `step`, after `step` steps), with the seeds and scoring of colocated validation; rollout TP
-        rank 0 sends each training replica's [(data sources, {name: value per prompt}) per batch]."""
+        rank 0 sends each training replica's [(data sources, row scores per rollout, maj@k answers or None,
+        (response ids, response mask) per rollout when a reward model scores on the trainers, else None) per
+        batch]."""
         cfg, eos = self.cfg, self.tokenizer.eos_token_id
         kinds = ("val", "val_sample") if cfg.rollout.val_n > 1 else ("val",)
         for d, batches in self.val_batches.items():
@@ -179,7 +188,9 @@ class RolloutWorker:
                 params = rollout_params(cfg, eos, seed, records)
                 prompts = [r.prompt_ids for r in records]
                 outs = [rollout_replica(self.engine, self.weights, prompts, params[k]) for k in kinds]
-                per_batch.append(([r.data_source for r in records], batch_values(self, records, outs, None)))
+                scores, answers = row_scores(self, records, outs, None)
+                rows = [(o.response_ids, o.response_mask) for o in outs] if cfg.reward.model_path else None
+                per_batch.append(([r.data_source for r in records], scores, answers, rows))
             if self.layout.rollout_coords(self.rank)[0] == 0:
                 for dst in self.layout.replica_ranks(d):
                     send_object(per_batch, dst, self.everyone)
@@ -218,10 +229,12 @@ def build_rollout_worker(
     engine = build_rollout_engine(
         cfg.rollout, shape, device, tokenizer.pad_token_id, model_dir=cfg.model.path, seed=cfg.trainer.seed
     )
-    reward_fn = build_reward_fn(
-        cfg.reward.fn, gsm8k_method=cfg.reward.gsm8k_method, timeout_s=cfg.reward.timeout_s
-    )
-    reward_fn.check_data_sources([r.data_source for r in records])
+    reward_fn = None  # the reward model alone (reward.combine=model): the trainers score
+    if not cfg.reward.model_path or cfg.reward.combine == "sum":
+        reward_fn = build_reward_fn(
+            cfg.reward.fn, gsm8k_method=cfg.reward.gsm8k_method, timeout_s=cfg.reward.timeout_s
+        )
+        reward_fn.check_data_sources([r.data_source for r in records])
     _, e = layout.rollout_coords(rank)
     shares = {d: (share, num) for d, share, num in layout.assignments(e)}
     loaders = {

@@ -93,21 +93,37 @@ def validation_due(trainer, completed: int) -> bool:
     return bool(t.test_freq) and (completed % t.test_freq == 0 or completed == t.total_steps)
 
 
-def batch_values(c, records, outs: list, batcher) -> dict[str, torch.Tensor]:
-    """{name: value per prompt} of one validation batch: `reward` of the "val" rollout `outs[0]`, and with
-    rollout.val_n=k > 1 mean@k, best@k (and maj@k) of the "val_sample" rollout `outs[1]`. `c` needs cfg,
-    tokenizer, reward_fn and reward_model (the rollout ranks of split placement pass their worker)."""
+def row_scores(c, records, outs: list, batcher) -> tuple[list[torch.Tensor], list[str | None] | None]:
+    """Each rollout's row scores (the "val" rollout `outs[0]`, with rollout.val_n=k > 1 the "val_sample" one
+    `outs[1]`, k rows per prompt) and the sampled rows' answers for maj@k (None where no majority is taken:
+    reward.fn or a reward model, or a rule that defines no answer). `c` needs cfg, tokenizer, reward_fn and
+    reward_model (the rollout ranks of split placement pass their worker)."""
     k = c.cfg.rollout.val_n
-    values = {"reward": score(c, outs[0], records, 1, batcher)[0]}
+    scores = [score(c, outs[0], records, 1, batcher)[0]]
+    answers = None
     if k > 1:
         texts = decode_responses(c.tokenizer, outs[1].response_ids, outs[1].response_mask)
-        sampled = score(c, outs[1], records, k, batcher, texts)[0]
-        answers = None
-        if c.cfg.reward.fn == "" and c.reward_model is None:
+        scores.append(score(c, outs[1], records, k, batcher, texts)[0])
+        if c.cfg.reward.fn == "" and not c.cfg.reward.model_path:
             sources = [records[i // k].data_source for i in range(len(texts))]
             answers = response_answers(sources, texts, c.cfg.reward.gsm8k_method)
-        values.update(sample_metrics(sampled.view(len(records), k), answers))
+    return scores, answers
+
+
+def prompt_values(
+    k: int, scores: list[torch.Tensor], answers: list[str | None] | None
+) -> dict[str, torch.Tensor]:
+    """{name: value per prompt} from `row_scores`' output: `reward` of the "val" rollout, and with
+    rollout.val_n=k > 1 mean@k, best@k (and maj@k) of the "val_sample" one."""
+    values = {"reward": scores[0]}
+    if k > 1:
+        values.update(sample_metrics(scores[1].view(-1, k), answers))
     return values
+
+
+def batch_values(c, records, outs: list, batcher) -> dict[str, torch.Tensor]:
+    """{name: value per prompt} of one validation batch (`row_scores`, then `prompt_values`)."""
+    return prompt_values(c.cfg.rollout.val_n, *row_scores(c, records, outs, batcher))
 
 
 def validate(ctx: StepContext) -> dict[str, float]:

@@ -77,6 +77,14 @@ def training_world_size(cfg: TrainConfig, world_size: int) -> int:
                 f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} has no critic",
                 "set placement.critic_ranks=0 (only algorithm.adv_estimator=gae trains a critic)",
             )
+        if cfg.rollout.backend == "vllm":
+            fail(
+                "placement.critic_ranks",
+                p.critic_ranks,
+                "with rollout.backend=vllm is not built: vLLM's start spans every rank, and the critic ranks "
+                "start no idle engine",
+                "set placement.critic_ranks=0 (the critic on the actor's ranks), or rollout.backend=native",
+            )
         _check_critic_layout(cfg, train // mp)
     return train
 
@@ -170,6 +178,15 @@ def validate_placement(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"use a multiple of {rollout_dp}",
         )
     _refuse_unsupported_with_split(cfg)
+    if r.backend == "vllm" and dims.world_size % r.tp:
+        fail(
+            "rollout.tp",
+            r.tp,
+            f"with rollout.backend=vllm must divide the {dims.world_size} training ranks: vLLM groups consecutive "
+            "ranks of the whole job into TP groups, so the rollout ranks' TP groups line up only when the "
+            "training ranks before them fill whole groups",
+            "change placement.rollout_ranks or the number of ranks launched, or use rollout.backend=native",
+        )
     if cfg.trainer.off_policy_steps and cfg.algorithm.tis_cap <= 0:
         fail(
             "trainer.off_policy_steps",
@@ -207,13 +224,6 @@ def _refuse_unsupported_with_split(cfg: TrainConfig) -> None:
     split = "with placement.mode=split"
     for key, value, on, fix in (
         (
-            "rollout.backend",
-            cfg.rollout.backend,
-            cfg.rollout.backend != "native",
-            "use rollout.backend=native",
-        ),
-        ("reward.model_path", cfg.reward.model_path, bool(cfg.reward.model_path), "use a rule or reward.fn"),
-        (
             "rollout.multi_turn.enable",
             cfg.rollout.multi_turn.enable,
             cfg.rollout.multi_turn.enable,
@@ -222,3 +232,12 @@ def _refuse_unsupported_with_split(cfg: TrainConfig) -> None:
     ):
         if on:
             fail(key, value, f"is not supported {split} yet", f"{fix}, or placement.mode=colocated")
+    if cfg.reward.model_path and advantage_traits(cfg.algorithm.adv_estimator).needs_greedy_baseline:
+        fail(
+            "reward.model_path",
+            cfg.reward.model_path,
+            f"with placement.mode=split and algorithm.adv_estimator={cfg.algorithm.adv_estimator} is not "
+            "supported: the reward model runs on the training ranks, which receive only the sampled responses, "
+            "not the greedy baseline's",
+            "use a rule or reward.fn, another estimator (e.g. grpo, rloo), or placement.mode=colocated",
+        )

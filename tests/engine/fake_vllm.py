@@ -288,6 +288,14 @@ class LLM:
         return tokens, token_logprobs
 
 
+def _tp_group() -> types.SimpleNamespace:
+    """vllm.distributed.parallel_state.get_tp_group() of this rank: vLLM groups consecutive ranks of the
+    whole world (external launcher) by the latest engine's tensor_parallel_size."""
+    tp = LLM.instances[-1].kwargs.get("tensor_parallel_size", 1) if LLM.instances else 1
+    first = dist.get_rank() // tp * tp
+    return types.SimpleNamespace(ranks=list(range(first, first + tp)))
+
+
 def install(
     monkeypatch,
     model_params: dict[str, torch.Tensor],
@@ -304,7 +312,7 @@ def install(
     inputs.TokensPrompt = TokensPrompt
     distributed = types.ModuleType("vllm.distributed")
     parallel_state = types.ModuleType("vllm.distributed.parallel_state")
-    parallel_state.get_tp_group = lambda: types.SimpleNamespace(ranks=[dist.get_rank()])
+    parallel_state.get_tp_group = _tp_group
     for name, module in {
         "vllm": root,
         "vllm.inputs": inputs,

@@ -162,6 +162,12 @@ BAD = [
     ),
     (
         ["placement.mode=split", "placement.rollout_ranks=1", "placement.critic_ranks=1", "algorithm=ppo"]
+        + ["rollout.backend=vllm", "cluster=single_gpu", "trainer.save_freq=0"],
+        3,
+        "placement.critic_ranks=1: with rollout.backend=vllm is not built",
+    ),
+    (
+        ["placement.mode=split", "placement.rollout_ranks=1", "placement.critic_ranks=1", "algorithm=ppo"]
         + ["trainer.save_freq=2"],
         3,
         "trainer.save_freq=2: checkpoints of a critic on its own ranks",
@@ -336,6 +342,22 @@ def test_vllm_needs_rollout_tp_one_or_full():
         validate_rollout(cfg, ParallelDims(world_size=4, tp=4))
     cfg.rollout.tp = 4
     validate_rollout(cfg, ParallelDims(world_size=4, tp=4))
+
+
+def test_vllm_on_split_placement_lines_up_with_vllms_tp_groups():
+    """Split placement runs rollout.backend=vllm on the rollout ranks; vLLM cuts the whole job into TP groups of
+    consecutive ranks, so the training ranks before the rollout ranks must fill whole groups."""
+    from engine.validate.placement import validate_placement
+    from parallel.dims import ParallelDims
+
+    cfg = composed(
+        "placement.mode=split", "placement.rollout_ranks=2", "rollout.backend=vllm", "rollout.tp=2"
+    )
+    validate_placement(cfg, ParallelDims(world_size=2, tp=1))  # ranks 0-1 train, 2-3: one vLLM TP group
+    with pytest.raises(
+        ConfigError, match="rollout.tp=2: with rollout.backend=vllm must divide the 1 training"
+    ):
+        validate_placement(cfg, ParallelDims(world_size=1, tp=1))  # vLLM's groups would be [0, 1], [2]
 
 
 def test_vllm_log_probs_with_truncation_need_temperature_one():

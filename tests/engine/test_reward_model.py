@@ -51,3 +51,8 @@ def test_reward_model_keys_are_validated(reward_dir, tmp_path):
     check([f"reward.model_path={causal}"], "is not a \\*ForSequenceClassification")
     check([f"reward.model_path={reward_dir}", "reward.fn=x:y"], "reward.fn=.*would be ignored")
     check(["reward.combine=mean"], "reward.combine")
+    # split placement: the reward model scores on the training ranks, which never see ReMax's greedy rollout
+    split = ["placement.mode=split", "placement.rollout_ranks=1", "trainer.test_freq=0"]
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator=remax is not supported.*greedy baseline"):
+        validate(compose_config([*split, "algorithm=remax", f"reward.model_path={reward_dir}"]), 2)
+    assert validate(compose_config([*split, f"reward.model_path={reward_dir}"]), 2).dp == 1

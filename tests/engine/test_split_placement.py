@@ -7,10 +7,14 @@ prompts (or its share of them) with the colocated path's loader, seeds and scori
 perf/* (wall clock) and rollout_engine/* (the engine's counters depend on how many prompts one call holds).
 
 Launches: 3 ranks (2 train + 1 rollout) killed with SIGKILL inside step 3 after step 2's checkpoint, then
-resumed (trainer.resume=auto), against colocated DP=2; 4 ranks (TP=2 train + 2 rollout replicas sharing its
+resumed (trainer.resume=auto), against colocated DP=2, both scored by a reward model (reward.combine=sum: the
+rollout rank scores the rule, the training ranks add the model's score, in training and validation); 4 ranks (TP=2 train + 2 rollout replicas sharing its
 prompts) against colocated TP=2 with rollout.tp=1 (a micro-DP group of 2); 3 ranks one step off policy
 (trainer.off_policy_steps=1) for 40 steps of the embedded task; PPO with the critic on a rank of its own
-(placement.critic_ranks=1, 3 ranks) against the critic on the actor's rank (2 ranks).
+(placement.critic_ranks=1, 3 ranks) against the critic on the actor's rank (2 ranks). GPU + vLLM (marked
+`vllm`): 1 + 1 GPUs with rollout.backend=vllm against colocated vLLM on 1 GPU (on CPU,
+tests/parallel/hybrid_reshard_script.py feeds the received shards to the vLLM backend against
+tests/engine/fake_vllm.py).
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import subprocess
 import sys
 import time
 
+import hf_tiny
+import pytest
 from distributed import run_torchrun
 
-from engine.tasks.embedded import write_embedded_dataset
+from engine.tasks.embedded import EMBEDDED_VOCAB, write_embedded_dataset
 from parallel.layout import TrainLayout
 from parallel.split_plan import SplitLayout
 
@@ -113,8 +119,13 @@ def _killed_in_step_3(out, *overrides: str) -> None:
 def test_split_3_ranks_equals_colocated_dp2_and_resumes_after_sigkill(tmp_path):
     """Validation after steps 3 and 4 (the last) of the resumed run equals colocated's too. (None before the
     kill: validation after step 2 would send step 3's weights before step 2's checkpoint exists, and step 3
-    could then be scored, not stalled, before it does.)"""
-    validation = _validation(tmp_path, 3)
+    could then be scored, not stalled, before it does.) A reward model scores on the training ranks and
+    its score is added to the rule's (reward.combine=sum), as colocated adds them."""
+    # the embedded tokenizer's vocabulary, so the reward model reads the actor's token ids
+    reward_model = hf_tiny.save_tiny(
+        "qwen2", str(tmp_path / "rm"), seed=3, head="sequence", vocab_size=len(EMBEDDED_VOCAB)
+    )
+    validation = [*_validation(tmp_path, 3), f"reward.model_path={reward_model}", "reward.combine=sum"]
     colocated = _train(2, tmp_path / "colocated", *validation)
 
     split = ["placement.mode=split", "placement.rollout_ranks=1", *validation]
@@ -131,6 +142,8 @@ def test_split_3_ranks_equals_colocated_dp2_and_resumes_after_sigkill(tmp_path):
     assert [s for s in rows if "timing/weight_transfer" in rows[s]] == [1, 2, 3]
     assert "actor/grad_norm" in rows[4] and "reward/mean" in rows[4]
     assert [s for s in rows if "val/reward_mean" in rows[s]] == [3, 4]
+    assert all(rows[s]["timing/reward_model"] >= 0 for s in rows)  # scored on the training ranks
+    assert "val/embedded/copy/maj@2" not in rows[4]  # with a reward model no majority vote (as colocated)
 
 
 def test_split_tp2_train_2_rollout_replicas_equals_colocated_micro_dp(tmp_path):
@@ -146,6 +159,28 @@ def test_split_tp2_train_2_rollout_replicas_equals_colocated_micro_dp(tmp_path):
         assert _comparable(row) == _comparable(colocated[step]), step
         assert "val/reward_mean" in row and "val/embedded/copy/mean@2" in row, step
     assert max(row["dynamic_sampling/rounds"] for row in split.values()) > 1  # further rounds ran
+
+
+@pytest.mark.vllm
+def test_split_with_vllm_equals_colocated_with_vllm_on_gpus(tmp_path):
+    """GPU + vLLM, 1 + 1 GPUs against 1 GPU: split placement (rank 0 trains, rank 1 generates with
+    rollout.backend=vllm; rank 0 starts an idle vLLM engine, since vLLM's start spans every rank) gives the
+    colocated vLLM run's metrics. Both generate one training replica's prompts in one share with the same seeds;
+    float32 on both sides, compared to rel 1e-5 (vLLM on another GPU of the same kind)."""
+    import torch
+
+    from engine.rollout.vllm_backend import import_vllm
+
+    import_vllm()
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    gpu = ["cluster=single_gpu", "rollout.backend=vllm", "model.dtype=float32", "trainer.save_freq=0"]
+    gpu += ["trainer.total_steps=2", *_validation(tmp_path, 2)]
+    colocated = _train(1, tmp_path / "colocated", *gpu)
+    split = _train(2, tmp_path / "split", *gpu, "placement.mode=split", "placement.rollout_ranks=1")
+    assert sorted(split) == [1, 2]
+    for step, row in split.items():
+        assert _comparable(row) == pytest.approx(_comparable(colocated[step]), rel=1e-5), step
 
 
 LEARN = [  # tests/engine/learning_script.py's settings for the embedded `target` task at DP=2, seed 2

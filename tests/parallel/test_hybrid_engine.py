@@ -32,7 +32,14 @@ def test_hybrid_engine_reshard(world):
     uneven = [key for key, fig in summary["reshard"].items() if fig.get("uneven")]
     assert uneven and all("L3" in key or "L10" in key for key in uneven), uneven  # 3 layers at PP=2 etc.
     assert any("L3" in key for key in summary["training"]), summary["training"]
-    assert len(summary["split"]) == {2: 1, 4: 4}[world]  # split placement's transfer, checked in the script
+    assert len(summary["split"]) == {2: 1, 4: 5}[world]  # split placement's transfer, checked in the script
+    vllm = [
+        r["vllm_tensors"]
+        for fig in summary["split"].values()
+        for r in fig["rollout_ranks"]
+        if "vllm_tensors" in r
+    ]
+    assert len(vllm) == {2: 0, 4: 2}[world] and all(vllm), vllm  # rollout.backend=vllm fed at rollout.tp=2
 
 
 def _members(layout: HybridLayout, group: list[int], tie: bool, num_layers: int = 4) -> list[MemberMeta]:
