@@ -44,6 +44,7 @@ from engine.rollout.base import (
     check_sampling,
 )
 from engine.rollout.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for
+from engine.rollout.kept_rows import KeptRows, kept_rows, prefill_continued
 from engine.rollout.kv_cache import KVCachePool, compact_rows
 from engine.rollout.model import DecodeKernels, RolloutModel, rope_tables
 from engine.rollout.sampler import sample_tokens
@@ -82,23 +83,6 @@ class _Outputs:
     limit: torch.Tensor | None = None
     """(rows + 1,) int64: each row's most tokens (SamplingParams.max_new_tokens_per_prompt), None: no per-row
     limits."""
-
-
-@dataclass
-class _Kept:
-    """The cache rows of the latest `generate` call inside `hold()`, per output row of that call."""
-
-    slot: list[int]
-    """Cache slot of the row."""
-    pad: list[int]
-    """Left padding of the row: its K/V sit at cache positions [pad, pad + valid)."""
-    valid: list[int]
-    """Tokens whose K/V are written: the prompt and every generated token but the last (never fed back)."""
-    tokens: list[list[int]]
-    """The row's prompt and response ids (a continuation's prompt must start with them)."""
-    slots: int
-    seq_len: int
-    """The cache layout (slots, seq_len) the rows live in."""
 
 
 class NativeRollout(RolloutEngine):
@@ -157,7 +141,7 @@ class NativeRollout(RolloutEngine):
         self.keep_episode_cache = keep_episode_cache
         self._holding = False
         self._hold_len: int | None = None
-        self._kept: _Kept | None = None
+        self._kept: KeptRows | None = None
         self.weights: RolloutWeights | None = None
         self.model: RolloutModel | None = None
         self.pool: KVCachePool | None = None
@@ -318,7 +302,7 @@ class NativeRollout(RolloutEngine):
                 finish_reasons=["stop" if s else "length" for s in out.stopped[:num_rows].tolist()],
             )
         if self._holding:
-            self._kept = self._kept_rows(rows, prompts, result, track, slots, seq_len) if keep else None
+            self._kept = kept_rows(rows, prompts, result, track, slots, seq_len) if keep else None
         if self.graphs is not None:
             self.last_stats["graphs"] = self.graphs.num_graphs
         if not self.keep_cache and not self._holding:
@@ -335,23 +319,6 @@ class NativeRollout(RolloutEngine):
             if self.pool.max_slots(held) >= 1:
                 return held
         return seq_len
-
-    def _kept_rows(self, rows, prompts, result: RolloutOutput, track, slots: int, seq_len: int) -> _Kept:
-        """Where each output row's K/V sit after a one-chunk call: `track` = (chunk row of each slot, -1 for
-        none; left padding of each slot)."""
-        home, pad = (t.tolist() for t in track)
-        num_rows = len(rows)
-        kept = _Kept([-1] * num_rows, [0] * num_rows, [0] * num_rows, [[]] * num_rows, slots, seq_len)
-        lengths = result.response_mask.sum(-1).long().tolist()
-        for slot, i in enumerate(home):
-            if i < 0:
-                continue
-            r, p = rows[i]
-            length = lengths[r]
-            kept.slot[r], kept.pad[r] = slot, pad[slot]
-            kept.valid[r] = len(prompts[p]) + length - 1  # the last token was never fed back
-            kept.tokens[r] = list(prompts[p]) + result.response_ids[r, :length].tolist()
-        return kept
 
     def _budget_slots(self, seq_len: int) -> int:
         slots = self.pool.max_slots(seq_len)
@@ -398,39 +365,11 @@ class NativeRollout(RolloutEngine):
             )
         return logits_u[row_prompt_t], pad_u[row_prompt_t], plen
 
-    def _prefill_continued(self, chunk, prompts, caches, kept: _Kept, previous: list[int]):
-        """`_prefill` for prompts that extend kept rows: row j of the chunk (prompt p, kept row previous[p])
-        gets that row's K/V moved from its slot into slot j, shifted to this call's left padding (RoPE
-        positions count real tokens, so they stay valid), then the tokens past the kept ones are prefilled
-        against them. Returns what `_prefill` returns."""
-        dev, n = self.device, len(chunk)
-        lens = [len(prompts[p]) for _, p in chunk]
-        plen = max(lens)
-        src = torch.tensor([kept.slot[previous[p]] for _, p in chunk], device=dev)
-        old_pad = torch.tensor([kept.pad[previous[p]] for _, p in chunk], device=dev)
-        pad_r = torch.tensor([plen - length for length in lens], device=dev)
-        # slot j, position t <- slot src[j], position t - pad_r[j] + old_pad[j] (the clamped ends are padding
-        # or are overwritten by the prefill below); gathered before written, so slots may swap
-        at = (torch.arange(plen, device=dev) - pad_r[:, None] + old_pad[:, None]).clamp(0, kept.seq_len - 1)
-        for cache in (*caches[0], *caches[1]):
-            cache[:n, :plen] = cache[src[:, None], at]
-        valid = [kept.valid[previous[p]] for _, p in chunk]
-        width = max(length - v for length, v in zip(lens, valid))
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        real = torch.zeros(n, width, dtype=torch.bool)
-        for j, (_, p) in enumerate(chunk):  # the new tokens, right-aligned to end at plen
-            tail = prompts[p][valid[j] :]
-            ids[j, width - len(tail) :], real[j, width - len(tail) :] = torch.tensor(tail), True
-        ids, real = ids.to(dev), real.to(dev)
-        logits = torch.empty(n, self.shape.vocab_size, device=dev)
-        per = max(1, self.prefill_tokens // plen)
-        for a in range(0, n, per):
-            b = min(n, a + per)
-            cache_k, cache_v = [k[a:b] for k in caches[0]], [v[a:b] for v in caches[1]]
-            logits[a:b] = self.model.prefill_continued(
-                ids[a:b], real[a:b], pad_r[a:b], plen, cache_k, cache_v
-            )
-        return logits, pad_r, plen
+    def _prefill_continued(self, chunk, prompts, caches, kept: KeptRows, previous: list[int]):
+        """`_prefill` for prompts that extend kept rows (engine/rollout/kept_rows.py `prefill_continued`)."""
+        return prefill_continued(
+            self.model, self.pad_id, self.prefill_tokens, chunk, prompts, caches, kept, previous
+        )
 
     def _generate_chunk(
         self, chunk, prompts, sampling, gen, stops, out: _Outputs, slots, seq_len, continued=None, keep=False
