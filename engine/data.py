@@ -24,10 +24,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
+from engine import data_rows
 from engine.errors import DataError, DataFileNotFoundError
 
 REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
@@ -66,101 +66,6 @@ class PromptRecord:
     """Tools the prompt's multi-turn episodes may call, by name (empty: all of rollout.multi_turn.tools)."""
     max_new_tokens: int | None = None
     """Most tokens of each response to this prompt (the row's `max_new_tokens`; None: rollout.max_new_tokens)."""
-
-
-def _check_tools(value: Any) -> list[str]:
-    if value is None:
-        return []
-    if (
-        isinstance(value, str)
-        or not isinstance(value, Sequence)
-        or not all(isinstance(t, str) for t in value)
-    ):
-        raise _BadRow(
-            "tools", f"is {_describe(value)}, expected a list of tool names", 'write e.g. ["calculator"]'
-        )
-    return list(value)
-
-
-def _check_max_new_tokens(value: Any, limit: int | None) -> int | None:
-    if value is None:
-        return None
-    fix = f"write a whole number of tokens in [1, rollout.max_new_tokens={limit}], or null for no cap"
-    if limit is None:
-        fix = "write a whole number of tokens >= 1, or null for no cap"
-    if isinstance(value, (float, np.floating)) and float(value).is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise _BadRow("max_new_tokens", f"is {_describe(value)}, expected an integer", fix)
-    if value < 1 or (limit is not None and value > limit):
-        where = "below 1" if value < 1 else f"more than rollout.max_new_tokens={limit}"
-        raise _BadRow("max_new_tokens", f"is {int(value)}, {where}", fix)
-    return int(value)
-
-
-class _BadRow(Exception):
-    def __init__(self, field_name: str, problem: str, fix: str):
-        super().__init__(field_name)
-        self.field_name, self.problem, self.fix = field_name, problem, fix
-
-
-_PROMPT_FIX = 'prompt must be a list of messages like [{"role": "user", "content": "..."}]'
-
-
-def _check_prompt(value: Any) -> list[dict[str, str]]:
-    if value is None:
-        raise _BadRow("prompt", "is missing (null)", _PROMPT_FIX)
-    if isinstance(value, str):
-        raise _BadRow("prompt", "is a plain string, not a list of chat messages", _PROMPT_FIX)
-    if not isinstance(value, Sequence) or len(value) == 0:
-        raise _BadRow("prompt", f"is {_describe(value)}, expected a non-empty list of messages", _PROMPT_FIX)
-    messages = []
-    for j, message in enumerate(value):
-        if not isinstance(message, Mapping):
-            raise _BadRow(f"prompt[{j}]", f"is {_describe(message)}, expected a dict", _PROMPT_FIX)
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise _BadRow(
-                    f"prompt[{j}].{key}", f"is {_describe(message.get(key))}, expected a string", _PROMPT_FIX
-                )
-        messages.append({"role": message["role"], "content": message["content"]})
-    return messages
-
-
-def _check_data_source(value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        fix = 'set data_source to the dataset name that picks the reward, e.g. "openai/gsm8k"'
-        raise _BadRow("data_source", f"is {_describe(value)}, expected a non-empty string", fix)
-    return value
-
-
-def _check_ground_truth(value: Any) -> str:
-    fix = 'reward_model must be {"ground_truth": "<answer>", "style": "rule"}'
-    if not isinstance(value, Mapping):
-        raise _BadRow("reward_model", f"is {_describe(value)}, expected a dict", fix)
-    truth = value.get("ground_truth")
-    if isinstance(truth, str):
-        return truth
-    if isinstance(truth, (int, float, np.integer, np.floating)) and not isinstance(truth, bool):
-        return str(truth)
-    raise _BadRow("reward_model.ground_truth", f"is {_describe(truth)}, expected a string", fix)
-
-
-def _check_extra_info(value: Any) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise _BadRow(
-            "extra_info", f"is {_describe(value)}, expected a dict or null", "store extra_info as a dict"
-        )
-    return dict(value)
-
-
-def _describe(value: Any) -> str:
-    if value is None:
-        return "missing (null)"
-    text = repr(value)
-    return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
 
 
 def _expand_files(files: Sequence[str], files_key: str) -> list[tuple[str, str]]:
@@ -255,15 +160,15 @@ def read_prompt_rows(
             counts["rows"] += 1
             try:
                 row = PromptRow(
-                    messages=_check_prompt(prompt),
-                    data_source=_check_data_source(source),
-                    ground_truth=_check_ground_truth(reward_model),
-                    extra_info=_check_extra_info(extra),
+                    messages=data_rows.check_prompt(prompt),
+                    data_source=data_rows.check_data_source(source),
+                    ground_truth=data_rows.check_ground_truth(reward_model),
+                    extra_info=data_rows.check_extra_info(extra),
                     index=index,
-                    tools=_check_tools(tools),
-                    max_new_tokens=_check_max_new_tokens(cap, max_new_tokens),
+                    tools=data_rows.check_tools(tools),
+                    max_new_tokens=data_rows.check_max_new_tokens(cap, max_new_tokens),
                 )
-            except _BadRow as bad:
+            except data_rows.BadRow as bad:
                 if bad_rows == "skip":
                     counts["bad"] += 1
                     continue
