@@ -28,7 +28,7 @@ import sys
 import tempfile
 import warnings
 
-from engine.multi_turn.tools import Tool
+from engine.multi_turn.tool import Tool
 
 _MAX_OUTPUT_CHARS = 4000
 

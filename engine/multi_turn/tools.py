@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.errors import UserError
+from engine.multi_turn.tool import Tool
 from engine.user_code import import_target, split_target
 
 
@@ -25,26 +26,6 @@ class ToolSpecError(UserError, ValueError):
     """A tool named in rollout.multi_turn.tools that cannot be built; the message names the spec and a fix."""
 
     exit_status = 2
-
-
-class Tool:
-    """One callable tool; subclasses set `name`, `description`, `parameters` and implement `call`."""
-
-    name: str = ""
-    description: str = ""
-    parameters: dict = {"type": "object", "properties": {}, "required": []}
-    """JSON schema of the arguments object."""
-
-    @property
-    def schema(self) -> dict:
-        """The OpenAI function schema (what `apply_chat_template(tools=...)` renders)."""
-        return {
-            "type": "function",
-            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
-        }
-
-    async def call(self, args: dict) -> str:
-        raise NotImplementedError
 
 
 # ---- calculator: arithmetic parsed with `ast`, never evaluated as code ------------------------------------

@@ -34,7 +34,6 @@ from engine.roles.offload import RoleOffloader
 from engine.roles.policy import MegatronRole
 from engine.setup import _data_files, build_critic, model_shape
 from engine.split.link import recv_object, send_object
-from engine.step.batch import Experience
 from engine.step.context import StepContext
 from engine.step.losses import value_fn
 from engine.step.update import forward_rows, update_critic
@@ -95,11 +94,6 @@ class CriticWorker:
         with timer.phase("critic_update"), self.offload.onloaded():
             metrics = update_critic(ctx, exp)
         self._to_actor({**metrics, **timer.as_metrics()})
-
-
-def experience_for_critic(exp: Experience) -> Experience:
-    """What the critic reads of the actor's experience: the layout, none of the phases' tensors."""
-    return Experience(exp.tokens, exp.prompt_lens, exp.response_ids, exp.response_mask, exp.group_index)
 
 
 def build_critic_worker(

@@ -69,8 +69,6 @@ class TrainerLink:
     def send_experience(self, step: int, exp: Experience) -> None:
         """Critic ranks: the step's experience (its layout only) to the critic replica, which starts its value
         forward while this replica runs its own forwards."""
-        from engine.split.critic import experience_for_critic
-
         self._to_critic((step, experience_for_critic(exp)))
 
     def receive_values(self) -> torch.Tensor:
@@ -168,3 +166,8 @@ class TrainerLink:
                     scores[i] = scores[i] + c.reward_model(prompts, ids, mask, n, ctx.batcher)
             per_prompt.append((sources, prompt_values(c.cfg.rollout.val_n, scores, answers)))
         return per_prompt
+
+
+def experience_for_critic(exp: Experience) -> Experience:
+    """What the critic reads of the actor's experience: the layout, none of the phases' tensors."""
+    return Experience(exp.tokens, exp.prompt_lens, exp.response_ids, exp.response_mask, exp.group_index)
