@@ -151,7 +151,11 @@ class ExpertGather:
         sent = sum(
             self.local[n].numel() * self.local[n].element_size() for m in self.outgoing for n in m.names
         )
-        self.last_stats = {"expert_received_bytes": self.recv_bytes, "expert_sent_bytes": sent}
+        stats = dict(
+            getattr(self.inner, "last_stats", {})
+        )  # the dense transition's figures (NaiveGather: none)
+        stats["received_bytes"] = stats.get("received_bytes", 0) + self.recv_bytes
+        self.last_stats = {**stats, "expert_received_bytes": self.recv_bytes, "expert_sent_bytes": sent}
         return dataclasses.replace(weights, params=params)  # the inner sync's own object stays as it was
 
     def to_train(self) -> None:
