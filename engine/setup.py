@@ -211,9 +211,18 @@ def build_weight_sync_and_rollout(
             shape.tie_embeddings,
             rollout_tp=cfg.rollout.tp,
             keep_rollout_weights=cfg.rollout.keep_rollout_weights,
+            skip_experts=groups.dims.ep > 1,
         )
-    if shape.moe is not None and groups.dims.ep > 1:  # the rollout runs every expert
-        weight_sync = ExpertGather(weight_sync, groups, shape.moe.num_experts)
+    if shape.moe is not None and groups.dims.ep > 1:  # the rollout runs every expert of its layers
+        weight_sync = ExpertGather(
+            weight_sync,
+            actor_chunks,
+            groups,
+            shape.num_layers,
+            shape.moe.num_experts,
+            rollout_layers=[range(shape.num_layers)],  # rollout PP is 1
+            keep_rollout_weights=cfg.rollout.keep_rollout_weights,
+        )
     rollout = build_rollout_engine(
         cfg.rollout, shape, groups.device, pad_id, model_dir=cfg.model.path, seed=cfg.trainer.seed
     )

@@ -164,3 +164,26 @@ def verify_split_transfer(transfer, group) -> list[str]:
             if got.shape != want.shape or not torch.equal(got, want):
                 errors.append(f"rank {dst} {name}: differs from the full weights' rollout slice")
     return errors
+
+
+def gather_full_experts(
+    chunks: list[torch.nn.Module], groups, num_layers: int, num_experts: int
+) -> dict[str, torch.Tensor]:
+    """Every routed expert of the model by global name, collected from every rank's training weights with
+    `all_gather_object` (an independent reference for the expert transition; small models only)."""
+    import torch.distributed as dist
+
+    from parallel.rollout_weights import global_param_names, is_expert_param
+
+    layers = groups.dims.train_layout().layers(groups.pp_rank, num_layers)
+    local = global_param_names(chunks, layers, groups.expert_offset(num_experts))
+    mine = {n: p.detach().cpu().clone() for n, p in local.items() if is_expert_param(n)}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    full: dict[str, torch.Tensor] = {}
+    for experts in everyone:
+        for name, tensor in experts.items():
+            if name in full and not torch.equal(full[name], tensor):
+                raise AssertionError(f"{name}: the expert-data-parallel replicas differ")
+            full[name] = tensor
+    return full

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from parallel.hybrid_plan import MemberMeta, ParamMeta, RolloutTensor, Slot, TransitionPlan, plan_transition
 from parallel.layout import HybridLayout, RolloutLayout
-from parallel.rollout_weights import RolloutWeights, global_param_names
+from parallel.rollout_weights import RolloutWeights, global_param_names, is_expert_param
 from parallel.state import ProcessGroups
 
 DEFAULT_BUCKET_BYTES = 128 * 2**20
@@ -84,7 +84,8 @@ class HybridEngine:
     will stay) and call it on every rank in the same order: the constructor creates process groups.
     `rollout_tp` / `rollout_pp` are `rollout.tp` / `rollout.pp` (ValueError naming the key unless they divide
     `parallel.tp` / `parallel.pp`); `keep_rollout_weights` keeps the gathered part between transitions;
-    `bucket_bytes` bounds, per sender, the staging of a regrouping transition (None: one exchange).
+    `bucket_bytes` bounds, per sender, the staging of a regrouping transition (None: one exchange);
+    `skip_experts` leaves the routed experts out (at parallel.ep > 1 `ExpertGather` moves them).
     Rollout tensors are read-only views: some share memory with the training parameters.
     """
 
@@ -98,6 +99,7 @@ class HybridEngine:
         rollout_pp: int = 1,
         keep_rollout_weights: bool = False,
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+        skip_experts: bool = False,
     ):
         dims = groups.dims
         train = dims.train_layout()
@@ -105,6 +107,8 @@ class HybridEngine:
         self.groups = groups
         self.keep_rollout_weights = keep_rollout_weights
         self.local = global_param_names(chunks, train.layers(groups.pp_rank, num_layers))
+        if skip_experts:  # moved by parallel/expert_gather.py (expert parallelism: ranks hold other experts)
+            self.local = {n: p for n, p in self.local.items() if not is_expert_param(n)}
         if not self.local:
             raise ValueError("HybridEngine: the model chunks have no parameters")
         self.device = next(iter(self.local.values())).device

@@ -224,30 +224,16 @@ def validate_moe(cfg: TrainConfig, dims: ParallelDims) -> None:
 
 
 def validate_expert_parallel_run(cfg: TrainConfig, dims: ParallelDims) -> None:
-    """parallel.ep > 1 in a training job: the rollout gathers the experts over the expert-parallel group after
-    a transition that leaves each rank its own training weights (parallel/expert_gather.py), and nothing
-    gathers them for a Hugging Face export."""
+    """parallel.ep > 1 in a training job: the 3D-HybridEngine regroups the dense weights and
+    parallel/expert_gather.py sends each rank the experts it lacks (any parallel.pp and rollout.tp), and
+    nothing gathers the experts for a Hugging Face export."""
     for key, value, bad, rule, fix in (
-        (
-            "parallel.pp",
-            dims.pp,
-            dims.pp > 1,
-            "with parallel.ep > 1 the pipeline must be 1 stage",
-            "set parallel.pp=1",
-        ),
         (
             "rollout.weight_sync",
             cfg.rollout.weight_sync,
             cfg.rollout.weight_sync != "hybrid",
             "with parallel.ep > 1 the rollout weights come from the 3D-HybridEngine",
             "set rollout.weight_sync=hybrid",
-        ),
-        (
-            "rollout.tp",
-            cfg.rollout.tp,
-            cfg.rollout.tp != dims.tp,
-            f"with parallel.ep > 1 the rollout keeps the training TP size parallel.tp={dims.tp}",
-            f"set rollout.tp={dims.tp}",
         ),
         (
             "trainer.export_hf",

@@ -19,6 +19,13 @@ beside it: the busiest rollout rank's bytes over the point-to-point bandwidth me
 shards (plain send/recv) and compares.
 
     torchrun --nproc_per_node=2 scripts/bench/reshard.py --preset qwen2_5_1_5b --rollout-ranks 1 --verify
+
+Mixture-of-experts (`--preset tiny_moe`, or --experts N with --ep): the dense weights take the same two
+methods, and at --ep > 1 both are wrapped in `ExpertGather` (every rank receives the routed experts of its
+rollout layers that it lacks); `--verify` checks the experts against every rank's training experts.
+
+    torchrun --nproc_per_node=4 scripts/bench/reshard.py --preset tiny_moe --pp 2 --ep 2 --verify
+    torchrun --nproc_per_node=4 scripts/bench/reshard.py --preset tiny_moe --tp 2 --ep 2 --verify
 """
 
 from __future__ import annotations
@@ -32,20 +39,25 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.config import ModelConfig, OptimConfig
-from engine.models.builder import build_gpt_chunks, resolve_shape
+from engine.config import ModelConfig, MoEConfig, OptimConfig
+from engine.models.builder import build_gpt_chunks, build_gpt_chunks_ep_invariant, resolve_shape
 from parallel import naive_gather
 from parallel.dims import ParallelDims
-from parallel.hybrid_check import AllocationCounter, hybridflow_bytes, verify_rollout
+from parallel.expert_gather import ExpertGather
+from parallel.hybrid_check import AllocationCounter, gather_full_experts, hybridflow_bytes, verify_rollout
 from parallel.hybrid_engine import DEFAULT_BUCKET_BYTES, HybridEngine
 from parallel.layout import ParamSpec, PartitionKind
-from parallel.rollout_weights import partition_kind, split_layer_name
+from parallel.rollout_weights import is_expert_param, partition_kind, split_layer_name
 from parallel.state import destroy_distributed, init_distributed, world_size_from_env
 
 PRESETS = {  # Qwen2.5 shapes (config.json of the Hugging Face checkpoints)
     "qwen2_5_0_5b": dict(layers=24, hidden=896, ffn=4864, heads=14, groups=2, vocab=151936, tie=True),
     "qwen2_5_1_5b": dict(layers=28, hidden=1536, ffn=8960, heads=12, groups=2, vocab=151936, tie=True),
     "qwen2_5_7b": dict(layers=28, hidden=3584, ffn=18944, heads=28, groups=4, vocab=152064, tie=False),
+    # conf/model/tiny_moe.yaml's shape (4 routed experts, top-2) with 4 layers, so that PP=2 has 2 per stage
+    "tiny_moe": dict(
+        layers=4, hidden=64, ffn=192, heads=4, groups=2, vocab=256, tie=False, experts=4, expert_ffn=64
+    ),
 }
 
 
@@ -58,6 +70,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--groups", type=int, default=4, help="key/value heads (GQA)")
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--experts", type=int, default=0, help="routed experts per layer (0: dense)")
+    ap.add_argument("--expert-ffn", type=int, default=0, help="an expert's FFN width (0: --ffn)")
+    ap.add_argument("--ep", type=int, default=1, help="parallel.ep (MoE)")
     ap.add_argument("--tie", action="store_true", help="tied embeddings (presets set their own)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--tp", type=int, default=1, help="parallel.tp")
@@ -76,6 +91,10 @@ def parse_args() -> argparse.Namespace:
 def model_config(args: argparse.Namespace) -> ModelConfig:
     shape = dict(PRESETS[args.preset]) if args.preset else {}
     get = lambda key: shape.get(key, getattr(args, key))  # noqa: E731
+    experts = get("experts")
+    moe = MoEConfig(
+        num_experts=experts, top_k=min(2, experts), ffn_hidden_size=get("expert_ffn") or get("ffn")
+    )
     return ModelConfig(
         name=args.preset or "custom",
         num_layers=get("layers"),
@@ -87,6 +106,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         qkv_bias=True,
         tie_embeddings=get("tie"),
         dtype=args.dtype,
+        moe=moe if experts else MoEConfig(),
     )
 
 
@@ -138,7 +158,12 @@ def time_round_trips(methods: dict, device: torch.device, iters: int, counter: _
             counter.received = 0
             weights, seconds = _timed(method.to_rollout, device)
             up[name].append(seconds)
-            received[name] = counter.received if name == "naive" else method.last_stats["received_bytes"]
+            stats = getattr(method, "last_stats", {})  # NaiveGather keeps none: its bytes are counted
+            received[name] = (
+                counter.received + stats.get("expert_received_bytes", 0)
+                if name == "naive"
+                else (stats["received_bytes"])
+            )
             del weights
             _, seconds = _timed(method.to_train, device)
             down[name].append(seconds)
@@ -277,13 +302,22 @@ def main() -> int:
     if args.rollout_ranks:
         return split_main(args)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    dims = ParallelDims(world_size=world_size_from_env(), tp=args.tp, pp=args.pp, vpp=args.vpp)
+    cfg = model_config(args)
+    num_experts = cfg.moe.num_experts
+    dims = ParallelDims(
+        world_size=world_size_from_env(),
+        tp=args.tp,
+        pp=args.pp,
+        vpp=args.vpp,
+        ep=args.ep,
+        sp=bool(num_experts) and args.tp > 1,  # megatron's MoE layers need SP at TP > 1
+    )
     groups = init_distributed(dims, device_type)
     try:
-        cfg = model_config(args)
         shape = resolve_shape(cfg, cfg.vocab_size, dims.tp)
         torch.manual_seed(0)
-        chunks = build_gpt_chunks(shape, groups, init_std=0.02, recompute=False)
+        build = build_gpt_chunks_ep_invariant if num_experts else build_gpt_chunks
+        chunks = build(shape, groups, init_std=0.02, recompute=False)
         if args.distopt:
             from engine.roles.policy import MegatronRole
 
@@ -299,24 +333,35 @@ def main() -> int:
             args.rollout_tp,
             args.rollout_pp,
             bucket_bytes=int(args.bucket_mb * 2**20),
+            skip_experts=dims.ep > 1,
         )
-        timing = time_round_trips({"naive": naive, "ours": engine}, groups.device, args.iters, counter)
-        memory, full = measure_memory(naive, groups.device)
+        baseline, ours = naive, engine
+        if dims.ep > 1:
+            layers = engine.layout.rollout_layers(groups.rank, shape.num_layers)
+            args_ = (chunks, groups, shape.num_layers, num_experts)
+            ours = ExpertGather(engine, *args_, layers)
+            baseline = ExpertGather(naive, *args_, [range(shape.num_layers)])
+        timing = time_round_trips({"naive": baseline, "ours": ours}, groups.device, args.iters, counter)
+        memory, full = measure_memory(baseline, groups.device)
         naive_fig = {**timing["naive"], **memory}
-        full = dict(full.params)
-        memory, weights = measure_memory(engine, groups.device)
+        full = {n: t for n, t in full.params.items() if not (num_experts and is_expert_param(n))}
+        if num_experts:  # an independent reference for the experts
+            full.update(gather_full_experts(chunks, groups, shape.num_layers, num_experts))
+        memory, weights = measure_memory(ours, groups.device)
         ours_fig = {**timing["ours"], **memory}
         errors = []
         if args.verify:
             errors = verify_rollout(
                 weights, full, engine.layout, groups.rank, shape.num_layers, shape.tie_embeddings
             )
-        specs = param_specs(full, engine, shape.num_layers)
-        model_bytes = sum(s.num_bytes for s in specs)
-        layer_bytes = sum(s.num_bytes for s, n in zip(specs, full) if split_layer_name(n) is not None)
+        expert_bytes = sum(t.numel() * t.element_size() for n, t in full.items() if is_expert_param(n))
+        dense = {n: t for n, t in full.items() if not is_expert_param(n)}
+        specs = param_specs(dense, engine, shape.num_layers)
+        model_bytes = sum(s.num_bytes for s in specs) + expert_bytes
+        layer_bytes = sum(s.num_bytes for s, n in zip(specs, dense) if split_layer_name(n) is not None)
         sharded_layer_bytes = sum(
             s.num_bytes
-            for s, n in zip(specs, full)
+            for s, n in zip(specs, dense)
             if split_layer_name(n) is not None and s.kind != PartitionKind.REPLICATED
         )
         ours_fig.update(
@@ -329,10 +374,16 @@ def main() -> int:
             alive_bytes=engine.alive_bytes(),
             rollout_weight_bytes=sum(t.numel() * t.element_size() for t in weights.params.values()),
         )
+        if dims.ep > 1:  # E / p_g of the experts in the rollout, E / (ep * p) of them already here
+            own = expert_bytes // (dims.ep * dims.pp)
+            ours_fig.update(
+                expert_received_bytes=ours.last_stats["expert_received_bytes"],
+                expert_formula_bytes=expert_bytes // args.rollout_pp - own,
+            )
         naive_fig["layout_formula_bytes"] = engine.layout.naive_received_bytes(groups.rank, specs)
-        del weights, full
-        engine.to_train()
-        naive.to_train()
+        del weights, full, dense
+        ours.to_train()
+        baseline.to_train()
         per_rank: list = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, {"ours": ours_fig, "naive": naive_fig, "errors": errors[:5]})
         result = {
@@ -348,6 +399,8 @@ def main() -> int:
                 "dtype": args.dtype,
                 "model_bytes": model_bytes,
                 "layer_bytes": layer_bytes,
+                "experts": num_experts,
+                "expert_bytes": expert_bytes,
             },
             "layout": {
                 "world": dims.world_size,
@@ -355,6 +408,7 @@ def main() -> int:
                 "pp": dims.pp,
                 "vpp": dims.vpp,
                 "dp": dims.dp,
+                "ep": dims.ep,
                 "rollout_tp": args.rollout_tp,
                 "rollout_pp": args.rollout_pp,
                 "micro_dp": engine.layout.micro_dp_size,

@@ -6,7 +6,8 @@ by a reward model (reward.model_path) at TP=2 x PP=2 equal to transformers' scor
 PP=1, then the loss/gradient parity of token-budget vs fixed micro-batches at TP=2 x PP=2 (stages exchange shapes), packed vs
 padded micro-batches (log-probs, entropy, values, scores, actor and critic gradients) at TP=2 x PP=2 with SP off
 and on, then the advantages of the same 16 rows at DP=1 and DP=2 (whitening summed over DP with gloo), then
-one step of model=tiny_moe at TP=2 (SP) x DP=2 with parallel.ep=1 and 2 (same init, rollout and update).
+one step of model=tiny_moe at TP=2 (SP) x DP=2 and at PP=2 x DP=2 (rollout.tp=1) with parallel.ep=1 and 2 (same
+init, rollout and update).
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp
     moe_ep = json.loads(out.split("moe_ep ", 1)[1].splitlines()[0])
     assert moe_ep["reward_diff"] == 0.0 and moe_ep["same_keys"] == 1.0, moe_ep
     assert moe_ep["grad_norm_rel"] <= 1e-4 and 1.0 <= moe_ep["load_imbalance_ep2"] <= 2.0, moe_ep
+    # PP=2 x EP=2 rolled out at rollout.tp=1 (experts regrouped over stages and EP ranks) equals EP=1
+    moe_pp2 = json.loads(out.split("moe_ep_pp2 ", 1)[1].splitlines()[0])
+    assert moe_pp2["reward_diff"] == 0.0 and moe_pp2["same_keys"] == 1.0, moe_pp2
+    assert moe_pp2["grad_norm_rel"] <= 1e-4, moe_pp2  # float32: the EP split changes summation order only
     ppo = [json.loads(line) for line in (tmp_path / "ppo_tp2_pp2" / "metrics.jsonl").read_text().splitlines()]
     assert "val/reward_mean" in ppo[-1]
     assert all(row["actor/reward_kl_coef"] == 0.001 for row in ppo)

@@ -393,22 +393,21 @@ def dp_advantage_invariance() -> dict[str, float]:
     return dict(zip(algs, maxima.tolist()))
 
 
-def moe_expert_parallel_invariance(out_root: str) -> dict[str, float]:
-    """model=tiny_moe at TP=2 (SP) x DP=2, one step at parallel.ep=1 and at parallel.ep=2 (the experts split
-    over each TP pair, gathered for the rollout): the same random init, rollout and update. Returns the
+MOE_TP2 = ("parallel.tp=2", "parallel.sp=true", "rollout.tp=2")
+MOE_PP2 = ("parallel.pp=2", "rollout.tp=1")
+
+
+def moe_expert_parallel_invariance(out_root: str, layout: tuple[str, ...] = MOE_TP2) -> dict[str, float]:
+    """model=tiny_moe at `layout` (TP=2 (SP) x DP=2, or PP=2 x DP=2), one step at parallel.ep=1 and at
+    parallel.ep=2 (the experts split over each EP pair, regrouped for the rollout by
+    parallel/expert_gather.py): the same random init, rollout and update. Returns the
     largest difference of any first-step metric (timings aside), the rewards' difference and the relative
     grad-norm difference (only the first step: Adam's first update is the sign of each gradient, so entries
     near zero may step differently and later rollouts diverge)."""
     rows = {}
     for ep in (1, 2):
-        out = os.path.join(out_root, f"moe_tp2_ep{ep}")
-        overrides = [
-            "model=tiny_moe",
-            "parallel.tp=2",
-            "parallel.sp=true",
-            "rollout.tp=2",
-            f"parallel.ep={ep}",
-        ]
+        out = os.path.join(out_root, f"moe_{'_'.join(o.replace('=', '') for o in layout)}_ep{ep}")
+        overrides = ["model=tiny_moe", *layout, f"parallel.ep={ep}"]
         run_job([*overrides, "trainer.total_steps=1"], out, keep_process_group=True)
         rows[ep] = read_metrics(out)[0]
     a, b = rows[1], rows[2]
@@ -448,7 +447,7 @@ CRITIC_KEYS = (
 def main(out_root: str) -> None:
     """World size 4: the jobs below in sequence (the last scored by a reward model at TP=2 x PP=2), then the
     dynamic-batching parity and the packing parity (SP off, on) at TP=2 x PP=2, then the DP=1 vs DP=2
-    advantages, then an MoE step at EP=1 vs EP=2."""
+    advantages, then an MoE step at EP=1 vs EP=2 (TP=2, then PP=2 rolled out at rollout.tp=1)."""
     rank = int(os.environ.get("RANK", "0"))
     jobs = {
         "ppo_tp2_pp2": (
@@ -516,6 +515,9 @@ def main(out_root: str) -> None:
     moe_ep = moe_expert_parallel_invariance(out_root)
     if rank == 0:
         print("moe_ep " + json.dumps(moe_ep), flush=True)
+    moe_ep_pp2 = moe_expert_parallel_invariance(out_root, MOE_PP2)
+    if rank == 0:
+        print("moe_ep_pp2 " + json.dumps(moe_ep_pp2), flush=True)
     destroy_distributed()
 
 

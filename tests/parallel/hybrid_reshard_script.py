@@ -14,6 +14,7 @@ checked against the full weights twice (the second time after the training weigh
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -27,16 +28,17 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from engine.config import ModelConfig, OptimConfig
-from engine.models.builder import build_gpt_chunks, resolve_shape
+from engine.config import ModelConfig, MoEConfig, OptimConfig
+from engine.models.builder import build_gpt_chunks, build_gpt_chunks_ep_invariant, resolve_shape
 from engine.models.logprobs import token_log_probs
 from engine.roles.policy import MegatronRole
 from parallel.dims import ParallelDims
+from parallel.expert_gather import ExpertGather
 from parallel.hybrid_check import hybridflow_bytes, layer_param_specs, verify_rollout
 from parallel.hybrid_engine import HybridEngine
 from parallel.layout import PartitionKind
 from parallel.naive_gather import NaiveGather
-from parallel.rollout_weights import global_param_names
+from parallel.rollout_weights import global_param_names, is_expert_param
 from parallel.split_plan import SplitLayout, rollout_shard_bytes
 from parallel.split_transfer import SplitTransfer
 from parallel.state import init_distributed, init_split_distributed
@@ -328,6 +330,58 @@ CASES = {
 }
 
 
+# world size -> [(parallel.tp, parallel.pp, rollout.tp)] at parallel.ep=2 (tiny MoE with a shared expert)
+EXPERT_CASES = {2: [], 4: [(1, 2, 1), (2, 1, 1)]}
+
+
+def check_expert_reshard(tp: int, pp: int, rtp: int) -> dict:
+    """The 3D-HybridEngine (dense, skip_experts) + ExpertGather at EP=2: every rollout tensor, each routed
+    expert included, equals the full weights (dense from NaiveGather, experts from every rank by global
+    index); a rank receives exactly the experts it lacks, E - E / (ep * pp); to_train frees them; the
+    training parameters are untouched after two round trips."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    dims = ParallelDims(world_size=int(os.environ["WORLD_SIZE"]), tp=tp, pp=pp, ep=2, sp=tp > 1)
+    groups = init_distributed(dims, "cpu")
+    cfg = dataclasses.replace(
+        model_config(False, num_layers=4),
+        moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=32, shared_expert_ffn_hidden_size=48),
+    )
+    shape = resolve_shape(cfg, VOCAB, tp)
+    torch.manual_seed(0)
+    chunks = build_gpt_chunks_ep_invariant(shape, groups, init_std=0.02, recompute=False)
+    before = snapshot(chunks)
+    naive = NaiveGather(chunks, groups, shape.num_layers, False)
+    full = {n: t.clone() for n, t in naive.to_rollout().params.items() if not is_expert_param(n)}
+    naive.to_train()
+    layers = dims.train_layout().layers(groups.pp_rank, shape.num_layers)
+    local = global_param_names(chunks, layers, groups.expert_offset(4))
+    mine = {n: p.detach().clone() for n, p in local.items() if is_expert_param(n)}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for experts in everyone:
+        for name, tensor in experts.items():
+            expect(name not in full or torch.equal(full[name], tensor), f"{name}: replicas differ")
+            full[name] = tensor
+    expert_bytes = sum(t.numel() * t.element_size() for n, t in full.items() if is_expert_param(n))
+    expect(len([n for n in full if is_expert_param(n)]) == 4 * 4 * 2, "4 layers x 4 experts x fc1/fc2")
+    engine = HybridEngine(chunks, groups, shape.num_layers, False, rtp, skip_experts=True)
+    sync = ExpertGather(engine, chunks, groups, shape.num_layers, 4, [range(shape.num_layers)])
+    for _ in range(2):
+        weights = sync.to_rollout()
+        errors = verify_rollout(weights, full, engine.layout, groups.rank, shape.num_layers, False)
+        expect(not errors, f"experts t{tp}p{pp}e2->t{rtp}: " + "; ".join(errors[:5]))
+        received = sync.last_stats["expert_received_bytes"]
+        expect(received == expert_bytes - expert_bytes // (2 * pp), f"expert bytes {received}")
+        recv = weakref.ref(sync._recv)
+        del weights
+        sync.to_train()
+        expect(recv() is None, "to_train must free the received experts")
+    after = snapshot(chunks)
+    expect(all(torch.equal(before[k], after[k]) for k in before), "training parameters changed")
+    return {"expert_received_bytes": received, "expert_bytes": expert_bytes}
+
+
 # world size -> [(parallel.tp, parallel.pp, placement.rollout_ranks, rollout.tp, tied, bucket bytes)]
 SPLIT_CASES = {
     2: [(1, 1, 1, 1, False, None)],
@@ -475,6 +529,9 @@ def main() -> None:
                 summary["training"][key + (" distopt" if do else "")] = check_training(
                     groups, rtp, rpp, tie, do, num_layers
                 )
+    summary["experts"] = {
+        f"t{tp}p{pp}e2->t{rtp}": check_expert_reshard(tp, pp, rtp) for tp, pp, rtp in EXPERT_CASES[world]
+    }
     summary["split"] = {}
     for tp, pp, k, rtp, tie, bucket, *backend in SPLIT_CASES[world]:
         key = f"t{tp}p{pp}+{k} rollout t{rtp}{' tied' if tie else ''}{f' bucket {bucket}' if bucket else ''}"

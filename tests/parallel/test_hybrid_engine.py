@@ -33,6 +33,8 @@ def test_hybrid_engine_reshard(world):
     assert uneven and all("L3" in key or "L10" in key for key in uneven), uneven  # 3 layers at PP=2 etc.
     assert any("L3" in key for key in summary["training"]), summary["training"]
     assert len(summary["split"]) == {2: 1, 4: 5}[world]  # split placement's transfer, checked in the script
+    # MoE at EP=2 (TP=1 x PP=2, TP=2 -> rollout.tp=1): experts equal the full weights, checked in the script
+    assert len(summary["experts"]) == {2: 0, 4: 2}[world], summary["experts"]
     vllm = [
         r["vllm_tensors"]
         for fig in summary["split"].values()
