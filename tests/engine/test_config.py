@@ -314,8 +314,8 @@ def test_bad_config_names_the_key(overrides, world, needle):
 
 
 def test_router_replay_refuses_vllm():
-    """vLLM reports no expert choices (the MoE model check refuses vLLM for MoE first today; this rule stays
-    when vLLM rolls out MoE models)."""
+    """vLLM reports no expert choices. Called directly: the model checks refuse vLLM for any MoE model
+    before this rule is reached; it holds on its own for when vLLM rolls out MoE models."""
     from engine.validate.algorithm import validate_router_replay
 
     cfg = composed("model=tiny_moe", "algorithm.router_replay=true", "rollout.backend=vllm")
