@@ -343,6 +343,9 @@ class AlgorithmConfig:
     """Passes over each step's batch (actor and critic)."""
     num_mini_batches: int = 1
     """Optimizer steps per epoch (actor and critic)."""
+    router_replay: bool = False
+    """MoE: the actor's training forwards reuse the experts the rollout's routers chose for every prompt and
+    response token (engine/roles/router_replay.py); needs model.moe and rollout.backend=native."""
 
 
 @dataclass

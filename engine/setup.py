@@ -20,6 +20,7 @@ from engine.rewards.build import build_reward_fn
 from engine.rewards.reward_fn import RewardFn
 from engine.roles.policy import MegatronRole
 from engine.roles.reward_model import RewardModel
+from engine.roles.router_replay import RouterReplay
 from engine.rollout import build_rollout_engine
 from engine.rollout.base import RolloutEngine
 from engine.tasks.embedded import build_embedded_tokenizer, write_embedded_dataset
@@ -288,6 +289,10 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
         reference = MegatronRole(ref_chunks, groups, shape, None)
     steps = cfg.trainer.total_steps * alg.ppo_epochs * alg.num_mini_batches
     actor = MegatronRole(actor_chunks, groups, shape, cfg.optim, total_optimizer_steps=steps)
+    if alg.router_replay:  # the actor's forwards replay the rollout's expert choices
+        actor.router_replay = RouterReplay(
+            actor.models, actor.config, groups.tp_rank, groups.world, groups.device
+        )
     critic = (
         build_critic(cfg, shape, len(tokenizer), groups, steps)
         if advantage_traits(alg.adv_estimator).needs_critic and not cfg.placement.critic_ranks

@@ -30,7 +30,8 @@ from __future__ import annotations
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from engine.step.batch import Experience, response_lengths
+from engine.rollout.routes import NO_ROUTE
+from engine.step.batch import ROUTES, Experience, response_lengths
 
 
 def padded_length(length: int, multiple: int = 1) -> int:
@@ -77,6 +78,8 @@ def _micro_batch(exp: Experience, sel: torch.Tensor, seq: int, keys, device: tor
     }
     for key in keys:
         mb[key] = exp.tensors[key][sel].to(device)
+    if ROUTES in exp.tensors:  # routing replay: aligned to `tokens` (b, s, layers, k)
+        mb[ROUTES] = exp.tensors[ROUTES][sel, :seq].to(device)
     return mb
 
 
@@ -117,6 +120,12 @@ def _packed_micro_batch(
     }
     for key in keys:
         mb[key] = exp.tensors[key][sel].to(device)
+    if ROUTES in exp.tensors:  # routing replay: packed like `tokens` (1, t, layers, k)
+        routes = exp.tensors[ROUTES]
+        packed = torch.full((1, t, *routes.shape[2:]), NO_ROUTE, dtype=routes.dtype)
+        for r, start, length in zip(sel.tolist(), starts.tolist(), lengths.tolist()):
+            packed[0, start : start + length] = routes[r, :length]
+        mb[ROUTES] = packed.to(device)
     return mb
 
 

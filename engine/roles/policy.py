@@ -98,6 +98,9 @@ class MegatronRole:
         # computes fp32 logits of response positions chunk by chunk (engine/models/fused_logprobs.py).
         self.trainable = optim is not None
         self.router_losses: RouterLossWeights | None = None
+        self.router_replay = None
+        """MoE routing replay (engine/roles/router_replay.py `RouterReplay`), set by engine/setup.py for
+        the actor with algorithm.router_replay; it hands each micro-batch's recorded routes to the routers."""
         if not self.trainable:
             for c in chunks:
                 c.eval()
@@ -185,6 +188,8 @@ class MegatronRole:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if self.router_replay is not None:
+                self.router_replay.install(model, mb)
             # packed micro-batches: (1, t) rows back to back, their boundaries in packed_seq_params
             out = model(mb["tokens"], mb["positions"], None, packed_seq_params=mb.get("packed_seq_params"))
 

@@ -50,6 +50,9 @@ class SamplingParams:
     """Seed of the sampler; same seed and inputs give the same responses (on the same backend and device)."""
     log_probs: bool = True
     """Return the sampled tokens' log-probs (false: the backend may skip them; module docstring)."""
+    routed_experts: bool = False
+    """MoE: return the experts the routers chose for every prompt and response token (`RolloutOutput.
+    routed_experts`; the native backend only)."""
 
     def limit_of(self, prompt: int) -> int:
         """The most tokens prompt `prompt`'s responses may have."""
@@ -76,6 +79,11 @@ class RolloutOutput:
     episodes: list | None = None
     """Multi-turn rollouts only (engine/multi_turn/episode.py): one `Episode` per row (its turns as text, tool
     calls); `response_mask` is then 0 on tool tokens inside the response as well as on padding."""
+    routed_experts: torch.Tensor | None = None
+    """With `SamplingParams.routed_experts` (MoE): (rows, longest prompt + max_new_tokens, layers, top_k) int16,
+    row r's position i the experts chosen at sequence position i of [prompt, response] (the prompt's from the
+    prefill, response token j's from the decode step that fed it); -1 where nothing was routed (padding, the
+    last response token). engine/rollout/routes.py."""
 
 
 class RolloutEngine:

@@ -255,6 +255,8 @@ class RolloutModel:
         self.final_norm = _required(p, "decoder.final_layernorm.weight")
         self.out_w = p["output_layer.weight"] if "output_layer.weight" in p else self.embed_w
         self.layers = [self._layer(p, i) for i in range(s.num_layers)]
+        self.routes: list[torch.Tensor] | None = None
+        """MoE: while a list, every layer's expert indices (tokens, k) are appended to it, layer by layer."""
         self.dtype = self.embed_w.dtype
         self.cos, self.sin = rope[0], signed_sin(rope[1])
         kernels = kernels or DecodeKernels()
@@ -304,7 +306,9 @@ class RolloutModel:
         if layer.moe is None:
             return self._all_reduce(F.linear(self._swiglu(F.linear(h, layer.fc1_w)), layer.fc2_w))
         w, h_th = layer.moe, h.reshape(-1, h.shape[-1])
-        out, _ = moe.routed_experts(h_th, w.router, w.expert_fc1, w.expert_fc2, self.shape.moe)
+        out, index_tk = moe.routed_experts(h_th, w.router, w.expert_fc1, w.expert_fc2, self.shape.moe)
+        if self.routes is not None:  # recording for routing replay (engine/rollout/routes.py)
+            self.routes.append(index_tk)
         if w.shared_fc1 is not None:
             out = out + self._all_reduce(moe.shared_expert(h_th, w.shared_fc1, w.shared_fc2, w.shared_gate))
         return out.view_as(h)

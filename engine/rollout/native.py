@@ -47,6 +47,7 @@ from engine.rollout.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for
 from engine.rollout.kept_rows import KeptRows, kept_rows, prefill_continued
 from engine.rollout.kv_cache import KVCachePool, compact_rows
 from engine.rollout.model import DecodeKernels, RolloutModel, rope_tables
+from engine.rollout.routes import RouteRecorder
 from engine.rollout.sampler import sample_tokens
 from parallel.cpu import no_shim_overhead
 from parallel.rollout_weights import RolloutWeights
@@ -149,6 +150,7 @@ class NativeRollout(RolloutEngine):
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rows: _Rows | None = None
         self._rows_version = 0
+        self._recorder: RouteRecorder | None = None
         self.last_stats: dict[str, int] = {}
         self.last_stats_by_width: dict[int, list] = {}
         """Decode steps and host seconds per batch width of the last call, {width: [steps, seconds]}
@@ -276,6 +278,7 @@ class NativeRollout(RolloutEngine):
         self.last_stats_by_width = {}
         # inside hold(): track where each row's K/V end up, when one chunk holds every row
         keep = self._holding and self.keep_episode_cache and num_rows <= slots
+        self._recorder = self._route_recorder(prompts, sampling, continued)
         with torch.inference_mode(), no_shim_overhead():
             out = _Outputs(
                 ids=torch.full((new, num_rows + 1), self.pad_id, dtype=torch.long, device=self.device),
@@ -300,7 +303,9 @@ class NativeRollout(RolloutEngine):
                 response_mask=out.mask[:, :num_rows].t().float().cpu(),
                 log_probs=out.log_probs[:, :num_rows].t().cpu(),
                 finish_reasons=["stop" if s else "length" for s in out.stopped[:num_rows].tolist()],
+                routed_experts=None if self._recorder is None else self._recorder.result(),
             )
+            self._recorder = None
         if self._holding:
             self._kept = kept_rows(rows, prompts, result, track, slots, seq_len) if keep else None
         if self.graphs is not None:
@@ -308,6 +313,17 @@ class NativeRollout(RolloutEngine):
         if not self.keep_cache and not self._holding:
             self.release()
         return result
+
+    def _route_recorder(self, prompts, sampling: SamplingParams, continued) -> RouteRecorder | None:
+        """The recorder of the call's expert choices when `sampling.routed_experts` asks for them."""
+        if not sampling.routed_experts:
+            return None
+        if self.shape.moe is None or continued is not None:
+            raise ValueError(
+                "SamplingParams.routed_experts: only MoE models record routes, and not for continued prompts "
+                "(multi-turn); set algorithm.router_replay=false"
+            )
+        return RouteRecorder(self.model, prompts, sampling.n, sampling.max_new_tokens, self.device)
 
     def _seq_len(self, needed: int) -> int:
         """Cache length for calls needing `needed` positions: rounded up (fewer distinct graph keys), never past
@@ -363,6 +379,8 @@ class NativeRollout(RolloutEngine):
                 [v[r0:r1] for v in cache_v],
                 row_prompt_t[r0:r1] - a,
             )
+            if self._recorder is not None:
+                self._recorder.prefill(chunk, uniq, first_row, a, b, prompts)
         return logits_u[row_prompt_t], pad_u[row_prompt_t], plen
 
     def _prefill_continued(self, chunk, prompts, caches, kept: KeptRows, previous: list[int]):
@@ -417,6 +435,8 @@ class NativeRollout(RolloutEngine):
                 width = self._maybe_compact(live, width, cur, caches, st, buckets, scratch, track)
             st.cur.fill_(cur)
             logits = self._decode(width, cur, caches, st, seq_len)
+            if self._recorder is not None:  # the step fed response token `step` of the live slots
+                self._recorder.decode(st.row_of[:width], st.alive[:width], step)
             self.last_stats["decode_steps"] += 1
             self.last_stats["slot_steps"] += width
             since_steps += 1

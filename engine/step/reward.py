@@ -98,6 +98,7 @@ def responses_of(
         response_ids=out.response_ids,
         response_mask=out.response_mask,
         log_probs=out.log_probs,
+        routed_experts=out.routed_experts,
         finished=torch.tensor([r == "stop" for r in out.finish_reasons], dtype=torch.float32),
         scores=scores,
         overlong_penalty=penalty,

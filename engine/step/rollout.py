@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from engine.config import TrainConfig
 from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
+from engine.rollout.routes import cat_routes
 from engine.step.context import StepContext
 from parallel.rollout_weights import RolloutWeights
 
@@ -62,7 +63,15 @@ def rollout_replica(
                 "set (the contract of engine/rollout/base.py)"
             )
         log_probs = out.log_probs.cpu()
-    local = (out.response_ids.cpu(), out.response_mask.cpu(), log_probs, out.finish_reasons, out.episodes)
+    routes = out.routed_experts if share else None  # MoE routing replay (engine/rollout/routes.py)
+    local = (
+        out.response_ids.cpu(),
+        out.response_mask.cpu(),
+        log_probs,
+        out.finish_reasons,
+        out.episodes,
+        routes,
+    )
     if weights.micro_dp_size == 1:  # the experience lives on the CPU; micro-batches go to the device
         return RolloutOutput(*local)
     gathered: list = [None] * weights.micro_dp_size
@@ -73,6 +82,9 @@ def rollout_replica(
         log_probs=torch.cat([g[2] for g in gathered]) if sampling.log_probs else None,
         finish_reasons=[r for g in gathered for r in g[3]],
         episodes=None if episodes is None else [e for g in gathered for e in g[4]],
+        routed_experts=cat_routes([g[5] for g in gathered if g[0].shape[0]])
+        if sampling.routed_experts
+        else None,
     )
 
 
@@ -107,6 +119,7 @@ def sampling_params(
         ignore_eos=r.ignore_eos,
         seed=seed,
         log_probs=r.log_probs and not greedy,  # greedy/val responses are only scored
+        routed_experts=cfg.algorithm.router_replay and not greedy,
     )
 
 
@@ -125,7 +138,9 @@ def rollout_params(cfg: TrainConfig, eos_token_id: int, seed: int, records) -> d
         "sample": sampling_params(cfg, eos, False, seed),
         "greedy": sampling_params(cfg, eos, True, seed, temperature=0.0),
         "val": sampling_params(cfg, eos, True, seed),
-        "val_sample": replace(sampling_params(cfg, eos, False, seed), n=cfg.rollout.val_n, log_probs=False),
+        "val_sample": replace(
+            sampling_params(cfg, eos, False, seed), n=cfg.rollout.val_n, log_probs=False, routed_experts=False
+        ),
     }
     limits = row_limits(records, cfg.rollout.max_new_tokens)  # the data rows' response budgets
     return {kind: replace(p, max_new_tokens_per_prompt=limits) for kind, p in params.items()}

@@ -179,6 +179,8 @@ def update_actor(
         )
     if load is not None:
         out.update(load.metrics())
+    if c.actor.router_replay is not None:  # over this step's actor forwards (old log-probs and update)
+        out.update(c.actor.router_replay.metrics())
     return {f"actor/{k}": v for k, v in out.items()}
 
 

@@ -52,6 +52,7 @@ def validate_algorithm(cfg: TrainConfig) -> None:
     positive("algorithm.num_mini_batches", a.num_mini_batches)
     positive("algorithm.max_sampling_rounds", a.max_sampling_rounds)
     validate_kl_in_reward(cfg)
+    validate_router_replay(cfg)
     if a.value_clip < 0:
         fail("algorithm.value_clip", a.value_clip, "must be >= 0", "use 0.2, or 0 to turn clipping off")
     max_len, len_key = max_response_tokens(cfg.rollout), "rollout.max_new_tokens"
@@ -120,3 +121,45 @@ def validate_kl_in_reward(cfg: TrainConfig) -> None:
             "the adaptive KL controller needs both > 0",
             "use algorithm.kl_target=0.1 algorithm.kl_horizon=10000",
         )
+
+
+def validate_router_replay(cfg: TrainConfig) -> None:
+    """algorithm.router_replay: the native rollout of an MoE model records the experts it chose
+    (engine/rollout/routes.py) for single-turn, colocated rollouts; the actor's forwards replay them."""
+    if not cfg.algorithm.router_replay:
+        return
+    key, refusals = (
+        "algorithm.router_replay",
+        (
+            (
+                cfg.model.moe.num_experts == 0,
+                "replays the experts of a mixture-of-experts model, and model.moe.num_experts=0 (a dense model)",
+                "pick an MoE model (e.g. model=tiny_moe) or set algorithm.router_replay=false",
+            ),
+            (
+                cfg.rollout.backend != "native",
+                f"needs the rollout's expert choices, which only rollout.backend=native records "
+                f"(rollout.backend={cfg.rollout.backend!r})",
+                "set rollout.backend=native or algorithm.router_replay=false",
+            ),
+            (
+                cfg.rollout.multi_turn.enable,
+                "records the routes of single-turn rollouts only (rollout.multi_turn.enable=true)",
+                "set rollout.multi_turn.enable=false or algorithm.router_replay=false",
+            ),
+            (
+                cfg.placement.mode == "split",
+                "is not carried from the rollout ranks of placement.mode=split",
+                "set placement.mode=colocated or algorithm.router_replay=false",
+            ),
+            (
+                cfg.model.recompute and cfg.parallel.pp > 1,
+                "with model.recompute=true and parallel.pp>1 the recomputed forward of a micro-batch would replay "
+                "another micro-batch's routes",
+                "set model.recompute=false, parallel.pp=1, or algorithm.router_replay=false",
+            ),
+        ),
+    )
+    for refused, rule, fix in refusals:
+        if refused:
+            fail(key, True, rule, fix)

@@ -223,6 +223,13 @@ BAD = [
         "model.moe.score_function='relu': unknown value",
     ),
     (["model=tiny_moe", "model.moe.token_dispatcher=flex"], 1, "model.moe.token_dispatcher='flex'"),
+    # routing replay: an MoE model, the native rollout, single-turn colocated rollouts
+    (["algorithm.router_replay=true"], 1, "algorithm.router_replay=True: replays the experts of a mixture"),
+    (
+        ["model=tiny_moe", "algorithm.router_replay=true", "rollout.multi_turn.enable=true"],
+        1,
+        "algorithm.router_replay=True: records the routes of single-turn rollouts only",
+    ),
     (["model=tiny_moe", "model.moe.aux_loss_coef=-1"], 1, "model.moe.aux_loss_coef=-1.0: must be >= 0"),
     (["model=tiny_moe", "model.moe.shared_expert_gate=true"], 1, "model.moe.shared_expert_gate=True"),
     (
@@ -303,6 +310,16 @@ def test_bad_config_names_the_key(overrides, world, needle):
     message = str(err.value)
     assert needle in message
     assert "Fix:" in message or "launch" in message or "use" in message
+
+
+def test_router_replay_refuses_vllm():
+    """vLLM reports no expert choices. Called directly: the model checks refuse vLLM for any MoE model
+    before this rule is reached; it holds on its own for when vLLM rolls out MoE models."""
+    from engine.validate.algorithm import validate_router_replay
+
+    cfg = composed("model=tiny_moe", "algorithm.router_replay=true", "rollout.backend=vllm")
+    with pytest.raises(ConfigError, match="which only rollout.backend=native records"):
+        validate_router_replay(cfg)
 
 
 def test_reward_fn_is_imported_during_validation():
