@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +43,7 @@ from engine.rollout.base import (
     check_sampling,
 )
 from engine.rollout.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for
+from engine.rollout.decode_state import CallOutputs, SlotState
 from engine.rollout.kept_rows import KeptRows, kept_rows, prefill_continued
 from engine.rollout.kv_cache import KVCachePool, compact_rows
 from engine.rollout.model import DecodeKernels, RolloutModel, rope_tables
@@ -51,39 +51,6 @@ from engine.rollout.routes import RouteRecorder
 from engine.rollout.sampler import sample_tokens
 from parallel.cpu import no_shim_overhead
 from parallel.rollout_weights import RolloutWeights
-
-
-@dataclass
-class _Rows:
-    """Per-slot decode state (preallocated, `slots` long; the CUDA graphs read the first `bucket` entries)."""
-
-    tokens: torch.Tensor
-    """(slots,) int64: the token each slot feeds to the next decode step."""
-    pad: torch.Tensor
-    """(slots,) int64: left-padding positions of the slot's prompt."""
-    row_of: torch.Tensor
-    """(slots,) int64: output row of the slot (the scratch row for filler slots)."""
-    alive: torch.Tensor
-    """(slots,) bool: still generating."""
-    cur: torch.Tensor
-    """(1,) int64: cache position of the next decode step."""
-
-
-@dataclass
-class _Outputs:
-    """Step-major outputs of one generate call, plus a scratch row (index `rows`) for filler slots."""
-
-    ids: torch.Tensor
-    """(max_new_tokens, rows + 1) int64."""
-    log_probs: torch.Tensor
-    """(max_new_tokens, rows + 1) float32."""
-    mask: torch.Tensor
-    """(max_new_tokens, rows + 1) bool."""
-    stopped: torch.Tensor
-    """(rows + 1,) bool: a stop token was generated."""
-    limit: torch.Tensor | None = None
-    """(rows + 1,) int64: each row's most tokens (SamplingParams.max_new_tokens_per_prompt), None: no per-row
-    limits."""
 
 
 class NativeRollout(RolloutEngine):
@@ -148,7 +115,7 @@ class NativeRollout(RolloutEngine):
         self.pool: KVCachePool | None = None
         self.graphs = DecodeGraphs(device) if self.use_graphs else None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._rows: _Rows | None = None
+        self._rows: SlotState | None = None
         self._rows_version = 0
         self._recorder: RouteRecorder | None = None
         self.last_stats: dict[str, int] = {}
@@ -188,10 +155,10 @@ class NativeRollout(RolloutEngine):
         self._rows = None
         self._kept = None
 
-    def _rows_state(self, slots: int) -> _Rows:
+    def _rows_state(self, slots: int) -> SlotState:
         if self._rows is None or self._rows.tokens.numel() != slots:
             dev, long = self.device, torch.long
-            self._rows = _Rows(
+            self._rows = SlotState(
                 tokens=torch.full((slots,), self.pad_id, dtype=long, device=dev),
                 pad=torch.zeros(slots, dtype=long, device=dev),
                 row_of=torch.zeros(slots, dtype=long, device=dev),
@@ -280,7 +247,7 @@ class NativeRollout(RolloutEngine):
         keep = self._holding and self.keep_episode_cache and num_rows <= slots
         self._recorder = self._route_recorder(prompts, sampling, continued)
         with torch.inference_mode(), no_shim_overhead():
-            out = _Outputs(
+            out = CallOutputs(
                 ids=torch.full((new, num_rows + 1), self.pad_id, dtype=torch.long, device=self.device),
                 log_probs=torch.zeros(new, num_rows + 1, device=self.device),
                 mask=torch.zeros(new, num_rows + 1, dtype=torch.bool, device=self.device),
@@ -390,7 +357,17 @@ class NativeRollout(RolloutEngine):
         )
 
     def _generate_chunk(
-        self, chunk, prompts, sampling, gen, stops, out: _Outputs, slots, seq_len, continued=None, keep=False
+        self,
+        chunk,
+        prompts,
+        sampling,
+        gen,
+        stops,
+        out: CallOutputs,
+        slots,
+        seq_len,
+        continued=None,
+        keep=False,
     ):
         """Prefill the chunk's rows (in full, or the new tokens of `continued` rows) and decode them; with
         `keep`, return (chunk row of each slot or -1, left padding of each slot) as they end up."""
@@ -451,7 +428,9 @@ class NativeRollout(RolloutEngine):
             total[0] += steps
             total[1] += seconds
 
-    def _record(self, step, logits, sampling, gen, stops, out: _Outputs, st: _Rows, next_pos: int) -> None:
+    def _record(
+        self, step, logits, sampling, gen, stops, out: CallOutputs, st: SlotState, next_pos: int
+    ) -> None:
         """Sample from `logits` (one row per slot), store the tokens of live slots, retire stopped ones.
 
         A slot that is not alive (finished, or filler up to the batch bucket) gets its padding moved to
@@ -472,7 +451,7 @@ class NativeRollout(RolloutEngine):
         st.tokens[:width] = torch.where(alive, tokens, self.pad_id)
         st.pad[:width] = torch.where(alive, st.pad[:width], next_pos)
 
-    def _maybe_compact(self, live, width, cur, caches, st: _Rows, buckets, scratch, track=None) -> int:
+    def _maybe_compact(self, live, width, cur, caches, st: SlotState, buckets, scratch, track=None) -> int:
         """Move the live slots to the front when enough finished; returns the new batch width. With `track`
         (slot bookkeeping of kept rows), the finished slots' K/V move behind the live ones instead of being
         overwritten, and `track` is permuted with them."""
@@ -500,7 +479,7 @@ class NativeRollout(RolloutEngine):
         self.last_stats["compactions"] += 1
         return target
 
-    def _decode(self, width: int, cur: int, caches, st: _Rows, seq_len: int) -> torch.Tensor:
+    def _decode(self, width: int, cur: int, caches, st: SlotState, seq_len: int) -> torch.Tensor:
         cache_k, cache_v = caches
 
         def step(b: int, num_keys: int = seq_len) -> torch.Tensor:
