@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from omegaconf import OmegaConf
 
 from engine.checkpoint.checkpoint import check_layout, check_shape, run_layout, tokenizer_dir_of
 from engine.checkpoint.checkpoint_state import layer_ranges, load_params
@@ -101,8 +102,11 @@ def export_after_fit(c: Components, step: int) -> None:
 
 
 def model_config_from_meta(meta: Mapping[str, Any]) -> ModelConfig:
+    """The checkpoint's model config as a ModelConfig, nested sections (model.moe) included; keys this version
+    does not declare are dropped, keys the checkpoint predates take their defaults."""
     known = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in meta["model"].items() if k in known})
+    given = {k: v for k, v in meta["model"].items() if k in known}
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), given))
 
 
 def export_checkpoint(
