@@ -71,6 +71,9 @@ class ProcessGroups:
     """Collective timeout of every group above (`cluster.timeout_s`); pass it to any `dist.new_group`."""
     experts: ExpertGroups | None = None
     """Expert-parallel groups (MoE models); None where they were not created (split placement)."""
+    savers: dist.ProcessGroup | None = None
+    """Split placement with critic ranks: the actor's and the critic's ranks together, which write and resume one
+    checkpoint (engine/checkpoint/checkpoint.py); None where `world` does."""
 
     @property
     def tp_rank(self) -> int:
@@ -320,9 +323,10 @@ def init_split_distributed(
 
     train_world, tp, pp, dp, mp, embd = training_groups(layout, 0)
     alone = mine([[r] for r in range(world_size)])
-    local = rank
+    local, savers = rank, None
     if critic is not None:
         critic_groups = training_groups(critic.train_layout(), dims.world_size)
+        savers = mine([list(range(dims.world_size + critic.world_size))])
         if dims.world_size <= rank < dims.world_size + critic.world_size:
             local = rank - dims.world_size
             dims, layout = critic, critic.train_layout()
@@ -343,6 +347,7 @@ def init_split_distributed(
         embd=embd,
         alone=alone,
         timeout=timeout,
+        savers=savers,
     )
     return groups, dist.group.WORLD
 

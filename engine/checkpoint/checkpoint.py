@@ -12,7 +12,10 @@ A save is atomic: every rank writes into `global_step_<N>.tmp-<random>/`, the ra
 succeeded, then rank 0 renames the directory and replaces `latest` (written to a temporary file and
 `os.replace`d). A crash or a failing rank mid-save leaves `latest` and the checkpoint it names untouched;
 leftover temporary directories are never read and are removed by the next successful save. A save that
-runs out of disk space says so, naming the device, the file and the size needed.
+runs out of disk space says so, naming the device, the file and the size needed. Under split placement the
+rollout ranks keep nothing; critic ranks (`placement.critic_ranks`) write their rank files into the same
+checkpoint and take part in the agreement (engine/checkpoint/critic_ranks.py), so one checkpoint holds actor
+and critic and is published only once both sides have written.
 
 `trainer.resume=auto` takes the checkpoint `latest` names if it is usable (meta.json readable, every rank's
 file a complete archive), else the next older usable one, saying which it skipped and why; if checkpoints
@@ -73,6 +76,8 @@ from engine.errors import CheckpointError
 from engine.models.builder import ModelShape, moe_config
 from engine.roles.offload import all_onloaded
 from engine.roles.policy import MegatronRole
+from engine.validate.placement import critic_dims
+from parallel.dims import ParallelDims
 from parallel.state import ProcessGroups
 
 if TYPE_CHECKING:  # engine.setup builds everything; importing it here at run time is not needed
@@ -81,7 +86,11 @@ if TYPE_CHECKING:  # engine.setup builds everything; importing it here at run ti
 
 def run_layout(groups: ProcessGroups, distributed_optimizer: bool) -> dict[str, Any]:
     """What must be equal for a per-rank checkpoint to resume: the shard layout of parameters and optimizer."""
-    d = groups.dims
+    return dims_layout(groups.dims, distributed_optimizer)
+
+
+def dims_layout(d: ParallelDims, distributed_optimizer: bool) -> dict[str, Any]:
+    """`run_layout` of the layout `d`."""
     return {
         "world_size": d.world_size,
         "tp": d.tp,
@@ -167,11 +176,18 @@ def check_shape(saved: Mapping[str, Any], shape: ModelShape, path: str) -> None:
 # ---- atomic save ---------------------------------------------------------------------------------------
 
 
+def savers_group(groups: ProcessGroups) -> dist.ProcessGroup:
+    """The ranks that write one checkpoint together: the training ranks (`groups.world`), and under split
+    placement with critic ranks the critic's too (`groups.savers`: global ranks 0 .. actor + critic ranks - 1)."""
+    return groups.savers if groups.savers is not None else groups.world
+
+
 def _failed_ranks(ok: bool, groups: ProcessGroups) -> list[int]:
-    """Every rank learns which ranks failed (a collective: all ranks call it)."""
-    flags = torch.zeros(groups.dims.world_size, dtype=torch.int32, device=groups.device)
-    flags[groups.rank] = 0 if ok else 1
-    dist.all_reduce(flags, group=groups.world)
+    """Every saving rank learns which ranks failed (a collective: all of `savers_group` call it)."""
+    group = savers_group(groups)
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=groups.device)
+    flags[dist.get_rank(group)] = 0 if ok else 1
+    dist.all_reduce(flags, group=group)
     return [r for r, f in enumerate(flags.tolist()) if f]
 
 
@@ -186,11 +202,13 @@ def save_checkpoint(
     """Write this rank's `state` (and rank 0's `meta`) as `root/global_step_<step>`, atomically; point
     `latest` at it and prune to `max_checkpoints` (0 = keep all). Collective over all ranks; returns the
     path. Raises CheckpointError on every rank if any rank failed (also while building `state` or `meta`
-    when given as callables); `latest` then still names the previous checkpoint.
+    when given as callables); `latest` then still names the previous checkpoint. "All ranks" are
+    `savers_group(groups)`: with critic ranks the actor's and the critic's, each writing its own rank file.
     """
     name = step_dir_name(step)
+    savers = savers_group(groups)
     box = [f"{name}.tmp-{secrets.token_hex(6)}" if groups.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=groups.world, device=groups.device)
+    dist.broadcast_object_list(box, src=0, group=savers, device=groups.device)
     tmp = os.path.join(root, box[0])
     error: BaseException | None = None
     nbytes = 0
@@ -218,7 +236,7 @@ def save_checkpoint(
         if groups.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         sizes = torch.tensor([float(nbytes)], dtype=torch.float64, device=groups.device)
-        dist.all_reduce(sizes, group=groups.world)  # every rank is here: all saw the same `failed`
+        dist.all_reduce(sizes, group=savers)  # every rank is here: all saw the same `failed`
         raise CheckpointError(
             f"saving checkpoint {final} failed on rank(s) {failed}"
             + (f" (here: {type(error).__name__}: {error})" if error else "")
@@ -227,8 +245,46 @@ def save_checkpoint(
         ) from error
     if groups.rank == 0:
         prune_checkpoints(root, max_checkpoints, keep=name)
-    dist.barrier(group=groups.world)
+    dist.barrier(group=savers)
     return final
+
+
+def agreed_checkpoint(
+    resume: str, output_dir: str, groups: ProcessGroups, say: Callable[[str], None]
+) -> str | None:
+    """The checkpoint to resume from (None: start fresh), as rank 0 finds it (one view of the filesystem),
+    on every rank of `savers_group`; a CheckpointError on all of them if there is none usable."""
+    box: list[Any] = [None]
+    if groups.rank == 0:
+        skipped: list[str] = []
+        try:
+            box[0] = ("ok", find_checkpoint(resume, output_dir, skipped))
+        except CheckpointError as err:
+            box[0] = ("error", str(err))
+        for note in skipped:
+            say(note)
+    dist.broadcast_object_list(box, src=0, group=savers_group(groups), device=groups.device)
+    kind, path = box[0]
+    if kind == "error":
+        raise CheckpointError(path)
+    return path
+
+
+def load_together(path: str, load: Callable[[str], int], groups: ProcessGroups) -> int:
+    """Every rank of `savers_group` loads its own file (`load(path)`, returning the saved step); all fail
+    together if any failed (a lone failing rank would leave the others in a collective)."""
+    error: BaseException | None = None
+    step = 0
+    try:
+        step = load(path)
+    except Exception as err:
+        error = err
+    failed = _failed_ranks(error is None, groups)
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"resuming from {path} failed on rank(s) {failed} (see their messages)")
+    return step
 
 
 def tokenizer_dir_of(c: Components) -> str:
@@ -257,6 +313,9 @@ class Checkpointer:
         }
         self.stateful = dict(stateful or {})
         self.layout = run_layout(self.groups, c.cfg.optim.distributed_optimizer)
+        if c.split is not None and c.split.has_critic:  # its ranks save with these (critic_ranks.py)
+            critic = critic_dims(c.cfg, self.groups.dims)
+            self.layout["critic_ranks"] = dims_layout(critic, c.cfg.optim.distributed_optimizer)
         self.saved_step: int | None = None
 
     def _say(self, text: str) -> None:
@@ -266,36 +325,12 @@ class Checkpointer:
     def resume(self) -> int:
         """Load the checkpoint `trainer.resume` names (if any) into the live components; the step to
         continue from (0 = a fresh start)."""
-        g = self.groups
-        # rank 0 decides which checkpoint (one view of the filesystem), every rank loads its own file, and
-        # all ranks fail together if any failed (a lone failing rank would leave the others in a collective)
-        box: list[Any] = [None]
-        if g.rank == 0:
-            skipped: list[str] = []
-            try:
-                box[0] = ("ok", find_checkpoint(self.t.resume, self.c.output_dir, skipped))
-            except CheckpointError as err:
-                box[0] = ("error", str(err))
-            for note in skipped:
-                self._say(note)
-        dist.broadcast_object_list(box, src=0, group=g.world, device=g.device)
-        kind, path = box[0]
-        if kind == "error":
-            raise CheckpointError(path)
+        path = agreed_checkpoint(self.t.resume, self.c.output_dir, self.groups, self._say)
         if path is None:
             if self.t.resume == "auto":
                 self._say(f"trainer.resume=auto: no checkpoint in {self.root}; starting fresh")
             return 0
-        error: BaseException | None = None
-        try:
-            step = self._load(path)
-        except Exception as err:
-            error = err
-        failed = _failed_ranks(error is None, g)
-        if error is not None:
-            raise error
-        if failed:
-            raise CheckpointError(f"resuming from {path} failed on rank(s) {failed} (see their messages)")
+        step = load_together(path, self._load, self.groups)
         self.saved_step = step
         self._say(f"resumed from {path} at step {step}")
         self._say_config_changes(path)
@@ -345,7 +380,7 @@ class Checkpointer:
             source = read_hf_config(c.cfg.model.path)
         return {
             "layout": self.layout,
-            "roles": sorted(self.roles),
+            "roles": sorted([*self.roles, *(["critic"] if "critic_ranks" in self.layout else [])]),
             "shape": shape_fields(c.shape),
             "model": dataclasses.asdict(resolved_model_config(c.cfg.model, c.shape)),
             "config": flat_config(c.cfg),

@@ -65,15 +65,16 @@ def prune_checkpoints(root: str, max_checkpoints: int, keep: str) -> None:
 
 def checkpoint_problem(path: str) -> str | None:
     """Why the checkpoint directory `path` cannot be resumed, found cheaply (meta.json readable and of this
-    format; every rank's file present and a complete archive: its end record is read, not the tensors);
-    None if it looks usable."""
+    format; every rank's file present and a complete archive: its end record is read, not the tensors; the
+    critic ranks' files after the actor's where the critic had ranks of its own); None if it looks usable."""
     file = os.path.join(path, META_FILE)
     if not os.path.isfile(file):
         return f"{META_FILE} is missing (the save did not complete)"
     try:
         with open(file) as f:
             meta = json.load(f)
-        world = int(meta["layout"]["world_size"])
+        layout = meta["layout"]
+        world = int(layout["world_size"]) + int(layout.get("critic_ranks", {}).get("world_size", 0))
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"{META_FILE} is unreadable, truncated or incomplete ({type(err).__name__}: {err})"
     if meta.get("format") != FORMAT_VERSION:

@@ -17,7 +17,8 @@ no rank gathers the batch.
 With the critic's layout equal to the actor's, every metric equals the critic-on-the-actor's-ranks run's:
 the same seeded initialisation, micro-batches and update seeds (`trainer.seed + step`).
 
-Checkpoints: not built (engine/validate/placement.py refuses trainer.save_freq with critic ranks).
+Checkpoints: each critic rank saves and resumes its shards of the critic in the actor's checkpoints, in the
+same collective save and resume (engine/checkpoint/critic_ranks.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from engine.checkpoint.critic_ranks import CriticRanksCheckpointer
 from engine.config import TrainConfig, packs_sequences
 from engine.data import load_tokenizer
 from engine.metrics import PhaseTimer
@@ -59,6 +61,7 @@ class CriticWorker:
     everyone: dist.ProcessGroup
     batcher: MicroBatcher
     offload: RoleOffloader
+    checkpointer: CriticRanksCheckpointer
 
     @property
     def actor_first(self) -> int:
@@ -76,10 +79,15 @@ class CriticWorker:
                 send_object(obj, dst, self.everyone)
 
     def run(self) -> None:
-        """Serve every step from the actor's start step to trainer.total_steps."""
+        """Resume with the actor's ranks, then serve every step from the actor's start step to
+        trainer.total_steps, saving when and as they do."""
+        self.checkpointer.resume()
         start = recv_object(self.actor_first, self.everyone)
-        for _ in range(start, self.side.cfg.trainer.total_steps):
+        total = self.side.cfg.trainer.total_steps
+        for step in range(start, total):
             self.step()
+            self.checkpointer.after_step(step + 1)
+        self.checkpointer.finish(max(start, total))
 
     def step(self) -> None:
         """One step: values for the actor's experience, then the critic's update on the actor's returns."""
@@ -119,4 +127,5 @@ def build_critic_worker(
         pack=packs_sequences(t),
     )
     offload = RoleOffloader(critic, ("optimizer",), enabled=t.offload_optimizer)
-    return CriticWorker(CriticSide(cfg, groups, critic), layout, everyone, batcher, offload)
+    checkpointer = CriticRanksCheckpointer(cfg, groups, critic, output_dir)
+    return CriticWorker(CriticSide(cfg, groups, critic), layout, everyone, batcher, offload, checkpointer)

@@ -99,8 +99,7 @@ def critic_dims(cfg: TrainConfig, dims: ParallelDims) -> ParallelDims | None:
 
 
 def _check_critic_layout(cfg: TrainConfig, actor_dp: int) -> None:
-    """placement.critic_ranks: TP x PP x the actor's DP, the model's widths and layers split by them, and the
-    settings a critic on its own ranks does not run with."""
+    """placement.critic_ranks: TP x PP x the actor's DP, the model's widths and layers split by them."""
     p = cfg.placement
     for key, value in (("placement.critic_tp", p.critic_tp), ("placement.critic_pp", p.critic_pp)):
         if value < 0:
@@ -128,20 +127,6 @@ def _check_critic_layout(cfg: TrainConfig, actor_dp: int) -> None:
             pp,
             f"must divide model.num_layers={cfg.model.num_layers} (the critic's stages split the layers evenly)",
             "pick a placement.critic_pp that divides model.num_layers",
-        )
-    if cfg.trainer.save_freq:
-        fail(
-            "trainer.save_freq",
-            cfg.trainer.save_freq,
-            "checkpoints of a critic on its own ranks (placement.critic_ranks) are not built yet",
-            "set trainer.save_freq=0, or placement.critic_ranks=0 (the critic on the actor's ranks)",
-        )
-    if cfg.trainer.resume not in ("off", "auto"):
-        fail(
-            "trainer.resume",
-            cfg.trainer.resume,
-            "resuming a critic on its own ranks (placement.critic_ranks) is not built yet",
-            "set trainer.resume=off, or placement.critic_ranks=0",
         )
 
 

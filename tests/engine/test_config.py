@@ -176,12 +176,6 @@ BAD = [
         "placement.critic_ranks=1: with rollout.backend=vllm is not built",
     ),
     (
-        ["placement.mode=split", "placement.rollout_ranks=1", "placement.critic_ranks=1", "algorithm=ppo"]
-        + ["trainer.save_freq=2"],
-        3,
-        "trainer.save_freq=2: checkpoints of a critic on its own ranks",
-    ),
-    (
         [
             "placement.mode=split",
             "placement.rollout_ranks=1",

@@ -11,7 +11,8 @@ resumed (trainer.resume=auto), against colocated DP=2, both scored by a reward m
 rollout rank scores the rule, the training ranks add the model's score, in training and validation); 4 ranks (TP=2 train + 2 rollout replicas sharing its
 prompts) against colocated TP=2 with rollout.tp=1 (a micro-DP group of 2); 3 ranks one step off policy
 (trainer.off_policy_steps=1) for 40 steps of the embedded task; PPO with the critic on a rank of its own
-(placement.critic_ranks=1, 3 ranks) against the critic on the actor's rank (2 ranks). GPU + vLLM (marked
+(placement.critic_ranks=1, 3 ranks; killed inside step 3 and resumed) against the critic on the actor's rank
+(2 ranks). GPU + vLLM (marked
 `vllm`): 1 + 1 GPUs with rollout.backend=vllm against colocated vLLM on 1 GPU (on CPU,
 tests/parallel/hybrid_reshard_script.py feeds the received shards to the vLLM backend against
 tests/engine/fake_vllm.py).
@@ -30,6 +31,7 @@ import hf_tiny
 import pytest
 from distributed import run_torchrun
 
+from engine.checkpoint.store import latest_checkpoint
 from engine.tasks.embedded import EMBEDDED_VOCAB, write_embedded_dataset
 from parallel.layout import TrainLayout
 from parallel.split_plan import SplitLayout
@@ -220,27 +222,38 @@ def test_one_step_off_policy_records_staleness_and_learns_the_embedded_task(tmp_
     assert last > first + 0.02, (first, last)
 
 
-def test_ppo_critic_on_its_own_rank_equals_the_critic_on_the_actors_rank(tmp_path):
+def test_ppo_critic_on_its_own_rank_equals_the_critic_on_the_actors_rank_and_resumes_after_sigkill(tmp_path):
     """PPO (GAE, KL in the reward): 3 ranks (1 actor + 1 critic + 1 rollout) against 2 ranks (1 trainer holding
     actor and critic + 1 rollout), which equals colocated (the tests above): every non-timing metric, the
     critic's included, is equal; the critic side's seconds arrive as timing/critic_update and timing/values,
-    the actor's waits for it as timing/wait_critic."""
-    ppo = [
-        "algorithm=ppo",
-        "trainer.total_steps=3",
-        "trainer.save_freq=0",
-        *SPLIT,
-        "placement.rollout_ranks=1",
-    ]
+    the actor's waits for it as timing/wait_critic. The 3-rank run saves step 2 (actor and critic ranks into
+    one checkpoint), is SIGKILLed inside step 3 and resumed (trainer.resume=auto): steps 3 and 4 equal the
+    uninterrupted run's too. A damaged critic shard makes its checkpoint unusable, as an actor's does."""
+    ppo = ["algorithm=ppo", *SPLIT, "placement.rollout_ranks=1"]
     shared = _train(2, tmp_path / "shared", *ppo)
-    own = _train(3, tmp_path / "own", *ppo, "placement.critic_ranks=1")
-    assert sorted(own) == [1, 2, 3]
+    out = tmp_path / "own"
+    _killed_in_step_3(out, *ppo, "placement.critic_ranks=1")
+    assert sorted(_metrics(out)) == [1, 2]  # killed inside step 3
+    step_2 = os.path.join(out, "checkpoints", "global_step_2")
+    assert sorted(os.listdir(step_2)) == ["meta.json", "rank_0.pt", "rank_1.pt"]  # the actor's, the critic's
+    own = _train(3, out, *ppo, "placement.critic_ranks=1", "trainer.resume=auto")
+    assert sorted(own) == [1, 2, 3, 4]
     for step, row in own.items():
         assert _comparable(row) == _comparable(shared[step]), step
         assert row["critic/grad_norm"] > 0 and "critic/vf_loss" in row, step
         for key in ("timing/critic_update", "timing/values", "timing/wait_critic"):
             assert row[key] >= 0, (step, key)
         assert "timing/update_critic" not in row, step
+
+    root = os.path.join(out, "checkpoints")
+    with open(os.path.join(root, "global_step_4", "meta.json")) as f:
+        meta = json.load(f)
+    assert meta["roles"] == ["actor", "critic"] and meta["layout"]["critic_ranks"]["world_size"] == 1
+    with open(os.path.join(root, "global_step_4", "rank_1.pt"), "r+b") as f:
+        f.truncate(100)
+    skipped: list[str] = []
+    assert latest_checkpoint(root, skipped) == os.path.join(root, "global_step_2")
+    assert "rank_1.pt is truncated or corrupt" in skipped[0], skipped
 
 
 def test_rollout_replicas_serve_training_replicas_whole_or_in_shares():
