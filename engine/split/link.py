@@ -102,7 +102,9 @@ class TrainerLink:
         `timing/wait_rollout`), and score them with the reward model if there is one (`timing/reward_model`;
         `timing/reward` is the rollout side's); the loader takes the rollout side's position after this batch.
         Returns the responses and the rollout side's metrics of the step (`timing/gen`, `timing/reward`,
-        `timing/wait_train`, `rollout_engine/*`; summed over the step's rounds so far).
+        `timing/wait_train`, `rollout_engine/*`; summed over the step's rounds so far). Multi-turn episodes'
+        counts, sent with the responses, go to `ctx` (`StepContext.add_episode_totals`) as colocated rollout
+        adds them.
 
         One step off policy (trainer.off_policy_steps=1) the responses arriving were generated with the
         previous step's weights (engine/split/worker.py `run`), and the last step sends none. No weights go
@@ -120,6 +122,9 @@ class TrainerLink:
             ]
         ctx.c.loader.load_state_dict(parts[0][1])
         responses = parts[0][0] if len(parts) == 1 else Responses.concat([p[0] for p in parts])
+        for part in parts:  # multi-turn: the rollout side's counts of the episodes (`multi_turn/*`)
+            if part[3] is not None:
+                ctx.add_episode_totals(part[3])
         reward_model = ctx.c.reward_model
         # per round, before dynamic sampling's selection (engine/step/collect.py)
         if reward_model is not None:

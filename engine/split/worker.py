@@ -11,6 +11,11 @@ state; their memory is the rollout engine's): they add its scores to the shares 
 rank 0 sends each share's `Responses` (with the loader's position after the batch and the step's rollout-side metrics) to
 replica d's tp x pp ranks, which concatenate the shares in order.
 
+With rollout.multi_turn.enable the rollout ranks run the episode loop (engine/multi_turn/) with their engine and
+the tools, as colocated rollout does, in training and validation: the responses they send hold the episode's
+ids (tool tokens inside, mask 0 on them) and log-probs, scored on whole episodes, with the episodes' counts
+for the trainers' `multi_turn/*` (`episode_totals`).
+
 The rollout engine is `rollout.backend`'s (native or vLLM), fed with the shard `SplitTransfer.receive` returns:
 the rollout TP group's ranks are consecutive, as vLLM's TP groups are (engine/validate/placement.py).
 
@@ -29,15 +34,16 @@ import torch.distributed as dist
 
 from algorithms.advantages import advantage_traits
 from engine.config import TrainConfig
-from engine.data import PromptLoader, load_prompt_dataset, load_tokenizer
+from engine.data import PromptLoader, load_prompt_dataset, load_tokenizer, refuse_row_caps
 from engine.metrics import PhaseTimer
+from engine.multi_turn.episode import EpisodeRunner
 from engine.rewards.build import build_reward_fn
 from engine.rewards.reward_fn import RewardFn
 from engine.rollout import build_rollout_engine
 from engine.rollout.base import RolloutEngine
-from engine.setup import _data_files, model_shape, replica_val_batches
+from engine.setup import _data_files, build_episode_tools, build_episodes, model_shape, replica_val_batches
 from engine.split.link import recv_object, send_object
-from engine.step.context import merge_engine_stats
+from engine.step.context import episode_totals, merge_engine_stats
 from engine.step.reward import responses_of
 from engine.step.rollout import rollout_params, rollout_replica, rollout_seed, share_bounds
 from engine.step.validation import row_scores, validation_due
@@ -78,6 +84,9 @@ class RolloutWorker:
     """The step at whose start the trainers held `weights`."""
     wait_train: float = 0.0
     """Seconds spent receiving weights (waiting for the trainers included) since the last send."""
+    episodes: EpisodeRunner | None = None
+    """Multi-turn episodes with tools (rollout.multi_turn.enable), run here as colocated rollout runs them
+    (engine/step/rollout.py); None: single-turn rollouts."""
 
     def _start_step(self) -> int:
         """The step to start at and each served replica's loader position, from its first training rank."""
@@ -145,7 +154,8 @@ class RolloutWorker:
     ) -> dict[int, tuple]:
         """Generate and score each served share of one rollout round of `step`'s batch with the weights held
         now: {training replica: (Responses, its loader's position after the batch)}; the rollout side's
-        seconds and engine statistics add to `timer` and `engine_stats`."""
+        seconds and engine statistics add to `timer` and `engine_stats`. With multi-turn episodes each
+        message also holds the "sample" rollout's `episode_totals` (the trainers' `multi_turn/*`), else None."""
         cfg, eos = self.cfg, self.tokenizer.eos_token_id
         greedy = advantage_traits(cfg.algorithm.adv_estimator).needs_greedy_baseline
         messages = {}
@@ -157,17 +167,24 @@ class RolloutWorker:
             prompts = [r.prompt_ids for r in records]
             seed = rollout_seed(cfg.trainer.seed, step, round_index, d, share)
             params = rollout_params(cfg, eos, seed, records)
-            outs = []
+            tool_names = [r.tools for r in records] if self.episodes is not None else None
+            outs, totals = [], None
             for kind in ("sample", "greedy") if greedy else ("sample",):
                 with timer.phase("gen"):
-                    outs.append(rollout_replica(self.engine, self.weights, prompts, params[kind]))
+                    outs.append(
+                        rollout_replica(
+                            self.engine, self.weights, prompts, params[kind], self.episodes, tool_names
+                        )
+                    )
                 merge_engine_stats(engine_stats, self.engine.last_stats)
+                if self.episodes is not None and kind == "sample":
+                    totals = episode_totals(outs[-1].episodes, self.episodes.last_stats["tool_s"])
             with timer.phase("reward"):
                 responses = responses_of(self, records, outs, None)
             if cfg.trainer.off_policy_steps:
                 rows = responses.response_ids.shape[0]
                 responses.staleness = torch.full((rows,), float(step - self.weights_step))
-            messages[d] = (responses, loader.state_dict())
+            messages[d] = (responses, loader.state_dict(), totals)
         return messages
 
     def _validate(self, step: int) -> None:
@@ -187,7 +204,11 @@ class RolloutWorker:
                 records = batch[first:end]
                 params = rollout_params(cfg, eos, seed, records)
                 prompts = [r.prompt_ids for r in records]
-                outs = [rollout_replica(self.engine, self.weights, prompts, params[k]) for k in kinds]
+                tool_names = [r.tools for r in records] if self.episodes is not None else None
+                outs = [
+                    rollout_replica(self.engine, self.weights, prompts, params[k], self.episodes, tool_names)
+                    for k in kinds
+                ]
                 scores, answers = row_scores(self, records, outs, None)
                 rows = [(o.response_ids, o.response_mask) for o in outs] if cfg.reward.model_path else None
                 per_batch.append(([r.data_source for r in records], scores, answers, rows))
@@ -201,9 +222,9 @@ class RolloutWorker:
         self.wait_train = 0.0
         if self.layout.rollout_coords(self.rank)[0] != 0:
             return
-        for d, (responses, state) in messages.items():
+        for d, (responses, state, totals) in messages.items():
             for dst in self.layout.replica_ranks(d):
-                send_object((responses, state, side), dst, self.everyone)
+                send_object((responses, state, side, totals), dst, self.everyone)
 
 
 def build_rollout_worker(
@@ -216,14 +237,19 @@ def build_rollout_worker(
     )
     limit = cfg.rollout.max_new_tokens
     data = cfg.data
+    tools = build_episode_tools(cfg)  # as the training ranks render the prompts (engine/setup.py)
+    schemas = {name: tool.schema for name, tool in tools.items()} if tools else None
     records, _ = load_prompt_dataset(
-        train_files, tokenizer, data.max_prompt_len, data.bad_rows, max_new_tokens=limit
+        train_files, tokenizer, data.max_prompt_len, data.bad_rows, tool_schemas=schemas, max_new_tokens=limit
     )
     val_records = []
     if val_files and cfg.trainer.test_freq:
         val_records, _ = load_prompt_dataset(
-            val_files, tokenizer, data.max_prompt_len, data.bad_rows, "data.val_files", max_new_tokens=limit
+            val_files, tokenizer, data.max_prompt_len, data.bad_rows, "data.val_files", schemas, limit
         )
+    if tools is not None:
+        refuse_row_caps(records, "data.train_files")
+        refuse_row_caps(val_records, "data.val_files")
     train = layout.train
     shape = model_shape(cfg.model, len(tokenizer), train.tp)
     engine = build_rollout_engine(
@@ -264,4 +290,5 @@ def build_rollout_worker(
         shares,
         shape.tie_embeddings,
         val_batches=val_batches if any(val_batches.values()) else {},
+        episodes=build_episodes(cfg, tools, tokenizer, shape, records + val_records),
     )

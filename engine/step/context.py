@@ -34,15 +34,25 @@ class StepContext:
     def add_episodes(self, episodes: list, tool_s: float) -> None:
         """Count one training rollout's episodes (the replica's: every rank of it holds all of them) and the
         seconds this rank spent in tool calls; dynamic-sampling rounds add up."""
-        totals = {
-            "episodes": len(episodes),
-            "turns": sum(e.num_assistant_turns for e in episodes),
-            "tool_calls": sum(e.num_tool_calls for e in episodes),
-            "tool_errors": sum(e.num_tool_errors for e in episodes),
-            "tool_s": tool_s,
-        }
+        self.add_episode_totals(episode_totals(episodes, tool_s))
+
+    def add_episode_totals(self, totals: dict[str, float]) -> None:
+        """Add `episode_totals` of some training episodes (under split placement: those the rollout ranks
+        counted, engine/split/link.py `TrainerLink.collect`)."""
         for key, value in totals.items():
             self.multi_turn[key] = self.multi_turn.get(key, 0.0) + float(value)
+
+
+def episode_totals(episodes: list, tool_s: float) -> dict[str, float]:
+    """The counts `multi_turn/*` sums over a step's training episodes (engine/step/stats.py
+    `multi_turn_metrics`): episodes, assistant turns, tool calls, failed tool calls, and `tool_s` seconds."""
+    return {
+        "episodes": float(len(episodes)),
+        "turns": float(sum(e.num_assistant_turns for e in episodes)),
+        "tool_calls": float(sum(e.num_tool_calls for e in episodes)),
+        "tool_errors": float(sum(e.num_tool_errors for e in episodes)),
+        "tool_s": float(tool_s),
+    }
 
 
 def merge_engine_stats(into: dict[str, float], stats: dict) -> None:

@@ -206,17 +206,6 @@ def _model_widths(cfg: TrainConfig) -> list[tuple[str, int]]:
 
 def _refuse_unsupported_with_split(cfg: TrainConfig) -> None:
     """Settings whose split-placement path is not built: refused here rather than run differently."""
-    split = "with placement.mode=split"
-    for key, value, on, fix in (
-        (
-            "rollout.multi_turn.enable",
-            cfg.rollout.multi_turn.enable,
-            cfg.rollout.multi_turn.enable,
-            "set rollout.multi_turn.enable=false",
-        ),
-    ):
-        if on:
-            fail(key, value, f"is not supported {split} yet", f"{fix}, or placement.mode=colocated")
     if cfg.reward.model_path and advantage_traits(cfg.algorithm.adv_estimator).needs_greedy_baseline:
         fail(
             "reward.model_path",

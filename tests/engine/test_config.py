@@ -186,16 +186,6 @@ BAD = [
         "trainer.off_policy_steps=1: trains on responses of the previous step's weights",
     ),
     (["algorithm.tis_mode=clip"], 1, "algorithm.tis_mode='clip'"),
-    (
-        [
-            "placement.mode=split",
-            "placement.rollout_ranks=1",
-            "trainer.test_freq=0",
-            "rollout.multi_turn.enable=true",
-        ],
-        3,
-        "rollout.multi_turn.enable=True: is not supported with placement.mode=split",
-    ),
     # mixture of experts: the router, the experts over parallel.ep
     (["parallel.ep=2"], 2, "parallel.ep=2: expert parallelism needs a mixture-of-experts model"),
     (

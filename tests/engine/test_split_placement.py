@@ -12,7 +12,8 @@ rollout rank scores the rule, the training ranks add the model's score, in train
 prompts) against colocated TP=2 with rollout.tp=1 (a micro-DP group of 2); 3 ranks one step off policy
 (trainer.off_policy_steps=1) for 40 steps of the embedded task; PPO with the critic on a rank of its own
 (placement.critic_ranks=1, 3 ranks; killed inside step 3 and resumed) against the critic on the actor's rank
-(2 ranks). GPU + vLLM (marked
+(2 ranks); multi-turn episodes with the calculator on 2 ranks (1 train + 1 rollout) against colocated at world
+size 1 (in this process). GPU + vLLM (marked
 `vllm`): 1 + 1 GPUs with rollout.backend=vllm against colocated vLLM on 1 GPU (on CPU,
 tests/parallel/hybrid_reshard_script.py feeds the received shards to the vLLM backend against
 tests/engine/fake_vllm.py).
@@ -161,6 +162,68 @@ def test_split_tp2_train_2_rollout_replicas_equals_colocated_micro_dp(tmp_path):
         assert _comparable(row) == _comparable(colocated[step]), step
         assert "val/reward_mean" in row and "val/embedded/copy/mean@2" in row, step
     assert max(row["dynamic_sampling/rounds"] for row in split.values()) > 1  # further rounds ran
+
+
+MULTI_TURN = [  # tests/engine/test_multi_turn.py's calculator job, shortened
+    "data.embedded_task=calculator",
+    "data.embedded_digits=1",
+    "rollout.multi_turn.enable=true",
+    "rollout.multi_turn.tool_format=compact",
+    "rollout.multi_turn.tools=[calculator]",
+    "rollout.multi_turn.max_turns=2",
+    "rollout.multi_turn.max_total_tokens=24",
+    "rollout.multi_turn.max_tool_result_chars=4",  # the calculator's error messages fit as a tool turn
+    "rollout.max_new_tokens=4",
+    "rollout.temperature=2.0",
+    "data.batch_size=8",
+    "rollout.n=8",
+    "trainer.micro_batch_size=64",
+    "optim.lr=5e-2",  # the reward below teaches a random model to open with the call's `#` within a step
+    "trainer.total_steps=3",
+    "trainer.test_freq=3",
+    "rollout.val_n=2",
+    "trainer.seed=1",
+    "trainer.progress_bar=false",
+    "trainer.loggers=[jsonl]",
+    "trainer.plot=false",
+]
+
+
+CALLS_REWARD = """
+def score(data_source, solution_str, ground_truth, extra_info):
+    # a tool call (a turn opening with `#`), then the episode's turns and length (reads whole episodes)
+    return 2.0 * solution_str.startswith("#") + 0.1 * len(extra_info["turns"]) + 0.01 * len(solution_str)
+"""
+
+
+def test_split_multi_turn_calculator_equals_colocated(tmp_path):
+    """Multi-turn episodes with the calculator on split placement: 2 ranks (1 train + 1 rollout, which runs
+    the episode loop, the tools and the scoring, and sends the response ids with the tool tokens inside, the
+    mask with 0 on them, the log-probs and the `multi_turn/*` counts) against colocated at world size 1 (in
+    this process); every non-timing metric equal (`multi_turn/tool_s` is seconds), validation on whole
+    episodes included."""
+    from trainer_run_script import run_job
+
+    val = write_embedded_dataset(str(tmp_path / "val"), "calculator", 4, 1, seed=7, split="val")
+    fn = tmp_path / "calls_reward.py"
+    fn.write_text(CALLS_REWARD)
+    job = [*MULTI_TURN, f"data.val_files=[{val}]", f"reward.fn={fn}:score"]
+    run_job(job, str(tmp_path / "colocated"))
+    colocated = _metrics(tmp_path / "colocated")
+    out = tmp_path / "split"
+    run_torchrun(
+        "-m", 2, ["engine.train", f"trainer.output_dir={out}", *job, *SPLIT, "placement.rollout_ranks=1"]
+    )
+    split = _metrics(out)
+    assert sorted(split) == [1, 2, 3]
+    for step, row in split.items():
+        same = {k: v for k, v in _comparable(row).items() if k != "multi_turn/tool_s"}
+        assert same == {k: v for k, v in _comparable(colocated[step]).items() if k != "multi_turn/tool_s"}, (
+            step
+        )
+        assert row["multi_turn/episodes"] == 64.0 and row["multi_turn/tool_calls_mean"] > 0, step
+    assert split[3]["multi_turn/turns_mean"] > 1  # tool turns inside the responses, assistant turns after
+    assert "val/reward_mean" in split[3] and "val/embedded/calculator/mean@2" in split[3]
 
 
 @pytest.mark.vllm
