@@ -266,18 +266,11 @@ def test_calculator_task_learns_to_call_the_tool(tmp_path):
     """The calls take off at a seed-dependent step (about 20 to 40): 80 steps leave every seed tried room to
     learn the call, while the reward's rise comes mostly from the call's shape (`#`, the `+`), the operands
     being copied only in part."""
-    from trainer_run_script import read_metrics, run_job
+    from trainer_run_script import CALCULATOR_TASK, read_metrics, run_job
 
     run_job(
         [
-            "data.embedded_task=calculator",
-            "data.embedded_digits=1",
-            "rollout.multi_turn.enable=true",
-            "rollout.multi_turn.tool_format=compact",
-            "rollout.multi_turn.tools=[calculator]",
-            "rollout.multi_turn.max_turns=2",
-            "rollout.multi_turn.max_total_tokens=24",
-            "rollout.max_new_tokens=4",
+            *CALCULATOR_TASK,
             "data.batch_size=16",
             "rollout.n=8",
             "trainer.micro_batch_size=32",

@@ -31,6 +31,7 @@ import time
 import hf_tiny
 import pytest
 from distributed import run_torchrun
+from trainer_run_script import CALCULATOR_TASK
 
 from engine.checkpoint.store import latest_checkpoint
 from engine.tasks.embedded import EMBEDDED_VOCAB, write_embedded_dataset
@@ -165,15 +166,8 @@ def test_split_tp2_train_2_rollout_replicas_equals_colocated_micro_dp(tmp_path):
 
 
 MULTI_TURN = [  # tests/engine/test_multi_turn.py's calculator job, shortened
-    "data.embedded_task=calculator",
-    "data.embedded_digits=1",
-    "rollout.multi_turn.enable=true",
-    "rollout.multi_turn.tool_format=compact",
-    "rollout.multi_turn.tools=[calculator]",
-    "rollout.multi_turn.max_turns=2",
-    "rollout.multi_turn.max_total_tokens=24",
+    *CALCULATOR_TASK,
     "rollout.multi_turn.max_tool_result_chars=4",  # the calculator's error messages fit as a tool turn
-    "rollout.max_new_tokens=4",
     "rollout.temperature=2.0",
     "data.batch_size=8",
     "rollout.n=8",

@@ -20,7 +20,8 @@ import time
 import torch
 from hydra import compose, initialize_config_dir
 
-from engine.config import TrainConfig, register_configs, to_dataclass
+from engine.config import TrainConfig, register_configs
+from engine.config_load import to_dataclass
 from engine.validate import validate
 from parallel.state import destroy_distributed, init_distributed, world_size_from_env
 
@@ -34,6 +35,17 @@ SHORT = [
     "data.batch_size=4",
     "rollout.n=4",
     "trainer.micro_batch_size=4",
+]
+# the embedded calculator task as multi-turn episodes with the compact tool-call format
+CALCULATOR_TASK = [
+    "data.embedded_task=calculator",
+    "data.embedded_digits=1",
+    "rollout.multi_turn.enable=true",
+    "rollout.multi_turn.tool_format=compact",
+    "rollout.multi_turn.tools=[calculator]",
+    "rollout.multi_turn.max_turns=2",
+    "rollout.multi_turn.max_total_tokens=24",
+    "rollout.max_new_tokens=4",
 ]
 register_configs()
 
