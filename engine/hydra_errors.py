@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from engine.config import TrainConfig, unknown_key_message
+from engine.config import TrainConfig
+from engine.config_load import unknown_key_message
 from engine.errors import CONFIG_STATUS, FULL_ERROR_BY_USER, UserError, exit_with_message
 
 

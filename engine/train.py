@@ -18,7 +18,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from engine.checkpoint.run_dir import claimed_output_dir
-from engine.config import register_configs, to_dataclass
+from engine.config import register_configs
+from engine.config_load import to_dataclass
 from engine.errors import exit_on_user_error
 from engine.hydra_errors import report_user_errors
 from engine.metrics import run_header

@@ -144,7 +144,8 @@ def _train_config(overrides: list[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from engine.config import register_configs, to_dataclass
+    from engine.config import register_configs
+    from engine.config_load import to_dataclass
 
     register_configs()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -28,7 +28,8 @@ from megatron.core import parallel_state, tensor_parallel
 
 import engine.checkpoint.checkpoint as checkpoint
 from engine.checkpoint.run_dir import OutputDirError, claimed_output_dir
-from engine.config import register_configs, to_dataclass
+from engine.config import register_configs
+from engine.config_load import to_dataclass
 from engine.models.hf import HFCheckpoint
 from engine.models.hf_config import read_hf_config
 from engine.roles.offload import PARTS, device_bytes, offloaded

@@ -27,7 +27,8 @@ from engine.checkpoint.store import (
     read_meta,
     read_rank_state,
 )
-from engine.config import ConfigError, ModelConfig, MoEConfig, register_configs, to_dataclass
+from engine.config import ConfigError, ModelConfig, MoEConfig, register_configs
+from engine.config_load import to_dataclass
 from engine.errors import CheckpointError
 from engine.models.builder import resolve_shape
 from engine.models.hf_config import hf_config_from_shape, model_config_from_hf

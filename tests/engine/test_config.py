@@ -9,7 +9,8 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
-from engine.config import ConfigError, TrainConfig, register_configs, to_dataclass
+from engine.config import ConfigError, TrainConfig, register_configs
+from engine.config_load import to_dataclass
 from engine.validate import validate
 from engine.validate.ignored import ignored_key_warnings
 

@@ -20,7 +20,8 @@ import torch
 from distributed import run_torchrun
 from safetensors.torch import save_file
 
-from engine.config import ModelConfig, TrainConfig, register_configs, to_dataclass
+from engine.config import ModelConfig, TrainConfig, register_configs
+from engine.config_load import to_dataclass
 from engine.models.builder import ValueHead, resolve_shape
 from engine.models.hf import HFCheckpoint, load_hf_weights
 from engine.models.hf_config import HFCheckpointError, model_config_from_hf

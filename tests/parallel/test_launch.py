@@ -213,7 +213,8 @@ def test_failure_note_names_the_side_of_a_split_run(capsys):
 def test_cluster_slurm_preset_and_timeout_check():
     from hydra import compose, initialize_config_dir
 
-    from engine.config import ConfigError, register_configs, to_dataclass
+    from engine.config import ConfigError, register_configs
+    from engine.config_load import to_dataclass
     from engine.validate import validate
 
     register_configs()
