@@ -153,7 +153,8 @@ class RolloutConfig:
     """vLLM / native: most sequences decoded at once."""
     cuda_graphs: bool = True
     """Replay captured decode steps (CUDA graphs); false = eager decode (vLLM: enforce_eager, which also skips
-    torch.compile: a faster start, a slower rollout)."""
+    torch.compile: a faster start, a slower rollout). The native engine decodes MoE models eagerly either way
+    (its expert selection syncs with the host)."""
     kv_cache_memory_fraction: float = 0.5
     """native on CUDA: fraction of free GPU memory for the KV cache (batches that do not fit are chunked)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

@@ -31,7 +31,8 @@ def build_rollout_engine(
             device,
             r.max_num_seqs,
             pad_id,
-            cuda_graphs=r.cuda_graphs if device.type == "cuda" else None,
+            # true is the default: MoE models decode eagerly there (None: the engine's choice by model)
+            cuda_graphs=r.cuda_graphs if device.type == "cuda" and shape.moe is None else None,
             kv_cache_memory_fraction=r.kv_cache_memory_fraction,
         )
     if r.backend == "vllm":

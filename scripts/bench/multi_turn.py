@@ -13,7 +13,7 @@ the same work. Generated ids are shown to the tokenizer modulo its vocabulary (o
 matters here). The native engine keeps each episode's K/V across turns and prefills only the tool turn
 (`native_reprefill`: it prefills each turn's prompt in full); vLLM keeps the episode's KV blocks through
 prefix caching while it stays awake across the turns (`RolloutEngine.hold`). Timed: one `EpisodeRunner.run`
-after a warm-up of one turn of 8 tokens.
+after a warm-up of whole episodes of 8-token turns.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import os
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 
 import torch
 from rollout import PRESETS, model_shape, random_rollout_weights, synced  # scripts/bench/ is the script's dir
@@ -119,7 +120,9 @@ def run_backend(name, shape, weights, runner, prompts, sampling, device, args) -
     if engine is None:
         return {"skipped": f"{name} runs on CUDA only"}
     engine.set_weights(weights)
-    engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True, seed=args.seed))  # warm-up
+    # warm-up: whole episodes of 8-token turns (every call the timed run makes, at other lengths: the native
+    # engine compiles its kernels once per process, as vLLM compiles at its start)
+    runner.run(engine, prompts, replace(sampling, max_new_tokens=8))
     start, cpu = synced(device), time.process_time()
     out = runner.run(engine, prompts, sampling)
     seconds, cpu_s = synced(device) - start, time.process_time() - cpu
