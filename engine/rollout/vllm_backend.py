@@ -53,7 +53,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.models.builder import ModelShape
+from engine.models.builder import ModelShape, moe_config
 from engine.models.hf_config import hf_config_from_shape, model_config_from_hf
 from engine.rollout.base import (
     RolloutEngine,
@@ -82,6 +82,14 @@ _ARCH_FIELDS = (
     "qkv_bias",
     "qk_norm",
     "tie_embeddings",
+)
+_MOE_ARCH_FIELDS = (
+    "num_experts",
+    "top_k",
+    "ffn_hidden_size",
+    "shared_expert_ffn_hidden_size",
+    "shared_expert_gate",
+    "norm_topk_prob",
 )
 
 
@@ -157,11 +165,15 @@ def _environ(**values: str):
 
 def check_vllm_model(shape: ModelShape, model_dir: str | None) -> None:
     """Refuse, before vLLM starts, a model vLLM would build differently from `shape`: a config.json in
-    `model_dir` that describes another architecture, or a Qwen2 head_dim other than hidden / heads (vLLM
-    0.26's Qwen2 attention derives head_dim that way and ignores the config's)."""
+    `model_dir` that describes another architecture (its experts included), or a Qwen2 head_dim other than
+    hidden / heads (vLLM 0.26's Qwen2 attention derives head_dim that way and ignores the config's)."""
     if model_dir:
         theirs = model_config_from_hf(model_dir)
         diff = {k: (theirs[k], getattr(shape, k)) for k in _ARCH_FIELDS if theirs[k] != getattr(shape, k)}
+        ours_moe = moe_config(shape.moe)
+        for k in _MOE_ARCH_FIELDS:  # the experts vLLM's FusedMoE is built with
+            if getattr(theirs["moe"], k) != getattr(ours_moe, k):
+                diff[f"moe.{k}"] = (getattr(theirs["moe"], k), getattr(ours_moe, k))
         if diff:
             raise ValueError(
                 f"{model_dir}/config.json (what vLLM builds) differs from the rollout model shape in "

@@ -6,13 +6,25 @@ and rows the same way (megatron requires query groups divisible by TP, so vLLM n
   regroup the shard (`hf_pieces_of_shard`) and copy the three parts into their row ranges;
 - `linear_fc1` is [gate_r; up_r] on rank r, exactly vLLM's `gate_up_proj` shard: copied as is;
 - row-parallel `linear_proj` / `linear_fc2` and the replicated norms: copied as is;
+- mixture of experts (vLLM's Qwen3MoeForCausalLM / Qwen2MoeForCausalLM, expert parallelism off in vLLM): the
+  router `mlp.gate` and Qwen2-MoE's `mlp.shared_expert_gate` are replicated, the shared expert is a dense
+  MLP (`mlp.shared_expert.gate_up_proj` / `down_proj`, split as above). The routed experts of a layer are
+  two fused tensors of FusedMoE that split every expert's intermediate dim I over TP:
+  `mlp.experts.w13_weight` (experts, 2*I/T, hidden) = [gate rows of rank r; up rows of rank r] per expert
+  and `mlp.experts.w2_weight` (experts, hidden, I/T) = the down projection's input columns of rank r. Our
+  rollout holds every expert whole on each rollout-TP rank (expert TP is 1; parallel/expert_gather.py
+  brings the experts a rank lacks under expert parallelism), so rank r copies its rows / columns of expert
+  e straight into slot e (`copy_expert`). This is the layout of vLLM's unquantized Triton MoE kernel
+  (its `process_weights_after_loading` keeps [w1; w3]); a backend that reorders w13 (FlashInfer CUTLASS,
+  used only with vLLM's expert parallelism) is not supported;
 - embedding / output layer rows: megatron pads the vocabulary to a multiple of TP, vLLM to a multiple of 64
   and then splits it, so rank r's rows differ when the two paddings differ (tiny vocabularies; not Qwen's
   151936 at TP <= 8). Then each rank sends each peer the rows it owns of that peer's vLLM range, one
   batched point-to-point exchange inside the rollout TP group (rows beyond the vocabulary are zeroed).
 
 Names come from the HF weight map (engine/models/hf_map.py) with vLLM's fused names (`qkv_proj`,
-`gate_up_proj`), i.e. vLLM's `stacked_params_mapping` for the Llama/Qwen2/Qwen3 models. Works on plain
+`gate_up_proj`, `experts.w13_weight` / `w2_weight`), i.e. vLLM's `stacked_params_mapping` and
+`expert_params_mapping` for the Llama/Qwen2/Qwen3/Qwen3-MoE/Qwen2-MoE models. Works on plain
 tensors (no vllm import), so it is tested on CPU against vLLM's sharding rules.
 """
 
@@ -22,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from engine.models.builder import ModelShape
-from engine.models.hf_map import Split, hf_names, hf_pieces_of_shard, match_rule
+from engine.models.hf_map import Split, hf_names, hf_pieces_of_shard, local_expert, match_rule
 
 VLLM_VOCAB_PADDING = 64
 """vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE."""
@@ -32,6 +44,10 @@ def vllm_param_name(name: str) -> str:
     """vLLM parameter of rollout tensor `name` (global layer ids), e.g.
     decoder.layers.3.self_attention.linear_qkv.weight -> model.layers.3.self_attn.qkv_proj.weight."""
     rule, layer = match_rule(name)
+    if rule.expert:  # one fused tensor per layer for all routed experts (FusedMoE)
+        return (
+            f"model.layers.{layer}.mlp.experts.{'w13_weight' if rule.split is Split.GATE_UP else 'w2_weight'}"
+        )
     first = hf_names(rule, layer)[0]
     if rule.split is Split.QKV:
         return first.replace("q_proj", "qkv_proj")
@@ -115,6 +131,30 @@ def copy_shard(dst: torch.Tensor, name: str, shard: torch.Tensor, shape: ModelSh
     dst.copy_(shard)
 
 
+@torch.no_grad()
+def copy_expert(dst: torch.Tensor, name: str, shard: torch.Tensor, tp_rank: int, tp: int) -> int:
+    """Copy rank `tp_rank`'s part of the whole routed expert `name` into its slot of vLLM's fused expert
+    tensor `dst` (w13: [gate rows; up rows], w2: input columns; layouts above). Returns the expert index."""
+    expert = local_expert(name)  # rollout names carry global expert indices
+    fc1 = match_rule(name)[0].split is Split.GATE_UP
+    rows = dst.shape[1] // 2 if fc1 else dst.shape[2]  # I / T
+    whole = (2 * rows * tp, dst.shape[2]) if fc1 else (dst.shape[1], rows * tp)
+    if expert >= dst.shape[0] or tuple(shard.shape) != whole:
+        raise ValueError(
+            f"vLLM parameter {vllm_param_name(name)} has shape {tuple(dst.shape)} (experts, ...) but the rollout "
+            f"expert {name} has {tuple(shard.shape)}: vLLM's tensor_parallel_size must equal rollout.tp and its "
+            "config.json must describe this model (num_experts, moe_intermediate_size)"
+        )
+    lo, hi = tp_rank * rows, (tp_rank + 1) * rows
+    if fc1:
+        gate, up = shard.chunk(2)  # the whole expert's fc1 is [gate; up] (Split.GATE_UP at TP 1)
+        dst[expert, :rows].copy_(gate[lo:hi])
+        dst[expert, rows:].copy_(up[lo:hi])
+    else:
+        dst[expert].copy_(shard[:, lo:hi])
+    return expert
+
+
 def _shape_error(name: str, dst: torch.Tensor, shard: torch.Tensor) -> str:
     return (
         f"vLLM parameter {vllm_param_name(name)} has shape {tuple(dst.shape)} but the rollout shard {name} "
@@ -132,9 +172,11 @@ def load_rollout_weights(
     group: dist.ProcessGroup | None,
 ) -> dict[str, int]:
     """Copy every rollout shard in `params` into vLLM's `vllm_params` (named_parameters of vLLM's model on
-    this rank). Every vLLM parameter must be written exactly once, or this raises (a parameter left at its
-    dummy init would generate garbage silently). Collective over the rollout TP group (vocab rows)."""
+    this rank). Every vLLM parameter (every expert slot of a fused expert tensor) must be written exactly
+    once, or this raises (a parameter left at its dummy init would generate garbage silently). Collective
+    over the rollout TP group (vocab rows)."""
     written: set[str] = set()
+    experts_written: dict[str, list[int]] = {}
     stats = {"tensors": 0, "bytes_copied": 0, "bytes_received": 0}
     for name in sorted(params):  # the same order on every rank of the group (the vocab exchange pairs up)
         shard = params[name]
@@ -145,13 +187,26 @@ def load_rollout_weights(
                 f"look like {sorted(vllm_params)[:4]}: check the model architecture in its config.json"
             )
         dst = vllm_params[target].data
-        if match_rule(name)[0].split is Split.VOCAB:
-            stats["bytes_received"] += reshard_vocab_rows(dst, shard, shape.vocab_size, tp_rank, tp, group)
+        rule = match_rule(name)[0]
+        if rule.expert:
+            experts_written.setdefault(target, []).append(copy_expert(dst, name, shard, tp_rank, tp))
+            stats["bytes_copied"] += dst[0].numel() * dst.element_size()
         else:
-            copy_shard(dst, name, shard, shape, tp)
+            if rule.split is Split.VOCAB:
+                stats["bytes_received"] += reshard_vocab_rows(
+                    dst, shard, shape.vocab_size, tp_rank, tp, group
+                )
+            else:
+                copy_shard(dst, name, shard, shape, tp)
+            stats["bytes_copied"] += dst.numel() * dst.element_size()
         written.add(target)
         stats["tensors"] += 1
-        stats["bytes_copied"] += dst.numel() * dst.element_size()
+    for target, experts in experts_written.items():
+        if sorted(experts) != list(range(vllm_params[target].shape[0])):
+            raise KeyError(
+                f"rollout experts {sorted(experts)} fill vLLM's {target} with {vllm_params[target].shape[0]} "
+                "expert slots: every expert of the layer must be written exactly once"
+            )
     # k_scale / v_scale / q_scale / prob_scale: attention layers' KV-cache quantisation scales, not weights
     missing = sorted(n for n in set(vllm_params) - written if not n.rsplit(".", 1)[-1].endswith("_scale"))
     if missing:

@@ -191,7 +191,8 @@ def validate_moe(cfg: TrainConfig, dims: ParallelDims) -> None:
         )
     if dims.ep > 1:
         validate_expert_parallel_run(cfg, dims)
-    if cfg.trainer.export_hf and not cfg.model.path:
+    vllm = cfg.rollout.backend == "vllm"
+    if (cfg.trainer.export_hf or vllm) and not cfg.model.path:
         from engine.models.hf_config import moe_model_type
 
         m = cfg.model
@@ -200,19 +201,25 @@ def validate_moe(cfg: TrainConfig, dims: ParallelDims) -> None:
                 m.qkv_bias, m.qk_norm, e.score_function, e.shared_expert_ffn_hidden_size, e.shared_expert_gate
             )
         except ValueError as err:
-            fail(
-                "trainer.export_hf",
-                True,
-                f"the MoE model cannot be written as a Hugging Face checkpoint: {err}",
-                "set trainer.export_hf=false or change those model keys (model=tiny_moe is Qwen3-MoE-shaped)",
+            key, value, off = (
+                ("trainer.export_hf", True, "trainer.export_hf=false")
+                if cfg.trainer.export_hf
+                else ("rollout.backend", "vllm", "rollout.backend=native")
             )
-    if cfg.rollout.backend != "native":
+            fail(
+                key,
+                value,
+                f"the MoE model cannot be written as a Hugging Face checkpoint (nor config.json for vLLM): {err}",
+                f"set {off} or change those model keys (model=tiny_moe is Qwen3-MoE-shaped)",
+            )
+    expert_ffn = e.ffn_hidden_size or cfg.model.ffn_hidden_size
+    if vllm and (expert_ffn % cfg.rollout.tp or e.num_experts < cfg.rollout.tp):
         fail(
-            "rollout.backend",
-            cfg.rollout.backend,
-            "mixture-of-experts models roll out with the native engine only (the vLLM weight loader does not "
-            "name routed experts yet)",
-            "set rollout.backend=native",
+            "rollout.tp",
+            cfg.rollout.tp,
+            f"vLLM's FusedMoE splits each expert's width (model.moe.ffn_hidden_size={expert_ffn}) over rollout.tp "
+            f"and needs at least rollout.tp experts (model.moe.num_experts={e.num_experts})",
+            "pick a rollout.tp that divides the expert width and is <= the expert count, or rollout.backend=native",
         )
     if cfg.placement.mode != "colocated":
         fail(

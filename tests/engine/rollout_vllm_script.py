@@ -4,7 +4,7 @@ process).
 
     torchrun --nproc_per_node=N tests/engine/rollout_vllm_script.py MODEL_DIR
 
-The HF checkpoint in MODEL_DIR (random init, saved by the test) is loaded in bfloat16 with `load_hf_weights`,
+The HF checkpoint in MODEL_DIR (random init, saved by the test; dense or Qwen3-MoE / Qwen2-MoE) is loaded in bfloat16 with `load_hf_weights`,
 the 3D-HybridEngine hands its rollout shards to both backends, and:
 - greedy: vLLM's first token equals the native engine's on most rows (>= 6 of 8), the first 4 on half
   (bf16 runs diverge where two logits of the nearly flat random-init distribution tie within rounding);
@@ -75,7 +75,10 @@ def masked_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[f
 def main(model_dir: str) -> None:
     start = time.perf_counter()
     world = int(os.environ["WORLD_SIZE"])
-    groups = init_distributed(ParallelDims(world_size=world, tp=world), "cuda")
+    with open(os.path.join(model_dir, "config.json")) as f:
+        moe = json.load(f)["model_type"].endswith("_moe")
+    # megatron's MoE layers train at TP > 1 with sequence parallelism only
+    groups = init_distributed(ParallelDims(world_size=world, tp=world, sp=moe and world > 1), "cuda")
     shape = replace(hf_model_shape(model_dir, world), dtype=torch.bfloat16)
     chunks = build_gpt_chunks(shape, groups, init_std=0.02, recompute=False)
     load_hf_weights(chunks, model_dir, shape, groups)

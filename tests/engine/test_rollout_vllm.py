@@ -2,13 +2,15 @@
 
 CPU, world size none: the config.json written for vLLM round-trips to the same model, the weight loader fills
 vLLM-shaped parameters exactly as vLLM shards the full HF tensors (TP=1 here; TP=2 with the vocab row
-exchange in tests/engine/test_rollout_tp.py), its errors, and the message when vLLM is missing.
+exchange in tests/engine/test_rollout_tp.py; MoE, FusedMoE's fused experts included, at TP 1 and 2 here), its
+errors, and the message when vLLM is missing.
 CPU, world size 1 (gloo, in process): VllmRollout built through build_rollout_engine against a stand-in for
 vLLM 0.26 (tests/engine/fake_vllm.py): the launch environment, sleep / wake-up order, weight copy, per-row
 seeds, stops and outputs, log-probs requested only when asked for (rollout.log_probs); and the architecture
 checks made before vLLM starts.
 GPU + vLLM (marked `vllm`): tests/engine/rollout_vllm_script.py under torchrun, 1 GPU (Qwen2: tied, QKV bias)
-and 2 GPUs when present (Llama: untied, vocab 1000 so megatron's and vLLM's vocab shards differ), bfloat16.
+and 2 GPUs when present (Llama: untied, vocab 1000 so megatron's and vLLM's vocab shards differ), bfloat16;
+MoE: Qwen3-MoE on 1 and 2 GPUs, Qwen2-MoE (gated shared expert) on 1.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from rollout_tp_script import expected_vllm_params, hf_tensors
 from test_rollout_native import hf_log_probs, rollout_weights_from_hf
 
 from engine.config import RolloutConfig
+from engine.models.hf import HFCheckpoint
 from engine.models.hf_config import model_config_from_hf
+from engine.models.hf_map import WEIGHT_MAP, Split, hf_names, shard_from_hf
 from engine.rollout import build_rollout_engine, vllm_backend
 from engine.rollout.base import SamplingParams
 from engine.rollout.vllm_backend import check_vllm_model, import_vllm, row_seed, write_hf_config
@@ -55,8 +59,10 @@ def test_missing_vllm_names_the_key_and_the_install(monkeypatch):
         build_rollout_engine(RolloutConfig(backend="vllm"), None, torch.device("cpu"), 0)
 
 
-@pytest.mark.parametrize("family", hf_tiny.FAMILIES)
+@pytest.mark.parametrize("family", hf_tiny.FAMILIES + hf_tiny.MOE_FAMILIES)
 def test_config_written_for_vllm_describes_the_same_model(tiny, family, tmp_path):
+    if family not in tiny:
+        tiny[family] = hf_tiny.save_tiny(family, str(tmp_path / family))
     shape = hf_model_shape(tiny[family], 1)
     out = write_hf_config(shape, str(tmp_path))
     assert model_config_from_hf(out) == model_config_from_hf(tiny[family])
@@ -90,6 +96,65 @@ def test_weight_loader_errors(tiny):
     half = dict(fake, **{"model.layers.1.mlp.down_proj.weight": torch.zeros(64, 48)})  # a TP=2 shard
     with pytest.raises(ValueError, match="tensor_parallel_size must equal rollout.tp"):
         load_rollout_weights(half, weights.params, shape, 0, 1, None)
+
+
+def rollout_shards_from_hf(path: str, tp: int, rank: int) -> tuple:
+    """(shape, params) of rollout-TP rank `rank` of `tp`, read through WEIGHT_MAP: dense tensors split over TP,
+    routed experts whole (expert TP is 1), global layer and expert indices, as the rollout holds them."""
+    shape = hf_model_shape(path, tp)
+    params = {}
+    with HFCheckpoint(path) as ckpt:
+        for rule in WEIGHT_MAP:
+            experts = range(shape.moe.num_experts if shape.moe and rule.expert else 1)
+            layers = range(shape.num_layers) if "{layer}" in rule.megatron else [None]
+            for layer, expert in ((la, e if rule.expert else None) for la in layers for e in experts):
+                names = hf_names(rule, layer, expert)
+                if names[0] not in ckpt:
+                    continue
+                hf = [ckpt.tensor(n) for n in names]
+                t, r = (1, 0) if rule.expert else (tp, rank)
+                if rule.split is Split.VOCAB:
+                    rows = (shape.padded_vocab_size // t, *hf[0].shape[1:])
+                elif rule.split is Split.ROW:
+                    rows = (hf[0].shape[0], hf[0].shape[1] // t)
+                elif rule.split is Split.REPLICATED:
+                    rows = tuple(hf[0].shape)
+                else:
+                    rows = (sum(x.shape[0] for x in hf) // t, *hf[0].shape[1:])
+                out = torch.empty(rows)
+                shard_from_hf(rule, lambda i, index, hf=hf: hf[i][index], out, shape, t, r)
+                params[rule.megatron.format(layer=layer, expert=expert)] = out
+    return shape, params
+
+
+@pytest.mark.parametrize("family", hf_tiny.MOE_FAMILIES)
+def test_weight_loader_fills_vllm_moe_parameters_as_vllm_shards_them(family, tmp_path):
+    """Qwen3-MoE (QK-norm) and Qwen2-MoE (QKV bias, gated shared expert, tied) at vLLM TP 1 and 2: the router,
+    the shared expert and each expert's slot of FusedMoE's w13_weight / w2_weight equal what vLLM's own
+    weight_loader puts there from the HF checkpoint (vocab 128: both engines split it into 64-row shards)."""
+    path = hf_tiny.save_tiny(family, str(tmp_path / family), vocab_size=128)
+    full = hf_tensors(path)
+    for tp in (1, 2):
+        for rank in range(tp):
+            shape, params = rollout_shards_from_hf(path, tp, rank)
+            want = expected_vllm_params(full, shape.vocab_size, tp, rank)
+            assert want["model.layers.1.mlp.experts.w13_weight"].shape == (4, 2 * 32 // tp, 64)
+            fake = {name: torch.full_like(t, float("nan")) for name, t in want.items()}
+            stats = load_rollout_weights(fake, params, shape, rank, tp, None)
+            assert stats["tensors"] == len(params)
+            for name in want:
+                assert torch.equal(fake[name], want[name]), (tp, rank, name)
+    # an expert missing from the rollout leaves its slot unwritten; a whole expert of another shape is refused
+    lacking = {k: v for k, v in params.items() if "local_experts.3.linear_fc2" not in k}
+    with pytest.raises(
+        KeyError, match=r"experts \[0, 1, 2\] fill vLLM's model.layers.0.mlp.experts.w2_weight"
+    ):
+        load_rollout_weights(fake, lacking, shape, rank, tp, None)
+    narrow = dict(
+        params, **{"decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight": torch.zeros(32, 64)}
+    )
+    with pytest.raises(ValueError, match="w13_weight has shape .4, 32, 64.*tensor_parallel_size"):
+        load_rollout_weights(fake, narrow, shape, rank, tp, None)
 
 
 @pytest.mark.parametrize(
@@ -285,6 +350,11 @@ def test_vllm_model_checks_before_vllm_starts(tiny, tmp_path):
         check_vllm_model(replace(shape, num_layers=shape.num_layers + 1), tiny["qwen2"])
     with pytest.raises(ValueError, match="vLLM's Qwen2 attention ignores head_dim"):
         check_vllm_model(replace(shape, head_dim=2 * shape.head_dim), None)
+    moe_dir = hf_tiny.save_tiny("qwen3_moe", str(tmp_path / "qwen3_moe"))
+    moe = hf_model_shape(moe_dir, 1)
+    check_vllm_model(moe, moe_dir)
+    with pytest.raises(ValueError, match=r"moe.num_experts: 4 vs 8"):
+        check_vllm_model(replace(moe, moe=replace(moe.moe, num_experts=8)), moe_dir)
 
 
 # ---- GPU + vLLM --------------------------------------------------------------------------------------
@@ -324,3 +394,19 @@ def test_vllm_tp2_matches_native_and_training_on_two_gpus(tmp_path):
         pytest.skip("needs 2 GPUs")
     report = _run(tmp_path, "llama", 2, vocab_size=1000)  # 1000: megatron's shard 500 rows, vLLM's 512
     assert report["greedy_first_token_agree"] >= 0.75, report  # bf16 near-ties: see rollout_vllm_script.py
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("family, nproc", [("qwen3_moe", 1), ("qwen2_moe", 1), ("qwen3_moe", 2)])
+def test_vllm_moe_matches_native_and_training(tmp_path, family, nproc):
+    """MoE weights loaded into vLLM's FusedMoE (w13 / w2 per expert, the router, Qwen2-MoE's gated shared
+    expert): greedy first tokens agree with the native engine on >= 6 of 8 rows, and teacher-forced log-probs
+    are as close to the training forward as the native engine's (bf16; the rules of rollout_vllm_script.py)."""
+    import_vllm()
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
+    if family == "qwen2_moe":
+        moe["shared_expert_intermediate_size"] = 512
+    report = _run(tmp_path, family, nproc, vocab_size=2048, **moe)
+    assert report["greedy_first_token_agree"] >= 0.75, report
