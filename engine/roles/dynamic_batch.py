@@ -139,9 +139,9 @@ def _packed_micro_batch(
 
 class MicroBatcher:
     """Cuts rows of an Experience into micro-batch dicts (`tokens`, `positions` (b, s), `response_index`,
-    `response_mask` (b, T), the named tensors, and `rows`: the Experience rows, in order); with `pack` (needs
-    `max_tokens`) `tokens`, `positions` are (1, t) and `packed_seq_params`, `row_starts`, `row_lengths` are
-    added (the module docstring)."""
+    `response_mask` (b, T), `response_valid` (the mask's True entries, flat), the named tensors, and `rows`:
+    the Experience rows, in order); with `pack` (needs `max_tokens`) `tokens`, `positions` are (1, t) and
+    `packed_seq_params`, `row_starts`, `row_lengths` are added (the module docstring)."""
 
     def __init__(
         self,
