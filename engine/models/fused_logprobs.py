@@ -37,6 +37,17 @@ def chunk_rows(vocab_local: int, budget_bytes: int = CHUNK_BYTES) -> int:
     return max(64, budget_bytes // (vocab_local * 10))
 
 
+def chunk_slices(n: int, rows_per_chunk: int) -> list[slice]:
+    """Row slices of at most `rows_per_chunk` covering range(n), none of one row when n > 1 and
+    rows_per_chunk > 2 (a remainder of one row is taken from the previous chunk): the compiled kernels treat
+    the row count as symbolic, but torch.compile specialises a size of 1, so a one-row chunk would compile
+    them again mid-run."""
+    starts = list(range(0, n, rows_per_chunk))
+    if rows_per_chunk > 2 and n > 1 and n - starts[-1] == 1:
+        starts[-1] -= 1
+    return [slice(a, b) for a, b in zip(starts, [*starts[1:], n])]
+
+
 def _masked(z: torch.Tensor, pad_from: int) -> torch.Tensor:
     """z with the TP-padding columns (>= pad_from) set to MASKED_LOGIT."""
     if pad_from >= z.shape[1]:
@@ -93,8 +104,7 @@ class _LinearLogProbs(torch.autograd.Function):
             torch.empty_like(m_all),
         )
         row_max, row_sums = _kernel(_row_max, hidden.device), _kernel(_row_sums, hidden.device)
-        for r0 in range(0, n, rows_per_chunk):
-            rows = slice(r0, min(n, r0 + rows_per_chunk))
+        for rows in chunk_slices(n, rows_per_chunk):
             logits = hidden[rows] @ weight.t()
             m = row_max(logits, inv_t, pad_from)
             if tp_size > 1:
@@ -125,8 +135,7 @@ class _LinearLogProbs(torch.autograd.Function):
         n = hidden.shape[0]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = None
-        for r0 in range(0, n, ctx.rows_per_chunk):
-            rows = slice(r0, min(n, r0 + ctx.rows_per_chunk))
+        for rows in chunk_slices(n, ctx.rows_per_chunk):
             g = grad_logits(
                 hidden[rows] @ weight.t(),
                 shift[rows],

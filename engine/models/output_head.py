@@ -104,14 +104,32 @@ def response_token_stats(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, entropies) (b, T) float32 of each row's response tokens: position response_index[r, j]
     (the prompt's last token + j) predicts token response_index[r, j] + 1 (kept inside the row when packed).
-    `hidden` is (b, s, hidden), or (1, t, hidden) for a packed micro-batch."""
+    `hidden` is (b, s, hidden), or (1, t, hidden) for a packed micro-batch. With `response_valid` (the flat
+    indices of the response mask's True entries, engine/roles/dynamic_batch.py) the head runs on those
+    tokens only and the other entries are 0: rows that end early cost no output-layer work past their end."""
     index = mb["response_index"]
-    h = gather_rows(hidden, mb, index)
+    valid = mb.get("response_valid")
+    if valid is None:
+        h = gather_rows(hidden, mb, index)
+        if "row_starts" in mb:
+            target_index = torch.minimum(index + 1, mb["row_lengths"][:, None] - 1)
+        else:
+            target_index = index + 1
+        targets = gather_rows(mb["tokens"], mb, target_index)
+        return linear_log_probs(
+            h, weight, targets, temperature=temperature, vocab_size=vocab_size, tp_group=tp_group
+        )
+    rows = valid // index.shape[1]  # (valid,) row of each valid token
+    pos = index.reshape(-1)[valid]  # (valid,) its row-local position
     if "row_starts" in mb:
-        target_index = torch.minimum(index + 1, mb["row_lengths"][:, None] - 1)
+        start = mb["row_starts"][rows]
+        h = hidden[0][start + pos]
+        targets = mb["tokens"][0][start + torch.minimum(pos + 1, mb["row_lengths"][rows] - 1)]
     else:
-        target_index = index + 1
-    targets = gather_rows(mb["tokens"], mb, target_index)
-    return linear_log_probs(
+        h = hidden[rows, pos]
+        targets = mb["tokens"][rows, pos + 1]
+    logp, ent = linear_log_probs(
         h, weight, targets, temperature=temperature, vocab_size=vocab_size, tp_group=tp_group
     )
+    flat = logp.new_zeros(index.numel())
+    return tuple(flat.index_copy(0, valid, x).view(index.shape) for x in (logp, ent))

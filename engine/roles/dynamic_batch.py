@@ -65,6 +65,12 @@ def pack_by_token_budget(
     return groups
 
 
+def response_valid(response_mask: torch.Tensor) -> torch.Tensor:
+    """(valid,) flat indices of the True entries of a (rows, T) response mask, found on the host where the
+    micro-batch is cut, so the output head computes valid tokens only without a device sync."""
+    return response_mask.reshape(-1).nonzero()[:, 0]
+
+
 def _micro_batch(exp: Experience, sel: torch.Tensor, seq: int, keys, device: torch.device) -> dict:
     tokens = exp.tokens[sel, :seq]
     steps = torch.arange(exp.response_ids.shape[1])
@@ -74,6 +80,7 @@ def _micro_batch(exp: Experience, sel: torch.Tensor, seq: int, keys, device: tor
         "positions": torch.arange(seq).expand_as(tokens).to(device),
         "response_index": index.to(device),
         "response_mask": exp.response_mask[sel].to(device),
+        "response_valid": response_valid(exp.response_mask[sel]).to(device),
         "rows": sel,
     }
     for key in keys:
@@ -116,6 +123,7 @@ def _packed_micro_batch(
         "row_lengths": lengths.to(device),
         "response_index": index.to(device),
         "response_mask": exp.response_mask[sel].to(device),
+        "response_valid": response_valid(exp.response_mask[sel]).to(device),
         "rows": sel,
     }
     for key in keys:
@@ -131,9 +139,9 @@ def _packed_micro_batch(
 
 class MicroBatcher:
     """Cuts rows of an Experience into micro-batch dicts (`tokens`, `positions` (b, s), `response_index`,
-    `response_mask` (b, T), the named tensors, and `rows`: the Experience rows, in order); with `pack` (needs
-    `max_tokens`) `tokens`, `positions` are (1, t) and `packed_seq_params`, `row_starts`, `row_lengths` are
-    added (the module docstring)."""
+    `response_mask` (b, T), `response_valid` (the mask's True entries, flat), the named tensors, and `rows`:
+    the Experience rows, in order); with `pack` (needs `max_tokens`) `tokens`, `positions` are (1, t) and
+    `packed_seq_params`, `row_starts`, `row_lengths` are added (the module docstring)."""
 
     def __init__(
         self,

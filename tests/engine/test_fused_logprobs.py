@@ -5,7 +5,7 @@ MegatronRole are checked by tests/parallel/model_parity_script.py."""
 import pytest
 import torch
 
-from engine.models.fused_logprobs import chunk_rows, linear_log_probs
+from engine.models.fused_logprobs import _row_max, chunk_rows, chunk_slices, linear_log_probs
 
 N, H, V, VOCAB = 13, 8, 12, 10  # 2 padded vocabulary rows
 
@@ -99,6 +99,30 @@ def test_chunk_rows_respects_budget_and_shape_errors():
     assert chunk_rows(10**9) == 64
     with pytest.raises(ValueError, match="hidden rows"):
         linear_log_probs(torch.zeros(3, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long), vocab_size=5)
+
+
+def test_chunks_cover_every_row_and_none_has_one_row():
+    for rows_per_chunk in (3, 4, 64):
+        for n in range(1, 3 * rows_per_chunk + 2):
+            chunks = chunk_slices(n, rows_per_chunk)
+            assert [i for c in chunks for i in range(c.start, c.stop)] == list(range(n))
+            assert all(0 < c.stop - c.start <= rows_per_chunk for c in chunks)
+            assert n == 1 or all(c.stop - c.start > 1 for c in chunks), (n, rows_per_chunk, chunks)
+
+
+def test_chunk_kernels_compile_once_for_every_row_count():
+    """The chunk kernels as cuda_kernel compiles them (dynamic sizes), dynamo's cheap `eager` backend on CPU:
+    after one compile, chunks of the micro-batches of any number of response tokens reuse it."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    row_max = torch.compile(_row_max, dynamic=True, backend="eager")
+    row_max(torch.randn(7, V), 1.0, VOCAB)  # warm-up
+    graphs = counters["stats"]["unique_graphs"]
+    for n in (65, 64, 129, 3):  # e.g. valid response tokens of four micro-batches
+        for rows in chunk_slices(n, 64):
+            row_max(torch.randn(n, V)[rows], 1.0, VOCAB)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.gpu
