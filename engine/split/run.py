@@ -54,7 +54,7 @@ def run_split(
         )
         device = groups.device if groups is not None else _rollout_device(c.device)
         side = "rollout" if groups is None else "critic" if layout.is_critic_rank(rank) else "training"
-        with explain_rank_failures(rank, world_size, c.timeout_s, side):
+        with explain_rank_failures(rank, world_size, c.timeout_s, side, layout.describe_rank):
             output_dir = output_dir_of(cfg.trainer.output_dir)
             with claimed_output_dir_over(output_dir, cfg.trainer, rank, world_size, everyone, device):
                 if rank == 0:

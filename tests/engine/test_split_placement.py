@@ -6,8 +6,8 @@ trainer.off_policy_steps=0 equals colocated, because each rollout replica genera
 prompts (or its share of them) with the colocated path's loader, seeds and scoring. Excluded: timing/*,
 perf/* (wall clock) and rollout_engine/* (the engine's counters depend on how many prompts one call holds).
 
-Launches: 3 ranks (2 train + 1 rollout) killed with SIGKILL inside step 3 after step 2's checkpoint, then
-resumed (trainer.resume=auto), against colocated DP=2, both scored by a reward model (reward.combine=sum: the
+Launches: 3 ranks (2 train + 1 rollout) whose rollout rank gets stuck inside step 3 after step 2's checkpoint
+(the training ranks time out, name it and kill it), then resumed (trainer.resume=auto), against colocated DP=2, both scored by a reward model (reward.combine=sum: the
 rollout rank scores the rule, the training ranks add the model's score, in training and validation); 4 ranks (TP=2 train + 2 rollout replicas sharing its
 prompts) against colocated TP=2 with rollout.tp=1 (a micro-DP group of 2); 3 ranks one step off policy
 (trainer.off_policy_steps=1) for 40 steps of the embedded task; PPO with the critic on a rank of its own
@@ -52,6 +52,8 @@ RUN = [
     REWARD,
 ]
 SPLIT = ["placement.mode=split"]
+STUCK_FOR_S = 20.0
+"""cluster.timeout_s of a run whose rollout rank gets stuck: above any wait of a healthy step here."""
 
 
 def _validation(tmp_path, test_freq: int) -> list[str]:
@@ -90,41 +92,56 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _kill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL every rank's process group (the ranks and what they started), then torchrun's."""
-    for pid in _children(proc.pid):
+def _kill_job(proc: subprocess.Popen, rank_groups: list[int] | None = None) -> None:
+    """SIGKILL every rank's process group (the ranks and what they started; `rank_groups` if the ranks may have
+    ended already), then torchrun's."""
+    if rank_groups is None:
+        rank_groups = [os.getpgid(pid) for pid in _children(proc.pid)]
+    for group in [*rank_groups, proc.pid]:
         try:
-            os.killpg(os.getpgid(pid), signal.SIGKILL)
+            os.killpg(group, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
 
 
-def _killed_in_step_3(out, *overrides: str) -> None:
-    """A 3-rank split run SIGKILLed (all ranks) while its rollout rank scores step 3, after step 2's save."""
+def _killed_in_step_3(out, *overrides: str, stuck_for_s: float = 0.0) -> str:
+    """A 3-rank split run SIGKILLed (all ranks) while its rollout rank scores step 3, after step 2's save; its
+    output. With `stuck_for_s` (cluster.timeout_s) the test kills nobody: the other ranks' collectives time
+    out while the rollout rank is stuck, they name it, kill it and end the job."""
     stall_at = os.path.join(out, "checkpoints", "global_step_2")
     env = dict(os.environ, OMP_NUM_THREADS="1", STALL_AFTER_CHECKPOINT=stall_at)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
     cmd += ["-m", "engine.train", f"trainer.output_dir={out}", *RUN, *overrides]
+    if stuck_for_s:
+        cmd.append(f"cluster.timeout_s={stuck_for_s:g}")
     proc = subprocess.Popen(
         cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    rank_groups = None
     try:
         deadline = time.monotonic() + 300
         while not os.path.exists(f"{stall_at}.stalled"):
             assert proc.poll() is None, f"the run ended before stalling:\n{proc.stdout.read()[-6000:]}"
             assert time.monotonic() < deadline, "no stall within 300 s"
             time.sleep(0.05)
+        if not stuck_for_s:
+            return ""
+        rank_groups = [os.getpgid(pid) for pid in _children(proc.pid)]  # the stuck rank's reward worker too
+        stuck = time.monotonic()
+        output = proc.communicate(timeout=stuck_for_s + 60)[0]
+        assert time.monotonic() - stuck < stuck_for_s + 15, output[-6000:]  # the job ended by itself
+        return output
     finally:
-        _kill_job(proc)
+        _kill_job(proc, rank_groups)
 
 
 def test_split_3_ranks_equals_colocated_dp2_and_resumes_after_sigkill(tmp_path):
     """Validation after steps 3 and 4 (the last) of the resumed run equals colocated's too. (None before the
     kill: validation after step 2 would send step 3's weights before step 2's checkpoint exists, and step 3
     could then be scored, not stalled, before it does.) A reward model scores on the training ranks and
-    its score is added to the rule's (reward.combine=sum), as colocated adds them."""
+    its score is added to the rule's (reward.combine=sum), as colocated adds them. The stuck rollout rank ends
+    the run within cluster.timeout_s, named with its side and coordinates by both training ranks."""
     # the embedded tokenizer's vocabulary, so the reward model reads the actor's token ids
     reward_model = hf_tiny.save_tiny(
         "qwen2", str(tmp_path / "rm"), seed=3, head="sequence", vocab_size=len(EMBEDDED_VOCAB)
@@ -134,8 +151,15 @@ def test_split_3_ranks_equals_colocated_dp2_and_resumes_after_sigkill(tmp_path):
 
     split = ["placement.mode=split", "placement.rollout_ranks=1", *validation]
     out = tmp_path / "split"
-    _killed_in_step_3(out, *split)
+    output = _killed_in_step_3(out, *split, stuck_for_s=STUCK_FOR_S)
     assert sorted(_metrics(out)) == [1, 2]  # killed inside step 3
+    # both training ranks time out waiting for step 3's responses and name the stuck rollout rank
+    for rank in (0, 1):
+        note = (
+            f"training rank {rank} of 3: a collective waited longer than cluster.timeout_s={STUCK_FOR_S:g}s"
+        )
+        assert note in output, output[-6000:]
+    assert "Rank(s) [2] did not arrive (rollout rank 2 at rollout TP 0, DP 0)" in output, output[-6000:]
     rows = _train(3, out, *split, "trainer.resume=auto")
     assert sorted(rows) == [1, 2, 3, 4]
     for step, row in rows.items():
@@ -328,3 +352,8 @@ def test_rollout_replicas_serve_training_replicas_whole_or_in_shares():
     assert [critic.critic_replica_ranks(d) for d in range(2)] == [[4, 5], [6, 7]]
     assert critic.is_critic_rank(4) and not critic.is_critic_rank(8) and critic.is_rollout_rank(8)
     assert critic.serving_ranks(1) == [9] and critic.rollout_coords(9) == (0, 1)
+    # failure messages name the side and coordinates (parallel/arrival.py)
+    names = [critic.describe_rank(r) for r in (3, 6, 9)]
+    assert names == ["training rank 3 at TP 1, PP 0, DP 1", "critic rank 6 at TP 0, PP 0, DP 1"] + [
+        "rollout rank 9 at rollout TP 0, DP 1"
+    ]
