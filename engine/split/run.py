@@ -123,7 +123,7 @@ def _train(cfg: TrainConfig, layout: SplitLayout, groups, everyone, output_dir: 
     transfer = SplitTransfer(
         layout, groups.rank, local, c.shape.tie_embeddings, groups.device, everyone, groups.timeout
     )
-    c.split = TrainerLink(transfer, layout, groups, everyone)
+    c.split = TrainerLink(transfer, layout, groups, everyone, cfg.trainer.off_policy_steps)
     c.split.idle_engine = idle_engine
     Trainer(c).fit()
     if cfg.trainer.plot and groups.is_logging_rank:

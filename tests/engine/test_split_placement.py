@@ -10,7 +10,8 @@ Launches: 3 ranks (2 train + 1 rollout) whose rollout rank gets stuck inside ste
 (the training ranks time out, name it and kill it), then resumed (trainer.resume=auto), against colocated DP=2, both scored by a reward model (reward.combine=sum: the
 rollout rank scores the rule, the training ranks add the model's score, in training and validation); 4 ranks (TP=2 train + 2 rollout replicas sharing its
 prompts) against colocated TP=2 with rollout.tp=1 (a micro-DP group of 2); 3 ranks one step off policy
-(trainer.off_policy_steps=1) for 40 steps of the embedded task; PPO with the critic on a rank of its own
+(trainer.off_policy_steps=1) for 40 steps of the embedded task; 2 ranks one step off policy killed after step 2's
+checkpoint and resumed (the batch in flight is regenerated); PPO with the critic on a rank of its own
 (placement.critic_ranks=1, 3 ranks; killed inside step 3 and resumed) against the critic on the actor's rank
 (2 ranks); multi-turn episodes with the calculator on 2 ranks (1 train + 1 rollout) against colocated at world
 size 1 (in this process). GPU + vLLM (marked
@@ -105,13 +106,13 @@ def _kill_job(proc: subprocess.Popen, rank_groups: list[int] | None = None) -> N
     proc.wait(timeout=60)
 
 
-def _killed_in_step_3(out, *overrides: str, stuck_for_s: float = 0.0) -> str:
-    """A 3-rank split run SIGKILLed (all ranks) while its rollout rank scores step 3, after step 2's save; its
-    output. With `stuck_for_s` (cluster.timeout_s) the test kills nobody: the other ranks' collectives time
+def _killed_in_step_3(out, *overrides: str, stuck_for_s: float = 0.0, nproc: int = 3) -> str:
+    """A split run (`nproc` ranks) SIGKILLed (all ranks) while its rollout rank scores step 3 (one step off
+    policy: step 3 or 4), after step 2's save; its output. With `stuck_for_s` (cluster.timeout_s) the test kills nobody: the other ranks' collectives time
     out while the rollout rank is stuck, they name it, kill it and end the job."""
     stall_at = os.path.join(out, "checkpoints", "global_step_2")
     env = dict(os.environ, OMP_NUM_THREADS="1", STALL_AFTER_CHECKPOINT=stall_at)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd += ["-m", "engine.train", f"trainer.output_dir={out}", *RUN, *overrides]
     if stuck_for_s:
         cmd.append(f"cluster.timeout_s={stuck_for_s:g}")
@@ -301,6 +302,28 @@ def test_one_step_off_policy_records_staleness_and_learns_the_embedded_task(tmp_
     rewards = [rows[s]["reward/mean"] for s in sorted(rows)]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.02, (first, last)
+
+
+def test_one_step_off_policy_resume_regenerates_the_batch_in_flight_and_says_so(tmp_path):
+    """2 ranks (1 train + 1 rollout) one step off policy, SIGKILLed after step 2's checkpoint while the batch of
+    step 3 or 4 is generated, resumed (trainer.resume=auto): the checkpoint holds no batch in flight, so step 3's
+    is regenerated with the checkpoint's weights (staleness 0, the rollout's log-probs are the update's up to
+    float noise, as on step 1), step 4 is one step off policy again, and the log says which it is."""
+    off_policy = [*SPLIT, "placement.rollout_ranks=1", "trainer.off_policy_steps=1", "algorithm.tis_cap=2"]
+    out = tmp_path / "off"
+    _killed_in_step_3(out, *off_policy, nproc=2)
+    assert sorted(_metrics(out)) in ([1, 2], [1, 2, 3])  # killed inside step 3 or 4
+    output = run_torchrun(
+        "-m", 2, ["engine.train", f"trainer.output_dir={out}", *RUN, *off_policy, "trainer.resume=auto"]
+    )
+    rows = _metrics(out)
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert [rows[s]["rollout/staleness_max"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 0.0, 1.0]
+    assert abs(rows[3]["actor/rollout_kl"]) < 1e-6 and abs(rows[4]["actor/rollout_kl"]) > 1e-6
+    assert (
+        "the batch of step 3 that was in flight is not in the checkpoint; the rollout ranks regenerate"
+        in (output)
+    ), output[-6000:]
 
 
 def test_ppo_critic_on_its_own_rank_equals_the_critic_on_the_actors_rank_and_resumes_after_sigkill(tmp_path):
