@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -85,8 +86,11 @@ def _parent_of(pid: int) -> int | None:
         return None
 
 
-def report_missing_ranks(rank: int, world_size: int, grace_s: float = REPORT_GRACE_S) -> str:
-    """One or two sentences for the timeout note: which ranks did not arrive, and which were stopped here."""
+def report_missing_ranks(
+    rank: int, world_size: int, grace_s: float = REPORT_GRACE_S, describe: Callable[[int], str] | None = None
+) -> str:
+    """One or two sentences for the timeout note: which ranks did not arrive, and which were stopped here.
+    `describe` names a rank's side and coordinates (split placement: `SplitLayout.describe_rank`)."""
     try:
         missing = missing_ranks(rank, world_size, grace_s)
     except Exception as err:  # the store itself is gone or stuck (its host is the stuck rank)
@@ -99,8 +103,9 @@ def report_missing_ranks(rank: int, world_size: int, grace_s: float = REPORT_GRA
             f" Every rank reported within {grace_s:g}s of this timeout: none is stopped; they wait in different "
             f"collectives (a code path that only some ranks take) or a message was lost."
         )
+    named = f" ({'; '.join(describe(r) for r in missing)})" if describe is not None else ""
     text = (
-        f" Rank(s) {missing} did not arrive: no report from them within {grace_s:g}s of this timeout "
+        f" Rank(s) {missing} did not arrive{named}: no report from them within {grace_s:g}s of this timeout "
         f"(stopped, stuck, or still in a slow phase); their logs and stacks (py-spy dump --pid) show where."
     )
     killed = kill_local_peers(missing)

@@ -22,7 +22,7 @@ import re
 import socket
 import sys
 import traceback
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -387,13 +387,16 @@ def is_timeout(message: str) -> bool:
 
 
 @contextmanager
-def explain_rank_failures(rank: int, world_size: int, timeout_s: float, side: str = "") -> Iterator[None]:
+def explain_rank_failures(
+    rank: int, world_size: int, timeout_s: float, side: str = "", describe: Callable[[int], str] | None = None
+) -> Iterator[None]:
     """Print `failure_note` for an exception that looks like a failed collective, then let it propagate.
 
     The note turns a bare gloo/NCCL error into 'which rank, what probably happened, what to do'. It is printed
     at once, not attached to the traceback: the launcher stops the surviving ranks within a fraction of a
     second of the first failure, often before their tracebacks (printed after teardown) get out.
-    After a timeout the note also names the ranks that did not arrive (`parallel.arrival`); this rank then
+    After a timeout the note also names the ranks that did not arrive (`parallel.arrival`), each with its side
+    and coordinates when `describe` is given (split placement: `SplitLayout.describe_rank`); this rank then
     prints its traceback and exits at once (os._exit(1)): a teardown that waits on the missing rank would
     only delay the launcher's stop of the job.
     """
@@ -404,7 +407,11 @@ def explain_rank_failures(rank: int, world_size: int, timeout_s: float, side: st
         if note and is_timeout(str(err)):
             from parallel.arrival import report_missing_ranks
 
-            print(f"{note}.{report_missing_ranks(rank, world_size)}", file=sys.stderr, flush=True)
+            print(
+                f"{note}.{report_missing_ranks(rank, world_size, describe=describe)}",
+                file=sys.stderr,
+                flush=True,
+            )
             traceback.print_exc()
             sys.stdout.flush()
             sys.stderr.flush()

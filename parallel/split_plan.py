@@ -66,6 +66,18 @@ class SplitLayout:
     def is_critic_rank(self, rank: int) -> bool:
         return self.num_train_ranks <= rank < self.rollout_start
 
+    def describe_rank(self, rank: int) -> str:
+        """A rank's side and coordinates, for failure messages: 'training rank 1 at TP 0, PP 0, DP 1', 'critic
+        rank 2 at TP 0, PP 0, DP 0' (the critic's own layout), 'rollout rank 3 at rollout TP 0, DP 0'."""
+        if self.is_rollout_rank(rank):
+            tp_rank, dp_rank = self.rollout_coords(rank)
+            return f"rollout rank {rank} at rollout TP {tp_rank}, DP {dp_rank}"
+        if self.is_critic_rank(rank):
+            side, at = "critic", self.critic.coords(rank - self.num_train_ranks)
+        else:
+            side, at = "training", self.train.coords(rank)
+        return f"{side} rank {rank} at TP {at.tp_rank}, PP {at.pp_rank}, DP {at.dp_rank}"
+
     def critic_replica_ranks(self, train_dp_rank: int) -> list[int]:
         """The critic's ranks (tp x pp) serving training replica `train_dp_rank` (critic replica of that index)."""
         n = self.num_train_ranks

@@ -39,8 +39,17 @@ def recv_object(src: int, group: dist.ProcessGroup):
 class TrainerLink:
     """The training side of the exchange with the rollout ranks; one per training rank."""
 
-    def __init__(self, transfer: SplitTransfer, layout: SplitLayout, groups: ProcessGroups, everyone):
+    def __init__(
+        self,
+        transfer: SplitTransfer,
+        layout: SplitLayout,
+        groups: ProcessGroups,
+        everyone,
+        off_policy_steps: int,
+    ):
         self.transfer, self.layout, self.groups, self.everyone = transfer, layout, groups, everyone
+        self.off_policy_steps = off_policy_steps
+        """`trainer.off_policy_steps`: 1 when the rollout ranks generate step k + 1 while step k trains."""
         self.start_step = 0
         """The step this run started at (0, or the resumed checkpoint's)."""
         self.sent_for = -1
@@ -86,8 +95,21 @@ class TrainerLink:
     def start(self, step: int, loader: PromptLoader) -> None:
         """Tell the rollout ranks serving this replica where the run starts: the step (fresh: 0, resumed: the
         checkpoint's) and this replica's prompt-loader position; the critic ranks get the step. Sent by the
-        replica's first rank."""
+        replica's first rank.
+
+        A checkpoint holds no batch in flight: resumed one step off policy, the rollout ranks regenerate the
+        batch of the step after the checkpoint's with the checkpoint's weights (on policy, staleness 0), from
+        the saved prompt position with that step's seeds (engine/split/worker.py `run`); the log says so."""
         self.start_step = step
+        if step and self.off_policy_steps and self.groups.is_logging_rank:
+            print(
+                f"split placement: resumed at step {step} one step off policy (trainer.off_policy_steps="
+                f"{self.off_policy_steps}): the batch of step {step + 1} that was in flight is not in the "
+                f"checkpoint; the rollout ranks regenerate it with the checkpoint's weights (on policy, "
+                f"rollout/staleness 0) from the saved prompt position with the step's seeds, so step {step + 1} "
+                f"differs from an uninterrupted run's; the steps after it are one step off policy again",
+                flush=True,
+            )
         d, layout = self.groups.dp_rank, self.layout
         if layout.replica_ranks(d)[0] != self.groups.rank:
             return

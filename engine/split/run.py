@@ -54,7 +54,7 @@ def run_split(
         )
         device = groups.device if groups is not None else _rollout_device(c.device)
         side = "rollout" if groups is None else "critic" if layout.is_critic_rank(rank) else "training"
-        with explain_rank_failures(rank, world_size, c.timeout_s, side):
+        with explain_rank_failures(rank, world_size, c.timeout_s, side, layout.describe_rank):
             output_dir = output_dir_of(cfg.trainer.output_dir)
             with claimed_output_dir_over(output_dir, cfg.trainer, rank, world_size, everyone, device):
                 if rank == 0:
@@ -123,7 +123,7 @@ def _train(cfg: TrainConfig, layout: SplitLayout, groups, everyone, output_dir: 
     transfer = SplitTransfer(
         layout, groups.rank, local, c.shape.tie_embeddings, groups.device, everyone, groups.timeout
     )
-    c.split = TrainerLink(transfer, layout, groups, everyone)
+    c.split = TrainerLink(transfer, layout, groups, everyone, cfg.trainer.off_policy_steps)
     c.split.idle_engine = idle_engine
     Trainer(c).fit()
     if cfg.trainer.plot and groups.is_logging_rank:

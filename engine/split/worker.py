@@ -21,7 +21,8 @@ the rollout TP group's ranks are consecutive, as vLLM's TP groups are (engine/va
 
 Checkpoints: a rollout rank writes none. Its state is the training side's: the weights arrive every step,
 seeds follow from the step, and at start each training replica's first rank sends the step and its loader
-position (`TrainerLink.start`), so a resumed run regenerates the batch that was in flight at the kill.
+position (`TrainerLink.start`), so a resumed run regenerates the batch that was in flight at the kill: one
+step off policy with the checkpoint's weights, as the first step of any run is generated (staleness 0).
 """
 
 from __future__ import annotations

@@ -6,11 +6,12 @@ trainer.off_policy_steps=0 equals colocated, because each rollout replica genera
 prompts (or its share of them) with the colocated path's loader, seeds and scoring. Excluded: timing/*,
 perf/* (wall clock) and rollout_engine/* (the engine's counters depend on how many prompts one call holds).
 
-Launches: 3 ranks (2 train + 1 rollout) killed with SIGKILL inside step 3 after step 2's checkpoint, then
-resumed (trainer.resume=auto), against colocated DP=2, both scored by a reward model (reward.combine=sum: the
+Launches: 3 ranks (2 train + 1 rollout) whose rollout rank gets stuck inside step 3 after step 2's checkpoint
+(the training ranks time out, name it and kill it), then resumed (trainer.resume=auto), against colocated DP=2, both scored by a reward model (reward.combine=sum: the
 rollout rank scores the rule, the training ranks add the model's score, in training and validation); 4 ranks (TP=2 train + 2 rollout replicas sharing its
 prompts) against colocated TP=2 with rollout.tp=1 (a micro-DP group of 2); 3 ranks one step off policy
-(trainer.off_policy_steps=1) for 40 steps of the embedded task; PPO with the critic on a rank of its own
+(trainer.off_policy_steps=1) for 40 steps of the embedded task; 2 ranks one step off policy killed after step 2's
+checkpoint and resumed (the batch in flight is regenerated); PPO with the critic on a rank of its own
 (placement.critic_ranks=1, 3 ranks; killed inside step 3 and resumed) against the critic on the actor's rank
 (2 ranks); multi-turn episodes with the calculator on 2 ranks (1 train + 1 rollout) against colocated at world
 size 1 (in this process). GPU + vLLM (marked
@@ -52,6 +53,8 @@ RUN = [
     REWARD,
 ]
 SPLIT = ["placement.mode=split"]
+STUCK_FOR_S = 20.0
+"""cluster.timeout_s of a run whose rollout rank gets stuck: above any wait of a healthy step here."""
 
 
 def _validation(tmp_path, test_freq: int) -> list[str]:
@@ -90,41 +93,56 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _kill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL every rank's process group (the ranks and what they started), then torchrun's."""
-    for pid in _children(proc.pid):
+def _kill_job(proc: subprocess.Popen, rank_groups: list[int] | None = None) -> None:
+    """SIGKILL every rank's process group (the ranks and what they started; `rank_groups` if the ranks may have
+    ended already), then torchrun's."""
+    if rank_groups is None:
+        rank_groups = [os.getpgid(pid) for pid in _children(proc.pid)]
+    for group in [*rank_groups, proc.pid]:
         try:
-            os.killpg(os.getpgid(pid), signal.SIGKILL)
+            os.killpg(group, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
 
 
-def _killed_in_step_3(out, *overrides: str) -> None:
-    """A 3-rank split run SIGKILLed (all ranks) while its rollout rank scores step 3, after step 2's save."""
+def _killed_in_step_3(out, *overrides: str, stuck_for_s: float = 0.0, nproc: int = 3) -> str:
+    """A split run (`nproc` ranks) SIGKILLed (all ranks) while its rollout rank scores step 3 (one step off
+    policy: step 3 or 4), after step 2's save; its output. With `stuck_for_s` (cluster.timeout_s) the test kills nobody: the other ranks' collectives time
+    out while the rollout rank is stuck, they name it, kill it and end the job."""
     stall_at = os.path.join(out, "checkpoints", "global_step_2")
     env = dict(os.environ, OMP_NUM_THREADS="1", STALL_AFTER_CHECKPOINT=stall_at)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd += ["-m", "engine.train", f"trainer.output_dir={out}", *RUN, *overrides]
+    if stuck_for_s:
+        cmd.append(f"cluster.timeout_s={stuck_for_s:g}")
     proc = subprocess.Popen(
         cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    rank_groups = None
     try:
         deadline = time.monotonic() + 300
         while not os.path.exists(f"{stall_at}.stalled"):
             assert proc.poll() is None, f"the run ended before stalling:\n{proc.stdout.read()[-6000:]}"
             assert time.monotonic() < deadline, "no stall within 300 s"
             time.sleep(0.05)
+        if not stuck_for_s:
+            return ""
+        rank_groups = [os.getpgid(pid) for pid in _children(proc.pid)]  # the stuck rank's reward worker too
+        stuck = time.monotonic()
+        output = proc.communicate(timeout=stuck_for_s + 60)[0]
+        assert time.monotonic() - stuck < stuck_for_s + 15, output[-6000:]  # the job ended by itself
+        return output
     finally:
-        _kill_job(proc)
+        _kill_job(proc, rank_groups)
 
 
 def test_split_3_ranks_equals_colocated_dp2_and_resumes_after_sigkill(tmp_path):
     """Validation after steps 3 and 4 (the last) of the resumed run equals colocated's too. (None before the
     kill: validation after step 2 would send step 3's weights before step 2's checkpoint exists, and step 3
     could then be scored, not stalled, before it does.) A reward model scores on the training ranks and
-    its score is added to the rule's (reward.combine=sum), as colocated adds them."""
+    its score is added to the rule's (reward.combine=sum), as colocated adds them. The stuck rollout rank ends
+    the run within cluster.timeout_s, named with its side and coordinates by both training ranks."""
     # the embedded tokenizer's vocabulary, so the reward model reads the actor's token ids
     reward_model = hf_tiny.save_tiny(
         "qwen2", str(tmp_path / "rm"), seed=3, head="sequence", vocab_size=len(EMBEDDED_VOCAB)
@@ -134,8 +152,15 @@ def test_split_3_ranks_equals_colocated_dp2_and_resumes_after_sigkill(tmp_path):
 
     split = ["placement.mode=split", "placement.rollout_ranks=1", *validation]
     out = tmp_path / "split"
-    _killed_in_step_3(out, *split)
+    output = _killed_in_step_3(out, *split, stuck_for_s=STUCK_FOR_S)
     assert sorted(_metrics(out)) == [1, 2]  # killed inside step 3
+    # both training ranks time out waiting for step 3's responses and name the stuck rollout rank
+    for rank in (0, 1):
+        note = (
+            f"training rank {rank} of 3: a collective waited longer than cluster.timeout_s={STUCK_FOR_S:g}s"
+        )
+        assert note in output, output[-6000:]
+    assert "Rank(s) [2] did not arrive (rollout rank 2 at rollout TP 0, DP 0)" in output, output[-6000:]
     rows = _train(3, out, *split, "trainer.resume=auto")
     assert sorted(rows) == [1, 2, 3, 4]
     for step, row in rows.items():
@@ -279,6 +304,28 @@ def test_one_step_off_policy_records_staleness_and_learns_the_embedded_task(tmp_
     assert last > first + 0.02, (first, last)
 
 
+def test_one_step_off_policy_resume_regenerates_the_batch_in_flight_and_says_so(tmp_path):
+    """2 ranks (1 train + 1 rollout) one step off policy, SIGKILLed after step 2's checkpoint while the batch of
+    step 3 or 4 is generated, resumed (trainer.resume=auto): the checkpoint holds no batch in flight, so step 3's
+    is regenerated with the checkpoint's weights (staleness 0, the rollout's log-probs are the update's up to
+    float noise, as on step 1), step 4 is one step off policy again, and the log says which it is."""
+    off_policy = [*SPLIT, "placement.rollout_ranks=1", "trainer.off_policy_steps=1", "algorithm.tis_cap=2"]
+    out = tmp_path / "off"
+    _killed_in_step_3(out, *off_policy, nproc=2)
+    assert sorted(_metrics(out)) in ([1, 2], [1, 2, 3])  # killed inside step 3 or 4
+    output = run_torchrun(
+        "-m", 2, ["engine.train", f"trainer.output_dir={out}", *RUN, *off_policy, "trainer.resume=auto"]
+    )
+    rows = _metrics(out)
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert [rows[s]["rollout/staleness_max"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 0.0, 1.0]
+    assert abs(rows[3]["actor/rollout_kl"]) < 1e-6 and abs(rows[4]["actor/rollout_kl"]) > 1e-6
+    assert (
+        "the batch of step 3 that was in flight is not in the checkpoint; the rollout ranks regenerate"
+        in (output)
+    ), output[-6000:]
+
+
 def test_ppo_critic_on_its_own_rank_equals_the_critic_on_the_actors_rank_and_resumes_after_sigkill(tmp_path):
     """PPO (GAE, KL in the reward): 3 ranks (1 actor + 1 critic + 1 rollout) against 2 ranks (1 trainer holding
     actor and critic + 1 rollout), which equals colocated (the tests above): every non-timing metric, the
@@ -328,3 +375,8 @@ def test_rollout_replicas_serve_training_replicas_whole_or_in_shares():
     assert [critic.critic_replica_ranks(d) for d in range(2)] == [[4, 5], [6, 7]]
     assert critic.is_critic_rank(4) and not critic.is_critic_rank(8) and critic.is_rollout_rank(8)
     assert critic.serving_ranks(1) == [9] and critic.rollout_coords(9) == (0, 1)
+    # failure messages name the side and coordinates (parallel/arrival.py)
+    names = [critic.describe_rank(r) for r in (3, 6, 9)]
+    assert names == ["training rank 3 at TP 1, PP 0, DP 1", "critic rank 6 at TP 0, PP 0, DP 1"] + [
+        "rollout rank 9 at rollout TP 0, DP 1"
+    ]
