@@ -3,7 +3,8 @@
 It re-implements megatron's GPTModel with our layer spec (engine/models/spec.py: RMSNorm in float32, fused
 QKV interleaved per query group, optional QKV bias and QK-norm, RoPE with megatron's cos/sin rounding and
 Llama-3 scaling, SDPA core attention, SwiGLU [gate; up] or a mixture of experts (engine/models/moe.py: the
-router's top-k and weights as megatron computes them), tied or untied output layer) because the rollout
+router's top-k and weights as megatron computes them; the experts as grouped GEMMs where that runs without
+host syncs: engine/rollout/moe_experts.py), tied or untied output layer) because the rollout
 TP size differs from the training modules'. Parity with the training forward is tested
 (tests/engine/test_rollout_native.py), not assumed. Nothing here allocates per-sequence state: the KV cache
 and the batch bookkeeping belong to engine/rollout/native.py.
@@ -42,6 +43,7 @@ from engine.models import moe
 from engine.models.builder import ModelShape
 from engine.models.compiled import ROLLOUT, cuda_kernel
 from engine.rollout import triton_decode
+from engine.rollout.moe_experts import MoEWeights, moe_layer
 from parallel.rollout_weights import RolloutWeights
 
 
@@ -190,21 +192,8 @@ class _Layer:
     fc1_w: torch.Tensor | None
     """Dense SwiGLU [gate; up] (None in an MoE layer)."""
     fc2_w: torch.Tensor | None
-    moe: _MoEWeights | None = None
+    moe: MoEWeights | None = None
     """The MoE MLP's weights (None in a dense layer)."""
-
-
-@dataclass
-class _MoEWeights:
-    """One MoE layer: router and routed experts whole on every rollout-TP rank (expert TP is 1), the shared
-    expert split over TP like a dense MLP."""
-
-    router: torch.Tensor
-    expert_fc1: list[torch.Tensor]
-    expert_fc2: list[torch.Tensor]
-    shared_fc1: torch.Tensor | None
-    shared_fc2: torch.Tensor | None
-    shared_gate: torch.Tensor | None
 
 
 def _required(params: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -285,19 +274,24 @@ class RolloutModel:
             mlp_norm=_required(p, pre + "pre_mlp_layernorm.weight"),
             fc1_w=_required(p, pre + "mlp.linear_fc1.weight") if dense else None,
             fc2_w=_required(p, pre + "mlp.linear_fc2.weight") if dense else None,
-            moe=None if dense else self._moe_layer(p, pre + "mlp."),
+            moe=None if dense else moe_layer(p, pre + "mlp.", self.shape.moe, _required),
         )
 
-    def _moe_layer(self, p: dict[str, torch.Tensor], pre: str) -> _MoEWeights:
-        experts = range(self.shape.moe.num_experts)
-        return _MoEWeights(
-            router=_required(p, pre + "router.weight"),
-            expert_fc1=[_required(p, f"{pre}experts.local_experts.{e}.linear_fc1.weight") for e in experts],
-            expert_fc2=[_required(p, f"{pre}experts.local_experts.{e}.linear_fc2.weight") for e in experts],
-            shared_fc1=p.get(pre + "shared_experts.linear_fc1.weight"),
-            shared_fc2=p.get(pre + "shared_experts.linear_fc2.weight"),
-            shared_gate=p.get(pre + "shared_experts.gate_weight"),
-        )
+    def expert_views(self) -> list[torch.Tensor]:
+        """MoE: the stacked expert weights of the grouped path (built here if they are not): a CUDA graph of
+        the decode step is valid only while they keep their addresses."""
+        out = []
+        for layer in self.layers:
+            if layer.moe is not None and layer.moe.grouped:
+                layer.moe.stack()
+                out += [layer.moe.fc1_efh, layer.moe.fc2_ehf]
+        return out
+
+    def free_stacked_experts(self) -> None:
+        """Drop the stacked expert weights (a copy unless they are views: engine/rollout/moe_experts.py)."""
+        for layer in self.layers:
+            if layer.moe is not None:
+                layer.moe.free_stacked()
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         """The layer's MLP on normed hidden states h (b, s, hidden), summed over the TP group. MoE: the
@@ -306,7 +300,7 @@ class RolloutModel:
         if layer.moe is None:
             return self._all_reduce(F.linear(self._swiglu(F.linear(h, layer.fc1_w)), layer.fc2_w))
         w, h_th = layer.moe, h.reshape(-1, h.shape[-1])
-        out, index_tk = moe.routed_experts(h_th, w.router, w.expert_fc1, w.expert_fc2, self.shape.moe)
+        out, index_tk = w.routed(h_th, self.shape.moe)
         if self.routes is not None:  # recording for routing replay (engine/rollout/routes.py)
             self.routes.append(index_tk)
         if w.shared_fc1 is not None:

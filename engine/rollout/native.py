@@ -47,6 +47,7 @@ from engine.rollout.decode_state import CallOutputs, SlotState
 from engine.rollout.kept_rows import KeptRows, kept_rows, prefill_continued
 from engine.rollout.kv_cache import KVCachePool, compact_rows
 from engine.rollout.model import DecodeKernels, RolloutModel, rope_tables
+from engine.rollout.moe_experts import use_cuda_graphs
 from engine.rollout.routes import RouteRecorder
 from engine.rollout.sampler import sample_tokens
 from parallel.cpu import no_shim_overhead
@@ -59,7 +60,8 @@ class NativeRollout(RolloutEngine):
     `max_num_seqs`: most sequences decoded at once (`rollout.max_num_seqs`); `pad_id` pads the responses.
     `kv_cache_budget_bytes`: KV cache memory (None: `kv_cache_memory_fraction` of the free GPU memory on CUDA,
     1 GiB at most on CPU); it bounds the sequences decoded at once, larger batches are chunked.
-    `cuda_graphs` (None: on CUDA for dense models; MoE models decode eagerly), `keep_cache` (None: on CPU only; on CUDA the cache and graphs are freed
+    `cuda_graphs` (None: on CUDA where decode has no host sync, engine/rollout/moe_experts.py; calls recording
+    routed experts decode eagerly), `keep_cache` (None: on CPU only; on CUDA the cache and graphs are freed
     after each call so that training gets the memory back), `prefill_tokens` (tokens per prefill forward),
     `check_every` (decode steps between host checks for finished rows; None: 1 on CPU, 8 on CUDA),
     `kernels` (the forward's fast kernels, engine/rollout/model.py `DecodeKernels`; default: all where they apply),
@@ -94,13 +96,7 @@ class NativeRollout(RolloutEngine):
         self.shape, self.device, self.max_num_seqs, self.pad_id = shape, device, max_num_seqs, pad_id
         self.kv_cache_budget_bytes = kv_cache_budget_bytes
         self.kv_cache_memory_fraction = kv_cache_memory_fraction
-        if cuda_graphs and shape.moe is not None:
-            raise ValueError(
-                "rollout.cuda_graphs=true: the native MoE forward picks each expert's tokens with a host sync, "
-                "which a CUDA graph cannot capture; set rollout.cuda_graphs=false for MoE models"
-            )
-        # MoE: eager decode (the experts' token selection syncs with the host)
-        self.use_graphs = (on_cuda and shape.moe is None) if cuda_graphs is None else cuda_graphs
+        self.use_graphs = use_cuda_graphs(shape, device, cuda_graphs)
         self.keep_cache = (not on_cuda) if keep_cache is None else keep_cache
         self.prefill_tokens = prefill_tokens
         self.check_every = check_every or (8 if on_cuda else 1)
@@ -135,6 +131,7 @@ class NativeRollout(RolloutEngine):
         self.weights = weights
         self.model = RolloutModel(self.shape, weights, self._rope, self.kernels)
         m = self.model
+        use_cuda_graphs(self.shape, self.device, self.graphs is not None or None, m.dtype)
         if self.pool is None or self.pool.dtype != m.dtype or self.pool.groups != m.groups:
             self.pool = KVCachePool(
                 self.shape.num_layers,
@@ -152,6 +149,8 @@ class NativeRollout(RolloutEngine):
             self.graphs.clear()
         if self.pool is not None:
             self.pool.release()
+        if self.model is not None:
+            self.model.free_stacked_experts()
         self._rows = None
         self._kept = None
 
@@ -392,7 +391,7 @@ class NativeRollout(RolloutEngine):
         st.row_of[n:width] = scratch
         st.alive[:n], st.alive[n:width] = True, False
         if self.graphs is not None:
-            ptrs = tuple(t.data_ptr() for t in self.weights.params.values())
+            ptrs = tuple(t.data_ptr() for t in (*self.weights.params.values(), *self.model.expert_views()))
             self.graphs.invalidate_unless((ptrs, self.pool.version, slots, seq_len, self._rows_version))
         cur = plen
         steps = max(sampling.limit_of(p) for _, p in chunk)
@@ -492,7 +491,7 @@ class NativeRollout(RolloutEngine):
                 num_keys,
             )
 
-        if self.graphs is None:
+        if self.graphs is None or self._recorder is not None:  # the recorder reads each step's routes
             return step(width, cur + 1)
         # warm-up and capture write K/V at the last cache position, which no step reads before writing it
         return self.graphs.run(width, step, lambda: st.cur.fill_(seq_len - 1), lambda: st.cur.fill_(cur))

@@ -5,10 +5,14 @@ random-init model and the same prompts, in one run; prints one JSON object.
     python scripts/bench/rollout.py --preset tiny                      # CPU smoke test (64 x 32 -> 64)
     python scripts/bench/rollout.py --preset tiny --compare-shims      # CPU: also the decode loop with the
                                                                        # megatron CPU shims' overhead left on
+    python scripts/bench/rollout.py --preset qwen1_5_moe_a2_7b --backends native,vllm   # GPU: MoE
+    python scripts/bench/rollout.py --preset tiny_moe --backends native                 # CPU MoE smoke test
 
-Model: a preset from conf/model/ (qwen2_5_0_5b, qwen2_5_1_5b, qwen2_5_7b in bfloat16, or the tiny CPU model
-in float32 with a 512-token vocabulary), weights drawn at random (std 0.02) directly in the rollout layout
-(TP=1); vLLM gets the same weights through its weight loader, transformers through the HF weight map.
+Model: a preset from conf/model/ (qwen2_5_0_5b, qwen2_5_1_5b, qwen2_5_7b and the mixture of experts
+qwen1_5_moe_a2_7b in bfloat16, or the tiny CPU models tiny and tiny_moe in float32 with a 512-token
+vocabulary), weights drawn at random (std 0.02) directly in the rollout layout (TP=1; an MoE layer's routed
+experts as views of one (experts, ...) tensor per weight, so the native engine's grouped expert GEMMs use them
+without a copy); vLLM gets the same weights through its weight loader, transformers through the HF weight map.
 Sampling: temperature 1, no top-k/top-p, EOS ignored (every response is --new-tokens long, or with
 `--lengths long_tail` as long as scripts/bench/workload.py draws it per prompt: same lengths for every backend). Each backend is
 warmed up on the same batch first (8 new tokens; with per-prompt lengths, lengths 1..64 so that every decode
@@ -52,7 +56,8 @@ from parallel.rollout_weights import RolloutWeights
 from parallel.state import destroy_distributed, init_distributed
 
 CONF_MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "conf", "model")
-PRESETS = ("tiny", "qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_7b")
+PRESETS = ("tiny", "tiny_moe", "qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_7b", "qwen1_5_moe_a2_7b")
+TINY = ("tiny", "tiny_moe")
 TINY_VOCAB = 512
 BACKENDS = ("native", "native_flash", "native_plain", "vllm", "transformers")
 
@@ -63,9 +68,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--backends", default=",".join(BACKENDS), help="comma-separated subset of " + ",".join(BACKENDS)
     )
-    ap.add_argument("--prompts", type=int, help="default 512 (64 for tiny)")
-    ap.add_argument("--prompt-len", type=int, help="default 256 (32 for tiny)")
-    ap.add_argument("--new-tokens", type=int, help="default 512 (64 for tiny)")
+    ap.add_argument("--prompts", type=int, help="default 512 (64 for the tiny presets)")
+    ap.add_argument("--prompt-len", type=int, help="default 256 (32 for the tiny presets)")
+    ap.add_argument("--new-tokens", type=int, help="default 512 (64 for the tiny presets)")
     ap.add_argument(
         "--max-num-seqs", type=int, help="rollout.max_num_seqs for native and vLLM (default: --prompts)"
     )
@@ -96,15 +101,38 @@ def model_shape(preset: str) -> ModelShape:
         OmegaConf.structured(ModelConfig), OmegaConf.load(os.path.join(CONF_MODEL, f"{preset}.yaml"))
     )
     m = OmegaConf.to_object(m)
-    if preset == "tiny":
+    if preset in TINY:
         m = replace(m, vocab_size=TINY_VOCAB, dtype="float32")
     return resolve_shape(m, m.vocab_size, 1)
 
 
+def _mlp_shapes(s: ModelShape, pre: str) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """Layer `pre`'s MLP tensors: (shapes of the single tensors, {prefix of expert e's name: (experts, ...)}
+    for the routed experts, whose tensors are views of one tensor each)."""
+    if s.moe is None:
+        fc = {pre + "mlp.linear_fc1.weight": (2 * s.ffn_hidden_size, s.hidden_size)}
+        return {**fc, pre + "mlp.linear_fc2.weight": (s.hidden_size, s.ffn_hidden_size)}, {}
+    m, mlp = s.moe, pre + "mlp."
+    single = {mlp + "router.weight": (m.num_experts, s.hidden_size)}
+    if m.shared_ffn_hidden_size:
+        single[mlp + "shared_experts.linear_fc1.weight"] = (2 * m.shared_ffn_hidden_size, s.hidden_size)
+        single[mlp + "shared_experts.linear_fc2.weight"] = (s.hidden_size, m.shared_ffn_hidden_size)
+    if m.shared_gate:
+        single[mlp + "shared_experts.gate_weight"] = (1, s.hidden_size)
+    experts = mlp + "experts.local_experts.{}."
+    stacked = {
+        experts + "linear_fc1.weight": (m.num_experts, 2 * m.ffn_hidden_size, s.hidden_size),
+        experts + "linear_fc2.weight": (m.num_experts, s.hidden_size, m.ffn_hidden_size),
+    }
+    return single, stacked
+
+
 def random_rollout_weights(shape: ModelShape, device: torch.device, seed: int) -> RolloutWeights:
     """Every tensor of the rollout layout at TP=1 (names as engine/rollout/model.py reads them), N(0, 0.02)
-    matrices and unit norms."""
+    matrices and unit norms; an MoE layer's routed experts are the slices of one (experts, ...) tensor per
+    weight."""
     s, hd = shape, shape.head_dim
+    stacked = {}
     qkv_rows = (s.num_attention_heads + 2 * s.num_query_groups) * hd
     shapes = {"embedding.word_embeddings.weight": (s.padded_vocab_size, s.hidden_size)}
     for i in range(s.num_layers):
@@ -117,8 +145,9 @@ def random_rollout_weights(shape: ModelShape, device: torch.device, seed: int) -
             shapes[att + "q_layernorm.weight"] = shapes[att + "k_layernorm.weight"] = (hd,)
         shapes[att + "linear_proj.weight"] = (s.hidden_size, s.num_attention_heads * hd)
         shapes[pre + "pre_mlp_layernorm.weight"] = (s.hidden_size,)
-        shapes[pre + "mlp.linear_fc1.weight"] = (2 * s.ffn_hidden_size, s.hidden_size)
-        shapes[pre + "mlp.linear_fc2.weight"] = (s.hidden_size, s.ffn_hidden_size)
+        single, per_expert = _mlp_shapes(s, pre)
+        shapes.update(single)
+        stacked.update(per_expert)
     shapes["decoder.final_layernorm.weight"] = (s.hidden_size,)
     if not s.tie_embeddings:
         shapes["output_layer.weight"] = (s.padded_vocab_size, s.hidden_size)
@@ -129,6 +158,11 @@ def random_rollout_weights(shape: ModelShape, device: torch.device, seed: int) -
             params[name] = torch.ones(size, dtype=s.dtype, device=device)
         else:
             params[name] = (torch.randn(size, generator=gen, device=device) * 0.02).to(s.dtype)
+    for name, size in stacked.items():
+        whole = torch.empty(size, dtype=s.dtype, device=device)
+        for e in range(size[0]):
+            whole[e] = torch.randn(size[1:], generator=gen, device=device) * 0.02
+            params[name.format(e)] = whole[e]
     return RolloutWeights(params, 1, 0, None, None, 0, 1)
 
 
@@ -323,7 +357,7 @@ def _tokens_result(
 
 def main() -> None:
     args = parse_args()
-    tiny = args.preset == "tiny"
+    tiny = args.preset in TINY
     args.prompts = args.prompts or (64 if tiny else 512)
     args.prompt_len = args.prompt_len or (32 if tiny else 256)
     args.new_tokens = args.new_tokens or (64 if tiny else 512)
@@ -389,6 +423,8 @@ def main() -> None:
             results["vllm"] = {"error": f"{type(err).__name__}: {err}"[:2000]}
     if "transformers" in wanted and sampling.max_new_tokens_per_prompt:
         results["transformers"] = {"skipped": "generate has no per-row length limit"}
+    elif "transformers" in wanted and shape.moe is not None:
+        results["transformers"] = {"skipped": "MoE: the bench maps weights to per-expert HF names only"}
     elif "transformers" in wanted:
         results["transformers"] = run_transformers(shape, weights, prompts, sampling, device, reference)
     key = "tokens_per_cpu_s" if device.type == "cpu" else "tokens_per_s"  # CPU: steadier on a shared machine

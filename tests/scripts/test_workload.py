@@ -1,5 +1,5 @@
 """scripts/bench/workload.py: the long-tailed response lengths every engine is given, and the rollout bench
-enforcing them on CPU (native engine, tiny model)."""
+enforcing them on CPU (native engine, tiny model); the rollout bench's MoE preset on CPU (tiny_moe)."""
 
 import json
 import os
@@ -56,6 +56,27 @@ def test_rollout_bench_enforces_the_lengths_on_cpu():
     assert report["lengths"]["total"] == sum(lengths) and report["lengths"]["kind"] == "long_tail"
     assert report["results"]["native"]["tokens"] == sum(lengths)
     assert "skipped" in report["results"]["transformers"]
+
+
+def test_rollout_bench_runs_the_tiny_moe_preset_on_cpu():
+    import torch
+    from rollout import model_shape, random_rollout_weights
+
+    from engine.models.moe import stack_experts
+
+    shape = model_shape("tiny_moe")
+    params = random_rollout_weights(shape, torch.device("cpu"), seed=0).params
+    pre = "decoder.layers.1.mlp."
+    fc1 = [params[f"{pre}experts.local_experts.{e}.linear_fc1.weight"] for e in range(shape.moe.num_experts)]
+    assert stack_experts(fc1).data_ptr() == fc1[0].data_ptr()  # the grouped experts read them in place
+    assert params[pre + "router.weight"].shape == (shape.moe.num_experts, shape.hidden_size)
+    cmd = [sys.executable, "scripts/bench/rollout.py", "--preset", "tiny_moe", "--backends", "native"]
+    cmd += ["--prompts", "6", "--prompt-len", "8", "--new-tokens", "12"]
+    env = {**os.environ, "MASTER_PORT": "29574", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["preset"] == "tiny_moe" and report["results"]["native"]["tokens"] == 6 * 12
 
 
 def test_e2e_bench_trains_the_long_tailed_workload_on_cpu():
