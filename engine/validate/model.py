@@ -221,12 +221,13 @@ def validate_moe(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"and needs at least rollout.tp experts (model.moe.num_experts={e.num_experts})",
             "pick a rollout.tp that divides the expert width and is <= the expert count, or rollout.backend=native",
         )
-    if cfg.placement.mode != "colocated":
+    if cfg.placement.mode != "colocated" and dims.ep > 1:
         fail(
             "placement.mode",
             cfg.placement.mode,
-            "mixture-of-experts models run colocated only (split placement builds no expert groups)",
-            "set placement.mode=colocated",
+            f"split placement trains mixture-of-experts models at parallel.ep=1 only (parallel.ep={dims.ep}: "
+            "its weight transfer sends no expert-parallel shards)",
+            "set parallel.ep=1 or placement.mode=colocated",
         )
 
 

@@ -233,11 +233,6 @@ BAD = [
         2,
         "rollout.weight_sync='naive': with parallel.ep > 1",
     ),
-    (
-        ["model=tiny_moe", "placement.mode=split", "placement.rollout_ranks=1"],
-        2,
-        "placement.mode='split': mixture-of-experts models run colocated only",
-    ),
 ]
 
 

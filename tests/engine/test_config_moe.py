@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hydra import compose, initialize_config_dir
 
-from engine.config import TrainConfig, register_configs
+from engine.config import ConfigError, TrainConfig, register_configs
 from engine.config_load import to_dataclass
 from engine.validate import validate
 
@@ -26,3 +27,15 @@ def test_expert_parallel_run_may_export_to_hugging_face():
         dims = validate(cfg, world_size=4)
         assert (dims.ep, cfg.trainer.export_hf) == (2, True)
 
+
+def test_split_placement_trains_moe_at_ep1_and_refuses_expert_parallel():
+    """placement.mode=split with an MoE actor: accepted at parallel.ep=1 (the transfer sends each expert
+    whole), refused at parallel.ep=2 naming the keys and the fix."""
+    split = ("model=tiny_moe", "placement.mode=split", "placement.rollout_ranks=1")
+    dims = validate(composed(*split), world_size=2)
+    assert (dims.world_size, dims.ep) == (1, 1)  # the training ranks' layout
+    with pytest.raises(ConfigError) as err:
+        validate(composed(*split, "parallel.ep=2"), world_size=3)
+    message = str(err.value)
+    assert "placement.mode='split'" in message and "parallel.ep=1 only" in message, message
+    assert "Fix: set parallel.ep=1 or placement.mode=colocated" in message, message
