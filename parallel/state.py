@@ -267,7 +267,8 @@ def init_split_distributed(
 
     megatron's parallel_state lays its groups over the whole world, so it stays uninitialised here: the
     training groups are built from `TrainLayout`'s rank lists (megatron's rank order) and handed to megatron
-    explicitly, as on the colocated path. Every rank creates every group (torch requires it), in one order.
+    explicitly, as on the colocated path; the expert groups are those of parallel.ep=1 (an MoE model holds
+    every expert on every training rank). Every rank creates every group (torch requires it), in one order.
     """
     from megatron.core import tensor_parallel
 
@@ -301,7 +302,7 @@ def init_split_distributed(
         return found
 
     def training_groups(layout, first: int) -> tuple:
-        """(world, tp, pp, dp, mp, embd) of `layout` laid over ranks [first, first + its world size)."""
+        """(world, tp, pp, dp, mp, embd, tp_dp) of `layout` laid over ranks [first, first + its world size)."""
 
         def shift(rank_lists: list[list[int]]) -> list[list[int]]:
             return [[first + r for r in ranks] for ranks in rank_lists]
@@ -319,9 +320,13 @@ def init_split_distributed(
             )
         )
         embd = mine(shift([sorted({g[0], g[-1]}) for g in layout.pp_groups()]))
-        return world, tp, pp, dp, mp, embd
+        stages = [
+            [r for r in range(layout.world_size) if layout.coords(r).pp_rank == s] for s in range(layout.pp)
+        ]
+        tp_dp = mine(shift(stages))
+        return world, tp, pp, dp, mp, embd, tp_dp
 
-    train_world, tp, pp, dp, mp, embd = training_groups(layout, 0)
+    train_world, tp, pp, dp, mp, embd, tp_dp = training_groups(layout, 0)
     alone = mine([[r] for r in range(world_size)])
     local, savers = rank, None
     if critic is not None:
@@ -330,7 +335,7 @@ def init_split_distributed(
         if dims.world_size <= rank < dims.world_size + critic.world_size:
             local = rank - dims.world_size
             dims, layout = critic, critic.train_layout()
-            train_world, tp, pp, dp, mp, embd = critic_groups
+            train_world, tp, pp, dp, mp, embd, tp_dp = critic_groups
     if train_world is None:  # a rollout rank
         return None, dist.group.WORLD
     coords = layout.coords(local)
@@ -348,6 +353,8 @@ def init_split_distributed(
         alone=alone,
         timeout=timeout,
         savers=savers,
+        # MoE at parallel.ep=1 (validated): every expert on every rank, as `without_expert_parallel` lays them
+        experts=ExpertGroups(ep=alone, tp_ep=tp, tp_ep_pp=mp, expt_dp=dp, tp_dp=tp_dp),
     )
     return groups, dist.group.WORLD
 

@@ -5,7 +5,8 @@
   from lazy memory-mapped views (safetensors `get_slice`), straight into its parameters, one parameter at
   a time; single-file and sharded (`model.safetensors.index.json`) checkpoints.
 - `save_hf_checkpoint(...)`: one tensor at a time, TP shards are all-gathered in their stage and sent to
-  global rank 0, which writes safetensors files of bounded size, the index, config.json and tokenizer files.
+  global rank 0, which writes safetensors files of bounded size, the index, config.json and tokenizer files;
+  at parallel.ep > 1 each layer's routed experts first reach the stage's writer (engine/models/hf_experts.py).
 
 The name/split mapping lives in engine/models/hf_map.py. The actor, reference and critic all load this way;
 a critic (`ValueHead` output layer) takes `score.weight` when the checkpoint has one, else stays zero.
@@ -29,6 +30,7 @@ from safetensors.torch import save_file
 
 from engine.models.builder import ModelShape, ValueHead
 from engine.models.hf_config import HF_CONFIG_FILE, HFCheckpointError
+from engine.models.hf_experts import ExpertStream
 from engine.models.hf_map import (
     TIED_OUTPUT_RULE,
     VALUE_HEAD_BIAS,
@@ -205,19 +207,26 @@ def _check_shapes(ckpt: HFCheckpoint, rule, names, megatron_name, shard_shape, s
 
 
 def _local_hf_tensors(
-    chunks, shape: ModelShape, groups: ProcessGroups, head_bias: bool
+    chunks, shape: ModelShape, groups: ProcessGroups, head_bias: bool, experts: ExpertStream | None
 ) -> Iterator[dict[str, torch.Tensor]]:
     """This stage's HF tensors, one Megatron parameter at a time (all TP ranks must iterate together).
 
     Yields on every TP rank; only TP rank 0's dicts are complete (others get empty dicts). `head_bias`:
-    add a zero `score.bias` next to a value head (what *ForTokenClassification expects).
+    add a zero `score.bias` next to a value head (what *ForTokenClassification expects). With `experts`
+    (parallel.ep > 1) a layer's routed experts come from the stream, all of them at the layer's first one.
     """
     tp = groups.dims.tp
+    streamed: set[int] = set()
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             rule, layer = _rule_for(chunk, name, shape)
             if rule is TIED_OUTPUT_RULE:
                 continue  # the first stage writes model.embed_tokens.weight
+            if rule.expert and experts is not None:
+                if layer not in streamed:
+                    streamed.add(layer)
+                    yield _hf_experts(experts.exchange(layer), layer, shape)
+                continue
             shard = param.detach()
             if tp > 1 and not rule.expert:
                 gathered = [torch.empty_like(shard) for _ in range(tp)]
@@ -225,7 +234,7 @@ def _local_hf_tensors(
             else:
                 gathered = [shard]
             if groups.tp_rank == 0:
-                expert = local_expert(name) if rule.expert else None  # save refuses ep > 1: local = global
+                expert = local_expert(name) if rule.expert else None  # ep = 1: local = global
                 named = dict(zip(hf_names(rule, layer, expert), hf_from_shards(rule, gathered, shape)))
                 if rule is VALUE_HEAD_RULE and head_bias:
                     named[VALUE_HEAD_BIAS] = shard.new_zeros(1)
@@ -233,6 +242,17 @@ def _local_hf_tensors(
             else:
                 yield {}
             del gathered
+
+
+def _hf_experts(tensors: dict[str, torch.Tensor], layer: int, shape: ModelShape) -> dict[str, torch.Tensor]:
+    """HF tensors of one layer's routed experts given by global Megatron name, in expert order ({} if none)."""
+    named = {}
+    for name in sorted(tensors, key=lambda n: (local_expert(n), n)):
+        rule, _ = match_rule(name)
+        named.update(
+            zip(hf_names(rule, layer, local_expert(name)), hf_from_shards(rule, [tensors[name]], shape))
+        )
+    return named
 
 
 class _ShardWriter:
@@ -311,21 +331,18 @@ def save_hf_checkpoint(
 ) -> None:
     """Write the model as a Hugging Face checkpoint in `out_dir` (collective over all ranks).
 
-    Only DP replica 0 takes part; global rank 0 writes safetensors files (<= `max_shard_bytes` each, with
+    DP replica 0 takes part (and at parallel.ep > 1 every rank holding experts that a stage's writer lacks:
+    `engine.models.hf_experts`, one layer's experts at a time); global rank 0 writes safetensors files (<= `max_shard_bytes` each, with
     `model.safetensors.index.json` when more than one), `hf_config` as config.json, and the tokenizer
     files of `src_dir` if given. Tensors keep the parameters' dtype unless `dtype` is set. A critic's
-    value head is written as `score.weight` (plus a zero `score.bias` for *ForTokenClassification). Rank 0 holds at most one file's worth of tensors at a time.
+    value head is written as `score.weight` (plus a zero `score.bias` for *ForTokenClassification). Rank 0
+    holds at most one file's worth of tensors at a time.
 
     The files go into a temporary directory next to `out_dir` that then replaces `out_dir` whole, so no file
     of an earlier export survives (an older index.json would shadow a new single file). An existing
     `out_dir` may hold only files an export writes; anything else is refused before any work
     (HFCheckpointError on every rank), as replacing the directory would delete it.
     """
-    if groups.dims.ep > 1:
-        raise HFCheckpointError(
-            f"saving a Hugging Face checkpoint at parallel.ep={groups.dims.ep} is not supported (the experts "
-            "of other expert-parallel ranks are not gathered); save from a parallel.ep=1 layout"
-        )
     rank0 = groups.rank == 0
     head_bias = any(a.endswith("ForTokenClassification") for a in hf_config.get("architectures") or [])
     problem = [_foreign_entry_problem(out_dir) if rank0 else None]
@@ -336,11 +353,14 @@ def save_hf_checkpoint(
     tmp = f"{os.path.abspath(out_dir)}.tmp-{secrets.token_hex(6)}"
     if rank0:
         os.makedirs(tmp)
+    experts = ExpertStream(chunks, shape, groups) if shape.moe and groups.dims.ep > 1 else None
+    if groups.dp_rank != 0 and experts is not None:
+        experts.serve()  # this rank's experts that its stage's writer lacks
     if groups.dp_rank == 0:
         writer = _ShardWriter(tmp, max_shard_bytes) if rank0 else None
         for stage in range(groups.dims.pp):
             if groups.pp_rank == stage:
-                local = _local_hf_tensors(chunks, shape, groups, head_bias)
+                local = _local_hf_tensors(chunks, shape, groups, head_bias, experts)
                 if rank0:
                     for named in local:
                         for name, t in named.items():

@@ -221,37 +221,27 @@ def validate_moe(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"and needs at least rollout.tp experts (model.moe.num_experts={e.num_experts})",
             "pick a rollout.tp that divides the expert width and is <= the expert count, or rollout.backend=native",
         )
-    if cfg.placement.mode != "colocated":
+    if cfg.placement.mode != "colocated" and dims.ep > 1:
         fail(
             "placement.mode",
             cfg.placement.mode,
-            "mixture-of-experts models run colocated only (split placement builds no expert groups)",
-            "set placement.mode=colocated",
+            f"split placement trains mixture-of-experts models at parallel.ep=1 only (parallel.ep={dims.ep}: "
+            "its weight transfer sends no expert-parallel shards)",
+            "set parallel.ep=1 or placement.mode=colocated",
         )
 
 
 def validate_expert_parallel_run(cfg: TrainConfig, dims: ParallelDims) -> None:
     """parallel.ep > 1 in a training job: the 3D-HybridEngine regroups the dense weights and
-    parallel/expert_gather.py sends each rank the experts it lacks (any parallel.pp and rollout.tp), and
-    nothing gathers the experts for a Hugging Face export."""
-    for key, value, bad, rule, fix in (
-        (
+    parallel/expert_gather.py sends each rank the experts it lacks (any parallel.pp and rollout.tp); a
+    Hugging Face export gathers the experts layer by layer (engine/models/hf_experts.py)."""
+    if cfg.rollout.weight_sync != "hybrid":
+        fail(
             "rollout.weight_sync",
             cfg.rollout.weight_sync,
-            cfg.rollout.weight_sync != "hybrid",
             "with parallel.ep > 1 the rollout weights come from the 3D-HybridEngine",
             "set rollout.weight_sync=hybrid",
-        ),
-        (
-            "trainer.export_hf",
-            cfg.trainer.export_hf,
-            cfg.trainer.export_hf,
-            "exporting gathers no experts across expert-parallel ranks",
-            "set trainer.export_hf=false (or train with parallel.ep=1)",
-        ),
-    ):
-        if bad:
-            fail(key, value, rule, fix)
+        )
 
 
 def validate_tokenizer_source(cfg: TrainConfig) -> None:

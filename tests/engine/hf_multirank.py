@@ -9,8 +9,8 @@ the chain HF -> M(1,1) -> HF -> M(2,1) -> ... is checked at every hop against th
 - logits parity with transformers (float32, tol 1e-5) on the checkpoint being loaded;
 - every saved tensor torch.equal to the original (names, dtypes, config.json too).
 The mixture-of-experts families (Qwen3-MoE; Qwen2-MoE with a gated shared expert) run the same chain, then
-load at expert-parallel layouts (tp, pp, ep) in {(1,1,2), (1,1,4), (2,1,2), (1,2,2), (2,2,2)} with logits
-parity.
+load at expert-parallel layouts (tp, pp, ep) in {(1,1,2), (1,1,4), (2,1,2), (1,2,2), (2,2,2)} and export
+again: files byte-equal to the EP=1 export, logits parity with transformers loading the export.
 Then: the critic (value head from `score.weight`, vs transformers' token classification head, and a zero
 head from a causal-LM checkpoint), a bfloat16 model's round trip, the largest tensor created while loading at TP=2, and the errors for
 weights that disagree with config.json; a 3-layer Qwen2 at TP2 x PP2 (megatron's uneven stages: parity and
@@ -98,13 +98,31 @@ def chain(family: str, src: str, out_root: str) -> None:
         prev = out
 
 
-def moe_expert_parallel(family: str, src: str) -> None:
-    """Load an MoE checkpoint with its experts split over expert-parallel ranks: logits vs transformers."""
+def same_files(a: str, b: str) -> bool:
+    """Directories `a` and `b` hold the same file names with the same bytes."""
+    names = sorted(os.listdir(a))
+    if names != sorted(os.listdir(b)):
+        return False
+    for name in names:
+        with open(os.path.join(a, name), "rb") as fa, open(os.path.join(b, name), "rb") as fb:
+            if fa.read() != fb.read():
+                return False
+    return True
+
+
+def moe_expert_parallel(family: str, src: str, out_root: str) -> None:
+    """Load an MoE checkpoint with its experts split over expert-parallel ranks and export it again: the
+    export's files equal the EP=1 export's (chain's first hop, also 40 kB shards) byte for byte, and
+    transformers, loading the export, gives the Megatron model's logits."""
+    ep1 = os.path.join(out_root, f"{family}_tp1pp1vpp1")
     for tp, pp, ep in ((1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 2)):
         groups = relayout(tp, pp, ep=ep)
         chunks, shape = build_and_load(src, groups)
-        report = compare_logits(chunks, shape, src, groups, PARITY)
-        result(groups, kind="moe_ep", family=family, **report)  # the report names tp, pp, ep
+        out = os.path.join(out_root, f"{family}_tp{tp}pp{pp}ep{ep}")
+        save_hf_checkpoint(chunks, shape, groups, out, src, read_hf_config(src), max_shard_bytes=40_000)
+        same = same_files(ep1, out) if groups.rank == 0 else None
+        report = compare_logits(chunks, shape, out, groups, PARITY)
+        result(groups, kind="moe_ep", family=family, same_files_as_ep1=same, **report)  # names tp, pp, ep
 
 
 def critic(dirs: dict[str, str], out_root: str) -> None:
@@ -271,7 +289,7 @@ def main(root: str) -> None:
         for family in ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe"):
             chain(family, dirs[family], out_root)
         for family in ("qwen3_moe", "qwen2_moe"):
-            moe_expert_parallel(family, dirs[family])
+            moe_expert_parallel(family, dirs[family], out_root)
         critic(dirs, out_root)
         bf16_round_trip(dirs["llama"], out_root)
         load_memory(dirs["big"])

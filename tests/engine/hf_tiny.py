@@ -129,3 +129,29 @@ def hf_reward_scores(model_dir: str, exp) -> torch.Tensor:
         return torch.stack(
             [model(exp.tokens[r : r + 1, : int(lengths[r])]).logits[0, 0] for r in range(len(lengths))]
         )
+
+
+def exported_experts_match(c, export_dir: str) -> tuple[int, int]:
+    """(equal, checked) summed over ranks: every routed expert tensor of the actor of components `c` on each
+    rank (global expert ids) vs its tensors in the Hugging Face export at `export_dir` (torch.equal).
+    Collective (world)."""
+    import torch.distributed as dist
+
+    from engine.models.hf import HFCheckpoint
+    from engine.models.hf_map import hf_from_shards, hf_names, local_expert, match_rule
+    from parallel.rollout_weights import global_param_names, is_expert_param
+
+    layers = c.groups.dims.train_layout().layers(c.groups.pp_rank, c.shape.num_layers)
+    named = global_param_names(c.actor.chunks, layers, c.groups.expert_offset(c.shape.moe.num_experts))
+    counts = torch.zeros(2, dtype=torch.int64)
+    with HFCheckpoint(export_dir) as ckpt:
+        for name, param in named.items():
+            if is_expert_param(name):
+                rule, layer = match_rule(name)  # a global name: the global layer
+                hf = zip(
+                    hf_names(rule, layer, local_expert(name)), hf_from_shards(rule, [param.detach()], c.shape)
+                )
+                for hf_name, tensor in hf:
+                    counts += torch.tensor([int(torch.equal(ckpt.tensor(hf_name), tensor)), 1])
+    dist.all_reduce(counts)
+    return int(counts[0]), int(counts[1])

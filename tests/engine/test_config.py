@@ -233,16 +233,6 @@ BAD = [
         2,
         "rollout.weight_sync='naive': with parallel.ep > 1",
     ),
-    (
-        ["model=tiny_moe", "parallel.ep=2", "trainer.export_hf=true"],
-        2,
-        "trainer.export_hf=True: exporting gathers",
-    ),
-    (
-        ["model=tiny_moe", "placement.mode=split", "placement.rollout_ranks=1"],
-        2,
-        "placement.mode='split': mixture-of-experts models run colocated only",
-    ),
 ]
 
 

@@ -70,6 +70,8 @@ def test_world4_parity_round_trip_memory_errors(tiny):
         for layout in ((1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 2))
     }
     assert all(r["ok"] and r["max_abs_logit_diff"] <= TOL for r in moe_ep), moe_ep
+    # exported at every EP layout (experts gathered over EP ranks and DP replicas): the EP=1 export's bytes
+    assert all(r["same_files_as_ep1"] for r in moe_ep), moe_ep
     for r in layouts:
         assert r["ok"] and r["max_abs_logit_diff"] <= TOL, r
         assert r["tensors"] > 0, r  # every saved tensor torch.equal to the original (checked in the script)

@@ -14,7 +14,7 @@ prompts) against colocated TP=2 with rollout.tp=1 (a micro-DP group of 2); 3 ran
 checkpoint and resumed (the batch in flight is regenerated); PPO with the critic on a rank of its own
 (placement.critic_ranks=1, 3 ranks; killed inside step 3 and resumed) against the critic on the actor's rank
 (2 ranks); multi-turn episodes with the calculator on 2 ranks (1 train + 1 rollout) against colocated at world
-size 1 (in this process). GPU + vLLM (marked
+size 1 (in this process); model=tiny_moe (parallel.ep=1) on 2 ranks against colocated at world size 1. GPU + vLLM (marked
 `vllm`): 1 + 1 GPUs with rollout.backend=vllm against colocated vLLM on 1 GPU (on CPU,
 tests/parallel/hybrid_reshard_script.py feeds the received shards to the vLLM backend against
 tests/engine/fake_vllm.py).
@@ -188,6 +188,26 @@ def test_split_tp2_train_2_rollout_replicas_equals_colocated_micro_dp(tmp_path):
         assert _comparable(row) == _comparable(colocated[step]), step
         assert "val/reward_mean" in row and "val/embedded/copy/mean@2" in row, step
     assert max(row["dynamic_sampling/rounds"] for row in split.values()) > 1  # further rounds ran
+
+
+def test_split_moe_equals_colocated(tmp_path):
+    """model=tiny_moe (parallel.ep=1) on split placement, 2 ranks (1 train + 1 rollout: the router and every
+    expert cross whole, replicated tensors of the transfer) against colocated at world size 1 (in this
+    process): every non-timing metric equal, the router's load statistics included."""
+    from trainer_run_script import run_job
+
+    job = [*RUN, "model=tiny_moe", "trainer.total_steps=2", "trainer.save_freq=0"]
+    run_job(job, str(tmp_path / "colocated"))
+    colocated = _metrics(tmp_path / "colocated")
+    out = tmp_path / "split"
+    run_torchrun(
+        "-m", 2, ["engine.train", f"trainer.output_dir={out}", *job, *SPLIT, "placement.rollout_ranks=1"]
+    )
+    split = _metrics(out)
+    assert sorted(split) == [1, 2]
+    for step, row in split.items():
+        assert "actor/moe_load_imbalance" in row, step
+        assert _comparable(row) == _comparable(colocated[step]), step
 
 
 MULTI_TURN = [  # tests/engine/test_multi_turn.py's calculator job, shortened

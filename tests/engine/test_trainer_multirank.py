@@ -7,7 +7,8 @@ PP=1, then the loss/gradient parity of token-budget vs fixed micro-batches at TP
 padded micro-batches (log-probs, entropy, values, scores, actor and critic gradients) at TP=2 x PP=2 with SP off
 and on, then the advantages of the same 16 rows at DP=1 and DP=2 (whitening summed over DP with gloo), then
 one step of model=tiny_moe at TP=2 (SP) x DP=2 and at PP=2 x DP=2 (rollout.tp=1) with parallel.ep=1 and 2 (same
-init, rollout and update).
+init, rollout and update; the EP=2 jobs export the actor to Hugging Face format, checked against the trained
+experts and loaded by transformers).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from distributed import run_torchrun
 
 SCRIPT = str(Path(__file__).with_name("trainer_run_script.py"))
@@ -67,6 +69,16 @@ def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp
     moe_pp2 = json.loads(out.split("moe_ep_pp2 ", 1)[1].splitlines()[0])
     assert moe_pp2["reward_diff"] == 0.0 and moe_pp2["same_keys"] == 1.0, moe_pp2
     assert moe_pp2["grad_norm_rel"] <= 1e-4, moe_pp2  # float32: the EP split changes summation order only
+    # trainer.export_hf at EP=2 (TP=2 x SP, and PP=2): every rank's trained experts are in the export, bit
+    # for bit (tiny_moe: 2 layers x 4 experts x gate/up/down, each held by at least one rank), and
+    # transformers loads it as a Qwen3-MoE
+    from transformers import AutoModelForCausalLM
+
+    for report in (moe_ep, moe_pp2):
+        assert report["ep2_experts_exported"] == report["ep2_experts_checked"] >= 2 * 4 * 3, report
+        model = AutoModelForCausalLM.from_pretrained(report["ep2_export_dir"], dtype=torch.float32)
+        assert type(model).__name__ == "Qwen3MoeForCausalLM"
+        assert torch.isfinite(model(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
     ppo = [json.loads(line) for line in (tmp_path / "ppo_tp2_pp2" / "metrics.jsonl").read_text().splitlines()]
     assert "val/reward_mean" in ppo[-1]
     assert all(row["actor/reward_kl_coef"] == 0.001 for row in ppo)

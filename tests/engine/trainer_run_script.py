@@ -412,24 +412,31 @@ MOE_PP2 = ("parallel.pp=2", "rollout.tp=1")
 def moe_expert_parallel_invariance(out_root: str, layout: tuple[str, ...] = MOE_TP2) -> dict[str, float]:
     """model=tiny_moe at `layout` (TP=2 (SP) x DP=2, or PP=2 x DP=2), one step at parallel.ep=1 and at
     parallel.ep=2 (the experts split over each EP pair, regrouped for the rollout by
-    parallel/expert_gather.py): the same random init, rollout and update. Returns the
-    largest difference of any first-step metric (timings aside), the rewards' difference and the relative
-    grad-norm difference (only the first step: Adam's first update is the sign of each gradient, so entries
-    near zero may step differently and later rollouts diverge)."""
+    parallel/expert_gather.py; the EP=2 job exports the actor, `trainer.export_hf=true`): the same random
+    init, rollout and update. Returns the largest difference of any first-step metric (timings aside), the
+    rewards' difference, the relative grad-norm difference (only the first step: Adam's first update is the
+    sign of each gradient, so entries near zero may step differently and later rollouts diverge) and the
+    EP=2 export's expert tensors checked against the trained ones."""
     rows = {}
     for ep in (1, 2):
         out = os.path.join(out_root, f"moe_{'_'.join(o.replace('=', '') for o in layout)}_ep{ep}")
-        overrides = ["model=tiny_moe", *layout, f"parallel.ep={ep}"]
-        run_job([*overrides, "trainer.total_steps=1"], out, keep_process_group=True)
+        overrides = ["model=tiny_moe", *layout, f"parallel.ep={ep}", f"trainer.export_hf={ep == 2}"]
+        trainer = run_job([*overrides, "trainer.total_steps=1"], out, keep_process_group=True)
         rows[ep] = read_metrics(out)[0]
     a, b = rows[1], rows[2]
     skip = ("timing/", "perf/", "rollout_engine/", "memory/")
     keys = [k for k in a if not k.startswith(skip) and isinstance(a[k], (int, float))]
+    import hf_tiny
+
+    exported, checked = hf_tiny.exported_experts_match(trainer.c, os.path.join(out, "hf_actor"))
     return {
         "reward_diff": abs(a["reward/mean"] - b["reward/mean"]),
         "grad_norm_rel": abs(a["actor/grad_norm"] - b["actor/grad_norm"]) / a["actor/grad_norm"],
         "load_imbalance_ep2": b["actor/moe_load_imbalance"],
         "same_keys": float(set(keys) <= set(b)),
+        "ep2_export_dir": os.path.join(out, "hf_actor"),
+        "ep2_experts_exported": exported,
+        "ep2_experts_checked": checked,
     }
 
 
