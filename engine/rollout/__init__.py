@@ -24,7 +24,6 @@ def build_rollout_engine(
     checkpoint directory (model.path) whose config.json vLLM builds from; empty: one written from `shape`."""
     r = rollout_cfg
     if r.backend == "native":
-        from engine.rollout.moe_experts import decode_graph_safe
         from engine.rollout.native import NativeRollout
 
         return NativeRollout(
@@ -32,8 +31,8 @@ def build_rollout_engine(
             device,
             r.max_num_seqs,
             pad_id,
-            # true is the default: where decode syncs with the host (MoE off sm90 / bfloat16) it runs eagerly
-            cuda_graphs=r.cuda_graphs if device.type == "cuda" and decode_graph_safe(shape, device) else None,
+            # true is the default: MoE models decode eagerly (see moe_experts.use_cuda_graphs)
+            cuda_graphs=r.cuda_graphs if device.type == "cuda" and shape.moe is None else None,
             kv_cache_memory_fraction=r.kv_cache_memory_fraction,
         )
     if r.backend == "vllm":

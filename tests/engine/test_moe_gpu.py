@@ -70,7 +70,8 @@ def test_moe_greedy_with_cuda_graphs_equals_eager_and_transformers(tmp_path, fam
     )
     prompts, new = random_prompts(shape.vocab_size), 12
     greedy = SamplingParams(temperature=0.0, max_new_tokens=new)
-    graphs = NativeRollout(shape, DEV, pad_id=0, max_num_seqs=4)
+    assert not NativeRollout(shape, DEV, pad_id=0, max_num_seqs=4).use_graphs  # MoE: eager by default
+    graphs = NativeRollout(shape, DEV, pad_id=0, max_num_seqs=4, cuda_graphs=True)
     assert graphs.use_graphs
     graphs.set_weights(bf16)
     out = graphs.generate(prompts, greedy)
