@@ -78,7 +78,7 @@ class ParallelConfig:
     sp: bool = False
     """Sequence parallelism inside TP groups."""
     first_stage_layers: int = 0
-    """Transformer layers of the first pipeline stage (0 = automatic: parallel/layout.py stage_layer_counts)."""
+    """Transformer layers of the first pipeline stage (0 = automatic: parallel/stage_layers.py stage_layer_counts)."""
     last_stage_layers: int = 0
     """Transformer layers of the last pipeline stage (0 = automatic); the middle stages share the rest equally."""
     ep: int = 1

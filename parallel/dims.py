@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel.layout import TrainLayout, check_stage_layer_keys
+from parallel.layout import TrainLayout
+from parallel.stage_layers import check_stage_layer_keys
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class ParallelDims:
 
     def stage_layer_counts(self, num_layers: int) -> tuple[int, ...]:
         """Transformer layers of each pipeline stage for a `num_layers` model, or a ValueError naming the keys
-        (megatron's uneven first/last stages; the automatic rule is `parallel.layout.stage_layer_counts`)."""
+        (megatron's uneven first/last stages; the automatic rule is `parallel.stage_layers.stage_layer_counts`)."""
         return self.train_layout().stage_layer_counts(num_layers)
 
     @property

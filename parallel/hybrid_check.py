@@ -8,7 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from parallel.layout import HybridLayout, ParamSpec, PartitionKind
+from parallel.hybrid_layout import HybridLayout, ParamSpec
+from parallel.layout import PartitionKind
 from parallel.rollout_weights import RolloutWeights, partition_kind, split_layer_name
 
 

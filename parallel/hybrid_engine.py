@@ -40,8 +40,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from parallel.hybrid_layout import HybridLayout, RolloutLayout
 from parallel.hybrid_plan import MemberMeta, ParamMeta, RolloutTensor, Slot, TransitionPlan, plan_transition
-from parallel.layout import HybridLayout, RolloutLayout
 from parallel.rollout_weights import RolloutWeights, global_param_names, is_expert_param
 from parallel.state import ProcessGroups
 

@@ -29,7 +29,8 @@ from enum import Enum
 
 import torch
 
-from parallel.layout import HybridLayout, PartitionKind, SliceBlock
+from parallel.hybrid_layout import HybridLayout, SliceBlock
+from parallel.layout import PartitionKind
 from parallel.rollout_weights import partition_kind, split_layer_name
 
 EMBEDDING = "embedding.word_embeddings.weight"

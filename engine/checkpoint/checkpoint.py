@@ -29,7 +29,7 @@ finding and reading checkpoints engine/checkpoint/store.py; writing files safely
 What this module must not do: reshard. A checkpoint resumes only under the layout it was saved with (tp, pp,
 vpp, first/last stage layers where set, dp, world size, distributed optimizer); anything else is refused with
 a message pointing at the way to change layout: export to Hugging Face (`python -m engine.export`) and start a
-new run from it (`model.path`). The automatic stage split (parallel/layout.py) is part of the format: a
+new run from it (`model.path`). The automatic stage split (parallel/stage_layers.py) is part of the format: a
 checkpoint of an uneven split resumes only under the same rule.
 Multi-node runs need `trainer.output_dir` on a filesystem every rank sees (rank 0 renames what all wrote).
 The reference policy is not saved: it is rebuilt from `model.path` (or the seeded init) exactly as at start.

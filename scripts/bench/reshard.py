@@ -46,7 +46,8 @@ from parallel.dims import ParallelDims
 from parallel.expert_gather import ExpertGather
 from parallel.hybrid_check import AllocationCounter, gather_full_experts, hybridflow_bytes, verify_rollout
 from parallel.hybrid_engine import DEFAULT_BUCKET_BYTES, HybridEngine
-from parallel.layout import ParamSpec, PartitionKind
+from parallel.hybrid_layout import ParamSpec
+from parallel.layout import PartitionKind
 from parallel.rollout_weights import is_expert_param, partition_kind, split_layer_name
 from parallel.state import destroy_distributed, init_distributed, world_size_from_env
 

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from trainer_run_script import read_metrics, run_job
+from trainer_jobs import read_metrics, run_job
 
 from parallel.state import destroy_distributed
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from trainer_run_script import compose_config
+from trainer_jobs import compose_config
 
 from algorithms.advantages import get_advantage_estimator
 from algorithms.kl import get_kl_estimator

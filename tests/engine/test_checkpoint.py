@@ -153,7 +153,7 @@ def test_truncated_shard_or_meta_names_the_file_and_the_previous_checkpoint(tmp_
 def test_disk_full_during_a_save_names_the_device_the_file_and_the_size(tmp_path, monkeypatch):
     """A world of one (gloo, in this process): the write of step 2 runs out of space (ENOSPC from the
     low-level write); the error says so, and step 1 stays the latest."""
-    from trainer_run_script import SHORT, compose_config, distributed
+    from trainer_jobs import SHORT, compose_config, distributed
 
     from engine.checkpoint.checkpoint import save_checkpoint
 
@@ -289,7 +289,7 @@ def test_export_replaces_an_earlier_export_and_refuses_foreign_files(tmp_path):
     """World size 1, in this process: a sharded export (index.json + several files), then a single-file
     export of other weights into the same directory: the directory reads back the second export's weights
     and holds only its files. A directory holding a file no export writes is refused and left as it was."""
-    from trainer_run_script import built_job
+    from trainer_jobs import built_job
 
     from engine.models.hf import INDEX_FILE, SINGLE_FILE, HFCheckpoint, save_hf_checkpoint
     from engine.models.hf_config import HFCheckpointError

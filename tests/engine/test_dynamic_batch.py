@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from trainer_run_script import dynamic_batch_parity, packing_parity, skewed_experience
+from trainer_parity import dynamic_batch_parity, packing_parity, skewed_experience
 
 from engine.roles.dynamic_batch import MicroBatcher, pack_by_token_budget, padded_length
 

@@ -21,7 +21,7 @@ import sys
 import time
 
 import pytest
-from trainer_run_script import SHORT, read_metrics, run_job
+from trainer_jobs import SHORT, read_metrics, run_job
 
 from engine.errors import CheckpointError
 

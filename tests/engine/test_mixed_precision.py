@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainer_run_script import built_job, read_metrics, run_job, skewed_experience
+from trainer_jobs import built_job, read_metrics, run_job
+from trainer_parity import skewed_experience
 
 from algorithms.losses import loss_normalizer
 from engine.roles.dynamic_batch import MicroBatcher

@@ -266,7 +266,7 @@ def test_calculator_task_learns_to_call_the_tool(tmp_path):
     """The calls take off at a seed-dependent step (about 20 to 40): 80 steps leave every seed tried room to
     learn the call, while the reward's rise comes mostly from the call's shape (`#`, the `+`), the operands
     being copied only in part."""
-    from trainer_run_script import CALCULATOR_TASK, read_metrics, run_job
+    from trainer_jobs import CALCULATOR_TASK, read_metrics, run_job
 
     run_job(
         [
@@ -326,7 +326,7 @@ def test_rows_with_tools_and_dialogues_load(tmp_path, tokenizer):
 
 
 def test_multi_turn_config_errors_name_the_key():
-    from trainer_run_script import compose_config
+    from trainer_jobs import compose_config
 
     from engine.config import ConfigError
     from engine.validate import validate
@@ -391,7 +391,7 @@ EVERY_TURN_JOB = [
 
 def test_multi_turn_job_metrics_overlong_penalty_and_validation(tmp_path):
     """World size 1, 2 steps of 4 prompts x 4 episodes, validation at step 2."""
-    from trainer_run_script import read_metrics, run_job
+    from trainer_jobs import read_metrics, run_job
 
     fn = tmp_path / "turns_reward.py"
     fn.write_text(TURNS_REWARD)

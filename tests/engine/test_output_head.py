@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-from trainer_run_script import skewed_experience
+from trainer_parity import skewed_experience
 
 from engine.models.output_head import response_token_stats
 from engine.roles.dynamic_batch import MicroBatcher

@@ -10,7 +10,7 @@ neighbour, moves them by O(1)), parameter gradients and losses within 5e-2 of th
 from __future__ import annotations
 
 import pytest
-from trainer_run_script import packing_parity
+from trainer_parity import packing_parity
 
 from engine.models import spec
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hf_tiny
 import pytest
 import torch
-from trainer_run_script import check_finite, compose_config, read_metrics, run_job
+from trainer_jobs import check_finite, compose_config, read_metrics, run_job
 
 from engine.config import ConfigError
 from engine.tasks.embedded import EMBEDDED_VOCAB

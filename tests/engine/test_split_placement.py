@@ -32,7 +32,7 @@ import time
 import hf_tiny
 import pytest
 from distributed import run_torchrun
-from trainer_run_script import CALCULATOR_TASK
+from trainer_jobs import CALCULATOR_TASK
 
 from engine.checkpoint.store import latest_checkpoint
 from engine.tasks.embedded import EMBEDDED_VOCAB, write_embedded_dataset
@@ -194,7 +194,7 @@ def test_split_moe_equals_colocated(tmp_path):
     """model=tiny_moe (parallel.ep=1) on split placement, 2 ranks (1 train + 1 rollout: the router and every
     expert cross whole, replicated tensors of the transfer) against colocated at world size 1 (in this
     process): every non-timing metric equal, the router's load statistics included."""
-    from trainer_run_script import run_job
+    from trainer_jobs import run_job
 
     job = [*RUN, "model=tiny_moe", "trainer.total_steps=2", "trainer.save_freq=0"]
     run_job(job, str(tmp_path / "colocated"))
@@ -241,7 +241,7 @@ def test_split_multi_turn_calculator_equals_colocated(tmp_path):
     mask with 0 on them, the log-probs and the `multi_turn/*` counts) against colocated at world size 1 (in
     this process); every non-timing metric equal (`multi_turn/tool_s` is seconds), validation on whole
     episodes included."""
-    from trainer_run_script import run_job
+    from trainer_jobs import run_job
 
     val = write_embedded_dataset(str(tmp_path / "val"), "calculator", 4, 1, seed=7, split="val")
     fn = tmp_path / "calls_reward.py"

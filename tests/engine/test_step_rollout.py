@@ -1,6 +1,6 @@
 """engine/step/rollout.py: the data rows' response budgets (`max_new_tokens` column) in the step's rollouts.
 
-World size 1, in this process (tests/engine/trainer_run_script.py builds a real job: tiny megatron actor,
+World size 1, in this process (tests/engine/trainer_jobs.py builds a real job: tiny megatron actor,
 native rollout engine, gloo group); the prompts come from a real parquet file with the column.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from trainer_run_script import built_job
+from trainer_jobs import built_job
 
 from engine.metrics import PhaseTimer
 from engine.roles.dynamic_batch import MicroBatcher

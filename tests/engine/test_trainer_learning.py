@@ -46,7 +46,7 @@ def test_default_job_with_tiny_moe_learns(tmp_path):
     """World size 1, in this process: the default job (embedded copy task, GRPO, native rollout) with
     model=tiny_moe for 60 steps; the mean reward of the last 10 steps beats the first 10 by MARGIN
     (measured, seed 1: 0.023 -> 0.064)."""
-    from trainer_run_script import read_metrics, run_job
+    from trainer_jobs import read_metrics, run_job
 
     default_sizes = ["data.batch_size=16", "rollout.n=8", "trainer.micro_batch_size=8"]
     run_job(["model=tiny_moe", "trainer.total_steps=60", *default_sizes], str(tmp_path))

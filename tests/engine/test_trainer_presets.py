@@ -1,7 +1,7 @@
 """Every algorithm preset trains in this process (world size 1) through the code `python -m engine.train`
 runs, for 2 steps (PPO: 3, with validation), with finite metrics; plus checks on what the trainer wired.
 
-In-process (tests/engine/trainer_run_script.py: compose, validate, init, build, fit, tear down) rather
+In-process (tests/engine/trainer_jobs.py: compose, validate, init, build, fit, tear down) rather
 than one interpreter per preset: a job here takes ~1 s after the first.
 """
 
@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from trainer_run_script import CRITIC_KEYS, built_job, check_finite, read_metrics, run_job
+from trainer_jobs import CRITIC_KEYS, built_job, check_finite, read_metrics, run_job
 
 from algorithms.advantages import get_advantage_estimator
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 from distributed import run_torchrun
 
+from parallel.hybrid_layout import HybridLayout, RolloutLayout
 from parallel.hybrid_plan import MemberMeta, ParamMeta, plan_transition
-from parallel.layout import HybridLayout, RolloutLayout, TrainLayout
+from parallel.layout import TrainLayout
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "hybrid_reshard_script.py")
 

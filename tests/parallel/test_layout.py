@@ -1,4 +1,5 @@
-"""Golden tests for parallel/layout.py: pure rank math, no processes (world size: none)."""
+"""Golden tests for parallel/layout.py, parallel/hybrid_layout.py and parallel/stage_layers.py: pure rank math,
+no processes (world size: none)."""
 
 from fractions import Fraction
 
@@ -6,15 +7,9 @@ import pytest
 import torch
 from megatron.core.parallel_state import RankGenerator
 
-from parallel.layout import (
-    HybridLayout,
-    ParamSpec,
-    PartitionKind,
-    RolloutLayout,
-    TrainLayout,
-    stage_layer_counts,
-    validate_rollout,
-)
+from parallel.hybrid_layout import HybridLayout, ParamSpec, RolloutLayout, validate_rollout
+from parallel.layout import PartitionKind, TrainLayout
+from parallel.stage_layers import stage_layer_counts
 
 KINDS = list(PartitionKind)
 

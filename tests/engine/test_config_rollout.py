@@ -1,0 +1,116 @@
+"""Config validation of the rollout: vLLM's rules (MoE models, TP groups, log-probs under truncation), routing
+replay, rollout log-probs off (no processes, no models)."""
+
+from __future__ import annotations
+
+import pytest
+from config_compose import composed
+
+from engine.config import ConfigError
+from engine.validate import validate
+
+
+@pytest.mark.parametrize("preset", ["tiny_moe", "qwen3_30b_a3b", "qwen1_5_moe_a2_7b"])
+def test_moe_models_roll_out_on_vllm_unless_vllm_cannot_build_them(preset):
+    """rollout.backend=vllm loads MoE presets (engine/rollout/vllm_weights.py) at rollout.tp = parallel.tp = 2;
+    refused with the key: an MoE model vLLM has no family for (sigmoid router), an expert width that
+    rollout.tp does not divide (vLLM's FusedMoE splits each expert over TP). The model checks only (no GPU
+    nor vllm package here)."""
+    from engine.validate.model import validate_model, validate_parallel
+
+    def check(*overrides: str, world: int) -> None:
+        cfg = composed(f"model={preset}", "data.max_prompt_len=32", "rollout.backend=vllm", *overrides)
+        validate_model(cfg, validate_parallel(cfg, world))
+
+    tp2 = ("parallel.tp=2", "parallel.sp=true", "rollout.tp=2")
+    check(*tp2, world=2)
+    if preset != "tiny_moe":
+        return
+    with pytest.raises(
+        ConfigError, match="rollout.backend='vllm': the MoE model cannot be written as a Hugg"
+    ):
+        check("model.moe.score_function=sigmoid", world=1)
+    with pytest.raises(ConfigError, match="rollout.tp=2: vLLM's FusedMoE splits each expert's width.*=63"):
+        check(*tp2, "model.moe.ffn_hidden_size=63", world=2)
+
+
+def test_router_replay_refuses_vllm():
+    """vLLM reports no expert choices (it records no routes)."""
+    from engine.validate.algorithm import validate_router_replay
+
+    cfg = composed("model=tiny_moe", "algorithm.router_replay=true", "rollout.backend=vllm")
+    with pytest.raises(ConfigError, match="which only rollout.backend=native records"):
+        validate_router_replay(cfg)
+
+
+def test_vllm_needs_rollout_tp_one_or_full():
+    """vLLM's TP groups are consecutive ranks; the HybridEngine's are strided unless t_g is 1 or t."""
+    from engine.validate.rollout import validate_rollout
+    from parallel.dims import ParallelDims
+
+    cfg = composed("rollout.backend=vllm", "rollout.tp=2", "parallel.tp=4")
+    cfg.cluster.device = "cuda"  # checked on its own before this rule; pretend a GPU is visible
+    with pytest.raises(ConfigError, match="rollout.tp=2"):
+        validate_rollout(cfg, ParallelDims(world_size=4, tp=4))
+    cfg.rollout.tp = 4
+    validate_rollout(cfg, ParallelDims(world_size=4, tp=4))
+
+
+def test_vllm_on_split_placement_lines_up_with_vllms_tp_groups():
+    """Split placement runs rollout.backend=vllm on the rollout ranks; vLLM cuts the whole job into TP groups of
+    consecutive ranks, so the training ranks before the rollout ranks must fill whole groups."""
+    from engine.validate.placement import validate_placement
+    from parallel.dims import ParallelDims
+
+    cfg = composed(
+        "placement.mode=split", "placement.rollout_ranks=2", "rollout.backend=vllm", "rollout.tp=2"
+    )
+    validate_placement(cfg, ParallelDims(world_size=2, tp=1))  # ranks 0-1 train, 2-3: one vLLM TP group
+    with pytest.raises(
+        ConfigError, match="rollout.tp=2: with rollout.backend=vllm must divide the 1 training"
+    ):
+        validate_placement(cfg, ParallelDims(world_size=1, tp=1))  # vLLM's groups would be [0, 1], [2]
+
+
+def test_vllm_log_probs_with_truncation_need_temperature_one():
+    """vLLM's log-probs are raw (before temperature) or processed (after top-p/top-k truncation): with top-p or
+    top-k at T != 1 neither is the full distribution at T, so rollout.log_probs must be off there."""
+    from engine.validate.rollout import validate_rollout
+    from parallel.dims import ParallelDims
+
+    dims = ParallelDims(world_size=1, tp=1)
+    for overrides in (["rollout.top_p=0.9"], ["rollout.top_k=20"], ["rollout.temperature=0.7"]):
+        cfg = composed("rollout.backend=vllm", *overrides)
+        cfg.cluster.device = "cuda"  # checked on its own before this rule; pretend a GPU is visible
+        validate_rollout(cfg, dims)
+    cfg = composed("rollout.backend=vllm", "rollout.top_p=0.9", "rollout.temperature=0.7")
+    cfg.cluster.device = "cuda"
+    with pytest.raises(
+        ConfigError, match=r"rollout.temperature=0.7.*rollout.top_p=0.9.*Fix: set rollout.temp"
+    ):
+        validate_rollout(cfg, dims)
+    cfg.rollout.log_probs = False
+    validate_rollout(cfg, dims)
+    cfg.rollout.backend, cfg.rollout.log_probs = "native", True  # the native sampler gives them at any T
+    validate_rollout(cfg, dims)
+
+
+def test_rollout_log_probs_off_runs_the_old_forward_for_a_kl_in_the_reward_and_refuses_tis():
+    """Without rollout log-probs a KL in the reward gets the policy's log-probs from the old-log-prob forward
+    (engine/config.py needs_old_log_prob_forward, the rule the trainer applies); only TIS, which needs the
+    rollout's own, is refused."""
+    from engine.config import needs_old_log_prob_forward
+
+    validate(composed("rollout.log_probs=false"), world_size=1)  # grpo: a KL loss, no TIS
+    validate(
+        composed("rollout.log_probs=false", "algorithm=dapo", "algorithm.overlong_buffer_len=2"), world_size=1
+    )
+    for extra in ([], ["algorithm.ppo_epochs=2"], ["algorithm.num_mini_batches=2"]):
+        cfg = composed("rollout.log_probs=false", "algorithm=ppo", *extra)
+        assert needs_old_log_prob_forward(cfg.algorithm, rollout_log_probs=False)
+        validate(cfg, world_size=1)
+    one_step = composed("algorithm=ppo").algorithm
+    assert not needs_old_log_prob_forward(one_step) and needs_old_log_prob_forward(one_step, False)
+    assert not needs_old_log_prob_forward(composed("algorithm=grpo").algorithm, rollout_log_probs=False)
+    with pytest.raises(ConfigError, match=r"algorithm.tis_cap=0\.5.*Fix: set rollout.log_probs=true, or "):
+        validate(composed("rollout.log_probs=false", "algorithm.tis_cap=0.5"), world_size=1)
