@@ -1,4 +1,6 @@
-"""Per-phase time of one GRPO step, ours (native and vLLM rollout) versus TRL's GRPOTrainer, from scripts/bench/results/e2e_h200.json.
+"""Per-phase time of one GRPO step, ours (native and vLLM rollout) versus TRL's GRPOTrainer: the fixed workload
+(scripts/bench/results/e2e_h200.json) and the long-tailed one at 0.5B
+(e2e_h200_long_tail_1024_0_5b_vllm_rows.json, with TRL `generate` from e2e_h200_long_tail_1024_0_5b.json).
 
 pip install matplotlib && python scripts/bench/plot_e2e.py   # writes scripts/bench/results/e2e_h200.png
 """
@@ -28,7 +30,36 @@ def fastest(runs: list[dict], backend: str) -> dict[str, dict]:
     return best
 
 
-def main() -> None:
+COLORS = {"gen": "#4c72b0", "update_actor": "#dd8452", "other": "#8c8c8c"}
+TRL_COLORS = {"generate": "#55a868", "vllm": "#8172b3"}
+
+
+def ours_bar(ax, x: int, run: dict, legend_done: set) -> None:
+    """One stacked bar of ours: rollout, actor update and the rest, in GPU-seconds per step."""
+    t, gpus = run["ours"]["timing"], run["gpus"]
+    parts = {"gen": t["gen"], "update_actor": t["update_actor"]}
+    parts["other"] = t["step"] - parts["gen"] - parts["update_actor"]
+    bottom = 0.0
+    for key, name in PHASES:
+        ax.bar(
+            x, parts[key] * gpus, bottom=bottom, color=COLORS[key], label=None if key in legend_done else name
+        )
+        legend_done.add(key)
+        bottom += parts[key] * gpus
+    ax.text(x, bottom + 0.5, f"{bottom:.1f}", ha="center", fontsize=8)
+
+
+def trl_bar(ax, x: int, run: dict, legend_done: set) -> None:
+    """TRL's whole step (one GPU), colored by its generation engine."""
+    engine = run.get("engine", "generate")
+    key = f"trl_{engine}"
+    label = None if key in legend_done else f"TRL, {engine} (whole step)"
+    legend_done.add(key)
+    ax.bar(x, run["step_s"], color=TRL_COLORS[engine], label=label)
+    ax.text(x, run["step_s"] + 0.5, f"{run['step_s']:.1f}", ha="center", fontsize=8)
+
+
+def fixed_panel(ax) -> None:
     """Per preset: ours with the native rollout and with vLLM's (the fastest run of each per GPU), split by
     phase, and TRL's whole step; in GPU-seconds per step (step time x GPUs), so that a 2-GPU run and a 1-GPU
     run compare per GPU."""
@@ -36,43 +67,49 @@ def main() -> None:
     ours = {backend: fastest(data["runs"], backend) for backend in ("native", "vllm")}
     trl = {r["preset"]: r for r in data["runs"] if r.get("system") == "trl_grpo"}
     presets = [p for p in ("qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_7b") if p in ours["native"] and p in trl]
-    fig, ax = plt.subplots(figsize=(10, 4.8))
-    ticks, labels, x = [], [], 0
-    colors = {"gen": "#4c72b0", "update_actor": "#dd8452", "other": "#8c8c8c"}
-    legend_done = set()
+    ticks, labels, x, legend_done = [], [], 0, set()
     for preset in presets:
         for backend in ("native", "vllm"):
             run = ours[backend].get(preset)
             if run is None:
                 continue
-            t, gpus = run["ours"]["timing"], run["gpus"]
-            parts = {"gen": t["gen"], "update_actor": t["update_actor"]}
-            parts["other"] = t["step"] - parts["gen"] - parts["update_actor"]
-            bottom = 0.0
-            for key, name in PHASES:
-                label = None if key in legend_done else name
-                legend_done.add(key)
-                ax.bar(x, parts[key] * gpus, bottom=bottom, color=colors[key], label=label)
-                bottom += parts[key] * gpus
-            ax.text(x, bottom + 0.5, f"{bottom:.1f}", ha="center", fontsize=8)
+            ours_bar(ax, x, run, legend_done)
             ticks.append(x)
-            labels.append(f"ours, {backend}\n{preset}\n({gpus} GPU)")
+            labels.append(f"ours, {backend}\n{preset}\n({run['gpus']} GPU)")
             x += 1
-        ax.bar(
-            x,
-            trl[preset]["step_s"],
-            color="#55a868",
-            label=None if "trl" in legend_done else "TRL (whole step)",
-        )
-        legend_done.add("trl")
-        ax.text(x, trl[preset]["step_s"] + 0.5, f"{trl[preset]['step_s']:.1f}", ha="center", fontsize=8)
+        trl_bar(ax, x, trl[preset], legend_done)
         ticks.append(x)
         labels.append(f"TRL\n{preset}\n(1 GPU)")
         x += 2
     ax.set_xticks(ticks, labels, fontsize=7)
     ax.set_ylabel("GPU-seconds per GRPO step (H200)")
-    ax.set_title("64 prompts x 8 responses, 256 + 512 tokens, bf16")
+    ax.set_title("fixed: 64 prompts x 8 responses, 256 + 512 tokens, bf16")
     ax.legend(loc="upper left", fontsize=8)
+
+
+def long_tail_panel(ax) -> None:
+    """The long-tailed workload at 0.5B (responses to 1,024 tokens): ours native and vLLM by phase, TRL with
+    colocated vLLM and with `generate`."""
+    rows = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_1024_0_5b_vllm_rows.json")))
+    older = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_1024_0_5b.json")))
+    bars = [
+        ("ours, native", rows["ours_native"], ours_bar),
+        ("ours, vllm", rows["ours_vllm"], ours_bar),
+        ("TRL, vLLM\n(colocated)", rows["trl_vllm"], trl_bar),
+        ("TRL, generate\n(earlier call)", older["trl_generate"], trl_bar),
+    ]
+    legend_done: set = set()
+    for x, (_, run, draw) in enumerate(bars):
+        draw(ax, x, run, legend_done)
+    ax.set_xticks(range(len(bars)), [label for label, _, _ in bars], fontsize=7)
+    ax.set_title("long tail, qwen2_5_0_5b: 64 x 8, 256 + up to 1,024 (mean 354)", fontsize=10)
+    ax.legend(loc="upper left", fontsize=8)
+
+
+def main() -> None:
+    fig, (fixed, tail) = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": [2.2, 1]})
+    fixed_panel(fixed)
+    long_tail_panel(tail)
     fig.tight_layout()
     fig.savefig(os.path.join(HERE, "e2e_h200.png"), dpi=110)
 
