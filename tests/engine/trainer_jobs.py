@@ -82,7 +82,10 @@ def built_job(overrides: list[str], output_dir: str):
 
 
 def run_job(overrides: list[str], output_dir: str, keep_process_group: bool = False):
-    """Train one job in this process; returns the Trainer (its components are torn down)."""
+    """Train one job in this process; returns the Trainer (its components are torn down). Every rank leaves
+    after the job's files (metrics.jsonl, written by one rank) are complete, so any rank may read them."""
+    import torch.distributed as dist
+
     from engine.setup import build_components
     from engine.trainer import Trainer
 
@@ -90,6 +93,8 @@ def run_job(overrides: list[str], output_dir: str, keep_process_group: bool = Fa
     with distributed(cfg, keep_process_group) as groups:
         trainer = Trainer(build_components(cfg, groups, output_dir))
         trainer.fit()
+        if dist.is_initialized():
+            dist.barrier()
         return trainer
 
 
