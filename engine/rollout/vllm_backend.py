@@ -14,6 +14,9 @@ rollout-layout shards into vLLM's parameters (engine/rollout/vllm_weights.py: sh
 tensor anywhere). This needs vLLM's TP group to be our rollout TP group: true when rollout.tp equals
 parallel.tp (consecutive ranks in both); when rollout.tp < parallel.tp the 3D-HybridEngine's rollout TP
 groups are strided and `set_weights` refuses with the fix.
+MoE models start with `moe_backend="triton"`: the copy writes FusedMoE's expert tensors in the layout vLLM's
+weight loader gives them, which only the Triton backend computes from (vLLM 0.26's automatic choice on Hopper;
+elsewhere it would pick FlashInfer, whose weight post-processing swaps or block-shuffles w13 / w2).
 
 Memory: `enable_sleep_mode`; between rollouts the engine sleeps at level 2 (KV cache and weights released:
 the weights are overwritten at every wake-up anyway, so level 1's copy of them to host memory is wasted),
@@ -251,6 +254,7 @@ class VllmRollout(RolloutEngine):
                 seed=seed,
                 logprobs_mode=logprobs_mode,
                 enable_prefix_caching=True,  # multi-turn turns share their episode's prefix
+                **({"moe_backend": "triton"} if shape.moe else {}),  # the expert layout the loader writes
             )
         self._vllm = vllm
         self.uses_v2_model_runner = bool(self.llm.llm_engine.vllm_config.use_v2_model_runner)

@@ -9,22 +9,25 @@ and rows the same way (megatron requires query groups divisible by TP, so vLLM n
 - mixture of experts (vLLM's Qwen3MoeForCausalLM / Qwen2MoeForCausalLM, expert parallelism off in vLLM): the
   router `mlp.gate` and Qwen2-MoE's `mlp.shared_expert_gate` are replicated, the shared expert is a dense
   MLP (`mlp.shared_expert.gate_up_proj` / `down_proj`, split as above). The routed experts of a layer are
-  two fused tensors of FusedMoE that split every expert's intermediate dim I over TP:
-  `mlp.experts.w13_weight` (experts, 2*I/T, hidden) = [gate rows of rank r; up rows of rank r] per expert
-  and `mlp.experts.w2_weight` (experts, hidden, I/T) = the down projection's input columns of rank r. Our
-  rollout holds every expert whole on each rollout-TP rank (expert TP is 1; parallel/expert_gather.py
-  brings the experts a rank lacks under expert parallelism), so rank r copies its rows / columns of expert
-  e straight into slot e (`copy_expert`). This is the layout of vLLM's unquantized Triton MoE kernel
-  (its `process_weights_after_loading` keeps [w1; w3]); a backend that reorders w13 (FlashInfer CUTLASS,
-  used only with vLLM's expert parallelism) is not supported;
+  two fused tensors of FusedMoE that split every expert's intermediate dim I over TP. In vLLM 0.26
+  `FusedMoE(...)` builds a MoERunner (`mlp.experts`) whose RoutedExperts submodule `routed_experts` owns them:
+  `mlp.experts.routed_experts.w13_weight` (experts, 2*I/T, hidden) = [gate rows of rank r; up rows of rank r]
+  per expert and `mlp.experts.routed_experts.w2_weight` (experts, hidden, I/T) = the down projection's input
+  columns of rank r. Our rollout holds every expert whole on each rollout-TP rank (expert TP is 1;
+  parallel/expert_gather.py brings the experts a rank lacks under expert parallelism), so rank r copies its
+  rows / columns of expert e straight into slot e (`copy_expert`). This is the layout of vLLM's unquantized
+  Triton MoE backend, which engine/rollout/vllm_backend.py pins (`moe_backend="triton"`): its
+  `process_weights_after_loading` re-registers the same storage unchanged and the kernel reads the registered
+  parameter at every forward; the FlashInfer backends (auto-selected on GPUs other than Hopper) reorder or
+  block-shuffle w13 / w2;
 - embedding / output layer rows: megatron pads the vocabulary to a multiple of TP, vLLM to a multiple of 64
   and then splits it, so rank r's rows differ when the two paddings differ (tiny vocabularies; not Qwen's
   151936 at TP <= 8). Then each rank sends each peer the rows it owns of that peer's vLLM range, one
   batched point-to-point exchange inside the rollout TP group (rows beyond the vocabulary are zeroed).
 
 Names come from the HF weight map (engine/models/hf_map.py) with vLLM's fused names (`qkv_proj`,
-`gate_up_proj`, `experts.w13_weight` / `w2_weight`), i.e. vLLM's `stacked_params_mapping` and
-`expert_params_mapping` for the Llama/Qwen2/Qwen3/Qwen3-MoE/Qwen2-MoE models. Works on plain
+`gate_up_proj`, `experts.routed_experts.w13_weight` / `w2_weight`): the names of `named_parameters()` of
+vLLM 0.26's Llama/Qwen2/Qwen3/Qwen3-MoE/Qwen2-MoE models. Works on plain
 tensors (no vllm import), so it is tested on CPU against vLLM's sharding rules.
 """
 
@@ -38,6 +41,8 @@ from engine.models.hf_map import Split, hf_names, hf_pieces_of_shard, local_expe
 
 VLLM_VOCAB_PADDING = 64
 """vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE."""
+VLLM_ROUTED_EXPERTS = "mlp.experts.routed_experts"
+"""Module of a layer's fused routed-expert tensors in vLLM 0.26 (MoERunner.routed_experts, a RoutedExperts)."""
 
 
 def vllm_param_name(name: str) -> str:
@@ -45,9 +50,8 @@ def vllm_param_name(name: str) -> str:
     decoder.layers.3.self_attention.linear_qkv.weight -> model.layers.3.self_attn.qkv_proj.weight."""
     rule, layer = match_rule(name)
     if rule.expert:  # one fused tensor per layer for all routed experts (FusedMoE)
-        return (
-            f"model.layers.{layer}.mlp.experts.{'w13_weight' if rule.split is Split.GATE_UP else 'w2_weight'}"
-        )
+        fused = "w13_weight" if rule.split is Split.GATE_UP else "w2_weight"
+        return f"model.layers.{layer}.{VLLM_ROUTED_EXPERTS}.{fused}"
     first = hf_names(rule, layer)[0]
     if rule.split is Split.QKV:
         return first.replace("q_proj", "qkv_proj")

@@ -47,6 +47,7 @@ ENGINE_ARGS = {
     "logprobs_mode",
     "enable_prefix_caching",
     "max_num_batched_tokens",
+    "moe_backend",
 }
 LOGPROBS_MODES = ("raw_logits", "raw_logprobs", "processed_logits", "processed_logprobs")
 

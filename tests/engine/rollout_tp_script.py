@@ -53,9 +53,9 @@ PAD = 0
 def expected_vllm_params(ckpt: dict[str, torch.Tensor], vocab: int, tp: int, rank: int) -> dict:
     """vLLM's rank-`rank` parameters for full HF tensors `ckpt`, by vLLM's own sharding rules (QKVParallel:
     [q; k; v] of the rank's heads; MergedColumnParallel: [gate; up]; RowParallel: input columns; vocab
-    padded to 64 then split, padding rows zero; FusedMoE, expert parallelism off: `mlp.experts.w13_weight`
-    stacks per expert [gate; up] rows narrowed to the rank's I/tp (`_load_w13`: w1 first, w3 second),
-    `w2_weight` the down projections' input columns (`_load_w2`))."""
+    padded to 64 then split, padding rows zero; FusedMoE, expert parallelism off: its RoutedExperts submodule's
+    `mlp.experts.routed_experts.w13_weight` stacks per expert [gate; up] rows narrowed to the rank's I/tp
+    (`_load_w13`: w1 first, w3 second), `w2_weight` the down projections' input columns (`_load_w2`))."""
     out = {}
     experts = [n for n in ckpt if re.search(r"\.mlp\.experts\.\d+\.gate_proj\.weight$", n)]
     for prefix in sorted({n.split(".mlp.experts.")[0] + ".mlp.experts" for n in experts}):
@@ -64,10 +64,12 @@ def expected_vllm_params(ckpt: dict[str, torch.Tensor], vocab: int, tp: int, ran
             {p: ckpt[f"{prefix}.{e}.{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj")}
             for e in range(count)
         ]
-        out[prefix + ".w13_weight"] = torch.stack(
+        out[prefix + ".routed_experts.w13_weight"] = torch.stack(
             [torch.cat([x["gate_proj"].chunk(tp)[rank], x["up_proj"].chunk(tp)[rank]]) for x in w]
         )
-        out[prefix + ".w2_weight"] = torch.stack([x["down_proj"].chunk(tp, dim=1)[rank] for x in w])
+        out[prefix + ".routed_experts.w2_weight"] = torch.stack(
+            [x["down_proj"].chunk(tp, dim=1)[rank] for x in w]
+        )
     for name, full in ckpt.items():
         if re.search(r"\.mlp\.experts\.\d+\.", name):
             continue

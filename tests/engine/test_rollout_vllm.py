@@ -138,7 +138,7 @@ def test_weight_loader_fills_vllm_moe_parameters_as_vllm_shards_them(family, tmp
         for rank in range(tp):
             shape, params = rollout_shards_from_hf(path, tp, rank)
             want = expected_vllm_params(full, shape.vocab_size, tp, rank)
-            assert want["model.layers.1.mlp.experts.w13_weight"].shape == (4, 2 * 32 // tp, 64)
+            assert want["model.layers.1.mlp.experts.routed_experts.w13_weight"].shape == (4, 2 * 32 // tp, 64)
             fake = {name: torch.full_like(t, float("nan")) for name, t in want.items()}
             stats = load_rollout_weights(fake, params, shape, rank, tp, None)
             assert stats["tensors"] == len(params)
@@ -147,7 +147,7 @@ def test_weight_loader_fills_vllm_moe_parameters_as_vllm_shards_them(family, tmp
     # an expert missing from the rollout leaves its slot unwritten; a whole expert of another shape is refused
     lacking = {k: v for k, v in params.items() if "local_experts.3.linear_fc2" not in k}
     with pytest.raises(
-        KeyError, match=r"experts \[0, 1, 2\] fill vLLM's model.layers.0.mlp.experts.w2_weight"
+        KeyError, match=r"experts \[0, 1, 2\] fill vLLM's model.layers.0.mlp.experts.routed_experts.w2_weight"
     ):
         load_rollout_weights(fake, lacking, shape, rank, tp, None)
     narrow = dict(
@@ -155,6 +155,24 @@ def test_weight_loader_fills_vllm_moe_parameters_as_vllm_shards_them(family, tmp
     )
     with pytest.raises(ValueError, match="w13_weight has shape .4, 32, 64.*tensor_parallel_size"):
         load_rollout_weights(fake, narrow, shape, rank, tp, None)
+
+
+def test_moe_backend_pins_the_triton_experts_and_fills_them(world_of_one, monkeypatch, tmp_path):
+    """A MoE model starts vLLM with moe_backend="triton" (the backend whose FusedMoE weights keep the layout
+    vLLM's weight loader gives them; auto picks FlashInfer off Hopper) and its first rollout fills every expert
+    slot of `mlp.experts.routed_experts.w13_weight` / `w2_weight` as vLLM would from the checkpoint."""
+    path = hf_tiny.save_tiny("qwen3_moe", str(tmp_path / "qwen3_moe"), vocab_size=128)
+    shape, weights = rollout_weights_from_hf(path)
+    want = expected_vllm_params(hf_tensors(path), shape.vocab_size, 1, 0)
+    fake_vllm.install(monkeypatch, {name: torch.full_like(t, float("nan")) for name, t in want.items()})
+    cfg = RolloutConfig(backend="vllm", cuda_graphs=False, max_num_seqs=16, gpu_memory_utilization=0.3)
+    engine = build_rollout_engine(cfg, shape, torch.device("cuda", 0), 0, model_dir=path, seed=5)
+    llm = fake_vllm.LLM.instances[-1]
+    assert llm.kwargs["moe_backend"] == "triton"
+    engine.set_weights(weights)
+    engine.generate([[1, 2, 3]], SamplingParams(temperature=1.0, max_new_tokens=2, seed=3))
+    for name in want:
+        assert torch.equal(llm.model.params[name].data, want[name]), name
 
 
 @pytest.mark.parametrize(
@@ -198,6 +216,7 @@ def test_backend_drives_vllm_as_0_26_expects(tiny, world_of_one, monkeypatch):
     assert llm.env == {"LOCAL_RANK": "0", "RANK": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     assert os.environ["LOCAL_RANK"] == "3"  # restored once vLLM has started
     assert llm.kwargs["enforce_eager"] and llm.kwargs["seed"] == 5 and llm.kwargs["load_format"] == "dummy"
+    assert "moe_backend" not in llm.kwargs  # dense: vLLM's own choice
     assert llm.calls == ["sleep(2)"] and engine.uses_v2_model_runner
 
     engine.set_weights(weights)
