@@ -27,11 +27,12 @@ def model_config(name: str, **overrides):
 
 
 def hf_config_for(name: str) -> dict:
-    """Qwen2Config kwargs for a conf/model preset (random init; used by the TRL and transformers baselines)."""
+    """Qwen2Config kwargs for a conf/model preset (random init; used by the TRL, verl and transformers baselines).
+    A preset without `vocab_size` (tiny: the engine takes the embedded tokenizer's) gets 64 (> its 50 tokens)."""
     m = model_preset(name)
     heads = m["num_attention_heads"]
     return dict(
-        vocab_size=m["vocab_size"],
+        vocab_size=m.get("vocab_size", 64),
         hidden_size=m["hidden_size"],
         intermediate_size=m["ffn_hidden_size"],
         num_hidden_layers=m["num_layers"],

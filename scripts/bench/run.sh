@@ -20,6 +20,8 @@ so ARGS also override the defaults below). Purposes (script, default presets):
   logprobs          the fused output head vs the unfused path, --rows 21 (logprobs.py; qwen2_5_0_5b,qwen2_5_1_5b)
   decode_attention  decode attention kernels at RL shapes (decode_attention.py; qwen2_5_0_5b,qwen2_5_1_5b,qwen2_5_7b)
   baselines         TRL's GRPOTrainer on e2e's step (trl_grpo.py; qwen2_5_0_5b,qwen2_5_1_5b; TRL from .whl/trl)
+  verl              verl 0.9.1's GRPO, FSDP + colocated vLLM, on e2e's step (verl_grpo.py; qwen2_5_0_5b; verl from
+                    .whl/verl, vLLM from .whl/vllm)
   compare           one workload through ours (e2e.py, one job per --backends entry, default native,vllm) and TRL
                     both ways (trl_grpo.py, then with --vllm) (qwen2_5_0_5b,qwen2_5_1_5b); ARGS go to all four,
                     so give only options both scripts take (--prompts --n --prompt-len --response-len --steps --seed)
@@ -97,13 +99,14 @@ update) d_presets=qwen2_5_1_5b d_gpus=1 d_timeout=420 ;;
 logprobs) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=90 ;;
 decode_attention) d_presets=qwen2_5_0_5b,qwen2_5_1_5b,qwen2_5_7b d_gpus=1 d_timeout=120 ;;
 baselines) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=300 ;;
+verl) d_presets=qwen2_5_0_5b d_gpus=1 d_timeout=540 ;;
 compare) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=420 ;;
 vllm) d_presets=none d_gpus=1 d_timeout=560 ;;
 vllm_cost) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=240 ;;
 multi_turn) d_presets=qwen2_5_1_5b d_gpus=1 d_timeout=420 ;;
 gpu_tests) d_presets=none d_gpus=1 d_timeout=420 ;;
 two_nodes) d_presets=none d_gpus=1 d_timeout=150 ;;
-*) die "unknown purpose '$purpose': one of e2e rollout reshard update logprobs decode_attention baselines compare vllm vllm_cost multi_turn gpu_tests two_nodes" ;;
+*) die "unknown purpose '$purpose': one of e2e rollout reshard update logprobs decode_attention baselines verl compare vllm vllm_cost multi_turn gpu_tests two_nodes" ;;
 esac
 case $purpose in vllm | gpu_tests | two_nodes)
   [ -z "$presets" ] || die "$purpose takes no --presets"
@@ -111,7 +114,7 @@ case $purpose in vllm | gpu_tests | two_nodes)
 esac
 lengths_arg=() lt=""
 if [ -n "$lengths" ]; then
-  case $purpose in e2e | rollout | baselines | compare) ;; *) die "$purpose takes no --lengths" ;; esac
+  case $purpose in e2e | rollout | baselines | compare | verl) ;; *) die "$purpose takes no --lengths" ;; esac
   case $lengths in fixed | long_tail) ;; *) die "--lengths must be fixed or long_tail, got '$lengths'" ;; esac
   lengths_arg=(--lengths "$lengths") lt=_$lengths
 fi
@@ -176,6 +179,7 @@ for p in "${preset_list[@]}"; do
     add_job "update_$s$tag" "$py" $bench/update.py "${pa[@]}" "${extra[@]}" "${args[@]}" ;;
   logprobs) add_job "logprobs_$s$tag" "$py" $bench/logprobs.py "${pa[@]}" --rows 21 "${args[@]}" ;;
   decode_attention) add_job "decode_attention_$s$tag" "$py" $bench/decode_attention.py "${pa[@]}" "${args[@]}" ;;
+  verl) add_job "verl_$s$lt$tag" "$py" $bench/verl_grpo.py "${pa[@]}" --gpus "$gpus" "${lengths_arg[@]}" "${args[@]}" ;;
   baselines) add_job "trl_$s$lt$tag" "$py" $bench/trl_grpo.py "${pa[@]}" "${lengths_arg[@]}" "${args[@]}" ;;
   vllm) add_job "vllm_check$tag" env OUT="$out/vllm_check$tag" BUDGET_S=$((timeout_s - 20)) \
     bash $bench/vllm_gpu_check.sh "${args[@]}" ;;
@@ -198,21 +202,27 @@ lane_devices() {  # lane_devices LANE: the lane's GPU ids, comma-separated
   (IFS=,; echo "${ids[*]}")
 }
 
-install_wheels() {  # what .whl/ carries, in the order of ../shared/device/README.md (vllm, base, trl)
-  [ -f .whl/install-on-gpu.sh ] || return 0
+install_wheels() {  # what .whl/ carries, in the order of ../shared/device/README.md (vllm, base, trl), then verl
   local kind
-  for kind in vllm base trl; do
+  for kind in vllm base trl verl; do
+    [ $kind = verl ] || [ -f .whl/install-on-gpu.sh ] || continue
     case $kind in
     vllm) compgen -G ".whl/vllm/c*/*" > /dev/null || continue
       # a warm machine has it already; calls 1-3 of the recipe only stash their part (the check fails)
       if ((!dry)) && "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"; then
         continue
       fi ;;
+    verl) compgen -G ".whl/verl/c*/*" > /dev/null || continue ;;  # install_verl_on_gpu.sh: stash or install
     *) compgen -G ".whl/$kind/*.whl" > /dev/null || continue ;;
     esac
+    local step=(bash .whl/install-on-gpu.sh "$kind")
+    if [ $kind = verl ]; then
+      step=(bash $bench/install_verl_on_gpu.sh stash)
+      compgen -G ".whl/verl/c3/*" > /dev/null && step=(bash $bench/install_verl_on_gpu.sh install)
+    fi
     if ((dry)); then
-      echo "install: bash .whl/install-on-gpu.sh $kind"
-    elif bash .whl/install-on-gpu.sh "$kind" >> "$out/install.log" 2>&1; then
+      echo "install: ${step[*]}"
+    elif "${step[@]}" >> "$out/install.log" 2>&1; then
       echo "install $kind rc=0" >> "$out/status.txt"
     else
       echo "install $kind rc=$? (vllm: parts stashed until the last one comes; see install.log)" >> "$out/status.txt"

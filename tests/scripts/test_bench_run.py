@@ -17,6 +17,7 @@ PURPOSES = (
     "logprobs",
     "decode_attention",
     "baselines",
+    "verl",
     "compare",
     "vllm",
     "vllm_cost",
@@ -135,7 +136,8 @@ def test_errors_name_the_bad_value():
 
 
 def test_installs_what_whl_carries(tmp_path):
-    """The device machine's recipe: vLLM parts first, then the base wheels, then TRL; nothing without .whl/."""
+    """The device machine's recipe: vLLM parts first, then the base wheels, then TRL, then verl's parts (stashed
+    until the call that carries c3 installs them); nothing without .whl/."""
     shutil.copytree(os.path.join(ROOT, "scripts", "bench"), tmp_path / "scripts" / "bench")
     shutil.copytree(os.path.join(ROOT, "conf", "model"), tmp_path / "conf" / "model")
     root = str(tmp_path)
@@ -150,6 +152,17 @@ def test_installs_what_whl_carries(tmp_path):
         (tmp_path / path).write_text("")
     lines = run("logprobs", "--dry-run", root=root).stdout.splitlines()
     assert lines[:3] == [f"install: bash .whl/install-on-gpu.sh {kind}" for kind in ("vllm", "base", "trl")]
+    assert not lines[3].startswith("install")
+    os.makedirs(tmp_path / ".whl" / "verl" / "c1")
+    (tmp_path / ".whl" / "verl" / "c1" / "ray.whl.part00").write_text("")
+    assert run("logprobs", "--dry-run", root=root).stdout.splitlines()[3] == (
+        "install: bash scripts/bench/install_verl_on_gpu.sh stash"
+    )
+    os.makedirs(tmp_path / ".whl" / "verl" / "c3")
+    (tmp_path / ".whl" / "verl" / "c3" / "verl.whl").write_text("")
+    assert run("logprobs", "--dry-run", root=root).stdout.splitlines()[3] == (
+        "install: bash scripts/bench/install_verl_on_gpu.sh install"
+    )
     assert "install" not in run("logprobs", "--dry-run", "--no-install", root=root).stdout
 
 
