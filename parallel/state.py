@@ -353,8 +353,11 @@ def init_split_distributed(
         alone=alone,
         timeout=timeout,
         savers=savers,
-        # MoE at parallel.ep=1 (validated): every expert on every rank, as `without_expert_parallel` lays them
-        experts=ExpertGroups(ep=alone, tp_ep=tp, tp_ep_pp=mp, expt_dp=dp, tp_dp=tp_dp),
+        # MoE at parallel.ep=1 (validated): megatron's groups for ep=1 and expert TP 1, as on the colocated
+        # path. Every expert is whole on every rank and (with sequence parallelism at tp > 1) each TP rank
+        # routes its own tokens, so the experts' gradients are summed over TP x DP: expt_dp is the stage's
+        # tp x dp group, and the expert TP x EP group is this rank alone.
+        experts=ExpertGroups(ep=alone, tp_ep=alone, tp_ep_pp=pp, expt_dp=tp_dp, tp_dp=tp_dp),
     )
     return groups, dist.group.WORLD
 
