@@ -248,6 +248,7 @@ def destroy_distributed() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    parallel_state.destroy_global_memory_buffer()  # split placement sets it without parallel_state's groups
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -269,8 +270,10 @@ def init_split_distributed(
     training groups are built from `TrainLayout`'s rank lists (megatron's rank order) and handed to megatron
     explicitly, as on the colocated path; the expert groups are those of parallel.ep=1 (an MoE model holds
     every expert on every training rank). Every rank creates every group (torch requires it), in one order.
+    Of parallel_state's other state, the global memory buffer is set (megatron's sequence-parallel all-gathers
+    and attention take their buffers from it; `destroy_distributed` releases it).
     """
-    from megatron.core import tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel
 
     launch = read_launch_env()
     if device_type == "cpu":
@@ -338,6 +341,7 @@ def init_split_distributed(
             train_world, tp, pp, dp, mp, embd, tp_dp = critic_groups
     if train_world is None:  # a rollout rank
         return None, dist.group.WORLD
+    parallel_state._set_global_memory_buffer()  # what initialize_model_parallel ends with
     coords = layout.coords(local)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=coords.tp_rank, ep_rank=0, etp_rank=0)
     groups = ProcessGroups(
