@@ -248,6 +248,7 @@ def destroy_distributed() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    parallel_state.destroy_global_memory_buffer()  # split placement sets it without parallel_state's groups
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -269,8 +270,10 @@ def init_split_distributed(
     training groups are built from `TrainLayout`'s rank lists (megatron's rank order) and handed to megatron
     explicitly, as on the colocated path; the expert groups are those of parallel.ep=1 (an MoE model holds
     every expert on every training rank). Every rank creates every group (torch requires it), in one order.
+    Of parallel_state's other state, the global memory buffer is set (megatron's sequence-parallel all-gathers
+    and attention take their buffers from it; `destroy_distributed` releases it).
     """
-    from megatron.core import tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel
 
     launch = read_launch_env()
     if device_type == "cpu":
@@ -338,6 +341,7 @@ def init_split_distributed(
             train_world, tp, pp, dp, mp, embd, tp_dp = critic_groups
     if train_world is None:  # a rollout rank
         return None, dist.group.WORLD
+    parallel_state._set_global_memory_buffer()  # what initialize_model_parallel ends with
     coords = layout.coords(local)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=coords.tp_rank, ep_rank=0, etp_rank=0)
     groups = ProcessGroups(
@@ -353,8 +357,11 @@ def init_split_distributed(
         alone=alone,
         timeout=timeout,
         savers=savers,
-        # MoE at parallel.ep=1 (validated): every expert on every rank, as `without_expert_parallel` lays them
-        experts=ExpertGroups(ep=alone, tp_ep=tp, tp_ep_pp=mp, expt_dp=dp, tp_dp=tp_dp),
+        # MoE at parallel.ep=1 (validated): megatron's groups for ep=1 and expert TP 1, as on the colocated
+        # path. Every expert is whole on every rank and (with sequence parallelism at tp > 1) each TP rank
+        # routes its own tokens, so the experts' gradients are summed over TP x DP: expt_dp is the stage's
+        # tp x dp group, and the expert TP x EP group is this rank alone.
+        experts=ExpertGroups(ep=alone, tp_ep=alone, tp_ep_pp=pp, expt_dp=tp_dp, tp_dp=tp_dp),
     )
     return groups, dist.group.WORLD
 

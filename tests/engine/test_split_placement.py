@@ -9,7 +9,7 @@ perf/* (wall clock) and rollout_engine/* (the engine's counters depend on how ma
 Launches: 3 ranks (2 train + 1 rollout) whose rollout rank gets stuck inside step 3 after step 2's checkpoint
 (the training ranks time out, name it and kill it), then resumed (trainer.resume=auto), against colocated DP=2, both scored by a reward model (reward.combine=sum: the
 rollout rank scores the rule, the training ranks add the model's score, in training and validation); 4 ranks (TP=2 train + 2 rollout replicas sharing its
-prompts) against colocated TP=2 with rollout.tp=1 (a micro-DP group of 2); 3 ranks one step off policy
+prompts) against colocated TP=2 with sequence parallelism and rollout.tp=1 (a micro-DP group of 2); 3 ranks one step off policy
 (trainer.off_policy_steps=1) for 40 steps of the embedded task; 2 ranks one step off policy killed after step 2's
 checkpoint and resumed (the batch in flight is regenerated); PPO with the critic on a rank of its own
 (placement.critic_ranks=1, 3 ranks; killed inside step 3 and resumed) against the critic on the actor's rank
@@ -176,10 +176,16 @@ def test_split_3_ranks_equals_colocated_dp2_and_resumes_after_sigkill(tmp_path):
 
 
 def test_split_tp2_train_2_rollout_replicas_equals_colocated_micro_dp(tmp_path):
-    """4 ranks: TP=2 trains (DP=1), two rollout replicas generate one half of its prompts each; with DAPO's
-    dynamic sampling (further rounds until the batch has enough groups whose rewards differ) and validation
-    after every step."""
-    short = ["trainer.total_steps=2", "trainer.save_freq=0", "parallel.tp=2", "rollout.tp=1"]
+    """4 ranks: TP=2 with sequence parallelism trains (DP=1), two rollout replicas generate one half of its
+    prompts each; with DAPO's dynamic sampling (further rounds until the batch has enough groups whose rewards
+    differ) and validation after every step."""
+    short = [
+        "trainer.total_steps=2",
+        "trainer.save_freq=0",
+        "parallel.tp=2",
+        "parallel.sp=true",
+        "rollout.tp=1",
+    ]
     short += ["algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3", *_validation(tmp_path, 1)]
     colocated = _train(2, tmp_path / "colocated", *short)
     split = _train(4, tmp_path / "split", *short, "placement.mode=split", "placement.rollout_ranks=2")
