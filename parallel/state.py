@@ -341,6 +341,7 @@ def init_split_distributed(
             train_world, tp, pp, dp, mp, embd, tp_dp = critic_groups
     if train_world is None:  # a rollout rank
         return None, dist.group.WORLD
+    parallel_state.destroy_global_memory_buffer()  # a process may set up split placement more than once
     parallel_state._set_global_memory_buffer()  # what initialize_model_parallel ends with
     coords = layout.coords(local)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=coords.tp_rank, ep_rank=0, etp_rank=0)
