@@ -65,11 +65,11 @@ def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp
     # MoE at EP=2 vs EP=1: the same samples (rewards equal), gradients equal up to summation order (float32)
     moe_ep = json.loads(out.split("moe_ep ", 1)[1].splitlines()[0])
     assert moe_ep["reward_diff"] == 0.0 and moe_ep["same_keys"] == 1.0, moe_ep
-    assert moe_ep["grad_norm_rel"] <= 1e-4 and 1.0 <= moe_ep["load_imbalance_ep2"] <= 2.0, moe_ep
+    assert moe_ep["grad_norm_rel"] <= 1e-6 and 1.0 <= moe_ep["load_imbalance_ep2"] <= 2.0, moe_ep
     # PP=2 x EP=2 rolled out at rollout.tp=1 (experts regrouped over stages and EP ranks) equals EP=1
     moe_pp2 = json.loads(out.split("moe_ep_pp2 ", 1)[1].splitlines()[0])
     assert moe_pp2["reward_diff"] == 0.0 and moe_pp2["same_keys"] == 1.0, moe_pp2
-    assert moe_pp2["grad_norm_rel"] <= 1e-4, moe_pp2  # float32: the EP split changes summation order only
+    assert moe_pp2["grad_norm_rel"] <= 1e-6, moe_pp2  # float32: the EP split changes summation order only
     # step 2 (after an update): the rollout's log-probs still equal training's, and every parameter megatron
     # replicates over TP (norms, routers, routed experts at EP=1) is bit-equal on the TP ranks; under SP each
     # TP rank routes its own tokens, so expert gradients must be summed over TP x DP (float32, as dense)
