@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from engine.config import ModelConfig, MoEConfig
 from engine.models.spec import Fusions, install_moe_without_te, install_rope_fusion, layer_spec, norm_spec
 from parallel.dims import ParallelDims
+from parallel.rollout_weights import is_expert_param
 from parallel.state import ProcessGroups
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -302,8 +303,22 @@ def build_gpt_chunks(
         )
         if value_head and post:
             model.output_layer = ValueHead(shape.hidden_size, shape.dtype, dims.sp, groups.tp)
+        if shape.moe:
+            mark_experts_expert_parallel(model)
         chunks.append(model.to(device))
     return chunks
+
+
+def mark_experts_expert_parallel(model: torch.nn.Module) -> None:
+    """Tag every routed expert's parameter `allreduce=False`, at every parallel.ep, so megatron's DDP and
+    optimizer treat it as an expert parameter: its gradient is summed over the expert data-parallel group
+    (`ProcessGroups.experts.expt_dp`: tp x dp / ep, as expert TP is 1) and its grad norm taken over the expert
+    groups. megatron tags them only when expert_model_parallel_size > 1; at EP=1 they would be dense
+    parameters, reduced over DP alone, while with sequence parallelism each TP rank routes its own sequence
+    shard through its own whole copy of the experts: the TP copies would get different gradients and drift."""
+    for name, param in model.named_parameters():
+        if is_expert_param(name):
+            param.allreduce = False
 
 
 @torch.no_grad()

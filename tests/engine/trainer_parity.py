@@ -322,19 +322,26 @@ MOE_PP2 = ("parallel.pp=2", "rollout.tp=1")
 
 
 def moe_expert_parallel_invariance(out_root: str, layout: tuple[str, ...] = MOE_TP2) -> dict[str, float]:
-    """model=tiny_moe at `layout` (TP=2 (SP) x DP=2, or PP=2 x DP=2), one step at parallel.ep=1 and at
+    """model=tiny_moe at `layout` (TP=2 (SP) x DP=2, or PP=2 x DP=2), two steps at parallel.ep=1 and at
     parallel.ep=2 (the experts split over each EP pair, regrouped for the rollout by
     parallel/expert_gather.py; the EP=2 job exports the actor, `trainer.export_hf=true`): the same random
     init, rollout and update. Returns the largest difference of any first-step metric (timings aside), the
     rewards' difference, the relative grad-norm difference (only the first step: Adam's first update is the
-    sign of each gradient, so entries near zero may step differently and later rollouts diverge) and the
-    EP=2 export's expert tensors checked against the trained ones."""
-    rows = {}
+    sign of each gradient, so entries near zero may step differently and later rollouts diverge), the
+    largest step-2 |actor/rollout_kl| and the largest difference between TP ranks' copies of a replicated
+    parameter after the two steps (both EP sizes: under SP each TP rank routes its own tokens through its
+    own copy of the experts, so a missing gradient reduction shows in both), and the EP=2 export's expert
+    tensors checked against the trained ones."""
+    rows, step2_kl, tp_diff, tp_checked = {}, 0.0, 0.0, 0
     for ep in (1, 2):
         out = os.path.join(out_root, f"moe_{'_'.join(o.replace('=', '') for o in layout)}_ep{ep}")
         overrides = ["model=tiny_moe", *layout, f"parallel.ep={ep}", f"trainer.export_hf={ep == 2}"]
-        trainer = run_job([*overrides, "trainer.total_steps=1"], out, keep_process_group=True)
-        rows[ep] = read_metrics(out)[0]
+        trainer = run_job([*overrides, "trainer.total_steps=2"], out, keep_process_group=True)
+        metrics = read_metrics(out)
+        rows[ep] = metrics[0]
+        step2_kl = max(step2_kl, abs(metrics[1]["actor/rollout_kl"]))
+        diff, checked = tp_replica_max_diff(trainer.c)
+        tp_diff, tp_checked = max(tp_diff, diff), tp_checked + checked
     a, b = rows[1], rows[2]
     skip = ("timing/", "perf/", "rollout_engine/", "memory/")
     keys = [k for k in a if not k.startswith(skip) and isinstance(a[k], (int, float))]
@@ -346,7 +353,39 @@ def moe_expert_parallel_invariance(out_root: str, layout: tuple[str, ...] = MOE_
         "grad_norm_rel": abs(a["actor/grad_norm"] - b["actor/grad_norm"]) / a["actor/grad_norm"],
         "load_imbalance_ep2": b["actor/moe_load_imbalance"],
         "same_keys": float(set(keys) <= set(b)),
+        "rollout_kl_step2": step2_kl,
+        "tp_replica_max_diff": tp_diff,
+        "tp_replicas_checked": tp_checked,
         "ep2_export_dir": os.path.join(out, "hf_actor"),
         "ep2_experts_exported": exported,
         "ep2_experts_checked": checked,
     }
+
+
+def tp_replica_max_diff(c) -> tuple[float, int]:
+    """(largest |difference|, number of comparisons) between the TP ranks' copies of every parameter that
+    megatron replicates over TP (norms, QK-norms, routers, routed experts, by global name: at EP > 1 a TP
+    peer may hold other experts), for the actor of components `c`; (0.0, 0) at TP=1. Collective (world)."""
+    import torch.distributed as dist
+
+    from parallel.layout import PartitionKind
+    from parallel.rollout_weights import global_param_names, partition_kind
+
+    g = c.groups
+    offset = g.expert_offset(c.shape.moe.num_experts) if c.shape.moe else 0
+    named = global_param_names(
+        c.actor.chunks, g.dims.train_layout().layers(g.pp_rank, c.shape.num_layers), offset
+    )
+    mine = {n: p.detach().clone() for n, p in named.items() if partition_kind(n) == PartitionKind.REPLICATED}
+    peers: list = [None] * g.dims.tp
+    dist.all_gather_object(peers, mine, group=g.tp)
+    diffs = [
+        float((peer[name] - tensor).abs().max())
+        for rank, peer in enumerate(peers)
+        for name, tensor in mine.items()
+        if rank != g.tp_rank and name in peer
+    ]
+    largest, count = torch.tensor([max(diffs, default=0.0)]), torch.tensor([len(diffs)])
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(count)
+    return float(largest), int(count)
