@@ -32,7 +32,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from presets import num_params  # noqa: E402
-from workload import KINDS, describe, response_lengths  # noqa: E402
+from workload import add_step_args, describe, response_lengths  # noqa: E402
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16 spec (large GEMMs reach ~790e12 in practice)
 # vLLM 0.26 LLM.generate alone on one H200, generated tokens/s for these RL-shaped batches
@@ -200,12 +200,7 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--rollout-tp", type=int, default=1)
     ap.add_argument("--backend", default="native")
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--response-len", type=int, default=512)
-    ap.add_argument("--lengths", choices=KINDS, default="fixed", help="scripts/bench/workload.py")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the lengths and prompts")
+    add_step_args(ap)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument(
         "--max-tokens", type=int, default=32768, help="trainer.max_tokens_per_micro_batch (0 = off)"

@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from presets import hf_config_for  # noqa: E402
-from workload import KINDS, describe, response_lengths  # noqa: E402
+from workload import add_step_args, describe, response_lengths  # noqa: E402
 
 
 def bench_prompts(num_prompts: int, prompt_len: int, seed: int) -> list[str]:
@@ -132,12 +132,7 @@ def with_per_prompt_sampling(llm_generate: Callable, cap_of: Callable[[Sequence[
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen2_5_0_5b")
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--response-len", type=int, default=512)
-    ap.add_argument("--lengths", choices=KINDS, default="fixed", help="scripts/bench/workload.py")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the lengths and prompts")
+    add_step_args(ap)
     ap.add_argument(
         "--vllm", action="store_true", help="TRL's colocated vLLM instead of transformers generate"
     )

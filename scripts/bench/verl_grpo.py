@@ -44,7 +44,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from trl_grpo import bench_prompts  # noqa: E402
-from workload import KINDS, describe, response_lengths  # noqa: E402
+from workload import add_step_args, describe, response_lengths  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VENV_PYTHON = "/root/verl-venv/bin/python"
@@ -61,12 +61,7 @@ METRIC = re.compile(r"([\w/@.\-]+):(?:np\.\w+\()?(-?[\d.]+(?:[eE][-+]?\d+)?|nan|
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen2_5_0_5b")
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--response-len", type=int, default=512)
-    ap.add_argument("--lengths", choices=KINDS, default="fixed", help="scripts/bench/workload.py")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the lengths and prompts")
+    add_step_args(ap)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=32768, help="ppo_max_token_len_per_gpu (dynamic bsz)")

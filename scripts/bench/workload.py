@@ -12,12 +12,24 @@ n responses share its length, as vLLM's per-request limit does.
 
 from __future__ import annotations
 
+import argparse
 import math
 from statistics import NormalDist
 
 import numpy as np
 
 KINDS = ("fixed", "long_tail")
+
+
+def add_step_args(ap: argparse.ArgumentParser) -> None:
+    """The options of one GRPO step's workload, the same names and defaults in every end-to-end script (e2e.py,
+    trl_grpo.py, verl_grpo.py), so `run.sh compare` can give them to all of them."""
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--response-len", type=int, default=512)
+    ap.add_argument("--lengths", choices=KINDS, default="fixed", help="scripts/bench/workload.py")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the lengths and prompts")
 
 
 def response_lengths(

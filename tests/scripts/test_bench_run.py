@@ -46,8 +46,13 @@ def jobs(*args: str) -> list[dict]:
 
 
 def script_options(path: str) -> set[str]:
+    """The --options a bench script declares, with workload.py's shared step options where it adds them."""
     with open(os.path.join(ROOT, path)) as f:
-        return set(re.findall(r'add_argument\(\s*"(--[\w-]+)"', f.read()))
+        text = f.read()
+    options = set(re.findall(r'add_argument\(\s*"(--[\w-]+)"', text))
+    if "add_step_args(" in text and not path.endswith("workload.py"):
+        options |= script_options("scripts/bench/workload.py")
+    return options
 
 
 def check_command(cmd: list[str]) -> None:
