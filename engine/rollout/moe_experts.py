@@ -3,8 +3,9 @@ engine/rollout/model.py.
 
 Where `torch._grouped_mm` runs (engine/models/moe.py `grouped_experts_run`: CUDA sm90/sm100 in bfloat16, and
 CPU) the experts run as grouped GEMMs on stacked (experts, out, in) weights, with no host sync, so the decode
-step can be captured in a CUDA graph; elsewhere they run as a loop over the experts that syncs with the host,
-and the engine decodes eagerly (`decode_graph_safe`).
+step can be captured in a CUDA graph when the caller asks for it (`use_cuda_graphs`: MoE decodes eagerly by
+default); elsewhere they run as a loop over the experts that syncs with the host, and the engine decodes
+eagerly (`decode_graph_safe`).
 
 Memory: the stacked weights are views when a layer's experts are consecutive slices of one buffer (the
 rollout benchmark's layout); otherwise (the weight transition hands over one tensor per expert) they are one
