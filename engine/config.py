@@ -153,8 +153,8 @@ class RolloutConfig:
     """vLLM / native: most sequences decoded at once."""
     cuda_graphs: bool = True
     """Replay captured decode steps (CUDA graphs); false = eager decode (vLLM: enforce_eager, which also skips
-    torch.compile: a faster start, a slower rollout). The native engine decodes MoE models eagerly either way
-    (its expert selection syncs with the host)."""
+    torch.compile: a faster start, a slower rollout). The native engine decodes eagerly either way where its
+    step syncs with the host: MoE models whose experts cannot run as grouped GEMMs (float32, or off sm90/sm100)."""
     kv_cache_memory_fraction: float = 0.5
     """native on CUDA: fraction of free GPU memory for the KV cache (batches that do not fit are chunked)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

@@ -31,8 +31,8 @@ def build_rollout_engine(
             device,
             r.max_num_seqs,
             pad_id,
-            # true is the default: MoE models decode eagerly (see moe_experts.use_cuda_graphs)
-            cuda_graphs=r.cuda_graphs if device.type == "cuda" and shape.moe is None else None,
+            # true (the default): graphs where the decode step has no host sync (moe_experts.use_cuda_graphs)
+            cuda_graphs=None if r.cuda_graphs or device.type != "cuda" else False,
             kv_cache_memory_fraction=r.kv_cache_memory_fraction,
         )
     if r.backend == "vllm":

@@ -3,8 +3,8 @@ engine/rollout/model.py.
 
 Where `torch._grouped_mm` runs (engine/models/moe.py `grouped_experts_run`: CUDA sm90/sm100 in bfloat16, and
 CPU) the experts run as grouped GEMMs on stacked (experts, out, in) weights, with no host sync, so the decode
-step can be captured in a CUDA graph when the caller asks for it (`use_cuda_graphs`: MoE decodes eagerly by
-default); elsewhere they run as a loop over the experts that syncs with the host, and the engine decodes
+step is captured in CUDA graphs as a dense one is (`use_cuda_graphs`; graph decode equals eager decode for
+Qwen3-MoE and Qwen2-MoE on an H200: tests/engine/test_moe_gpu.py); elsewhere they run as a loop over the experts that syncs with the host, and the engine decodes
 eagerly (`decode_graph_safe`).
 
 Memory: the stacked weights are views when a layer's experts are consecutive slices of one buffer (the
@@ -39,13 +39,12 @@ def decode_graph_safe(shape: ModelShape, device: torch.device, dtype: torch.dtyp
 def use_cuda_graphs(
     shape: ModelShape, device: torch.device, wanted: bool | None, dtype: torch.dtype | None = None
 ) -> bool:
-    """Whether the native engine captures its decode step in CUDA graphs: `wanted` (None: dense models on CUDA;
-    MoE models decode eagerly unless graphs are asked for explicitly, as their capture is not yet verified on
-    a GPU for every MoE family: tests/engine/test_moe_gpu.py); an error when wanted where the step syncs with
-    the host."""
+    """Whether the native engine captures its decode step in CUDA graphs: `wanted` (None: on CUDA wherever the
+    step has no host sync: dense models, and MoE models whose experts run as grouped GEMMs); an error when
+    wanted where the step syncs with the host."""
     safe = device.type == "cuda" and decode_graph_safe(shape, device, dtype)
     if wanted is None:
-        return safe and shape.moe is None
+        return safe
     if wanted and not safe:
         raise ValueError(
             f"rollout.cuda_graphs=true: the native MoE forward syncs with the host on {device} in "

@@ -60,8 +60,8 @@ class NativeRollout(RolloutEngine):
     `max_num_seqs`: most sequences decoded at once (`rollout.max_num_seqs`); `pad_id` pads the responses.
     `kv_cache_budget_bytes`: KV cache memory (None: `kv_cache_memory_fraction` of the free GPU memory on CUDA,
     1 GiB at most on CPU); it bounds the sequences decoded at once, larger batches are chunked.
-    `cuda_graphs` (None: on CUDA for dense models; MoE models only when True is passed, where decode has no
-    host sync: engine/rollout/moe_experts.py `use_cuda_graphs`; calls recording routed experts decode eagerly), `keep_cache` (None: on CPU only; on CUDA the cache and graphs are freed
+    `cuda_graphs` (None: on CUDA wherever the decode step has no host sync: engine/rollout/moe_experts.py
+    `use_cuda_graphs`; calls recording routed experts decode eagerly), `keep_cache` (None: on CPU only; on CUDA the cache and graphs are freed
     after each call so that training gets the memory back), `prefill_tokens` (tokens per prefill forward),
     `check_every` (decode steps between host checks for finished rows; None: 1 on CPU, 8 on CUDA),
     `kernels` (the forward's fast kernels, engine/rollout/model.py `DecodeKernels`; default: all where they apply),

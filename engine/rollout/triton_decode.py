@@ -201,6 +201,10 @@ def decode_attention(
     )
     if splits == 1:
         return (acc[:, :, 0] / s[:, :, 0, :, None]).to(q.dtype)
+    # one compile for every batch width and split count (heads and dim stay constants)
+    for t in (acc, m, s):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(t, 2)
     return cuda_kernel(merge_splits, q.device, ROLLOUT, dynamic=None)(acc, m, s, q.dtype)
 
 

@@ -15,8 +15,8 @@ experts as views of one (experts, ...) tensor per weight, so the native engine's
 without a copy); vLLM gets the same weights through its weight loader, transformers through the HF weight map.
 Sampling: temperature 1, no top-k/top-p, EOS ignored (every response is --new-tokens long, or with
 `--lengths long_tail` as long as scripts/bench/workload.py draws it per prompt: same lengths for every backend). Each backend is
-warmed up on the same batch first (8 new tokens; with per-prompt lengths, lengths 1..64 so that every decode
-width is compiled before the timed call: `timed_generate`); the timed call is one `generate` (CUDA-synchronised),
+warmed up on the same batch first (8 new tokens; with per-prompt lengths, lengths 1..512 so that every decode
+width and split count is compiled before the timed call: `timed_generate`); the timed call is one `generate` (CUDA-synchronised),
 including what a rollout pays each time: the native engine's KV cache allocation and CUDA-graph capture, and
 vLLM's wake-up, weight copy and sleep (reported separately as `wake_load_s` / `sleep_s`). A backend that is
 not installed (vLLM) or not available here (vLLM on CPU) is reported as skipped with the reason; a vLLM run that
@@ -174,14 +174,16 @@ def synced(device: torch.device) -> float:
 
 def timed_generate(engine, prompts, sampling, device) -> tuple[object, float, float]:
     """(output, wall seconds, process CPU seconds) of one generate call after a warm-up: 8 new tokens, or with
-    per-prompt limits, limits spread over 1..64 so that the batch shrinks through every width the timed call
-    will decode at (the native engine compiles its kernels once per process, at the first widths it sees:
-    a cost of the first call, as vLLM's compilation is of its start, not of every rollout)."""
+    per-prompt limits, limits spread over 1..min(512, the longest limit) so that the batch shrinks through
+    every width the timed call will decode at, with a cache long enough for split-key decode attention at
+    the small widths (the native engine compiles its kernels once per process, at the first widths and
+    split counts it sees: a cost of the first call, as vLLM's compilation is of its start, not of every
+    rollout)."""
     warm = replace(sampling, max_new_tokens=8, max_new_tokens_per_prompt=())
     if sampling.max_new_tokens_per_prompt:
-        n = len(prompts)
-        spread = tuple(1 + 63 * i // max(1, n - 1) for i in range(n))
-        warm = replace(sampling, max_new_tokens=64, max_new_tokens_per_prompt=spread)
+        n, top = len(prompts), min(512, sampling.max_new_tokens)
+        spread = tuple(1 + (top - 1) * i // max(1, n - 1) for i in range(n))
+        warm = replace(sampling, max_new_tokens=top, max_new_tokens_per_prompt=spread)
     engine.generate(prompts, warm)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
