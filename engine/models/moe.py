@@ -18,14 +18,13 @@ Router, per token: logits = x . router_weight^T (in x's dtype, like Hugging Face
 The k weights are cast to x's dtype; the output is the weighted sum of the chosen experts' outputs, plus the
 shared expert (times sigmoid(x . gate) when gated). Pure tensor code: no process groups, no megatron modules.
 
-Where the weight is applied: here, as in transformers and vLLM, after an expert's down projection,
-w * (fc2 . swiglu(fc1 . x)); megatron's experts (`SequentialMLP`, `activation_func_with_probs`) apply it before,
-fc2 . (w * swiglu(fc1 . x)). The same value, rounded differently in bfloat16: the router weights, the routing,
-the shared expert and its gate are bit-identical to megatron's on CPU, and moving the multiply before fc2 makes
-this forward bit-identical to the training forward (measured in bf16 on CPU, tiny random Qwen2-MoE / Qwen3-MoE
-of tests/engine/test_rollout_vllm.py's sizes). In float32 the two agree to ~1e-6. On those random-init models
-the one rounding difference moves log-probs by ~0.29 (Qwen2-MoE) / ~0.17 (Qwen3-MoE) nat mean, which is bf16
-noise: transformers' own bf16 forward is 1.09 / 0.23 nat mean from its float32 one, megatron's 1.05 / 0.22.
+Where the router weight is applied: as megatron's experts do (`SequentialMLP`, `activation_func_with_probs`),
+to the activation before an expert's down projection, fc2 . (w * swiglu(fc1 . x)); transformers and vLLM apply
+it after, w * fc2 . swiglu(fc1 . x). The same value, rounded differently in bfloat16: with megatron's order this
+forward is bit-identical to the training layer on CPU in bf16 (tests/engine/test_moe.py), with the other it
+sat 0.29 (Qwen2-MoE) / 0.17 (Qwen3-MoE) nat mean from the training forward's log-probs on tiny random-init
+models (transformers' own bf16 forward is 1.09 / 0.23 nat mean from its float32 one: bf16 noise, which the
+rollout should share with training rather than with transformers). In float32 the orders agree to ~1e-6.
 """
 
 from __future__ import annotations
@@ -77,8 +76,9 @@ def routed_experts(
     for e in range(moe.num_experts):
         rows, slot = (index_tk == e).nonzero(as_tuple=True)
         if rows.numel():
-            y = swiglu_mlp(x_th[rows], expert_fc1[e], expert_fc2[e])
-            out.index_add_(0, rows, y * weights_tk[rows, slot, None])
+            gate, up = (x_th[rows] @ expert_fc1[e].t()).chunk(2, dim=-1)
+            act = F.silu(gate) * up * weights_tk[rows, slot, None]  # megatron's rounding order
+            out.index_add_(0, rows, act @ expert_fc2[e].t())
     return out, index_tk
 
 
@@ -149,8 +149,8 @@ def grouped_routed_experts(
     order, ends = sort_by_expert(by_expert, moe.num_experts)
     x_sorted = x_th[order // k]  # (t*k, h), grouped by expert
     gate, up = torch._grouped_mm(x_sorted, fc1_efh.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, fc2_ehf.transpose(1, 2), offs=ends)  # (t*k, h)
-    y = y * weights_tk.reshape(-1)[order, None]
+    act = F.silu(gate) * up * weights_tk.reshape(-1)[order, None]  # megatron's rounding order
+    y = torch._grouped_mm(act, fc2_ehf.transpose(1, 2), offs=ends)  # (t*k, h)
     y_tkh = y[order.argsort()].view(t, k, -1)  # a gather: deterministic, unlike a scatter on CUDA
     out = y_tkh[:, 0]
     for j in range(1, k):

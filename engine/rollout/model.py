@@ -295,9 +295,8 @@ class RolloutModel:
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         """The layer's MLP on normed hidden states h (b, s, hidden), summed over the TP group. MoE: the
-        router and the routed experts run whole on every TP rank (training's router numerics; the router
-        weight is applied after the down projection, not before as in megatron: engine/models/moe.py); only
-        the shared expert's partial sums are reduced."""
+        router and the routed experts run whole on every TP rank (training's numerics and rounding order:
+        engine/models/moe.py); only the shared expert's partial sums are reduced."""
         if layer.moe is None:
             return self._all_reduce(F.linear(self._swiglu(F.linear(h, layer.fc1_w)), layer.fc2_w))
         w, h_th = layer.moe, h.reshape(-1, h.shape[-1])
