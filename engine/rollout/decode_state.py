@@ -1,11 +1,23 @@
 """The native engine's per-call state: the decode slots (`SlotState`, read by the CUDA graphs) and the
-step-major outputs of one `generate` call (`CallOutputs`); engine/rollout/native.py fills both."""
+step-major outputs of one `generate` call (`CallOutputs`); engine/rollout/native.py fills both, with
+`record_tokens` (sample a step's tokens into the outputs) and `compact_slots` (live slots to the front).
+
+Each slot has its own cache position (`cur`) and response step (`step`): a row admitted into a slot freed by
+a finished row starts at its own prompt's end while the others go on. Row r's K/V sit at positions
+[pad[r], cur[r]); the next decode step writes position cur[r] and attends over [pad[r], cur[r]]. A slot that
+is not alive (finished, or filler up to the batch bucket) keeps its position (`cur` advances for live slots
+only) and has `pad` = `cur`: it reads one key, writes where nothing valid is, and its outputs go to the
+scratch row.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from engine.rollout.kv_cache import compact_rows
+from engine.rollout.sampler import sample_tokens
 
 
 @dataclass
@@ -21,7 +33,14 @@ class SlotState:
     alive: torch.Tensor
     """(slots,) bool: still generating."""
     cur: torch.Tensor
-    """(1,) int64: cache position of the next decode step."""
+    """(slots,) int64: cache position the slot's next decode step writes (advanced for live slots only)."""
+    step: torch.Tensor
+    """(slots,) int64: response index of the token the slot samples next."""
+
+    def set_idle(self, lo: int, hi: int, scratch: int, pad_id: int) -> None:
+        """Slots [lo, hi) become fillers: not alive, outputs to the scratch row, reading one key."""
+        self.alive[lo:hi], self.row_of[lo:hi], self.tokens[lo:hi] = False, scratch, pad_id
+        self.pad[lo:hi] = self.cur[lo:hi]
 
 
 @dataclass
@@ -39,3 +58,45 @@ class CallOutputs:
     limit: torch.Tensor | None = None
     """(rows + 1,) int64: each row's most tokens (SamplingParams.max_new_tokens_per_prompt), None: no per-row
     limits."""
+
+
+def record_tokens(
+    logits, sampling, gen, stops, out: CallOutputs, st: SlotState, lo: int, pad_id: int, new: int
+) -> None:
+    """Sample one token per slot from `logits` (the rows of slots [lo, lo + len(logits))), store the tokens
+    of live slots at their own response step, retire the slots that stop (a stop token, their row's limit,
+    or `new` tokens); a retired slot reads one key from then on."""
+    tokens, logp = sample_tokens(logits, sampling, gen)
+    hi = lo + logits.shape[0]
+    alive, step = st.alive[lo:hi], st.step[lo:hi]
+    scratch = out.stopped.numel() - 1
+    row = torch.where(alive, st.row_of[lo:hi], scratch)
+    at = torch.where(alive, step, 0)
+    out.ids.index_put_((at, row), torch.where(alive, tokens, pad_id))
+    out.log_probs.index_put_((at, row), torch.where(alive, logp, 0.0))
+    out.mask.index_put_((at, row), alive)
+    if stops is not None:
+        hit = alive & torch.isin(tokens, stops)
+        out.stopped.index_put_((row,), out.stopped[row] | hit)
+        alive &= ~hit
+    limit = out.limit[row] if out.limit is not None else new
+    alive &= limit > step + 1  # the row's last token by its limit: "length"
+    st.step[lo:hi] += 1
+    st.tokens[lo:hi] = torch.where(alive, tokens, pad_id)
+    st.pad[lo:hi] = torch.where(alive, st.pad[lo:hi], st.cur[lo:hi])
+
+
+def compact_slots(
+    caches, st: SlotState, live: int, width: int, top: int, scratch: int, pad_id: int, track=None
+) -> None:
+    """Move the live slots of [0, width) to [0, live) (K/V positions [0, top): `top` bounds every slot's
+    position); slots [live, width) become fillers. With `track` (slot bookkeeping of kept rows), the
+    finished slots' K/V move behind the live ones instead of being overwritten, with their state and
+    `track` permuted alike."""
+    keep = st.alive[:width].nonzero().squeeze(1)
+    order = keep if track is None else torch.cat((keep, (~st.alive[:width]).nonzero().squeeze(1)))
+    compact_rows(*caches, order, top)
+    for buf in (st.tokens, st.pad, st.row_of, st.cur, st.step, *(track or ())):
+        buf[: order.numel()] = buf[order]
+    st.alive[:live] = True
+    st.set_idle(live, width, scratch, pad_id)

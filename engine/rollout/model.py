@@ -13,8 +13,8 @@ Three entry points:
 - `prefill`: left-padded prompts (u, s) -> logits of the last position, K/V written into cache rows;
 - `prefill_continued`: new tokens of rows whose earlier K/V are in the cache (the next turn of an episode),
   attending over the row's cache and each other, causally -> logits of the last position;
-- `decode`: one token per cache row at one common cache position `cur` (a 1-element tensor, so that the step
-  can be captured in a CUDA graph), attending over the row's written positions.
+- `decode`: one token per cache row, each row at its own cache position `cur[r]` (a device tensor, so that the
+  step can be captured in a CUDA graph), attending over the row's written positions.
 The KV cache of a layer is (rows, positions, groups, head_dim): a row's keys are contiguous, so the flash
 kernel can read them in place as one variable-length sequence per row.
 
@@ -453,14 +453,16 @@ class RolloutModel:
         cache_v: list[torch.Tensor],
         num_keys: int,
     ) -> torch.Tensor:
-        """One decode step: token `tokens_b[r]` sits at cache position `cur` (a (1,) int64 tensor, the same for
-        every row) of row r, whose first `pad_b[r]` positions are padding; K/V are written there and the row
-        attends over cache positions [pad_b[r], cur] (the plain path masks the first `num_keys`; the Triton
-        and flash kernels read exactly those). Returns (b, vocab_size) float32 logits. No host synchronisation and static
+        """One decode step: token `tokens_b[r]` sits at cache position `cur[r]` ((b,) int64, or (1,): the same
+        for every row) of row r, whose first `pad_b[r]` positions are padding; K/V are written there and the
+        row attends over cache positions [pad_b[r], cur[r]] (the plain path masks the first `num_keys`; the
+        Triton and flash kernels read exactly those). Returns (b, vocab_size) float32 logits. No host synchronisation and static
         shapes: capturable in a CUDA graph."""
         b = tokens_b.shape[0]
         pg, hd = self.per_group, self.head_dim
+        cur = cur.expand(b)
         pos = cur - pad_b  # (b,)
+        rows = torch.arange(b, device=tokens_b.device)
         cos, sin = self.cos[pos][:, None, None, None], self.sin[pos][:, None, None, None]  # (b, 1, 1, 1, dim)
         if self.attention == "flash":  # row r's keys: flat positions r * cache_len + [pad_r, cur]
             cache_len = cache_k[0].shape[1]
@@ -470,11 +472,11 @@ class RolloutModel:
             used_k = (cur + 1 - pad_b).to(torch.int32)
         elif self.attention == "sdpa":
             ar = torch.arange(num_keys, device=tokens_b.device)
-            mask = ((ar >= pad_b[:, None]) & (ar <= cur))[:, None, None]  # (b, 1, 1, keys)
+            mask = ((ar >= pad_b[:, None]) & (ar <= cur[:, None]))[:, None, None]  # (b, 1, 1, keys)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache_k[i].index_copy_(1, cur, k)  # k (b, 1, groups, dim)
-            cache_v[i].index_copy_(1, cur, v)
+            cache_k[i].index_put_((rows, cur), k[:, 0])  # k (b, 1, groups, dim)
+            cache_v[i].index_put_((rows, cur), v[:, 0])
             if self.attention == "triton":
                 out = triton_decode.decode_attention(q[:, 0], cache_k[i], cache_v[i], pad_b, cur)
             elif self.attention == "flash":

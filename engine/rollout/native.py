@@ -2,14 +2,20 @@
 handed over by the weight transition (no copy into another model), tensor-parallel over the rollout TP group.
 
 How a `generate` call runs (the forward itself is engine/rollout/model.py):
-- rows = prompts x n, sorted by prompt length (longest first) so that a chunk pads little; a chunk is as
-  many rows as the KV cache budget holds (`slots`, engine/rollout/kv_cache.py) and at most `max_num_seqs`;
-- prefill: each distinct prompt of the chunk once (left-padded, at most `prefill_tokens` tokens per forward),
-  its K/V copied to the cache rows of its n samples; only the last position's logits are computed;
-- decode: one token for every row per step at a common cache position (left padding aligns the prompts'
-  ends); a finished row is masked at once, and the batch is compacted (live rows' K/V moved to the front,
-  one copy of the live part) only when enough rows finished: a quarter of the batch in eager mode, one batch
-  bucket down with CUDA graphs, so that finishing costs O(log) copies of the cache, not one per finish;
+- rows = prompts x n, longest limit first, then longest prompt; at most `slots` rows decode at once (as many
+  as the KV cache budget holds, engine/rollout/kv_cache.py, and at most `max_num_seqs`);
+- prefill: each distinct prompt of an admitted batch once (left-padded, at most `prefill_tokens` tokens per
+  forward), its K/V copied to the cache rows of its n samples; only the last position's logits are computed;
+- decode: one token for every slot per step, each slot at its own cache position (engine/rollout/
+  decode_state.py); a finished row is masked at once, and the batch is compacted (live rows' K/V moved to the
+  front, one copy of the live part) only when enough rows finished: a quarter of the batch in eager mode,
+  one batch bucket down with CUDA graphs, so that finishing costs O(log) copies of the cache, not one per
+  finish;
+- admission: rows beyond the first `slots` wait; where rows can finish early (stop tokens, per-row limits)
+  they are prefilled into the slots finished rows free, at a host check where at least an eighth of the
+  slots are free, so that GPU time tracks the tokens generated rather than each chunk's longest row;
+  otherwise (and for calls that keep episode K/V or record routes) the next rows start when the batch is
+  empty;
 - on CUDA the decode step is replayed from a CUDA graph per batch bucket (engine/rollout/cuda_graphs.py) and
   the host checks for finished rows every `check_every` steps only; on CPU every step, inside
   `parallel.cpu.no_shim_overhead()` (the megatron CPU shims' TorchFunctionMode costs a Python call per op).
@@ -43,13 +49,12 @@ from engine.rollout.base import (
     check_sampling,
 )
 from engine.rollout.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for
-from engine.rollout.decode_state import CallOutputs, SlotState
+from engine.rollout.decode_state import CallOutputs, SlotState, compact_slots, record_tokens
 from engine.rollout.kept_rows import KeptRows, kept_rows, prefill_continued
-from engine.rollout.kv_cache import KVCachePool, compact_rows
+from engine.rollout.kv_cache import KVCachePool
 from engine.rollout.model import DecodeKernels, RolloutModel, rope_tables
 from engine.rollout.moe_experts import use_cuda_graphs
 from engine.rollout.routes import RouteRecorder
-from engine.rollout.sampler import sample_tokens
 from parallel.cpu import no_shim_overhead
 from parallel.rollout_weights import RolloutWeights
 
@@ -162,7 +167,8 @@ class NativeRollout(RolloutEngine):
                 pad=torch.zeros(slots, dtype=long, device=dev),
                 row_of=torch.zeros(slots, dtype=long, device=dev),
                 alive=torch.zeros(slots, dtype=torch.bool, device=dev),
-                cur=torch.zeros(1, dtype=long, device=dev),
+                cur=torch.zeros(slots, dtype=long, device=dev),
+                step=torch.zeros(slots, dtype=long, device=dev),
             )
             self._rows_version += 1
         return self._rows
@@ -259,11 +265,9 @@ class NativeRollout(RolloutEngine):
             stops = None
             if sampling.stop_token_ids and not sampling.ignore_eos:
                 stops = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=self.device)
-            for start in range(0, num_rows, slots):
-                chunk = rows[start : start + slots]
-                track = self._generate_chunk(
-                    chunk, prompts, sampling, gen, stops, out, slots, seq_len, continued, keep
-                )
+            track = self._decode_rows(
+                rows, prompts, sampling, gen, stops, out, slots, seq_len, continued, keep
+            )
             result = RolloutOutput(
                 response_ids=out.ids[:, :num_rows].t().cpu(),
                 response_mask=out.mask[:, :num_rows].t().float().cpu(),
@@ -355,69 +359,88 @@ class NativeRollout(RolloutEngine):
             self.model, self.pad_id, self.prefill_tokens, chunk, prompts, caches, kept, previous
         )
 
-    def _generate_chunk(
-        self,
-        chunk,
-        prompts,
-        sampling,
-        gen,
-        stops,
-        out: CallOutputs,
-        slots,
-        seq_len,
-        continued=None,
-        keep=False,
+    def _decode_rows(
+        self, rows, prompts, sampling, gen, stops, out: CallOutputs, slots, seq_len, continued, keep
     ):
-        """Prefill the chunk's rows (in full, or the new tokens of `continued` rows) and decode them; with
+        """Prefill and decode `rows` through `slots` cache slots. Rows are admitted in order: first as many as
+        the slots hold, then, where rows can finish early (stop tokens or per-row limits) and no bookkeeping
+        needs the call's rows in one batch (`keep`, `continued`, recorded routes), into the slots that finished
+        rows free, at every host check where at least an eighth of the slots are free (the live slots are
+        compacted to the front, the new rows prefilled behind them); otherwise when the batch is empty. With
         `keep`, return (chunk row of each slot or -1, left padding of each slot) as they end up."""
-        self.last_stats["chunks"] += 1
         caches = self.pool.views(slots, seq_len)
         st = self._rows_state(slots)
-        if continued is None:
-            logits, pad_r, plen = self._prefill(chunk, prompts, caches)
-        else:
-            logits, pad_r, plen = self._prefill_continued(chunk, prompts, caches, *continued)
-        n = len(chunk)
-        track = None
-        if keep:  # permuted with the slots when finished rows are compacted away
-            track = (torch.full((slots,), -1, dtype=torch.long, device=self.device), st.pad.new_zeros(slots))
-            track[0][:n], track[1][:n] = torch.arange(n, device=self.device), pad_r
         buckets = batch_buckets(slots) if self.graphs is not None else None
-        width = bucket_for(n, buckets) if buckets else n
         scratch = out.stopped.numel() - 1
-        st.tokens[:width].fill_(self.pad_id)
-        st.pad[:n], st.pad[n:width] = pad_r, 0
-        st.row_of[:n] = torch.tensor([r for r, _ in chunk], device=self.device)
-        st.row_of[n:width] = scratch
-        st.alive[:n], st.alive[n:width] = True, False
         if self.graphs is not None:
             ptrs = tuple(t.data_ptr() for t in (*self.weights.params.values(), *self.model.expert_views()))
             self.graphs.invalidate_unless((ptrs, self.pool.version, slots, seq_len, self._rows_version))
-        cur = plen
-        steps = max(sampling.limit_of(p) for _, p in chunk)
         rows_finish = stops is not None or out.limit is not None
+        admit_late = rows_finish and not keep and continued is None and self._recorder is None
+        track = None
+        t = end = live = width = top = admitted_at = next_row = 0  # t: decode steps so far; top >= every cur
         since, since_steps = time.perf_counter(), 0
-        for step in range(steps):
-            self._record(step, logits, sampling, gen, stops, out, st, cur)
-            if step == steps - 1:
+        while True:
+            if t >= end:  # every admitted row has had all its steps
+                live = 0
+            free = slots - live
+            if next_row < len(rows) and (
+                live == 0 or (admit_late and free * 8 >= slots and t % self.check_every == 0)
+            ):
+                if live:
+                    compact_slots(caches, st, live, width, top, scratch, self.pad_id)
+                    self.last_stats["compactions"] += 1
+                chunk = rows[next_row : next_row + free]
+                next_row += len(chunk)
+                track, plen = self._admit(
+                    chunk, prompts, sampling, gen, stops, out, caches, st, live, continued, keep
+                )
+                n = live + len(chunk)
+                width = bucket_for(n, buckets) if buckets else n
+                st.cur[n:width] = 0  # nothing of this call's rows is there
+                st.set_idle(n, width, scratch, self.pad_id)
+                end = max(end, t + max(sampling.limit_of(p) for _, p in chunk) - 1)
+                top, live, admitted_at = max(top, plen), n, t
+            elif live == 0:
                 break
-            if rows_finish and (step + 1) % self.check_every == 0:
-                live = int(st.alive[:width].sum())  # waits for the steps queued since the last check
-                now = time.perf_counter()
-                self._time_width(width, since_steps, now - since)
-                since, since_steps = now, 0
-                if live == 0:
-                    break
-                width = self._maybe_compact(live, width, cur, caches, st, buckets, scratch, track)
-            st.cur.fill_(cur)
-            logits = self._decode(width, cur, caches, st, seq_len)
-            if self._recorder is not None:  # the step fed response token `step` of the live slots
-                self._recorder.decode(st.row_of[:width], st.alive[:width], step)
+            logits = self._decode(width, top, caches, st, seq_len)
+            if self._recorder is not None:  # the step fed response token t - admitted_at of the live slots
+                self._recorder.decode(st.row_of[:width], st.alive[:width], t - admitted_at)
+            st.cur[:width] += st.alive[:width]
+            t, top, since_steps = t + 1, top + 1, since_steps + 1
             self.last_stats["decode_steps"] += 1
             self.last_stats["slot_steps"] += width
-            since_steps += 1
-            cur += 1
+            record_tokens(logits, sampling, gen, stops, out, st, 0, self.pad_id, sampling.max_new_tokens)
+            if rows_finish and t < end and t % self.check_every == 0:
+                live_t, top_t = torch.stack((st.alive[:width].sum(), st.cur[:width].max())).tolist()
+                now = time.perf_counter()  # the host waited for the steps queued since the last check
+                self._time_width(width, since_steps, now - since)
+                since, since_steps = now, 0
+                live, top = live_t, top_t
+                width = self._maybe_compact(live, width, top, caches, st, buckets, scratch, track)
         return track
+
+    def _admit(self, chunk, prompts, sampling, gen, stops, out, caches, st: SlotState, lo, continued, keep):
+        """Prefill `chunk`'s rows into slots [lo, lo + len(chunk)) and sample their first tokens; returns
+        (`track` when `keep`, the padded prompt length)."""
+        self.last_stats["chunks"] += 1
+        n, hi = len(chunk), lo + len(chunk)
+        views = tuple([c[lo:hi] for c in layer] for layer in caches)
+        if continued is None:  # (continued rows come first, from anywhere in the cache: lo = 0)
+            logits, pad_r, plen = self._prefill(chunk, prompts, views)
+        else:
+            logits, pad_r, plen = self._prefill_continued(chunk, prompts, caches, *continued)
+        track = None
+        if keep:  # permuted with the slots when finished rows are compacted away
+            track = (
+                torch.full((st.pad.numel(),), -1, dtype=torch.long, device=self.device),
+                st.pad.new_zeros(st.pad.numel()),
+            )
+            track[0][:n], track[1][:n] = torch.arange(n, device=self.device), pad_r
+        st.pad[lo:hi], st.cur[lo:hi], st.step[lo:hi], st.alive[lo:hi] = pad_r, plen, 0, True
+        st.row_of[lo:hi] = torch.tensor([r for r, _ in chunk], device=self.device)
+        record_tokens(logits, sampling, gen, stops, out, st, lo, self.pad_id, sampling.max_new_tokens)
+        return track, plen
 
     def _time_width(self, width: int, steps: int, seconds: float) -> None:
         """Add `steps` decode steps of batch width `width` that took `seconds` (host clock between two host
@@ -427,33 +450,11 @@ class NativeRollout(RolloutEngine):
             total[0] += steps
             total[1] += seconds
 
-    def _record(
-        self, step, logits, sampling, gen, stops, out: CallOutputs, st: SlotState, next_pos: int
-    ) -> None:
-        """Sample from `logits` (one row per slot), store the tokens of live slots, retire stopped ones.
-
-        A slot that is not alive (finished, or filler up to the batch bucket) gets its padding moved to
-        `next_pos`, the next decode step's position: until the next compaction its attention reads one key
-        instead of its whole context (its output is never used)."""
-        tokens, logp = sample_tokens(logits, sampling, gen)
-        width = logits.shape[0]
-        alive, where = st.alive[:width], st.row_of[:width]
-        out.ids[step].index_put_((where,), torch.where(alive, tokens, self.pad_id))
-        out.log_probs[step].index_put_((where,), torch.where(alive, logp, 0.0))
-        out.mask[step].index_put_((where,), alive)
-        if stops is not None:
-            hit = alive & torch.isin(tokens, stops)
-            out.stopped.index_put_((where,), out.stopped[where] | hit)
-            alive &= ~hit
-        if out.limit is not None:  # the row's last token by its own limit: "length"
-            alive &= out.limit[where] > step + 1
-        st.tokens[:width] = torch.where(alive, tokens, self.pad_id)
-        st.pad[:width] = torch.where(alive, st.pad[:width], next_pos)
-
-    def _maybe_compact(self, live, width, cur, caches, st: SlotState, buckets, scratch, track=None) -> int:
-        """Move the live slots to the front when enough finished; returns the new batch width. With `track`
-        (slot bookkeeping of kept rows), the finished slots' K/V move behind the live ones instead of being
-        overwritten, and `track` is permuted with them."""
+    def _maybe_compact(self, live, width, top, caches, st: SlotState, buckets, scratch, track=None) -> int:
+        """Move the live slots to the front when enough finished; returns the new batch width: one batch
+        bucket down with CUDA graphs, a quarter of the batch in eager mode."""
+        if live == 0:  # the next admission (or the end) follows
+            return width
         if buckets:
             target = bucket_for(live, buckets)
             if target >= width:
@@ -462,36 +463,30 @@ class NativeRollout(RolloutEngine):
             if live * 4 > width * 3:
                 return width
             target = live
-        keep = st.alive[:width].nonzero().squeeze(1)
-        if track is None:
-            compact_rows(*caches, keep, cur)
-        else:
-            order = torch.cat((keep, (~st.alive[:width]).nonzero().squeeze(1)))
-            compact_rows(*caches, order, cur)
-            for buf in track:
-                buf[:width] = buf[order]
-        for buf in (st.tokens, st.pad, st.row_of):
-            buf[:live] = buf[keep]
-        st.alive[:live] = True
-        st.alive[live:target], st.row_of[live:target], st.pad[live:target] = False, scratch, cur
-        st.tokens[live:target] = self.pad_id
+        compact_slots(caches, st, live, width, top, scratch, self.pad_id, track)
         self.last_stats["compactions"] += 1
         return target
 
-    def _decode(self, width: int, cur: int, caches, st: SlotState, seq_len: int) -> torch.Tensor:
+    def _decode(self, width: int, top: int, caches, st: SlotState, seq_len: int) -> torch.Tensor:
         cache_k, cache_v = caches
 
         def step(b: int, num_keys: int = seq_len) -> torch.Tensor:
             return self.model.decode(
                 st.tokens[:b],
                 st.pad[:b],
-                st.cur,
+                st.cur[:b],
                 [k[:b] for k in cache_k],
                 [v[:b] for v in cache_v],
                 num_keys,
             )
 
         if self.graphs is None or self._recorder is not None:  # the recorder reads each step's routes
-            return step(width, cur + 1)
+            return step(width, min(top + 1, seq_len))
         # warm-up and capture write K/V at the last cache position, which no step reads before writing it
-        return self.graphs.run(width, step, lambda: st.cur.fill_(seq_len - 1), lambda: st.cur.fill_(cur))
+        saved = []
+        return self.graphs.run(
+            width,
+            step,
+            lambda: (saved.append(st.cur.clone()), st.cur.fill_(seq_len - 1)),
+            lambda: st.cur.copy_(saved[0]),
+        )

@@ -9,7 +9,7 @@ bandwidths and times of both are in scripts/bench/README.md ("Rollout"; `scripts
 
 Layout: q (rows, groups, heads per group, dim) (any strides, unit stride over dim); the cache of a layer
 (rows, positions, groups, dim) as engine/rollout/kv_cache.py lays it out. Row r attends over positions
-[pad[r], cur]; `cur` is read on the device (a (1,) tensor), so the launch can be captured in a CUDA graph.
+[pad[r], cur[r]]; `cur` is read on the device (a (rows,) or (1,) tensor), so the launch can be captured in a CUDA graph.
 The positions are cut into `splits` contiguous ranges, one program each (more programs when rows x groups
 alone would not fill the GPU); each writes its partial softmax state (max, sum, weighted values) in float32,
 and `decode_attention` merges them.
@@ -43,6 +43,7 @@ if triton is not None:
         v_ptr,
         pad_ptr,
         cur_ptr,
+        stride_cur,
         acc_ptr,
         max_ptr,
         sum_ptr,
@@ -69,7 +70,7 @@ if triton is not None:
         row = row_group // groups
         group = row_group % groups
         lo = tl.maximum(tl.load(pad_ptr + row), split * split_len)
-        hi = tl.minimum(tl.load(cur_ptr) + 1, (split + 1) * split_len)
+        hi = tl.minimum(tl.load(cur_ptr + row * stride_cur) + 1, (split + 1) * split_len)
 
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -149,11 +150,12 @@ def decode_attention(
     splits: int | None = None,
 ) -> torch.Tensor:
     """q (rows, groups, heads per group, dim), cache (rows, positions, groups, dim), pad (rows,) int,
-    cur (1,) int -> attention output (rows, groups, heads per group, dim) in q's dtype, softmax scale
-    1/sqrt(dim), row r over cache positions [pad[r], cur]. The keyword arguments are the kernel's tuning
+    cur (rows,) or (1,) int -> attention output (rows, groups, heads per group, dim) in q's dtype, softmax
+    scale 1/sqrt(dim), row r over cache positions [pad[r], cur[r]]. The keyword arguments are the kernel's tuning
     knobs (scripts/bench/decode_attention.py sweeps them); `splits` None: `num_splits`."""
     rows, groups, per_group, dim = q.shape
     cache_len = cache_k.shape[1]
+    cur = cur.expand(rows)  # one position per row (a (1,) tensor: the same for every row, stride 0)
     if q.stride(-1) != 1 or cache_k.stride(-1) != 1 or cache_v.stride(-1) != 1:
         raise ValueError("decode_attention needs unit stride over the head dim")
     block_h = max(16, triton.next_power_of_2(per_group))
@@ -170,6 +172,7 @@ def decode_attention(
         cache_v,
         pad,
         cur,
+        cur.stride(0),
         acc,
         m,
         s,

@@ -140,10 +140,12 @@ def test_fast_kernels_match_the_plain_path_in_bf16(tiny, family, attention):
     assert (fast.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
 
+@pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("splits,block_n", [(None, 64), (3, 32), (5, 64)])
-def test_triton_decode_attention_matches_sdpa(splits, block_n):
+def test_triton_decode_attention_matches_sdpa(splits, block_n, per_row):
     """Qwen2.5-7B's head shape (7 query heads per KV group, dim 128), rows with different left padding,
-    key ranges split or not (an empty split included): vs SDPA in float32 on the same bf16 values."""
+    key ranges split or not (an empty split included), one position for every row or one per row (rows
+    admitted at different times): vs SDPA in float32 on the same bf16 values."""
     from engine.rollout import triton_decode
 
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -152,9 +154,11 @@ def test_triton_decode_attention_matches_sdpa(splits, block_n):
     k, v = (torch.randn(rows, cache_len, groups, dim, device=DEV, generator=g).bfloat16() for _ in range(2))
     pad = torch.tensor([0, 3, 64, 130, 640], device=DEV)
     cur_t = torch.tensor([cur], device=DEV)
+    if per_row:
+        cur_t = torch.tensor([cur, 40, 699, 131, 640], device=DEV)
     out = triton_decode.decode_attention(q, k, v, pad, cur_t, splits=splits, block_n=block_n)
     ar = torch.arange(cache_len, device=DEV)
-    mask = ((ar >= pad[:, None]) & (ar <= cur))[:, None, None]
+    mask = ((ar >= pad[:, None]) & (ar <= cur_t.expand(rows)[:, None]))[:, None, None]
     ref = F.scaled_dot_product_attention(
         q.float(), k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=mask
     )

@@ -290,6 +290,43 @@ def test_per_prompt_limits_stop_each_prompts_rows(tiny, check_every):
         )
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_freed_slots_admit_waiting_rows(tiny, graphs):
+    """More rows than slots, long-tailed per-row limits: rows waiting for a slot are admitted into the slots
+    that finished rows free (while the long rows go on), not after the whole batch ends; every row's tokens
+    are those of a run with all rows in one batch (greedy, float32: log-probs within 1e-5). Decode steps
+    shrink from the sum over chunks of each chunk's longest row to about the longest row. With stop tokens
+    (rows ending early, lengths unknown up front) the same holds."""
+    shape = tiny["qwen2"][0]
+    prompts = random_prompts(shape.vocab_size, lens=tuple(range(3, 15)), seed=3)
+    limits = (20, 2, 3, 2, 3, 2, 3, 2, 2, 4, 2, 3)
+    sampling = SamplingParams(
+        n=2, temperature=0.0, max_new_tokens=20, max_new_tokens_per_prompt=limits, ignore_eos=True
+    )
+    one_batch = engine_for(tiny, "qwen2").generate(prompts, sampling)
+    engine = engine_for(tiny, "qwen2", max_num_seqs=6, check_every=1)
+    if graphs:
+        engine.graphs = EagerGraphs()
+    out = engine.generate(prompts, sampling)
+    assert torch.equal(out.response_ids, one_batch.response_ids)
+    assert torch.equal(out.response_mask, one_batch.response_mask)
+    torch.testing.assert_close(out.log_probs, one_batch.log_probs, atol=1e-5, rtol=0)
+    assert out.finish_reasons == ["length"] * 24
+    rows = sorted((x for x in limits for _ in range(2)), reverse=True)
+    chunked = sum(max(rows[i : i + 6]) - 1 for i in range(0, 24, 6))  # 19 + 2 + 1 + 1, one chunk at a time
+    assert chunked == 23 and engine.last_stats["chunks"] > 4  # admissions beyond the first batch's
+    assert engine.last_stats["decode_steps"] <= max(limits) + 1, (engine.last_stats, chunked)
+
+    free = engine_for(tiny, "qwen2").generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=16))
+    stop = int(torch.bincount(free.response_ids.flatten()).argmax())
+    with_stop = SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=(stop,))
+    ref = engine_for(tiny, "qwen2").generate(prompts, with_stop)
+    out = engine.generate(prompts, with_stop)
+    assert "stop" in ref.finish_reasons and engine.last_stats["chunks"] > 3
+    assert torch.equal(out.response_ids, ref.response_ids) and out.finish_reasons == ref.finish_reasons
+    torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
+
+
 def episode_turns(engine, prompts, first: SamplingParams, hold_len, seed: int = 0, temperature: float = 0.0):
     """Three turns as the episode loop runs them, inside `hold(hold_len)`: turn 1 generates `prompts`; each
     later turn continues a shuffled subset of the last turn's rows (one in three dropped) with 1-6 appended
