@@ -10,7 +10,7 @@ How a `generate` call runs (the forward itself is engine/rollout/model.py):
   decode_state.py); a finished row is masked at once, and the batch is compacted (live rows' K/V moved to the
   front, one copy of the live part) only when enough rows finished: a quarter of the batch in eager mode,
   one batch bucket down with CUDA graphs, so that finishing costs O(log) copies of the cache, not one per
-  finish;
+  finish (and before an admission, unless the live slots already lead the batch);
 - admission: rows beyond the first `slots` wait; where rows can finish early (stop tokens, per-row limits)
   they are prefilled into the slots finished rows free, at a host check where at least an eighth of the
   slots are free, so that GPU time tracks the tokens generated rather than each chunk's longest row;
@@ -378,7 +378,7 @@ class NativeRollout(RolloutEngine):
         rows_finish = stops is not None or out.limit is not None
         admit_late = rows_finish and not keep and continued is None and self._recorder is None
         track = None
-        t = end = live = width = top = admitted_at = next_row = 0  # t: decode steps so far; top >= every cur
+        t = end = live = width = top = admitted_at = next_row = lead = 0  # t: decode steps; top >= every cur
         since, since_steps = time.perf_counter(), 0
         while True:
             if t >= end:  # every admitted row has had all its steps
@@ -387,7 +387,7 @@ class NativeRollout(RolloutEngine):
             if next_row < len(rows) and (
                 live == 0 or (admit_late and free * 8 >= slots and t % self.check_every == 0)
             ):
-                if live:
+                if live and lead < live:  # the live slots are not all at the front yet
                     compact_slots(caches, st, live, width, top, scratch, self.pad_id)
                     self.last_stats["compactions"] += 1
                 chunk = rows[next_row : next_row + free]
@@ -401,6 +401,8 @@ class NativeRollout(RolloutEngine):
                 st.set_idle(n, width, scratch, self.pad_id)
                 end = max(end, t + max(sampling.limit_of(p) for _, p in chunk) - 1)
                 top, live, admitted_at = max(top, plen), n, t
+                if t >= end:  # every admitted row had its only token from the prefill (limits of 1)
+                    continue
             elif live == 0:
                 break
             logits = self._decode(width, top, caches, st, seq_len)
@@ -412,12 +414,15 @@ class NativeRollout(RolloutEngine):
             self.last_stats["slot_steps"] += width
             record_tokens(logits, sampling, gen, stops, out, st, 0, self.pad_id, sampling.max_new_tokens)
             if rows_finish and t < end and t % self.check_every == 0:
-                live_t, top_t = torch.stack((st.alive[:width].sum(), st.cur[:width].max())).tolist()
+                alive = st.alive[:width]  # live slots, their bound, and how many lead the batch
+                live_t, top_t, lead = torch.stack(
+                    (alive.sum(), st.cur[:width].max(), alive.cumprod(0).sum())
+                ).tolist()
                 now = time.perf_counter()  # the host waited for the steps queued since the last check
                 self._time_width(width, since_steps, now - since)
                 since, since_steps = now, 0
                 live, top = live_t, top_t
-                width = self._maybe_compact(live, width, top, caches, st, buckets, scratch, track)
+                width, lead = self._maybe_compact(live, width, top, caches, st, buckets, scratch, track, lead)
         return track
 
     def _admit(self, chunk, prompts, sampling, gen, stops, out, caches, st: SlotState, lo, continued, keep):
@@ -450,22 +455,24 @@ class NativeRollout(RolloutEngine):
             total[0] += steps
             total[1] += seconds
 
-    def _maybe_compact(self, live, width, top, caches, st: SlotState, buckets, scratch, track=None) -> int:
-        """Move the live slots to the front when enough finished; returns the new batch width: one batch
-        bucket down with CUDA graphs, a quarter of the batch in eager mode."""
+    def _maybe_compact(self, live, width, top, caches, st: SlotState, buckets, scratch, track, lead):
+        """Move the live slots to the front when enough finished (no copy when the first `lead` slots, all
+        live, are all of them); returns (the new batch width: one batch bucket down with CUDA graphs, a quarter
+        of the batch in eager mode; the live slots leading it)."""
         if live == 0:  # the next admission (or the end) follows
-            return width
+            return width, lead
         if buckets:
             target = bucket_for(live, buckets)
             if target >= width:
-                return width
+                return width, lead
         else:
             if live * 4 > width * 3:
-                return width
+                return width, lead
             target = live
-        compact_slots(caches, st, live, width, top, scratch, self.pad_id, track)
+        if lead < live:  # else the dead slots behind the live ones need no move
+            compact_slots(caches, st, live, width, top, scratch, self.pad_id, track)
         self.last_stats["compactions"] += 1
-        return target
+        return target, live
 
     def _decode(self, width: int, top: int, caches, st: SlotState, seq_len: int) -> torch.Tensor:
         cache_k, cache_v = caches

@@ -325,6 +325,11 @@ def test_freed_slots_admit_waiting_rows(tiny, graphs):
     assert "stop" in ref.finish_reasons and engine.last_stats["chunks"] > 3
     assert torch.equal(out.response_ids, ref.response_ids) and out.finish_reasons == ref.finish_reasons
     torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
+    # rows whose only token comes from their prefill need no decode step
+    ones = SamplingParams(temperature=0.0, max_new_tokens=1, max_new_tokens_per_prompt=(1,) * len(prompts))
+    out = engine.generate(prompts, ones)
+    assert engine.last_stats["decode_steps"] == 0 and out.response_mask.sum() == len(prompts)
+    assert torch.equal(out.response_ids, ref.response_ids[:, :1])
 
 
 def episode_turns(engine, prompts, first: SamplingParams, hold_len, seed: int = 0, temperature: float = 0.0):
