@@ -57,6 +57,11 @@ PARITY = ParityConfig(batch=2, seq_len=16, tol=TOL, seed=0)
 def relayout(tp: int, pp: int, vpp: int = 1, ep: int = 1):
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+        # megatron drops its groups without destroying them, and each gloo group keeps its threads: over
+        # this script's ~35 layouts a rank grew to ~1,800 threads, and the launch ran past its timeout on 2 cores
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if group is not dist.group.WORLD:
+                dist.destroy_process_group(group)
     return init_distributed(ParallelDims(WORLD, tp=tp, pp=pp, vpp=vpp, ep=ep), DEVICE)
 
 
