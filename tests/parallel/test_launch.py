@@ -305,7 +305,11 @@ def test_dead_or_hung_rank_without_launcher():
 
 def _torchrun_two_ranks(mode: str) -> tuple[subprocess.CompletedProcess, str, float]:
     """launch_dead_rank.py in `mode` on 2 ranks under torchrun: (process, its output, when it ended)."""
+    # torchrun polls its workers every 0.1 s by default, so the survivor's note races the SIGTERM on a loaded
+    # machine (CI's 2 cores lost it once, 60 ms after the death). At 1 s the survivor, whose collective fails
+    # within milliseconds, always gets its note out; the timing bounds below hold either way.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--tee=3"]
+    cmd.append("--monitor-interval=1")
     proc = subprocess.run(
         [*cmd, DEAD_RANK, mode, str(TIMEOUT_S)], env=_clean_env(), capture_output=True, text=True, timeout=120
     )
