@@ -387,8 +387,7 @@ class NativeRollout(RolloutEngine):
             if next_row < len(rows) and (
                 live == 0 or (admit_late and free * 8 >= slots and t % self.check_every == 0)
             ):
-                if live and lead < live:  # the live slots are not all at the front yet
-                    compact_slots(caches, st, live, width, top, scratch, self.pad_id)
+                if live and self._live_to_front(caches, st, live, width, top, scratch, lead):
                     self.last_stats["compactions"] += 1
                 chunk = rows[next_row : next_row + free]
                 next_row += len(chunk)
@@ -469,10 +468,17 @@ class NativeRollout(RolloutEngine):
             if live * 4 > width * 3:
                 return width, lead
             target = live
-        if lead < live:  # else the dead slots behind the live ones need no move
-            compact_slots(caches, st, live, width, top, scratch, self.pad_id, track)
-        self.last_stats["compactions"] += 1
+        self._live_to_front(caches, st, live, width, top, scratch, lead, track)
+        self.last_stats["compactions"] += 1  # the batch narrows, with or without a copy
         return target, live
+
+    def _live_to_front(self, caches, st: SlotState, live, width, top, scratch, lead, track=None) -> bool:
+        """Move the `live` slots to the front of the batch (one copy of their K/V up to `top`), unless the first
+        `lead` slots, all live, are all of them already; True where it copied."""
+        if lead >= live:
+            return False
+        compact_slots(caches, st, live, width, top, scratch, self.pad_id, track)
+        return True
 
     def _decode(self, width: int, top: int, caches, st: SlotState, seq_len: int) -> torch.Tensor:
         cache_k, cache_v = caches
