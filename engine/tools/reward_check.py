@@ -172,10 +172,16 @@ def _as_colocated(cfg):
 def generate_and_score(settings: dict, overrides: list[str]) -> int:
     """Build the configured actor and rollout engine, generate `num_samples` responses per prompt, score them."""
     import tempfile
+    from dataclasses import replace
 
-    from engine.data import PromptRecord, chat_prompt_ids, load_prompt_dataset, load_tokenizer
+    from engine.data import (
+        PromptRecord,
+        chat_prompt_ids,
+        load_prompt_dataset,
+        load_tokenizer,
+        refuse_row_caps,
+    )
     from engine.rewards.build import build_reward_fn
-    from engine.rollout.base import SamplingParams
     from engine.setup import (
         _data_files,
         build_episode_tools,
@@ -185,7 +191,7 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
         model_shape,
     )
     from engine.step.reward import decode_responses
-    from engine.step.rollout import rollout_replica
+    from engine.step.rollout import rollout_params, rollout_replica
     from engine.validate import validate
     from parallel.state import destroy_distributed, init_distributed, world_size_from_env
 
@@ -211,18 +217,20 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
                     cfg.data.max_prompt_len,
                     cfg.data.bad_rows,
                     tool_schemas={t.name: t.schema for t in tools.values()} if tools else None,
+                    max_new_tokens=cfg.rollout.max_new_tokens,  # a row's cap may not exceed it, as in training
                 )[0]
                 records = records[: settings["num_rows"]]
+                if cfg.rollout.multi_turn.enable:
+                    refuse_row_caps(records, "data.train_files")
             shape = model_shape(cfg.model, len(tokenizer), dims.tp)
             chunks = build_policy_chunks(cfg, shape, groups)
             sync, engine = build_weight_sync_and_rollout(cfg, chunks, shape, groups, tokenizer.pad_token_id)
             weights = sync.to_rollout()
             engine.set_weights(weights)
             r, k = cfg.rollout, settings["num_samples"]
-            sampling = SamplingParams(
-                n=k, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                stop_token_ids=(tokenizer.eos_token_id,), ignore_eos=False, seed=cfg.trainer.seed, log_probs=False,
-            )  # fmt: skip
+            # the training rollout's sampling (rollout.*, each row capped at its max_new_tokens), K per prompt
+            trained = rollout_params(cfg, tokenizer.eos_token_id, cfg.trainer.seed, records)["sample"]
+            sampling = replace(trained, n=k, log_probs=False, routed_experts=False)
             episodes = build_episodes(cfg, tools, tokenizer, shape, records)
             tool_names = [rec.tools for rec in records] if episodes is not None else None
             prompts = [rec.prompt_ids for rec in records]

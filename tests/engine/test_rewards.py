@@ -414,6 +414,51 @@ def test_reward_check_generates_and_scores(tmp_path, user_file):
     assert bad.returncode == 2 and "parallel.tp" in bad.stderr
 
 
+def test_reward_check_caps_each_row_at_its_max_new_tokens(tmp_path, user_file):
+    """The dry run samples as training does: a row's `max_new_tokens` caps its responses (it used to sample
+    every row to rollout.max_new_tokens), and a cap above rollout.max_new_tokens is refused, naming the row."""
+    from engine.tasks.embedded import build_embedded_tokenizer
+
+    tok = build_embedded_tokenizer(str(tmp_path / "tok"))
+    data = str(tmp_path / "caps.parquet")
+    rows = {
+        "prompt": [[{"role": "user", "content": "copy 12"}]] * 2,
+        "data_source": ["embedded/copy"] * 2,
+        "reward_model": [{"ground_truth": "12", "style": "rule"}] * 2,
+        "max_new_tokens": [2, 6],
+    }
+    pq.write_table(pa.table(rows), data)
+    args = [
+        "reward_check.num_samples=3",
+        "reward_check.num_rows=2",
+        f"data.train_files=[{data}]",
+        f"model.tokenizer_path={tok}",
+        f"reward.fn={user_file}:with_extra",
+        "rollout.ignore_eos=true",
+    ]
+
+    def check(limit: int) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "engine.reward_check", *args, f"rollout.max_new_tokens={limit}"],
+            capture_output=True, text=True, cwd=tmp_path, timeout=300, env=subprocess_env(PYTHONPATH=REPO),
+        )  # fmt: skip
+
+    proc = check(8)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lengths = {
+        (int(p), int(s)): int(n)
+        for p, s, n in re.findall(r"\[prompt (\d), sample (\d)\] .*length=(\d+)", proc.stdout)
+    }
+    assert len(lengths) == 6, proc.stdout
+    # one character per token; a sampled special token decodes to nothing, so a response may come out shorter
+    assert all(lengths[0, s] <= 2 for s in range(3)) and all(lengths[1, s] <= 6 for s in range(3)), lengths
+    assert max(lengths[1, s] for s in range(3)) > 2, lengths
+    over = check(4)
+    assert over.returncode != 0 and "row 1" in over.stderr and "rollout.max_new_tokens=4" in over.stderr, (
+        over.stderr
+    )
+
+
 WORKER_MODULE = """
 import os
 import time
