@@ -431,12 +431,17 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainConfig)
 
 
-def needs_old_log_prob_forward(alg: AlgorithmConfig, rollout_log_probs: bool = True) -> bool:
+def needs_old_log_prob_forward(
+    alg: AlgorithmConfig, rollout_log_probs: bool = True, off_policy_steps: int = 0
+) -> bool:
     """Whether a step runs the actor's old-log-prob forward: when the actor takes more than one optimizer step
     per batch (with a single on-policy step the old log-probs equal the current ones), or when the KL in the
-    reward needs the policy's log-probs and the rollout returns none (`rollout.log_probs=false`): one forward
-    costs less than vLLM charges for returning them (scripts/bench/README.md, "Rollout")."""
-    return alg.ppo_epochs > 1 or alg.num_mini_batches > 1 or (alg.kl_in_reward and not rollout_log_probs)
+    reward needs the policy's log-probs and the rollout's are not them: it returns none
+    (`rollout.log_probs=false`; one forward costs less than vLLM charges for returning them, scripts/bench/
+    README.md "Rollout"), or it generated with older weights (`trainer.off_policy_steps` > 0: the penalty
+    would lag the policy by a step, as would the adaptive KL controller that reads it)."""
+    stale_or_missing = not rollout_log_probs or off_policy_steps > 0
+    return alg.ppo_epochs > 1 or alg.num_mini_batches > 1 or (alg.kl_in_reward and stale_or_missing)
 
 
 def max_response_tokens(rollout: RolloutConfig) -> int:

@@ -6,10 +6,11 @@ rollout engine, data and rewards are built by engine/setup.py; each phase lives 
 reward, dynamic sampling, advantages, update, statistics); this module sequences them and gathers the step's
 metrics. It makes no collective call of its own.
 
-The old-log-prob forward runs only when the actor takes more than one optimizer step per batch
-(engine/config.py `needs_old_log_prob_forward`): with a single on-policy step the old log-probs equal the
-current ones, so the ratio is 1 by construction (actor/ppo_kl = 0, actor/pg_clipfrac = 0) and
-actor/rollout_kl reports the rollout-vs-training gap instead.
+The old-log-prob forward runs when the actor takes more than one optimizer step per batch
+(engine/config.py `needs_old_log_prob_forward`): with a single step the old log-probs equal the current
+ones, so the ratio is 1 by construction (actor/ppo_kl = 0, actor/pg_clipfrac = 0) and actor/rollout_kl
+reports the rollout-vs-training gap instead. A KL in the reward also needs it when the rollout's log-probs
+are not the policy's: none returned (below), or generated with older weights (trainer.off_policy_steps).
 
 With rollout.log_probs=false the rollout returns no log-probs (engine/validate/ refuses it with TIS, which
 needs the rollout's own): the experience has no `rollout_log_probs`, a KL in the reward takes the
@@ -49,7 +50,9 @@ class Trainer:
         self.cfg = c.cfg
         self.step = 0
         alg = self.cfg.algorithm
-        self.needs_old_forward = needs_old_log_prob_forward(alg, self.cfg.rollout.log_probs)
+        self.needs_old_forward = needs_old_log_prob_forward(
+            alg, self.cfg.rollout.log_probs, self.cfg.trainer.off_policy_steps
+        )
         self.rollout_log_probs = self.cfg.rollout.log_probs
         """Whether sampled responses come with their rollout log-probs (the same on every rank)."""
         self.kl_ref = c.reference is not None

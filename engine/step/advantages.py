@@ -8,9 +8,10 @@ on the DP size. The trainer reduces `kl_seq_b` over DP for the KL controller. Wh
 always on one replica, so group-relative estimators see complete groups.
 
 Which policy log-probs the KL in the reward uses: the old-log-prob forward when it runs; otherwise
-(ppo_epochs == 1 and num_mini_batches == 1, where that forward is skipped) the rollout engine's log-probs
-of the same weights, which differ from the training forward by numerics only (with rollout.log_probs=false
-the trainer runs the forward instead: engine/config.py `needs_old_log_prob_forward`).
+(ppo_epochs == 1 and num_mini_batches == 1, on-policy, where that forward is skipped) the rollout engine's
+log-probs of the same weights, which differ from the training forward by numerics only (with
+rollout.log_probs=false, or off-policy rollouts of older weights, the trainer runs the forward instead:
+engine/config.py `needs_old_log_prob_forward`).
 
 `advantages` is the step's phase: `compute_advantages` over all DP replicas, the advantages' statistics, and
 the KL controller's update from the batch's KL in the reward.

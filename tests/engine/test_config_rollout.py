@@ -111,6 +111,7 @@ def test_rollout_log_probs_off_runs_the_old_forward_for_a_kl_in_the_reward_and_r
         validate(cfg, world_size=1)
     one_step = composed("algorithm=ppo").algorithm
     assert not needs_old_log_prob_forward(one_step) and needs_old_log_prob_forward(one_step, False)
+    assert needs_old_log_prob_forward(one_step, off_policy_steps=1)  # the rollout's weights are a step old
     assert not needs_old_log_prob_forward(composed("algorithm=grpo").algorithm, rollout_log_probs=False)
     with pytest.raises(ConfigError, match=r"algorithm.tis_cap=0\.5.*Fix: set rollout.log_probs=true, or "):
         validate(composed("rollout.log_probs=false", "algorithm.tis_cap=0.5"), world_size=1)
