@@ -98,8 +98,8 @@ def perf_metrics(
     peak_gb: dict[str, float],
     update_tokens: tuple[int, int] = (0, 0),
 ) -> dict[str, float]:
-    """`perf/*`: tokens, tokens/s/GPU, the actor update's MFU, the step's peak memory (CUDA) and
-    `perf/padding_fraction`: padding over the tokens the update's forwards processed, from this replica's
+    """`perf/*`: tokens, tokens/s per GPU of the job, the actor update's MFU (on the training ranks), the
+    step's peak memory (CUDA) and `perf/padding_fraction`: padding over the tokens the update's forwards processed, from this replica's
     `update_tokens` (real, processed), summed over DP."""
     g = c.groups
     response_lens = exp.response_mask.sum(-1).long()
@@ -111,11 +111,12 @@ def perf_metrics(
     )
     dist.all_reduce(sums, group=g.dp)
     tokens, flops, real, processed = sums.tolist()
-    world = g.dims.world_size
+    world = g.dims.world_size  # the training ranks, where the actor's update runs
     out = {
         "perf/total_tokens": tokens,
         "perf/padding_fraction": 1.0 - real / processed if processed else 0.0,
-        "perf/tokens_per_s_per_gpu": tokens / seconds["step"] / world,
+        # every GPU of the job: split placement's rollout and critic ranks count, as in a colocated run
+        "perf/tokens_per_s_per_gpu": tokens / seconds["step"] / dist.get_world_size(),
         "perf/mfu/actor": 0.0,
     }
     if g.device.type == "cuda":

@@ -357,7 +357,8 @@ def test_one_step_off_policy_kl_in_the_reward_is_the_policys_not_the_rollouts(tm
     the reference copies, so a KL built on the rollout's log-probs would be ~0 (it was: the old-log-prob
     forward was skipped and the penalty lagged the policy by a step). It must be KL(policy after step 1 ||
     reference), which the rollout-vs-training gap measures independently on the same tokens (the rollout engine
-    ran the initial weights; equal-length responses make the two means the same average; k1 estimator)."""
+    ran the initial weights; equal-length responses make the two means the same average; k1 estimator).
+    Also: perf/tokens_per_s_per_gpu counts the rollout rank's GPU (it counted the training ranks only)."""
     off_policy = [*SPLIT, "placement.rollout_ranks=1", "trainer.off_policy_steps=1", "algorithm.tis_cap=2"]
     ppo = ["algorithm=ppo", "algorithm.kl_estimator=k1", "rollout.ignore_eos=true", "optim.lr=1e-2"]
     rows = _train(2, tmp_path, *off_policy, *ppo, "trainer.total_steps=2", "trainer.save_freq=0")
@@ -365,6 +366,9 @@ def test_one_step_off_policy_kl_in_the_reward_is_the_policys_not_the_rollouts(tm
     penalty, gap = rows[2]["actor/reward_kl_penalty"], rows[2]["actor/rollout_kl"]
     assert abs(penalty) > 1e-4, rows[2]
     assert abs(penalty + gap) < 1e-6 + 1e-4 * abs(penalty), (penalty, gap)
+    # tokens/s per GPU of the job, the rollout rank's too (it divided by the training ranks alone)
+    per_gpu = rows[2]["perf/total_tokens"] / rows[2]["timing/step"] / 2
+    assert rows[2]["perf/tokens_per_s_per_gpu"] == pytest.approx(per_gpu, rel=1e-6)
 
 
 def test_ppo_critic_on_its_own_rank_equals_the_critic_on_the_actors_rank_and_resumes_after_sigkill(tmp_path):
