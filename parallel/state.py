@@ -242,6 +242,25 @@ def init_distributed(
     )
 
 
+def destroy_model_parallel_groups() -> None:
+    """Tear down megatron's parallel state and destroy every process group but the default one, so that one
+    process can lay megatron out again (tests and tools that try several layouts in one launch).
+
+    megatron's `destroy_model_parallel` only drops its groups: each gloo group keeps its I/O threads, and a rank
+    that re-laid itself out ~35 times held ~1,800 threads (a CI launch ran past its timeout on 2 cores). Groups
+    the engine made itself (the hybrid engine's rollout groups) go too: nothing may use an earlier layout's
+    groups after this.
+    """
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()  # also where it is half gone: its globals become None either way
+    parallel_state.destroy_global_memory_buffer()
+    if dist.is_initialized():
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if group is not dist.group.WORLD:
+                dist.destroy_process_group(group)
+
+
 def destroy_distributed() -> None:
     """Tear down megatron's state and the default process group (safe to call twice)."""
     from megatron.core import parallel_state

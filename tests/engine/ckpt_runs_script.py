@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 
 import engine.checkpoint.checkpoint as checkpoint
 from engine.checkpoint.run_dir import OutputDirError, claimed_output_dir
@@ -39,7 +39,7 @@ from engine.tools.export import main as export_main
 from engine.tools.parity import ParityConfig, compare_logits
 from engine.trainer import Trainer
 from engine.validate import validate
-from parallel.state import destroy_distributed, init_distributed
+from parallel.state import destroy_distributed, destroy_model_parallel_groups, init_distributed
 
 START = time.perf_counter()
 ROOT = sys.argv[1]
@@ -74,8 +74,7 @@ def groups_for(cfg):
     global _groups
     dims = validate(cfg, dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"]))
     if _groups is None or _groups.dims != dims:
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+        destroy_model_parallel_groups()
         _groups = init_distributed(dims, "cpu", cfg.cluster.timeout_s, cfg.trainer.seed)
     return _groups
 

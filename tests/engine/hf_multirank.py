@@ -44,7 +44,7 @@ from engine.tools.parity import (
     random_tokens,
 )
 from parallel.dims import ParallelDims
-from parallel.state import destroy_distributed, init_distributed
+from parallel.state import destroy_distributed, destroy_model_parallel_groups, init_distributed
 
 START = time.perf_counter()  # after imports: elapsed_s times the checks
 WORLD = 4
@@ -55,13 +55,7 @@ PARITY = ParityConfig(batch=2, seq_len=16, tol=TOL, seed=0)
 
 
 def relayout(tp: int, pp: int, vpp: int = 1, ep: int = 1):
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-        # megatron drops its groups without destroying them, and each gloo group keeps its threads: over
-        # this script's ~35 layouts a rank grew to ~1,800 threads, and the launch ran past its timeout on 2 cores
-        for group in list(dist.distributed_c10d._world.pg_map):
-            if group is not dist.group.WORLD:
-                dist.destroy_process_group(group)
+    destroy_model_parallel_groups()  # ~35 layouts in this launch: each one's groups must go
     return init_distributed(ParallelDims(WORLD, tp=tp, pp=pp, vpp=vpp, ep=ep), DEVICE)
 
 

@@ -16,7 +16,12 @@ from hydra import compose, initialize_config_dir
 from engine.config import TrainConfig, register_configs
 from engine.config_load import to_dataclass
 from engine.validate import validate
-from parallel.state import destroy_distributed, init_distributed, world_size_from_env
+from parallel.state import (
+    destroy_distributed,
+    destroy_model_parallel_groups,
+    init_distributed,
+    world_size_from_env,
+)
 
 CONF = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "conf"))
 # short CPU jobs: 4 prompts x 4 samples, 5-token responses; overrides given later win
@@ -53,12 +58,15 @@ def compose_config(overrides: list[str]) -> TrainConfig:
 def distributed(cfg: TrainConfig, keep_process_group: bool = False):
     """Validate `cfg` and start the distributed state as engine.train does; on exit tear down megatron's
     state, and the default process group unless kept (under torchrun a second init_process_group would
-    find the first one's addresses in the agent's store). A world of one puts back the environment:
-    init_distributed exports MASTER_PORT & co, which later subprocesses of the test run would inherit."""
+    find the first one's addresses in the agent's store). A kept process group keeps the job's groups too,
+    until the next job starts (callers check a finished job's components): they are destroyed then, not
+    dropped (each gloo group keeps its threads). A world of one puts back the environment: init_distributed
+    exports MASTER_PORT & co, which later subprocesses of the test run would inherit."""
     from megatron.core import parallel_state
 
     saved = dict(os.environ)
     dims = validate(cfg, world_size_from_env())
+    destroy_model_parallel_groups()  # the previous job's, kept for its caller until now
     groups = init_distributed(dims, cfg.cluster.device, cfg.cluster.timeout_s, cfg.trainer.seed)
     try:
         yield groups

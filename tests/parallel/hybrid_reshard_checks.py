@@ -16,7 +16,6 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from engine.config import ModelConfig, MoEConfig, OptimConfig
 from engine.models.builder import build_gpt_chunks, build_gpt_chunks_ep_invariant, resolve_shape
@@ -29,7 +28,7 @@ from parallel.hybrid_engine import HybridEngine
 from parallel.layout import PartitionKind
 from parallel.naive_gather import NaiveGather
 from parallel.rollout_weights import global_param_names, is_expert_param
-from parallel.state import init_distributed
+from parallel.state import destroy_model_parallel_groups, init_distributed
 
 NUM_LAYERS = 8
 VOCAB = 96
@@ -50,8 +49,7 @@ def model_config(tie: bool, num_layers: int = NUM_LAYERS, qk_norm: bool = True) 
 
 
 def setup(tp: int, pp: int, vpp: int = 1):
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    destroy_model_parallel_groups()
     dims = ParallelDims(world_size=int(os.environ["WORLD_SIZE"]), tp=tp, pp=pp, vpp=vpp)
     return init_distributed(dims, "cpu")
 
@@ -276,8 +274,7 @@ def check_expert_reshard(tp: int, pp: int, rtp: int) -> dict:
     expert included, equals the full weights (dense from NaiveGather, experts from every rank by global
     index); a rank receives exactly the experts it lacks, E - E / (ep * pp); to_train frees them; the
     training parameters are untouched after two round trips."""
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    destroy_model_parallel_groups()
     dims = ParallelDims(world_size=int(os.environ["WORLD_SIZE"]), tp=tp, pp=pp, ep=2, sp=tp > 1)
     groups = init_distributed(dims, "cpu")
     cfg = dataclasses.replace(

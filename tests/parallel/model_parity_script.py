@@ -26,7 +26,7 @@ from parallel.dims import ParallelDims
 from parallel.hybrid_check import megatron_shard
 from parallel.layout import TrainLayout
 from parallel.rollout_weights import global_param_names, partition_kind
-from parallel.state import init_distributed
+from parallel.state import destroy_model_parallel_groups, init_distributed
 
 VOCAB, SEQ, ROWS, LAYERS = 40, 12, 8, 4
 TEMPERATURE, ENTROPY_COEF = 0.8, 0.1
@@ -72,7 +72,7 @@ def reference(tied: bool, moe: bool = False):
     loss_of(logp, ent, weights).backward()
     state = {k: v.detach().clone() for k, v in model.named_parameters()}
     grads = {k: v.grad.detach().clone() for k, v in model.named_parameters()}
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel_groups()
     return shape, state, grads, logits.detach() * TEMPERATURE, logp.detach(), ent.detach()
 
 
@@ -153,7 +153,7 @@ def sharded(name: str, dims: ParallelDims, tied: bool, ref, moe: bool = False) -
             f"{head}: {logits}logp={worst['logp']:.2e} ent={worst['ent']:.2e} grads={worst_grad:.2e}"
         )
     print(f"PARITY {name} rank={groups.rank} " + "; ".join(figures) + " ok", flush=True)
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel_groups()
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
