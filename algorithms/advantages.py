@@ -37,7 +37,8 @@ Departures and choices, on purpose:
 - A group of one response has no baseline: its advantage is its raw score (grpo, rloo, opo,
   reinforce_pp_baseline), as in verl. The group std is Bessel-corrected (torch.std), as in verl and TRL.
 - Padding inside a response (multi-turn observation tokens, mask 0) is skipped by the recursions of gae
-  and reinforce_pp: the return flows across the hole unchanged.
+  and reinforce_pp: the return flows across the hole unchanged (verl's reinforce_plus_plus resets it to 0
+  there, so an earlier turn's tokens would not see the final reward; its GAE skips holes as ours does).
 - Whitening (gae, reinforce_pp, reinforce_pp_baseline) is verl's `masked_whiten` over the whole batch (verl
   whitens on its driver): masked mean, Bessel-corrected variance, eps 1e-8. A sharded batch passes
   `reduce_sum`, which every shard must call (the same estimator on every shard), so the advantages do not

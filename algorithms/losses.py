@@ -14,6 +14,8 @@ Aggregation modes (l = loss per token, L_i = valid tokens of sequence i, N = seq
     seq-mean-token-mean      sum_i (sum_t l / L_i) / N                (original GRPO, GSPO)
     seq-mean-token-sum-norm  sum_i sum_t l / (N * max_len)            (Dr.GRPO; max_len a constant, e.g.
                                                                        the rollout's max new tokens)
+The last is the Dr.GRPO paper's and TRL's `dr_grpo` normaliser. verl's differs: sum_i sum_t l / max_len
+per micro-batch, then divided by the micro-batches per mini-batch, i.e. ours times its micro-batch size.
 Metrics are detached 0-dim tensors averaged over this shard's valid tokens (for logging only).
 Nothing here knows about configs or torch.distributed.
 """

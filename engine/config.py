@@ -320,7 +320,7 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
     value_clip: float = 0.2
-    """Critic value clipping range (gae; 0 = off)."""
+    """Critic value clipping range (gae; 0 = off, where verl's cliprange_value=0 would pin the old values)."""
     tis_cap: float = 0.0
     """Truncated importance-sampling cap between rollout and training log-probs (0 = off)."""
     tis_mode: str = "truncate"

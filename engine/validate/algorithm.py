@@ -7,7 +7,7 @@ import os
 
 from algorithms.advantages import advantage_estimator_names, advantage_traits
 from algorithms.kl import KL_CONTROLLERS, KL_CONTROLLERS_WITH_TARGET, kl_estimator_names
-from algorithms.losses import LOSS_AGG_MODES, TIS_MODES, policy_loss_names
+from algorithms.losses import LOSS_AGG_MODES, TIS_MODES, policy_loss_names, policy_loss_traits
 from engine.config import TrainConfig, max_response_tokens
 from engine.validate.model import validate_checkpoint_positions
 from engine.validate.rules import fail, one_of, positive
@@ -18,6 +18,14 @@ def validate_algorithm(cfg: TrainConfig) -> None:
     one_of("algorithm.adv_estimator", a.adv_estimator, tuple(advantage_estimator_names()))
     one_of("algorithm.policy_loss", a.policy_loss, tuple(policy_loss_names()))
     one_of("algorithm.loss_agg_mode", a.loss_agg_mode, LOSS_AGG_MODES)
+    if policy_loss_traits(a.policy_loss).sequence_ratio and a.loss_agg_mode != "seq-mean-token-mean":
+        fail(
+            "algorithm.loss_agg_mode",
+            a.loss_agg_mode,
+            f"algorithm.policy_loss={a.policy_loss} clips one ratio per sequence, and its objective is the mean "
+            "over sequences (the GSPO paper; verl applies seq-mean-token-mean whatever loss_agg_mode says)",
+            "set algorithm.loss_agg_mode=seq-mean-token-mean (algorithm=gspo does)",
+        )
     one_of("algorithm.kl_estimator", a.kl_estimator, tuple(kl_estimator_names()))
     one_of("algorithm.kl_ctrl", a.kl_ctrl, KL_CONTROLLERS)
     for key, value in (

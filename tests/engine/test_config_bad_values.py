@@ -22,6 +22,11 @@ BAD = [
     (["algorithm.adv_estimator=ppo2"], 1, "algorithm.adv_estimator"),
     (["algorithm.policy_loss=dpo"], 1, "algorithm.policy_loss"),
     (["algorithm.loss_agg_mode=mean"], 1, "algorithm.loss_agg_mode"),
+    (
+        ["algorithm=dapo", "algorithm.policy_loss=gspo"],
+        1,
+        "algorithm.policy_loss=gspo clips one ratio per sequence",
+    ),
     (["algorithm.kl_estimator=k9"], 1, "algorithm.kl_estimator"),
     (["algorithm.clip_ratio_c=0.5"], 1, "algorithm.clip_ratio_c"),
     (["rollout.tp=3", "parallel.tp=2"], 2, "rollout.tp"),
