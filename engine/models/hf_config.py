@@ -92,9 +92,14 @@ def _rope(cfg: dict[str, Any], file: str) -> tuple[float, float]:
     """(rope_theta, llama3 scaling factor or 0) from either config layout.
 
     transformers >= 5 writes `rope_parameters` (theta inside); older configs have top-level `rope_theta`
-    and an optional `rope_scaling`.
+    and an optional `rope_scaling`. Where both are present (a transformers-5 config edited as model cards
+    say, e.g. a `rope_scaling` yarn block added for long context), `rope_scaling` wins key by key, as in
+    transformers: reading `rope_parameters` alone would run default RoPE where transformers scales.
     """
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    if "type" in scaling:  # the older spelling of rope_type
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    params = {**(cfg.get("rope_parameters") or {}), **scaling}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))  # 10000: HF's default
     if theta != int(theta):
         _refuse(file, "rope_theta", theta, "megatron's GPTModel takes an integer rotary base")

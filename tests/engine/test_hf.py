@@ -324,6 +324,10 @@ def test_llama31_rope_scaling_in_transformers4_layout(tmp_path):
     config = dict(REAL_CONFIGS["llama3_8b"], max_position_embeddings=131072)
     config["rope_scaling"] = {k: v for k, v in hf_tiny.LLAMA3_ROPE.items() if k != "rope_theta"}
     assert model_config_from_hf(_write_config(tmp_path, config))["rope_scaling_factor"] == 8.0
+    # both layouts: rope_scaling's keys win over rope_parameters', as in transformers; theta stays
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    read = model_config_from_hf(_write_config(tmp_path, config))
+    assert (read["rope_scaling_factor"], read["rope_theta"]) == (8.0, 500000.0)
 
 
 # --- bad input: each message names the thing and the fix ---
@@ -335,6 +339,9 @@ def test_llama31_rope_scaling_in_transformers4_layout(tmp_path):
         (dict(model_type="mistral", architectures=["MistralForCausalLM"]), ["'mistral'", "MistralForCausalLM", "qwen2, qwen3, llama"]),
         (dict(architectures=["LlamaForQuestionAnswering"]), ["LlamaForQuestionAnswering", "LlamaForCausalLM"]),
         (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ["rope_type='yarn'", "llama3"]),
+        # a transformers-5 config (rope_parameters) with the model cards' long-context edit: it was read as default RoPE
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rope_scaling={"type": "yarn", "factor": 4.0}), ["rope_type='yarn'"]),
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rope_scaling={"type": "linear", "factor": 2.0}), ["rope_type='linear'"]),
         (dict(rope_scaling=dict(hf_tiny.LLAMA3_ROPE, high_freq_factor=2.0)), ["high_freq_factor", "2.0"]),
         (dict(rope_theta=10000.5), ["rope_theta", "10000.5"]),
         (dict(hidden_act="gelu"), ["hidden_act='gelu'"]),
