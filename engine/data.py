@@ -23,6 +23,8 @@ computes the same global batch from (seed, epoch, position), then takes its cons
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -315,6 +317,36 @@ def load_tokenizer(path: str, key: str = "model.path"):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def stop_token_ids(tokenizer, model_dir: str = "") -> tuple[int, ...]:
+    """The ids that end a response: the tokenizer's eos, then every `eos_token_id` of `model_dir`'s
+    generation_config.json (an int or a list), as transformers' `generate` and vLLM stop at all of them.
+    Instruct checkpoints end a turn with one id and a document with another (Qwen2.5: <|im_end|> and
+    <|endoftext|>; Llama-3-Instruct: <|eot_id|> and <|end_of_text|>), and the tokenizer names only one:
+    stopping at it alone would run each response past its end to the token limit."""
+    return (
+        tokenizer.eos_token_id,
+        *(i for i in _generation_eos_ids(model_dir) if i != tokenizer.eos_token_id),
+    )
+
+
+@functools.cache
+def _generation_eos_ids(model_dir: str) -> tuple[int, ...]:
+    path = os.path.join(model_dir, "generation_config.json") if model_dir else ""
+    if not path or not os.path.isfile(path):
+        return ()
+    try:
+        with open(path) as f:
+            ids = json.load(f).get("eos_token_id")
+    except (OSError, ValueError) as exc:
+        raise DataError(
+            f"{path}: cannot read it ({type(exc).__name__}: {exc}). Fix: repair or remove the file"
+        ) from exc
+    ids = [ids] if ids is None or isinstance(ids, int) else ids
+    if not isinstance(ids, list) or not all(i is None or (isinstance(i, int) and i >= 0) for i in ids):
+        raise DataError(f"{path}: eos_token_id={ids!r} is not a token id or a list of them. Fix: write ints")
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
 class PromptLoader:

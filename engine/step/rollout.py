@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import TrainConfig
+from engine.data import stop_token_ids
 from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
 from engine.rollout.routes import cat_routes
 from engine.step.context import StepContext
@@ -103,7 +104,7 @@ def row_limits(records, max_new_tokens: int) -> tuple[int, ...]:
 
 
 def sampling_params(
-    cfg: TrainConfig, eos_token_id: int, greedy: bool, seed: int, temperature: float | None = None
+    cfg: TrainConfig, stop_ids: tuple[int, ...], greedy: bool, seed: int, temperature: float | None = None
 ) -> SamplingParams:
     """Sampled (rollout.n at rollout.temperature) or greedy/validation (one response per prompt)."""
     r = cfg.rollout
@@ -115,7 +116,7 @@ def sampling_params(
         top_p=1.0 if greedy else r.top_p,
         top_k=0 if greedy else r.top_k,
         max_new_tokens=r.max_new_tokens,
-        stop_token_ids=(eos_token_id,),
+        stop_token_ids=stop_ids,
         ignore_eos=r.ignore_eos,
         seed=seed,
         log_probs=r.log_probs and not greedy,  # greedy/val responses are only scored
@@ -130,10 +131,11 @@ def rollout_seed(seed: int, step: int, round_index: int, dp_rank: int, micro_dp_
     )
 
 
-def rollout_params(cfg: TrainConfig, eos_token_id: int, seed: int, records) -> dict[str, SamplingParams]:
+def rollout_params(cfg: TrainConfig, stop_ids: tuple[int, ...], seed: int, records) -> dict[str, SamplingParams]:
     """The sampling parameters of each kind of rollout (`rollout`) of `records`, each prompt capped at its
-    record's `max_new_tokens` where it has one; the rollout ranks of split placement use the same."""
-    eos = eos_token_id
+    record's `max_new_tokens` where it has one, stopping at `stop_ids` (engine/data.py `stop_token_ids`);
+    the rollout ranks of split placement use the same."""
+    eos = stop_ids
     params = {
         "sample": sampling_params(cfg, eos, False, seed),
         "greedy": sampling_params(cfg, eos, True, seed, temperature=0.0),
@@ -160,7 +162,7 @@ def rollout(ctx: StepContext, records, kinds: tuple[str, ...], round_index: int 
     seed = rollout_seed(
         cfg.trainer.seed, ctx.step, round_index, c.groups.dp_rank, c.rollout_weights.micro_dp_rank
     )
-    params = rollout_params(cfg, c.tokenizer.eos_token_id, seed, records)
+    params = rollout_params(cfg, stop_token_ids(c.tokenizer, cfg.model.path or cfg.model.tokenizer_path), seed, records)
     tool_names = [r.tools for r in records] if c.episodes is not None else None
     outs = []
     for kind in kinds:

@@ -180,6 +180,7 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
         load_prompt_dataset,
         load_tokenizer,
         refuse_row_caps,
+        stop_token_ids,
     )
     from engine.rewards.build import build_reward_fn
     from engine.setup import (
@@ -229,7 +230,8 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
             engine.set_weights(weights)
             r, k = cfg.rollout, settings["num_samples"]
             # the training rollout's sampling (rollout.*, each row capped at its max_new_tokens), K per prompt
-            trained = rollout_params(cfg, tokenizer.eos_token_id, cfg.trainer.seed, records)["sample"]
+            stop_ids = stop_token_ids(tokenizer, cfg.model.path or cfg.model.tokenizer_path)
+            trained = rollout_params(cfg, stop_ids, cfg.trainer.seed, records)["sample"]
             sampling = replace(trained, n=k, log_probs=False, routed_experts=False)
             episodes = build_episodes(cfg, tools, tokenizer, shape, records)
             tool_names = [rec.tools for rec in records] if episodes is not None else None

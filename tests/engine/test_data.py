@@ -343,3 +343,34 @@ def test_max_new_tokens_column_caps_rows_and_bad_caps_name_the_row(tmp_path, tok
         ValueError, match=r"data.val_files: 2 row\(s\) \(dataset positions \[0, 2\]\) set max_new"
     ):
         refuse_row_caps(records, "data.val_files")
+
+
+def test_responses_stop_at_every_eos_of_the_generation_config(tmp_path):
+    """An instruct checkpoint names one eos in its tokenizer and more in generation_config.json (Qwen2.5:
+    <|im_end|> and <|endoftext|>): the rollout stops at each, as transformers' generate and vLLM do (it
+    stopped at the tokenizer's alone and ran every response to the token limit)."""
+    import json
+
+    from config_compose import composed
+
+    from engine.data import load_tokenizer, stop_token_ids
+    from engine.errors import DataError
+    from engine.step.rollout import rollout_params
+
+    tok = load_tokenizer(build_embedded_tokenizer(str(tmp_path / "model")))
+    eos = tok.eos_token_id
+    assert stop_token_ids(tok, str(tmp_path / "model")) == (eos,)  # no generation_config.json
+    for written, want in (([eos + 1, eos], (eos, eos + 1)), (eos + 2, (eos, eos + 2)), (None, (eos,))):
+        model = tmp_path / f"m{written}"
+        model.mkdir()
+        (model / "generation_config.json").write_text(json.dumps({"eos_token_id": written}))
+        assert stop_token_ids(tok, str(model)) == want
+    params = rollout_params(composed(), stop_token_ids(tok, str(tmp_path / f"m{[eos + 1, eos]}")), 0, [])
+    assert {kind: p.stop_token_ids for kind, p in params.items()} == dict.fromkeys(params, (eos, eos + 1))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "generation_config.json").write_text(json.dumps({"eos_token_id": "<|im_end|>"}))
+    with pytest.raises(
+        DataError, match=r"generation_config.json: eos_token_id='<\|im_end\|>' is not a token id"
+    ):
+        stop_token_ids(tok, str(bad))
