@@ -356,7 +356,7 @@ class VllmRollout(RolloutEngine):
                 top_k=sampling.top_k,  # 0 = off in vLLM too (-1 is accepted as well)
                 max_tokens=sampling.limit_of(r // sampling.n),
                 stop_token_ids=[] if sampling.ignore_eos else list(sampling.stop_token_ids),
-                ignore_eos=True,  # stops are exactly stop_token_ids (no tokenizer, no EOS from generation_config)
+                ignore_eos=True,  # stops are exactly stop_token_ids (engine/data.py stop_token_ids)
                 logprobs=0 if sampling.log_probs else None,  # 0: the sampled token's log-prob only
                 seed=row_seed(sampling.seed, r),
                 detokenize=False,
