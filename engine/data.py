@@ -3,7 +3,9 @@
 Schema of a row (the one verl and most RLHF datasets use):
 - `prompt`: list of chat messages `{"role": str, "content": str}`
 - `data_source`: str, picks the rule reward (`engine.rewards`)
-- `reward_model`: `{"ground_truth": str, "style": str}` (numbers are accepted and turned into strings)
+- `reward_model`: `{"ground_truth": str, "style": str}` (numbers are accepted and turned into strings: an
+  integer or a float with an integral value as the integer, 72.0 -> "72", as pandas writes integer answers
+  in a float column; other floats as Python writes them, 2.5 -> "2.5"; NaN and infinity are refused)
 - `extra_info`: free dict, optional (the column may be missing; null reads as {})
 - `tools`: list of tool names, optional (multi-turn rollouts: the tools of rollout.multi_turn.tools this
   row's episodes may call; missing, null or empty = all of them)

@@ -4,6 +4,7 @@ with it and the fix (the loader adds the file and the row)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -83,9 +84,24 @@ def check_ground_truth(value: Any) -> str:
     truth = value.get("ground_truth")
     if isinstance(truth, str):
         return truth
-    if isinstance(truth, (int, float, np.integer, np.floating)) and not isinstance(truth, bool):
-        return str(truth)
+    if isinstance(truth, (int, np.integer)) and not isinstance(truth, bool):
+        return str(int(truth))
+    if isinstance(truth, (float, np.floating)):
+        return _float_truth(float(truth), fix)
     raise BadRow("reward_model.ground_truth", f"is {describe(truth)}, expected a string", fix)
+
+
+def _float_truth(truth: float, fix: str) -> str:
+    """A float answer as the string a rule compares: pandas stores integer answers as floats once one value of
+    the column is missing or fractional, so 72.0 is the answer "72" (str would give "72.0", which GSM8K's
+    strict rule never matches); a fractional one keeps its repr ("2.5")."""
+    if not math.isfinite(truth):
+        raise BadRow(
+            "reward_model.ground_truth",
+            f"is {truth!r}, not an answer (a float column's missing value reads as NaN)",
+            f"{fix}; fill in or drop the row's answer",
+        )
+    return str(int(truth)) if truth.is_integer() else repr(truth)
 
 
 def check_extra_info(value: Any) -> dict:

@@ -126,6 +126,31 @@ def test_optional_and_coerced_fields(tmp_path):
     assert [row.ground_truth for row in parsed] == ["42", "43"] and parsed[0].extra_info == {}
 
 
+def test_float_ground_truths_read_as_the_answer_a_rule_compares(tmp_path, tokenizer):
+    """A float answer column (pandas' type for integer answers once one is missing or fractional): 72.0 is
+    "72", which GSM8K's strict rule matches; 2.5 stays "2.5"; NaN and infinity name the row."""
+    from engine.rewards.gsm8k import gsm8k_score
+
+    truths = pa.array([72.0, 3.0, 2.5, -4.0], pa.float64())
+    table = pa.table(
+        {
+            "prompt": [[{"role": "user", "content": "copy 1"}]] * 4,
+            "data_source": ["openai/gsm8k"] * 4,
+            "reward_model": pa.StructArray.from_arrays([truths], names=["ground_truth"]),
+        }
+    )
+    path = str(tmp_path / "f.parquet")
+    pq.write_table(table, path)
+    assert pq.read_schema(path).field("reward_model").type.field("ground_truth").type == pa.float64()
+    records, _ = load_prompt_dataset([path], tokenizer, max_prompt_len=64)
+    assert [r.ground_truth for r in records] == ["72", "3", "2.5", "-4"]
+    assert gsm8k_score("#### 72", records[0].ground_truth) == 1.0
+    for bad in (float("nan"), float("inf")):
+        rows = [make_row(truth=1.5), make_row(truth=bad)]
+        with pytest.raises(ValueError, match=r"row 1: field 'reward_model.ground_truth' is (nan|inf).*Fix:"):
+            read_prompt_rows([write(tmp_path / "bad.parquet", rows)])
+
+
 def test_file_list_errors(tmp_path):
     with pytest.raises(ValueError, match=r"data.train_files is empty"):
         read_prompt_rows([])
