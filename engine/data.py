@@ -1,7 +1,9 @@
 """Prompts for RL: RLHF-schema parquet -> chat-templated token ids -> per-DP-rank batches.
 
 Schema of a row (the one verl and most RLHF datasets use):
-- `prompt`: list of chat messages `{"role": str, "content": str}`
+- `prompt`: list of chat messages `{"role": str, "content": str}`, optionally with the keys chat templates
+  render: `tool_calls` (a list of dicts), `name`, `tool_call_id`, `reasoning_content` (strings); a key whose
+  value is null is left out (a struct column gives every message every key)
 - `data_source`: str, picks the rule reward (`engine.rewards`)
 - `reward_model`: `{"ground_truth": str, "style": str}` (numbers are accepted and turned into strings: an
   integer or a float with an integral value as the integer, 72.0 -> "72", as pandas writes integer answers
@@ -28,6 +30,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +47,7 @@ _CHAT_TEMPLATE_CHUNK = 256  # rows per apply_chat_template call: batched is fast
 class PromptRow:
     """One validated, not yet tokenised row."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     data_source: str
     ground_truth: str
     extra_info: dict

@@ -48,9 +48,15 @@ class BadRow(Exception):
 
 
 PROMPT_FIX = 'prompt must be a list of messages like [{"role": "user", "content": "..."}]'
+MESSAGE_TEXT_KEYS = ("name", "tool_call_id", "reasoning_content")
+"""Optional string keys of a message that chat templates render (a tool result's name and call id, an
+assistant turn's reasoning); `tool_calls` (an assistant turn's list of calls) is the other one kept."""
 
 
-def check_prompt(value: Any) -> list[dict[str, str]]:
+def check_prompt(value: Any) -> list[dict[str, Any]]:
+    """The messages with role, content and the optional keys templates render (`MESSAGE_TEXT_KEYS`,
+    `tool_calls`); a key whose value is None is left out, since a parquet struct column gives every message
+    every key of the column (a template asking `'tool_calls' in message` would see `tool_calls: None`)."""
     if value is None:
         raise BadRow("prompt", "is missing (null)", PROMPT_FIX)
     if isinstance(value, str):
@@ -66,8 +72,32 @@ def check_prompt(value: Any) -> list[dict[str, str]]:
                 raise BadRow(
                     f"prompt[{j}].{key}", f"is {describe(message.get(key))}, expected a string", PROMPT_FIX
                 )
-        messages.append({"role": message["role"], "content": message["content"]})
+        messages.append(
+            {"role": message["role"], "content": message["content"], **_optional_keys(message, j)}
+        )
     return messages
+
+
+def _optional_keys(message: Mapping, j: int) -> dict[str, Any]:
+    out = {}
+    for key in MESSAGE_TEXT_KEYS:
+        if message.get(key) is not None:
+            if not isinstance(message[key], str):
+                raise BadRow(
+                    f"prompt[{j}].{key}", f"is {describe(message[key])}, expected a string", PROMPT_FIX
+                )
+            out[key] = message[key]
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if (
+            isinstance(calls, str)
+            or not isinstance(calls, Sequence)
+            or not all(isinstance(c, Mapping) for c in calls)
+        ):
+            fix = 'write tool_calls as a list of calls like [{"type": "function", "function": {...}}]'
+            raise BadRow(f"prompt[{j}].tool_calls", f"is {describe(calls)}, expected a list of dicts", fix)
+        out["tool_calls"] = [dict(call) for call in calls]
+    return out
 
 
 def check_data_source(value: Any) -> str:

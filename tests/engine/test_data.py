@@ -151,6 +151,44 @@ def test_float_ground_truths_read_as_the_answer_a_rule_compares(tmp_path, tokeni
             read_prompt_rows([write(tmp_path / "bad.parquet", rows)])
 
 
+# A tool-calling template in the style of Qwen2.5's / Llama 3.1's: it asks whether a message has the key,
+# so a `tool_calls: None` left in by a parquet struct column would fail (iterating None).
+TOOL_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}"
+    "{% if 'reasoning_content' in m %}#{{ m['reasoning_content'] }}{% endif %}"
+    "{% if 'tool_calls' in m %}{% for c in m['tool_calls'] %}"
+    "={{ c['function']['name'] }}:{{ c['function']['arguments'] }}{% endfor %}{% endif %}"
+    "{% if 'name' in m %}={{ m['name'] }},{{ m['tool_call_id'] }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+
+
+def test_messages_keep_tool_calls_and_drop_null_keys(tmp_path):
+    """A dialogue so far with an assistant tool call and its result renders as the template renders the
+    messages (keys a parquet struct column fills with null left out); a malformed tool_calls names the row."""
+    tok = load_tokenizer(build_embedded_tokenizer(str(tmp_path / "tok")))
+    tok.chat_template = TOOL_TEMPLATE
+    call = {"type": "function", "function": {"name": "calc", "arguments": "1+2"}}
+    messages = [
+        {"role": "user", "content": "add"},
+        {"role": "assistant", "content": "", "reasoning_content": "easy", "tool_calls": [call]},
+        {"role": "tool", "content": "3", "name": "calc", "tool_call_id": "c1"},
+        {"role": "user", "content": "so"},
+    ]
+    path = write(tmp_path / "t.parquet", [make_row(), dict(make_row(), prompt=messages)])
+    rows, _ = read_prompt_rows([path])
+    assert rows[0].messages == [{"role": "user", "content": "copy 12"}]  # no null keys of the struct
+    assert rows[1].messages == messages
+    records, _ = load_prompt_dataset([path], tok, max_prompt_len=128)
+    expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert records[1].prompt_ids == expected
+    assert tok.decode(expected) == "u:add\na:#easy=calc:1+2\nt:3=calc,c1\nu:so\na:"
+    for bad, field in (({"tool_calls": "calc"}, "tool_calls"), ({"name": 3}, "name")):
+        broken = [messages[0], {**messages[1], "tool_calls": None, **bad}]
+        with pytest.raises(ValueError, match=rf"row 0: field 'prompt\[1\].{field}'.*Fix:"):
+            read_prompt_rows([write(tmp_path / "bad.parquet", [dict(make_row(), prompt=broken)])])
+
+
 def test_file_list_errors(tmp_path):
     with pytest.raises(ValueError, match=r"data.train_files is empty"):
         read_prompt_rows([])
