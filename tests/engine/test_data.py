@@ -69,6 +69,29 @@ def test_too_long_filtered_and_counted(tmp_path, tokenizer):
         load_prompt_dataset([path], tokenizer, max_prompt_len=7)
 
 
+def test_val_prompts_not_used_are_reported(tmp_path, tokenizer, capsys):
+    """data.val_files' prompts over data.max_prompt_len, bad rows skipped and the remainder that equal DP
+    shares leave out are printed as the training files' are (engine.setup.load_prompts, used by the
+    training ranks and the rollout ranks of split placement), on the logging rank only."""
+    from engine.config import TrainConfig
+    from engine.setup import load_prompts, replica_val_batches
+
+    cfg = TrainConfig()
+    cfg.data.max_prompt_len, cfg.data.bad_rows = 4 + TEMPLATE_OVERHEAD, "skip"
+    rows = [make_row("a" * n) for n in (2, 10, 4, 3, 3, 3)] + [make_row(truth=None)]
+    path = write(tmp_path / "val.parquet", rows)
+    records = load_prompts(cfg, [path], tokenizer, None, "data.val_files", log=True, dp=2)
+    assert len(records) == 5  # one too long, one bad
+    used = sum(len(b) for d in range(2) for b in replica_val_batches(records, 2, d, per_rank=2))
+    assert used == 4
+    assert capsys.readouterr().out == (
+        "data: kept 4 of 7 prompts of data.val_files (1 over data.max_prompt_len, 1 bad rows skipped, "
+        "1 left out for equal shares over 2 DP replicas)\n"
+    )
+    load_prompts(cfg, [path], tokenizer, None, "data.val_files", log=False, dp=2)
+    assert capsys.readouterr().out == ""
+
+
 def _set(path_keys, value):
     def mutate(row):
         target = row
