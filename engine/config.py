@@ -166,7 +166,9 @@ class DataConfig:
     train_files: Any = field(default_factory=list)
     """Parquet files in the RLHF schema: one path or a list (`~` expands); empty = the embedded task."""
     val_files: Any = field(default_factory=list)
-    """Parquet files for validation, as train_files; empty = a held-out embedded set when training on it."""
+    """Parquet files for validation, as train_files; empty = a held-out embedded set when training on it.
+    Every DP replica validates an equal share: the last (prompts % dp) are left out, and counted in the
+    `data: kept` line."""
     batch_size: int = 16
     """Prompts per step (global, across DP ranks)."""
     max_prompt_len: int = 64

@@ -1,9 +1,13 @@
 """Prompts for RL: RLHF-schema parquet -> chat-templated token ids -> per-DP-rank batches.
 
 Schema of a row (the one verl and most RLHF datasets use):
-- `prompt`: list of chat messages `{"role": str, "content": str}`
+- `prompt`: list of chat messages `{"role": str, "content": str}`, optionally with the keys chat templates
+  render: `tool_calls` (a list of dicts), `name`, `tool_call_id`, `reasoning_content` (strings); a key whose
+  value is null is left out (a struct column gives every message every key)
 - `data_source`: str, picks the rule reward (`engine.rewards`)
-- `reward_model`: `{"ground_truth": str, "style": str}` (numbers are accepted and turned into strings)
+- `reward_model`: `{"ground_truth": str, "style": str}` (numbers are accepted and turned into strings: an
+  integer or a float with an integral value as the integer, 72.0 -> "72", as pandas writes integer answers
+  in a float column; other floats as Python writes them, 2.5 -> "2.5"; NaN and infinity are refused)
 - `extra_info`: free dict, optional (the column may be missing; null reads as {})
 - `tools`: list of tool names, optional (multi-turn rollouts: the tools of rollout.multi_turn.tools this
   row's episodes may call; missing, null or empty = all of them)
@@ -28,6 +32,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +49,7 @@ _CHAT_TEMPLATE_CHUNK = 256  # rows per apply_chat_template call: batched is fast
 class PromptRow:
     """One validated, not yet tokenised row."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     data_source: str
     ground_truth: str
     extra_info: dict

@@ -4,6 +4,7 @@ with it and the fix (the loader adds the file and the row)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,9 +48,15 @@ class BadRow(Exception):
 
 
 PROMPT_FIX = 'prompt must be a list of messages like [{"role": "user", "content": "..."}]'
+MESSAGE_TEXT_KEYS = ("name", "tool_call_id", "reasoning_content")
+"""Optional string keys of a message that chat templates render (a tool result's name and call id, an
+assistant turn's reasoning); `tool_calls` (an assistant turn's list of calls) is the other one kept."""
 
 
-def check_prompt(value: Any) -> list[dict[str, str]]:
+def check_prompt(value: Any) -> list[dict[str, Any]]:
+    """The messages with role, content and the optional keys templates render (`MESSAGE_TEXT_KEYS`,
+    `tool_calls`); a key whose value is None is left out, since a parquet struct column gives every message
+    every key of the column (a template asking `'tool_calls' in message` would see `tool_calls: None`)."""
     if value is None:
         raise BadRow("prompt", "is missing (null)", PROMPT_FIX)
     if isinstance(value, str):
@@ -65,8 +72,32 @@ def check_prompt(value: Any) -> list[dict[str, str]]:
                 raise BadRow(
                     f"prompt[{j}].{key}", f"is {describe(message.get(key))}, expected a string", PROMPT_FIX
                 )
-        messages.append({"role": message["role"], "content": message["content"]})
+        messages.append(
+            {"role": message["role"], "content": message["content"], **_optional_keys(message, j)}
+        )
     return messages
+
+
+def _optional_keys(message: Mapping, j: int) -> dict[str, Any]:
+    out = {}
+    for key in MESSAGE_TEXT_KEYS:
+        if message.get(key) is not None:
+            if not isinstance(message[key], str):
+                raise BadRow(
+                    f"prompt[{j}].{key}", f"is {describe(message[key])}, expected a string", PROMPT_FIX
+                )
+            out[key] = message[key]
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if (
+            isinstance(calls, str)
+            or not isinstance(calls, Sequence)
+            or not all(isinstance(c, Mapping) for c in calls)
+        ):
+            fix = 'write tool_calls as a list of calls like [{"type": "function", "function": {...}}]'
+            raise BadRow(f"prompt[{j}].tool_calls", f"is {describe(calls)}, expected a list of dicts", fix)
+        out["tool_calls"] = [dict(call) for call in calls]
+    return out
 
 
 def check_data_source(value: Any) -> str:
@@ -83,9 +114,24 @@ def check_ground_truth(value: Any) -> str:
     truth = value.get("ground_truth")
     if isinstance(truth, str):
         return truth
-    if isinstance(truth, (int, float, np.integer, np.floating)) and not isinstance(truth, bool):
-        return str(truth)
+    if isinstance(truth, (int, np.integer)) and not isinstance(truth, bool):
+        return str(int(truth))
+    if isinstance(truth, (float, np.floating)):
+        return _float_truth(float(truth), fix)
     raise BadRow("reward_model.ground_truth", f"is {describe(truth)}, expected a string", fix)
+
+
+def _float_truth(truth: float, fix: str) -> str:
+    """A float answer as the string a rule compares: pandas stores integer answers as floats once one value of
+    the column is missing or fractional, so 72.0 is the answer "72" (str would give "72.0", which GSM8K's
+    strict rule never matches); a fractional one keeps its repr ("2.5")."""
+    if not math.isfinite(truth):
+        raise BadRow(
+            "reward_model.ground_truth",
+            f"is {truth!r}, not an answer (a float column's missing value reads as NaN)",
+            f"{fix}; fill in or drop the row's answer",
+        )
+    return str(int(truth)) if truth.is_integer() else repr(truth)
 
 
 def check_extra_info(value: Any) -> dict:

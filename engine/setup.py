@@ -93,10 +93,44 @@ def _data_files(cfg: TrainConfig, output_dir: str) -> tuple[str, list[str], list
     return tok, [train], list(d.val_files) or [val]
 
 
+def load_prompts(
+    cfg: TrainConfig,
+    files: list[str],
+    tokenizer,
+    tool_schemas: dict[str, dict] | None,
+    files_key: str,
+    log: bool,
+    dp: int = 1,
+) -> list[PromptRecord]:
+    """The prompts of `files` (`files_key`) as data.* and rollout.max_new_tokens say (`load_prompt_dataset`).
+    With `log` (the logging rank) a line says how many prompts are not used and why: over
+    data.max_prompt_len, bad rows skipped, and with `dp` > 1 (validation) the remainder that
+    `replica_val_batches` leaves out so every DP replica validates as many prompts."""
+    records, counts = load_prompt_dataset(
+        files,
+        tokenizer,
+        cfg.data.max_prompt_len,
+        cfg.data.bad_rows,
+        files_key,
+        tool_schemas,
+        cfg.rollout.max_new_tokens,
+    )
+    num_left_out = len(records) % dp
+    if log and (counts["too_long"] or counts["bad"] or num_left_out):
+        left_out = f", {num_left_out} left out for equal shares over {dp} DP replicas" if num_left_out else ""
+        print(
+            f"data: kept {counts['kept'] - num_left_out} of {counts['rows']} prompts of {files_key} "
+            f"({counts['too_long']} over data.max_prompt_len, {counts['bad']} bad rows skipped{left_out})",
+            flush=True,
+        )
+    return records
+
+
 def _val_batches(
     records: list[PromptRecord], groups: ProcessGroups, per_rank: int
 ) -> list[list[PromptRecord]]:
-    """This DP rank's validation prompts (an equal share per rank; the remainder is dropped), in batches."""
+    """This DP rank's validation prompts (an equal share per rank; the remainder is left out and reported by
+    `load_prompts`), in batches."""
     return replica_val_batches(records, groups.dims.dp, groups.dp_rank, per_rank)
 
 
@@ -104,7 +138,9 @@ def replica_val_batches(
     records: list[PromptRecord], dp: int, rank: int, per_rank: int
 ) -> list[list[PromptRecord]]:
     """Training replica `rank`'s validation batches of `per_rank` prompts among `dp` replicas (`_val_batches`;
-    the rollout ranks of split placement ask for the replicas they serve)."""
+    the rollout ranks of split placement ask for the replicas they serve). The last len(records) % dp
+    prompts are left out: every replica must run as many validation rollouts, whose weight transitions are
+    collective across replicas (expert parallelism), and a rank with no batch would skip validation."""
     usable = len(records) // dp * dp
     mine = records[rank:usable:dp]
     return [mine[i : i + per_rank] for i in range(0, len(mine), per_rank)]
@@ -238,20 +274,8 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
     )
     tools = build_episode_tools(cfg)
     schemas = {name: tool.schema for name, tool in tools.items()} if tools else None
-    records, counts = load_prompt_dataset(
-        train_files,
-        tokenizer,
-        cfg.data.max_prompt_len,
-        cfg.data.bad_rows,
-        tool_schemas=schemas,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-    )
-    if groups.is_logging_rank and (counts["too_long"] or counts["bad"]):
-        print(
-            f"data: kept {counts['kept']} of {counts['rows']} prompts "
-            f"({counts['too_long']} over data.max_prompt_len, {counts['bad']} bad rows skipped)",
-            flush=True,
-        )
+    log = groups.is_logging_rank
+    records = load_prompts(cfg, train_files, tokenizer, schemas, "data.train_files", log)
     loader = PromptLoader(
         records,
         cfg.data.batch_size,
@@ -261,19 +285,9 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
         cfg.data.shuffle,
         num_mini_batches=cfg.algorithm.num_mini_batches,
     )
-    val_records = (
-        load_prompt_dataset(
-            val_files,
-            tokenizer,
-            cfg.data.max_prompt_len,
-            cfg.data.bad_rows,
-            "data.val_files",
-            schemas,
-            cfg.rollout.max_new_tokens,
-        )[0]
-        if val_files
-        else []
-    )
+    val_records = []
+    if val_files:
+        val_records = load_prompts(cfg, val_files, tokenizer, schemas, "data.val_files", log, dims.dp)
     if cfg.rollout.multi_turn.enable:
         refuse_row_caps(records, "data.train_files")
         refuse_row_caps(val_records, "data.val_files")

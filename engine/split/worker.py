@@ -35,14 +35,21 @@ import torch.distributed as dist
 
 from algorithms.advantages import advantage_traits
 from engine.config import TrainConfig
-from engine.data import PromptLoader, load_prompt_dataset, load_tokenizer, refuse_row_caps, stop_token_ids
+from engine.data import PromptLoader, load_tokenizer, refuse_row_caps, stop_token_ids
 from engine.metrics import PhaseTimer
 from engine.multi_turn.episode import EpisodeRunner
 from engine.rewards.build import build_reward_fn
 from engine.rewards.reward_fn import RewardFn
 from engine.rollout import build_rollout_engine
 from engine.rollout.base import RolloutEngine
-from engine.setup import _data_files, build_episode_tools, build_episodes, model_shape, replica_val_batches
+from engine.setup import (
+    _data_files,
+    build_episode_tools,
+    build_episodes,
+    load_prompts,
+    model_shape,
+    replica_val_batches,
+)
 from engine.split.link import recv_object, send_object
 from engine.step.context import episode_totals, merge_engine_stats
 from engine.step.reward import responses_of
@@ -236,22 +243,17 @@ def build_rollout_worker(
     tokenizer = load_tokenizer(
         tok_dir, key="model.path" if tok_dir == cfg.model.path else "model.tokenizer_path"
     )
-    limit = cfg.rollout.max_new_tokens
-    data = cfg.data
     tools = build_episode_tools(cfg)  # as the training ranks render the prompts (engine/setup.py)
     schemas = {name: tool.schema for name, tool in tools.items()} if tools else None
-    records, _ = load_prompt_dataset(
-        train_files, tokenizer, data.max_prompt_len, data.bad_rows, tool_schemas=schemas, max_new_tokens=limit
-    )
+    train = layout.train
+    # the training side's logging rank loads the same files and reports what is not used (log=False here)
+    records = load_prompts(cfg, train_files, tokenizer, schemas, "data.train_files", False)
     val_records = []
     if val_files and cfg.trainer.test_freq:
-        val_records, _ = load_prompt_dataset(
-            val_files, tokenizer, data.max_prompt_len, data.bad_rows, "data.val_files", schemas, limit
-        )
+        val_records = load_prompts(cfg, val_files, tokenizer, schemas, "data.val_files", False, train.dp)
     if tools is not None:
         refuse_row_caps(records, "data.train_files")
         refuse_row_caps(val_records, "data.val_files")
-    train = layout.train
     shape = model_shape(cfg.model, len(tokenizer), train.tp)
     engine = build_rollout_engine(
         cfg.rollout, shape, device, tokenizer.pad_token_id, model_dir=cfg.model.path, seed=cfg.trainer.seed

@@ -69,6 +69,29 @@ def test_too_long_filtered_and_counted(tmp_path, tokenizer):
         load_prompt_dataset([path], tokenizer, max_prompt_len=7)
 
 
+def test_val_prompts_not_used_are_reported(tmp_path, tokenizer, capsys):
+    """data.val_files' prompts over data.max_prompt_len, bad rows skipped and the remainder that equal DP
+    shares leave out are printed as the training files' are (engine.setup.load_prompts, used by the
+    training ranks and the rollout ranks of split placement), on the logging rank only."""
+    from engine.config import TrainConfig
+    from engine.setup import load_prompts, replica_val_batches
+
+    cfg = TrainConfig()
+    cfg.data.max_prompt_len, cfg.data.bad_rows = 4 + TEMPLATE_OVERHEAD, "skip"
+    rows = [make_row("a" * n) for n in (2, 10, 4, 3, 3, 3)] + [make_row(truth=None)]
+    path = write(tmp_path / "val.parquet", rows)
+    records = load_prompts(cfg, [path], tokenizer, None, "data.val_files", log=True, dp=2)
+    assert len(records) == 5  # one too long, one bad
+    used = sum(len(b) for d in range(2) for b in replica_val_batches(records, 2, d, per_rank=2))
+    assert used == 4
+    assert capsys.readouterr().out == (
+        "data: kept 4 of 7 prompts of data.val_files (1 over data.max_prompt_len, 1 bad rows skipped, "
+        "1 left out for equal shares over 2 DP replicas)\n"
+    )
+    load_prompts(cfg, [path], tokenizer, None, "data.val_files", log=False, dp=2)
+    assert capsys.readouterr().out == ""
+
+
 def _set(path_keys, value):
     def mutate(row):
         target = row
@@ -124,6 +147,69 @@ def test_optional_and_coerced_fields(tmp_path):
         row["reward_model"]["ground_truth"] = 42 + i
     parsed, counts = read_prompt_rows([write(tmp_path / "x.parquet", rows)])
     assert [row.ground_truth for row in parsed] == ["42", "43"] and parsed[0].extra_info == {}
+
+
+def test_float_ground_truths_read_as_the_answer_a_rule_compares(tmp_path, tokenizer):
+    """A float answer column (pandas' type for integer answers once one is missing or fractional): 72.0 is
+    "72", which GSM8K's strict rule matches; 2.5 stays "2.5"; NaN and infinity name the row."""
+    from engine.rewards.gsm8k import gsm8k_score
+
+    truths = pa.array([72.0, 3.0, 2.5, -4.0], pa.float64())
+    table = pa.table(
+        {
+            "prompt": [[{"role": "user", "content": "copy 1"}]] * 4,
+            "data_source": ["openai/gsm8k"] * 4,
+            "reward_model": pa.StructArray.from_arrays([truths], names=["ground_truth"]),
+        }
+    )
+    path = str(tmp_path / "f.parquet")
+    pq.write_table(table, path)
+    assert pq.read_schema(path).field("reward_model").type.field("ground_truth").type == pa.float64()
+    records, _ = load_prompt_dataset([path], tokenizer, max_prompt_len=64)
+    assert [r.ground_truth for r in records] == ["72", "3", "2.5", "-4"]
+    assert gsm8k_score("#### 72", records[0].ground_truth) == 1.0
+    for bad in (float("nan"), float("inf")):
+        rows = [make_row(truth=1.5), make_row(truth=bad)]
+        with pytest.raises(ValueError, match=r"row 1: field 'reward_model.ground_truth' is (nan|inf).*Fix:"):
+            read_prompt_rows([write(tmp_path / "bad.parquet", rows)])
+
+
+# A tool-calling template in the style of Qwen2.5's / Llama 3.1's: it asks whether a message has the key,
+# so a `tool_calls: None` left in by a parquet struct column would fail (iterating None).
+TOOL_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}"
+    "{% if 'reasoning_content' in m %}#{{ m['reasoning_content'] }}{% endif %}"
+    "{% if 'tool_calls' in m %}{% for c in m['tool_calls'] %}"
+    "={{ c['function']['name'] }}:{{ c['function']['arguments'] }}{% endfor %}{% endif %}"
+    "{% if 'name' in m %}={{ m['name'] }},{{ m['tool_call_id'] }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+
+
+def test_messages_keep_tool_calls_and_drop_null_keys(tmp_path):
+    """A dialogue so far with an assistant tool call and its result renders as the template renders the
+    messages (keys a parquet struct column fills with null left out); a malformed tool_calls names the row."""
+    tok = load_tokenizer(build_embedded_tokenizer(str(tmp_path / "tok")))
+    tok.chat_template = TOOL_TEMPLATE
+    call = {"type": "function", "function": {"name": "calc", "arguments": "1+2"}}
+    messages = [
+        {"role": "user", "content": "add"},
+        {"role": "assistant", "content": "", "reasoning_content": "easy", "tool_calls": [call]},
+        {"role": "tool", "content": "3", "name": "calc", "tool_call_id": "c1"},
+        {"role": "user", "content": "so"},
+    ]
+    path = write(tmp_path / "t.parquet", [make_row(), dict(make_row(), prompt=messages)])
+    rows, _ = read_prompt_rows([path])
+    assert rows[0].messages == [{"role": "user", "content": "copy 12"}]  # no null keys of the struct
+    assert rows[1].messages == messages
+    records, _ = load_prompt_dataset([path], tok, max_prompt_len=128)
+    expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert records[1].prompt_ids == expected
+    assert tok.decode(expected) == "u:add\na:#easy=calc:1+2\nt:3=calc,c1\nu:so\na:"
+    for bad, field in (({"tool_calls": "calc"}, "tool_calls"), ({"name": 3}, "name")):
+        broken = [messages[0], {**messages[1], "tool_calls": None, **bad}]
+        with pytest.raises(ValueError, match=rf"row 0: field 'prompt\[1\].{field}'.*Fix:"):
+            read_prompt_rows([write(tmp_path / "bad.parquet", [dict(make_row(), prompt=broken)])])
 
 
 def test_file_list_errors(tmp_path):
