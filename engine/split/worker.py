@@ -164,7 +164,10 @@ class RolloutWorker:
         now: {training replica: (Responses, its loader's position after the batch)}; the rollout side's
         seconds and engine statistics add to `timer` and `engine_stats`. With multi-turn episodes each
         message also holds the "sample" rollout's `episode_totals` (the trainers' `multi_turn/*`), else None."""
-        cfg, eos = self.cfg, stop_token_ids(self.tokenizer, self.cfg.model.path or self.cfg.model.tokenizer_path)
+        cfg, eos = (
+            self.cfg,
+            stop_token_ids(self.tokenizer, self.cfg.model.path or self.cfg.model.tokenizer_path),
+        )
         greedy = advantage_traits(cfg.algorithm.adv_estimator).needs_greedy_baseline
         messages = {}
         for d, loader in self.loaders.items():
@@ -201,7 +204,10 @@ class RolloutWorker:
         rank 0 sends each training replica's [(data sources, row scores per rollout, maj@k answers or None,
         (response ids, response mask) per rollout when a reward model scores on the trainers, else None) per
         batch]."""
-        cfg, eos = self.cfg, stop_token_ids(self.tokenizer, self.cfg.model.path or self.cfg.model.tokenizer_path)
+        cfg, eos = (
+            self.cfg,
+            stop_token_ids(self.tokenizer, self.cfg.model.path or self.cfg.model.tokenizer_path),
+        )
         kinds = ("val", "val_sample") if cfg.rollout.val_n > 1 else ("val",)
         for d, batches in self.val_batches.items():
             share, shares = self.shares[d]

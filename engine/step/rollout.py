@@ -131,7 +131,9 @@ def rollout_seed(seed: int, step: int, round_index: int, dp_rank: int, micro_dp_
     )
 
 
-def rollout_params(cfg: TrainConfig, stop_ids: tuple[int, ...], seed: int, records) -> dict[str, SamplingParams]:
+def rollout_params(
+    cfg: TrainConfig, stop_ids: tuple[int, ...], seed: int, records
+) -> dict[str, SamplingParams]:
     """The sampling parameters of each kind of rollout (`rollout`) of `records`, each prompt capped at its
     record's `max_new_tokens` where it has one, stopping at `stop_ids` (engine/data.py `stop_token_ids`);
     the rollout ranks of split placement use the same."""
@@ -162,7 +164,9 @@ def rollout(ctx: StepContext, records, kinds: tuple[str, ...], round_index: int 
     seed = rollout_seed(
         cfg.trainer.seed, ctx.step, round_index, c.groups.dp_rank, c.rollout_weights.micro_dp_rank
     )
-    params = rollout_params(cfg, stop_token_ids(c.tokenizer, cfg.model.path or cfg.model.tokenizer_path), seed, records)
+    params = rollout_params(
+        cfg, stop_token_ids(c.tokenizer, cfg.model.path or cfg.model.tokenizer_path), seed, records
+    )
     tool_names = [r.tools for r in records] if c.episodes is not None else None
     outs = []
     for kind in kinds:
