@@ -96,7 +96,8 @@ def scores_to_token_rewards(
 
 
 class FixedKLController:
-    """Constant KL-in-reward coefficient `value`."""
+    """Constant KL-in-reward coefficient `value`: the configured one, also after a resume (a checkpoint's
+    coefficient never replaces it: a run resumed with another kl_reward_coef uses its own)."""
 
     def __init__(self, kl_coef: float):
         self.value = float(kl_coef)
@@ -104,11 +105,11 @@ class FixedKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         """No-op; same interface as AdaptiveKLController."""
 
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
+    def state_dict(self) -> dict[str, float | str]:
+        return {"kind": "fixed", "value": self.value, "kl_coef": self.value}
 
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.value = float(state["value"])
+    def load_state_dict(self, state: dict[str, float | str]) -> None:
+        """Nothing to restore: the coefficient is the configuration's."""
 
 
 class AdaptiveKLController:
@@ -116,12 +117,15 @@ class AdaptiveKLController:
 
     After each step: e = clip(current_kl / target - 1, -0.2, 0.2); value *= 1 + e * n_steps / horizon,
     where current_kl is the step's mean KL per sequence and n_steps the number of sequences (verl's rule).
-    The coefficient is state: save `state_dict()` with checkpoints so resumed runs continue from it.
+    The coefficient is state: save `state_dict()` with checkpoints so resumed runs continue from it, unless
+    the resumed run starts from another coefficient (kl_reward_coef changed, or the checkpoint's controller
+    was fixed): then it starts from its own, as the resume log's "this run uses its own values" says.
     """
 
     def __init__(self, kl_coef: float, target: float, horizon: int):
         if not target > 0 or not horizon > 0:
             raise ValueError(f"kl_target={target!r} and kl_horizon={horizon!r} must both be > 0")
+        self.initial = float(kl_coef)
         self.value = float(kl_coef)
         self.target = float(target)
         self.horizon = int(horizon)
@@ -130,11 +134,13 @@ class AdaptiveKLController:
         proportional_error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
 
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
+    def state_dict(self) -> dict[str, float | str]:
+        return {"kind": "adaptive", "value": self.value, "kl_coef": self.initial}
 
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.value = float(state["value"])
+    def load_state_dict(self, state: dict[str, float | str]) -> None:
+        same_start = float(state.get("kl_coef", self.initial)) == self.initial  # (older checkpoints: no key)
+        if state.get("kind", "adaptive") == "adaptive" and same_start:
+            self.value = float(state["value"])
 
 
 KL_CONTROLLERS = ("fixed", "adaptive")

@@ -83,9 +83,15 @@ def test_adaptive_controller_hand_example():
     ctrl.update(current_kl=5.7, n_steps=1000)
     # error = 5.7/6 - 1 = -0.05 (inside the clip); multiplier 1 - 0.005 = 0.995 -> 0.10149
     assert ctrl.value == pytest.approx(0.10149, abs=1e-15)
-    restored = make_kl_controller("adaptive", kl_coef=0.5, target=6.0, horizon=10000)
+    restored = make_kl_controller("adaptive", kl_coef=0.1, target=6.0, horizon=10000)
     restored.load_state_dict(ctrl.state_dict())
     assert restored.value == ctrl.value
+    # a resume that starts from another coefficient, or from a fixed controller's state, uses its own
+    # (the checkpoint's coefficient silently replaced the configured one)
+    for state in (ctrl.state_dict(), make_kl_controller("fixed", kl_coef=0.1).state_dict()):
+        other = make_kl_controller("adaptive", kl_coef=0.5, target=6.0, horizon=10000)
+        other.load_state_dict(state)
+        assert other.value == 0.5
 
 
 def test_fixed_controller_never_moves():
@@ -93,6 +99,9 @@ def test_fixed_controller_never_moves():
     assert isinstance(ctrl, FixedKLController)
     ctrl.update(current_kl=100.0, n_steps=10**6)
     assert ctrl.value == 0.05
+    resumed = make_kl_controller("fixed", kl_coef=0.5)  # a resume with another coefficient uses its own
+    resumed.load_state_dict(ctrl.state_dict())
+    assert resumed.value == 0.5
 
 
 def test_bad_input():
