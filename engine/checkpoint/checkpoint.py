@@ -349,17 +349,28 @@ class Checkpointer:
             + "".join(f"\n  {line}" for line in changes)
         )
 
+    def _schedule_scale(self, saved: Mapping[str, Any] | None) -> tuple[int, int]:
+        """(optimizer steps per RL step now, in the saved run), from the saved flat config (1, 1 without one)."""
+        a = self.c.cfg.algorithm
+        if not saved:
+            return 1, 1
+        before = saved.get("algorithm.ppo_epochs", a.ppo_epochs) * saved.get(
+            "algorithm.num_mini_batches", a.num_mini_batches
+        )
+        return a.ppo_epochs * a.num_mini_batches, before
+
     def _load(self, path: str) -> int:
         meta = read_meta(path)
         check_layout(meta["layout"], self.layout, path)
         check_shape(meta["shape"], self.c.shape, path)
         state = read_rank_state(path, self.groups.rank)
         where = rank_file(path, self.groups.rank)
+        scale = self._schedule_scale(meta.get("config"))
         for name, role in self.roles.items():
             if name not in state["roles"]:
                 raise CheckpointError(f"{where} has no {name} state (it holds {sorted(state['roles'])})")
             with all_onloaded(role):
-                load_role_state(role, state["roles"][name], where)
+                load_role_state(role, state["roles"][name], where, scale)
         self.c.loader.load_state_dict(state["loader"])
         for name, obj in self.stateful.items():
             if name not in state["extra"]:

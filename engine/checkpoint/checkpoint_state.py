@@ -118,9 +118,13 @@ def _hyperparameters(role: MegatronRole) -> list[list[dict[str, Any]]]:
 
 
 @torch.no_grad()
-def load_role_state(role: MegatronRole, state: Mapping[str, Any], where: str) -> None:
+def load_role_state(
+    role: MegatronRole, state: Mapping[str, Any], where: str, schedule_scale: tuple[int, int] = (1, 1)
+) -> None:
     """Load a saved role state into the live role (parameters in place, see `load_params`), then its
-    optimizer state and the position in the LR schedule.
+    optimizer state and the position in the LR schedule: the saved count of optimizer steps x now / before
+    of `schedule_scale` (optimizer steps per RL step now and in the saved run: a resume that changes
+    ppo_epochs or num_mini_batches lands where a fresh run of its config would be after the same RL steps).
 
     The current config decides every hyperparameter: megatron's and torch's `load_state_dict` restore the
     saved param groups (betas, eps, weight decay, max/min lr), so the groups' settings as built from the
@@ -145,7 +149,9 @@ def load_role_state(role: MegatronRole, state: Mapping[str, Any], where: str) ->
     if role.groups.device.type == "cuda":
         use_fused_adam(role.optimizer)
     role.scheduler.num_steps = 0
-    role.scheduler.step(increment=int(state["scheduler"]["num_steps"]))  # sets lr and weight decay
+    now, before = schedule_scale
+    position = int(state["scheduler"]["num_steps"]) * now // before
+    role.scheduler.step(increment=position)  # sets lr and weight decay
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

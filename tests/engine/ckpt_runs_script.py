@@ -272,10 +272,13 @@ def single_process() -> None:
 
 def resume_with_changed_config() -> None:
     """A 2-step PPO run resumed with trainer.total_steps=4 and other optim.* follows the current config: the
-    actor's and critic's LR at steps 3-4 equal a fresh 4-step run's with that config, the param groups hold
-    its betas/eps/weight decay, and the resume message names every changed key."""
-    ppo = ["algorithm=ppo", "trainer.save_freq=2"]
+    actor's and critic's LR at steps 3-4 equal a fresh 4-step run's with that config (linear decay; two
+    mini-batches per step where the saved run had one: the schedule's position is counted in the new
+    run's optimizer steps, it was left at the saved count), the param groups hold its betas/eps/weight
+    decay, and the resume message names every changed key."""
+    ppo = ["algorithm=ppo", "trainer.save_freq=2", "optim.lr_decay=linear"]
     changed = ["optim.lr=0.002", "optim.adam_beta1=0.8", "optim.adam_eps=1e-06", "optim.weight_decay=0.01"]
+    changed.append("algorithm.num_mini_batches=2")
     run("two_steps", [*ppo, "trainer.total_steps=2"])
     run("fresh_changed", [*ppo, *changed])
     printed = io.StringIO()
@@ -299,6 +302,7 @@ def resume_with_changed_config() -> None:
         "optim.adam_beta1: 0.9 -> 0.8",
         "optim.adam_eps: 1e-08 -> 1e-06",
         "optim.weight_decay: 0.0 -> 0.01",
+        "algorithm.num_mini_batches: 1 -> 2",
     ):
         assert line in text, (line, text)
     result(check="resume_changed_config", lrs=lrs, message=text.strip().splitlines()[-8:])
