@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from algorithms.advantages import advantage_traits
 from engine.config import TrainConfig
-from engine.data import PromptLoader, load_tokenizer, refuse_row_caps, stop_token_ids
+from engine.data import PromptLoader, load_tokenizer, refuse_row_caps
 from engine.metrics import PhaseTimer
 from engine.multi_turn.episode import EpisodeRunner
 from engine.rewards.build import build_reward_fn
@@ -53,7 +53,13 @@ from engine.setup import (
 from engine.split.link import recv_object, send_object
 from engine.step.context import episode_totals, merge_engine_stats
 from engine.step.reward import responses_of
-from engine.step.rollout import rollout_params, rollout_replica, rollout_seed, share_bounds
+from engine.step.rollout import (
+    checkpoint_stop_ids,
+    rollout_params,
+    rollout_replica,
+    rollout_seed,
+    share_bounds,
+)
 from engine.step.validation import row_scores, validation_due
 from parallel.rollout_weights import RolloutWeights
 from parallel.split_plan import SplitLayout
@@ -164,10 +170,7 @@ class RolloutWorker:
         now: {training replica: (Responses, its loader's position after the batch)}; the rollout side's
         seconds and engine statistics add to `timer` and `engine_stats`. With multi-turn episodes each
         message also holds the "sample" rollout's `episode_totals` (the trainers' `multi_turn/*`), else None."""
-        cfg, eos = (
-            self.cfg,
-            stop_token_ids(self.tokenizer, self.cfg.model.path or self.cfg.model.tokenizer_path),
-        )
+        cfg, eos = self.cfg, checkpoint_stop_ids(self.cfg, self.tokenizer)
         greedy = advantage_traits(cfg.algorithm.adv_estimator).needs_greedy_baseline
         messages = {}
         for d, loader in self.loaders.items():
@@ -204,10 +207,7 @@ class RolloutWorker:
         rank 0 sends each training replica's [(data sources, row scores per rollout, maj@k answers or None,
         (response ids, response mask) per rollout when a reward model scores on the trainers, else None) per
         batch]."""
-        cfg, eos = (
-            self.cfg,
-            stop_token_ids(self.tokenizer, self.cfg.model.path or self.cfg.model.tokenizer_path),
-        )
+        cfg, eos = self.cfg, checkpoint_stop_ids(self.cfg, self.tokenizer)
         kinds = ("val", "val_sample") if cfg.rollout.val_n > 1 else ("val",)
         for d, batches in self.val_batches.items():
             share, shares = self.shares[d]

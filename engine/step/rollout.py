@@ -124,6 +124,12 @@ def sampling_params(
     )
 
 
+def checkpoint_stop_ids(cfg: TrainConfig, tokenizer) -> tuple[int, ...]:
+    """The ids that end a response for this run's checkpoint (model.path, or model.tokenizer_path for a
+    random init): engine/data.py `stop_token_ids`."""
+    return stop_token_ids(tokenizer, cfg.model.path or cfg.model.tokenizer_path)
+
+
 def rollout_seed(seed: int, step: int, round_index: int, dp_rank: int, micro_dp_rank: int) -> int:
     """The sampling seed of one rollout: distinct per step, dynamic-sampling round and prompt share."""
     return (seed * 1_000_003 + step * 7919 + round_index * 15_485_863 + dp_rank * 104_729 + micro_dp_rank) % (
@@ -164,9 +170,7 @@ def rollout(ctx: StepContext, records, kinds: tuple[str, ...], round_index: int 
     seed = rollout_seed(
         cfg.trainer.seed, ctx.step, round_index, c.groups.dp_rank, c.rollout_weights.micro_dp_rank
     )
-    params = rollout_params(
-        cfg, stop_token_ids(c.tokenizer, cfg.model.path or cfg.model.tokenizer_path), seed, records
-    )
+    params = rollout_params(cfg, checkpoint_stop_ids(cfg, c.tokenizer), seed, records)
     tool_names = [r.tools for r in records] if c.episodes is not None else None
     outs = []
     for kind in kinds:

@@ -180,7 +180,6 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
         load_prompt_dataset,
         load_tokenizer,
         refuse_row_caps,
-        stop_token_ids,
     )
     from engine.rewards.build import build_reward_fn
     from engine.setup import (
@@ -192,7 +191,7 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
         model_shape,
     )
     from engine.step.reward import decode_responses
-    from engine.step.rollout import rollout_params, rollout_replica
+    from engine.step.rollout import checkpoint_stop_ids, rollout_params, rollout_replica
     from engine.validate import validate
     from parallel.state import destroy_distributed, init_distributed, world_size_from_env
 
@@ -230,7 +229,7 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
             engine.set_weights(weights)
             r, k = cfg.rollout, settings["num_samples"]
             # the training rollout's sampling (rollout.*, each row capped at its max_new_tokens), K per prompt
-            stop_ids = stop_token_ids(tokenizer, cfg.model.path or cfg.model.tokenizer_path)
+            stop_ids = checkpoint_stop_ids(cfg, tokenizer)
             trained = rollout_params(cfg, stop_ids, cfg.trainer.seed, records)["sample"]
             sampling = replace(trained, n=k, log_probs=False, routed_experts=False)
             episodes = build_episodes(cfg, tools, tokenizer, shape, records)
