@@ -34,11 +34,15 @@ class TrainerConfig:
     test_freq: int = 0
     """Validate every N steps (0 = never)."""
     resume: str = "off"
-    """`auto` (latest usable checkpoint in output_dir, else start fresh), `off`, or a checkpoint path."""
+    """`auto` (latest usable checkpoint in output_dir, else start fresh), `off`, or a checkpoint path. A path
+    to a checkpoint of this output_dir older than its latest (a branch off that run's history) is refused
+    unless trainer.overwrite=true; a branch into a new output_dir keeps both histories."""
     overwrite: bool = False
     """Let a fresh run (resume=off, or resume=auto finding no usable checkpoint) start in an output_dir that
     holds an earlier run's metrics.jsonl or checkpoints: they (and its tensorboard/, hf_actor/) are removed
-    first. Without it such a start is refused."""
+    first; and let resume=PATH branch from an older checkpoint of this output_dir: the checkpoints after it
+    are deleted and `latest` names it before the first step (metrics.jsonl keeps lines up to its step).
+    Without it such a start is refused."""
     export_hf: bool = False
     """After the last step, write the actor as a Hugging Face checkpoint to output_dir/hf_actor."""
     offload_reference: bool = False

@@ -21,7 +21,9 @@ and critic and is published only once both sides have written.
 file a complete archive), else the next older usable one, saying which it skipped and why; if checkpoints
 exist but none is usable it stops, naming each (engine/checkpoint/run_dir.py starts fresh instead with
 trainer.overwrite=true). A truncated file met while loading is named with its checkpoint and the previous
-complete checkpoint to resume from.
+complete checkpoint to resume from. `trainer.resume=PATH` naming a checkpoint of this output_dir older than
+its latest is refused unless trainer.overwrite=true, which deletes the newer ones and points `latest` at PATH
+before the first step (`branch_here`): otherwise a later resume=auto would take the other history's.
 
 What one rank's state holds, and how it goes back into the live objects, is engine/checkpoint/checkpoint_state.py;
 finding and reading checkpoints engine/checkpoint/store.py; writing files safely engine/checkpoint/files.py.
@@ -58,13 +60,21 @@ from engine.checkpoint.checkpoint_state import (
     role_state_dict,
     set_rng_state,
 )
-from engine.checkpoint.files import human_size, publish, state_nbytes, write_file, write_rank_file
+from engine.checkpoint.files import (
+    human_size,
+    publish,
+    state_nbytes,
+    write_file,
+    write_rank_file,
+    write_text_atomic,
+)
 from engine.checkpoint.store import (
     CHECKPOINTS_DIR,
     FORMAT_VERSION,
     LATEST_FILE,
     META_FILE,
     find_checkpoint,
+    newer_checkpoints,
     prune_checkpoints,
     rank_file,
     read_meta,
@@ -249,16 +259,45 @@ def save_checkpoint(
     return final
 
 
+def branch_here(path: str, output_dir: str, overwrite: bool, say: Callable[[str], None]) -> None:
+    """Resuming from `path`, a checkpoint of output_dir older than its latest, branches off that run's
+    history: refused (naming the newer checkpoints and the fixes) unless `overwrite`, which deletes the
+    checkpoints after `path` and points `latest` at it, so that a later resume=auto follows the branch.
+    Nothing to do for any other checkpoint (the latest, or one in another directory)."""
+    newer = newer_checkpoints(path, output_dir)
+    if not newer:
+        return
+    steps = ", ".join(str(s) for s, _ in newer)
+    if not overwrite:
+        raise CheckpointError(
+            f"trainer.resume={path} is an older checkpoint of this run's trainer.output_dir={output_dir}, "
+            f"which has newer ones (step(s) {steps}: {', '.join(p for _, p in newer)}). A branch from it here "
+            f"would leave them behind, and a later trainer.resume=auto would take them, mixing the two runs. "
+            f"Fix: to branch from it here, add trainer.overwrite=true (deletes the checkpoints of step(s) "
+            f"{steps} and points {LATEST_FILE} at it); to keep both histories, start the branch in a new "
+            f"trainer.output_dir with trainer.resume={path}; to continue the run, use trainer.resume=auto"
+        )
+    root = os.path.dirname(os.path.normpath(path))
+    for _, other in newer:
+        shutil.rmtree(other)
+    write_text_atomic(os.path.join(root, LATEST_FILE), os.path.basename(os.path.normpath(path)) + "\n")
+    say(f"trainer.overwrite=true: branching from {path}; deleted the checkpoints of step(s) {steps}")
+
+
 def agreed_checkpoint(
-    resume: str, output_dir: str, groups: ProcessGroups, say: Callable[[str], None]
+    resume: str, output_dir: str, groups: ProcessGroups, say: Callable[[str], None], overwrite: bool
 ) -> str | None:
     """The checkpoint to resume from (None: start fresh), as rank 0 finds it (one view of the filesystem),
-    on every rank of `savers_group`; a CheckpointError on all of them if there is none usable."""
+    on every rank of `savers_group`; a CheckpointError on all of them if there is none usable, or if it
+    is an older checkpoint of output_dir and not `overwrite` (`branch_here`, done by rank 0)."""
     box: list[Any] = [None]
     if groups.rank == 0:
         skipped: list[str] = []
         try:
-            box[0] = ("ok", find_checkpoint(resume, output_dir, skipped))
+            found = find_checkpoint(resume, output_dir, skipped)
+            if found is not None:
+                branch_here(found, output_dir, overwrite, say)
+            box[0] = ("ok", found)
         except CheckpointError as err:
             box[0] = ("error", str(err))
         for note in skipped:
@@ -325,7 +364,7 @@ class Checkpointer:
     def resume(self) -> int:
         """Load the checkpoint `trainer.resume` names (if any) into the live components; the step to
         continue from (0 = a fresh start)."""
-        path = agreed_checkpoint(self.t.resume, self.c.output_dir, self.groups, self._say)
+        path = agreed_checkpoint(self.t.resume, self.c.output_dir, self.groups, self._say, self.t.overwrite)
         if path is None:
             if self.t.resume == "auto":
                 self._say(f"trainer.resume=auto: no checkpoint in {self.root}; starting fresh")

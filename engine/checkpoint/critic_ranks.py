@@ -46,7 +46,9 @@ class CriticRanksCheckpointer:
     def resume(self) -> int:
         """Load the critic's shards of the checkpoint `trainer.resume` names (if any); the step to continue
         from (0 = a fresh start)."""
-        path = agreed_checkpoint(self.t.resume, self.output_dir, self.groups, lambda _: None)
+        path = agreed_checkpoint(
+            self.t.resume, self.output_dir, self.groups, lambda _: None, self.t.overwrite
+        )
         if path is None:
             return 0
         self.saved_step = load_together(path, self._load, self.groups)

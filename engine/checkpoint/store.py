@@ -159,6 +159,25 @@ def find_checkpoint(resume: str, output_dir: str, skipped: list[str] | None = No
     )
 
 
+def newer_checkpoints(path: str, output_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of the global_step_<N> directories after checkpoint `path` in output_dir's checkpoints,
+    when `path` is one of them and `resume=auto` there would take a newer one than `path` (resuming from
+    `path` would then branch off that history); else []."""
+    root = os.path.join(output_dir, CHECKPOINTS_DIR)
+    match = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+    if not match or os.path.realpath(os.path.dirname(os.path.normpath(path))) != os.path.realpath(root):
+        return []
+    step = int(match.group(1))
+    try:
+        latest = latest_checkpoint(root)
+    except CheckpointError:  # none usable: nothing resume=auto could take instead
+        return []
+    latest_match = _STEP_DIR.match(os.path.basename(latest)) if latest else None
+    if latest_match is None or int(latest_match.group(1)) <= step:
+        return []
+    return [(s, p) for s, p in _step_dirs(root) if s > step]
+
+
 def read_meta(path: str) -> dict[str, Any]:
     file = os.path.join(path, META_FILE)
     if not os.path.isfile(file):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from engine.checkpoint.store import CHECKPOINTS_DIR
 from engine.config import LOGGERS, ConfigError, TrainConfig
 from engine.validate.model import validate_checkpoint_positions
 from engine.validate.rules import fail, one_of, positive
@@ -50,11 +51,15 @@ def validate_trainer(cfg: TrainConfig) -> None:
             "is neither auto, off nor an existing checkpoint directory",
             "use trainer.resume=auto to continue from the latest checkpoint in trainer.output_dir",
         )
-    if t.overwrite and t.resume not in ("auto", "off"):
+    here = os.path.join(t.output_dir, CHECKPOINTS_DIR)
+    branch = os.path.realpath(os.path.dirname(os.path.normpath(t.resume))) == os.path.realpath(here)
+    if t.overwrite and t.resume not in ("auto", "off") and not branch:
         fail(
             "trainer.overwrite",
             True,
-            f"has no effect with trainer.resume={t.resume} (a resumed run keeps the directory's outputs)",
+            f"has no effect with trainer.resume={t.resume}, not a checkpoint of trainer.output_dir (a "
+            f"resumed run keeps the directory's outputs; overwrite only lets a resume branch from an "
+            f"older checkpoint of {here})",
             "drop trainer.overwrite, or use trainer.resume=off to start fresh",
         )
 

@@ -316,3 +316,56 @@ def test_export_replaces_an_earlier_export_and_refuses_foreign_files(tmp_path):
         with pytest.raises(HFCheckpointError, match=r"holds 'notes.txt'.*Fix: export into a new or empty"):
             export_actor(c, out)
         assert sorted(os.listdir(out)) == before
+
+
+def test_resume_from_an_older_checkpoint_of_the_same_dir_is_refused_unless_overwrite(tmp_path, monkeypatch):
+    """World size 1, in this process: run 1 saves steps 2 and 4; trainer.resume=<its step 2> in the same
+    output_dir is refused before anything changes (a later resume=auto would take run 1's step 4 while
+    metrics.jsonl held the branch's steps). With trainer.overwrite=true the branch deletes step 4 and points
+    `latest` at step 2 before its first step; killed in step 3 (before any save of its own), a resume=auto
+    then continues the branch from step 2, not run 1's step 4."""
+    from trainer_jobs import read_metrics, run_job
+
+    from engine.checkpoint.checkpoint import Checkpointer
+
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    run1 = ["trainer.save_freq=2", "trainer.total_steps=4"]
+    run_job(run1, str(out))
+    assert sorted(os.listdir(root)) == ["global_step_2", "global_step_4", "latest"]
+    metrics_before = (out / "metrics.jsonl").read_text()
+    two = str(root / "global_step_2")
+    branch = [*run1, f"trainer.resume={two}", "optim.lr=1e-2"]
+    with pytest.raises(CheckpointError) as err:
+        run_job(branch, str(out))
+    text = str(err.value)
+    for needle in (
+        two,
+        "step(s) 4",
+        str(root / "global_step_4"),
+        "trainer.overwrite=true",
+        "new trainer.output_dir",
+    ):
+        assert needle in text, (needle, text)
+    assert (out / "metrics.jsonl").read_text() == metrics_before
+    assert (root / "latest").read_text() == "global_step_4\n" and (root / "global_step_4").is_dir()
+
+    def killed_in_step_3(self, step):  # as a SIGKILL after step 3's metrics line, before any save
+        if step == 3:
+            raise KeyboardInterrupt
+        return real_after_step(self, step)
+
+    real_after_step = Checkpointer.after_step
+    monkeypatch.setattr(Checkpointer, "after_step", killed_in_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        run_job([*branch, "trainer.overwrite=true"], str(out))
+    monkeypatch.setattr(Checkpointer, "after_step", real_after_step)
+    assert sorted(os.listdir(root)) == ["global_step_2", "latest"]
+    assert (root / "latest").read_text() == "global_step_2\n"
+    assert [row["step"] for row in read_metrics(str(out))] == [1, 2, 3]
+    assert find_checkpoint("auto", str(out)) == two
+    resumed = run_job([*run1, "trainer.resume=auto", "optim.lr=1e-2"], str(out))
+    assert resumed.step == 4
+    rows = read_metrics(str(out))
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert (root / "latest").read_text() == "global_step_4\n"
