@@ -47,6 +47,25 @@ def test_top_k_top_p_restrict_the_support_and_keep_full_vocab_log_probs(top_k, t
     assert (freq - kept).abs().max() < 0.03
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.85])
+def test_top_k_keeps_the_tokens_tied_with_the_kth(top_p):
+    """Logits tied at the k-th largest value all stay candidates, as transformers' TopKLogitsWarper and vLLM
+    keep them (bf16 logits tie often): top_k=3 over [0.4, 0.2, 0.1, 0.1, 0.1, 0.1] keeps six tokens, top_k=1
+    over a tied maximum draws either (topk's order used to keep exactly k: one fixed id of the ties)."""
+    probs = torch.tensor([0.4, 0.2, 0.1, 0.1, 0.1, 0.1])
+    tokens, _ = draw(SamplingParams(temperature=1.0, top_k=3, top_p=top_p), probs)
+    freq = torch.bincount(tokens, minlength=6).float() / ROWS
+    if top_p == 1.0:
+        assert (freq - probs).abs().max() < 0.03, freq
+    else:  # the nucleus (0.85) ends inside the ties: three of the four tied tokens stay, whichever sorts first
+        kept = torch.tensor([0.4, 0.2, 0.3]) / 0.9
+        assert (torch.stack([freq[0], freq[1], freq[2:].sum()]) - kept).abs().max() < 0.03, freq
+        assert int((freq[2:] > 0).sum()) == 3, freq
+    tied = torch.tensor([0.4, 0.4, 0.2])
+    tokens, _ = draw(SamplingParams(temperature=1.0, top_k=1, top_p=top_p), tied)
+    assert abs(float((tokens == 0).float().mean()) - 0.5) < 0.03 and set(tokens.tolist()) == {0, 1}
+
+
 def test_temperature_scales_the_distribution_and_the_log_probs():
     t = 0.5
     tokens, logp = draw(SamplingParams(temperature=t))
