@@ -62,11 +62,11 @@ from engine.checkpoint.checkpoint_state import (
 )
 from engine.checkpoint.files import (
     human_size,
+    point_latest,
     publish,
     state_nbytes,
     write_file,
     write_rank_file,
-    write_text_atomic,
 )
 from engine.checkpoint.store import (
     CHECKPOINTS_DIR,
@@ -277,10 +277,9 @@ def branch_here(path: str, output_dir: str, overwrite: bool, say: Callable[[str]
             f"{steps} and points {LATEST_FILE} at it); to keep both histories, start the branch in a new "
             f"trainer.output_dir with trainer.resume={path}; to continue the run, use trainer.resume=auto"
         )
-    root = os.path.dirname(os.path.normpath(path))
+    point_latest(os.path.dirname(os.path.normpath(path)), path)  # first: a crash below leaves a usable latest
     for _, other in newer:
         shutil.rmtree(other)
-    write_text_atomic(os.path.join(root, LATEST_FILE), os.path.basename(os.path.normpath(path)) + "\n")
     say(f"trainer.overwrite=true: branching from {path}; deleted the checkpoints of step(s) {steps}")
 
 

@@ -111,6 +111,11 @@ def write_text_atomic(path: str, text: str) -> None:
     fsync_dir(os.path.dirname(path))
 
 
+def point_latest(root: str, checkpoint: str) -> None:
+    """Make `root`'s `latest` file name `checkpoint` (a directory in `root`), atomically."""
+    write_text_atomic(os.path.join(root, LATEST_FILE), os.path.basename(os.path.normpath(checkpoint)) + "\n")
+
+
 def publish(root: str, tmp: str, final: str) -> None:
     """Rename the complete temporary directory to its final name, then point `latest` at it."""
     old = None
@@ -119,6 +124,6 @@ def publish(root: str, tmp: str, final: str) -> None:
         os.rename(final, old)
     os.rename(tmp, final)
     fsync_dir(root)
-    write_text_atomic(os.path.join(root, LATEST_FILE), os.path.basename(final) + "\n")
+    point_latest(root, final)
     if old:
         shutil.rmtree(old, ignore_errors=True)
