@@ -460,21 +460,16 @@ class NativeRollout(RolloutEngine):
         of the batch in eager mode; the live slots leading it)."""
         if live == 0:  # the next admission (or the end) follows
             return width, lead
-        if buckets:
-            target = bucket_for(live, buckets)
-            if target >= width:
-                return width, lead
-        else:
-            if live * 4 > width * 3:
-                return width, lead
-            target = live
+        target = bucket_for(live, buckets) if buckets else live
+        if (target >= width) if buckets else (live * 4 > width * 3):
+            return width, lead
         self._live_to_front(caches, st, live, width, top, scratch, lead, track)
         self.last_stats["compactions"] += 1  # the batch narrows, with or without a copy
         return target, live
 
     def _live_to_front(self, caches, st: SlotState, live, width, top, scratch, lead, track=None) -> bool:
-        """Move the `live` slots to the front of the batch (one copy of their K/V up to `top`), unless the first
-        `lead` slots, all live, are all of them already; True where it copied."""
+        """Move the `live` slots to the front (one copy of their K/V up to `top`) unless the first `lead`
+        slots, all live, are all of them; True where it copied."""
         if lead >= live:
             return False
         compact_slots(caches, st, live, width, top, scratch, self.pad_id, track)
