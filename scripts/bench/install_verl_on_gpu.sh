@@ -20,6 +20,11 @@ install)
     cat "$ray".part0* > "$ray" && sha256sum -c SHA256_ray && rm -f "$ray".part0*
   fi
   [ -x "$venv/bin/python" ] || python3 -m venv --system-site-packages "$venv"
+  # The image's packages (numpy, torch, our vLLM, hydra) need not live where the venv's system-site-packages
+  # looks (measured: the venv saw no numpy): list the image interpreter's package folders in a .pth, after
+  # the venv's own (so the venv's transformers 5.9 wins over the image's 5.17).
+  python3 -c 'import sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
+    > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_image_site.pth"
   if ! "$venv/bin/pip" install -q --no-index --find-links "$stash" verl==0.9.1 transformers==5.9.0 \
     tensordict==0.10.0 2> "$stash/resolver.err"; then
     cat "$stash/resolver.err" >&2

@@ -13,7 +13,14 @@ from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentL
 
 
 class CappedSingleTurnAgentLoop(SingleTurnAgentLoop):
-    """SingleTurnAgentLoop whose requests carry the row's `extra_info["max_tokens"]`."""
+    """SingleTurnAgentLoop whose requests carry the row's `extra_info["max_tokens"]`.
+
+    verl picks its Continuous Token builder from the model's `model_type` (qwen2: ChatML boundaries, which
+    need `<|im_end|>` and a one-token newline); the benchmark's character-level tokenizer and template are not
+    ChatML, so the loop takes verl's default builder (what verl uses for a model type it does not know)."""
+
+    def __init__(self, *args, hf_model_type: str | None = None, **kwargs):
+        super().__init__(*args, hf_model_type=None, **kwargs)
 
     async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs):
         cap = (kwargs.get("extra_info") or {}).get("max_tokens")

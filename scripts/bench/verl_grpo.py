@@ -20,7 +20,9 @@ What it writes under `--workdir` (a new temporary folder by default):
 
 verl settings (GSM8K GRPO example, run_qwen2-7b.sh, adapted): adv_estimator grpo, lr 1e-6, no KL loss or KL
 reward (beta 0, like ours and TRL), entropy 0, ppo_mini_batch_size = `--prompts` (one optimizer step per
-step), one PPO epoch, dynamic batch size with `--max-tokens` tokens per micro-batch, rollout TP 1,
+step), one PPO epoch, dynamic batch size with `--max-tokens` tokens per micro-batch (default 16384: 32768
+ran out of memory in the update at 0.5B on an H200), rollout TP 1, the legacy trainer (`trainer.use_v1=false`:
+verl 0.9.1's V1 trainer needs TransferQueue, not carried),
 `gpu_memory_utilization` `--gpu-memory-utilization` (example 0.6), n = `--n`, no validation, no checkpoints,
 console logger. Attention: SDPA (flash-attn is not installed; verl's default is flash_attention_2), and
 `use_remove_padding` only with `--remove-padding` (without flash-attn, transformers' SDPA masks the packed
@@ -64,7 +66,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_step_args(ap)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--gpus", type=int, default=1)
-    ap.add_argument("--max-tokens", type=int, default=32768, help="ppo_max_token_len_per_gpu (dynamic bsz)")
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=16384,
+        help="ppo_max_token_len_per_gpu (dynamic bsz); 32768 ran out of memory on an H200 at 0.5B (151,936 vocab: "
+        "verl's log-softmax takes fp32 logits of the whole micro-batch)",
+    )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     ap.add_argument(
         "--remove-padding", action="store_true", help="actor_rollout_ref.model.use_remove_padding"
@@ -163,6 +171,9 @@ def verl_overrides(args: argparse.Namespace, files: dict, workdir: str) -> list[
         "trainer.test_freq=-1",
         "trainer.val_before_train=false",
         f"trainer.total_training_steps={args.steps}",
+        # verl 0.9.1's default V1 trainer imports TransferQueue (its `verl-core` extra, not carried): the
+        # legacy trainer (main_ppo_v0: the same GRPO, agent-loop rollout) runs without it
+        "trainer.use_v1=false",
         "trainer.total_epochs=1000",
         f"trainer.default_local_dir={os.path.join(workdir, 'ckpt')}",
     ]

@@ -92,13 +92,20 @@ def test_moe_greedy_with_cuda_graphs_equals_eager_and_transformers(tmp_path, fam
         tokens, _ = hf_greedy(hf, prompt, new)
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+        with torch.no_grad():  # transformers' own bf16 error on the same tokens: the noise floor
+            lo = hf_bf16(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
         top2 = logits.topk(2, dim=-1).values
         ours = out.response_ids[i].tolist()
         same = next((j for j in range(new) if ours[j] != tokens[j]), new)
-        assert same == new or top2[same, 0] - top2[same, 1] < 0.05, (family, i, same)
+        # a bf16 engine may pick the runner-up where fp32's top two are closer than bf16's own logit error
+        # (measured on an H200: Qwen2-MoE, margin 0.072 at the first token; bf16 routing can flip an expert)
+        if same < new:
+            margin, noise = (
+                (top2[same, 0] - top2[same, 1]).item(),
+                (lo[same] - logits[same]).abs().max().item(),
+            )
+            assert margin < max(0.05, 2 * noise), (family, i, same, margin, noise)
         logp = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
-        with torch.no_grad():  # transformers' own bf16 error on the same tokens: the noise floor
-            lo = hf_bf16(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
         floor = (lo.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1) - logp)[:same]
         atol = max(5e-2, 2 * floor.abs().max().item()) if same else 5e-2
         torch.testing.assert_close(out.log_probs[i, :same].cpu(), logp[:same], atol=atol, rtol=0)
