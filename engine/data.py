@@ -2,7 +2,8 @@
 
 Schema of a row (the one verl and most RLHF datasets use):
 - `prompt`: list of chat messages `{"role": str, "content": str}`, optionally with the keys chat templates
-  render: `tool_calls` (a list of dicts), `name`, `tool_call_id`, `reasoning_content` (strings); a key whose
+  render: `tool_calls` (a list of dicts), `name`, `tool_call_id`, `reasoning_content` (strings); content may
+  be null in a message with tool_calls (OpenAI's format for a turn that only calls tools); another key whose
   value is null is left out (a struct column gives every message every key)
 - `data_source`: str, picks the rule reward (`engine.rewards`)
 - `reward_model`: `{"ground_truth": str, "style": str}` (numbers are accepted and turned into strings: an

@@ -55,7 +55,8 @@ assistant turn's reasoning); `tool_calls` (an assistant turn's list of calls) is
 
 def check_prompt(value: Any) -> list[dict[str, Any]]:
     """The messages with role, content and the optional keys templates render (`MESSAGE_TEXT_KEYS`,
-    `tool_calls`); a key whose value is None is left out, since a parquet struct column gives every message
+    `tool_calls`); content may be None in a message with tool_calls (as the templates of tool-calling models
+    expect it); an optional key whose value is None is left out, since a parquet struct column gives every message
     every key of the column (a template asking `'tool_calls' in message` would see `tool_calls: None`)."""
     if value is None:
         raise BadRow("prompt", "is missing (null)", PROMPT_FIX)
@@ -68,12 +69,14 @@ def check_prompt(value: Any) -> list[dict[str, Any]]:
         if not isinstance(message, Mapping):
             raise BadRow(f"prompt[{j}]", f"is {describe(message)}, expected a dict", PROMPT_FIX)
         for key in ("role", "content"):
+            if key == "content" and message.get(key) is None and message.get("tool_calls") is not None:
+                continue  # an assistant turn that only calls tools: OpenAI's format writes content null
             if not isinstance(message.get(key), str):
                 raise BadRow(
                     f"prompt[{j}].{key}", f"is {describe(message.get(key))}, expected a string", PROMPT_FIX
                 )
         messages.append(
-            {"role": message["role"], "content": message["content"], **_optional_keys(message, j)}
+            {"role": message["role"], "content": message.get("content"), **_optional_keys(message, j)}
         )
     return messages
 

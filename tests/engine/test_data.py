@@ -177,7 +177,7 @@ def test_float_ground_truths_read_as_the_answer_a_rule_compares(tmp_path, tokeni
 # A tool-calling template in the style of Qwen2.5's / Llama 3.1's: it asks whether a message has the key,
 # so a `tool_calls: None` left in by a parquet struct column would fail (iterating None).
 TOOL_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}"
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] or '' }}"
     "{% if 'reasoning_content' in m %}#{{ m['reasoning_content'] }}{% endif %}"
     "{% if 'tool_calls' in m %}{% for c in m['tool_calls'] %}"
     "={{ c['function']['name'] }}:{{ c['function']['arguments'] }}{% endfor %}{% endif %}"
@@ -206,10 +206,25 @@ def test_messages_keep_tool_calls_and_drop_null_keys(tmp_path):
     expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert records[1].prompt_ids == expected
     assert tok.decode(expected) == "u:add\na:#easy=calc:1+2\nt:3=calc,c1\nu:so\na:"
-    for bad, field in (({"tool_calls": "calc"}, "tool_calls"), ({"name": 3}, "name")):
+    for bad, field in (
+        ({"tool_calls": "calc"}, "tool_calls"),
+        ({"name": 3}, "name"),
+        ({"content": None}, "content"),  # null content is an assistant's tool call only
+    ):
         broken = [messages[0], {**messages[1], "tool_calls": None, **bad}]
         with pytest.raises(ValueError, match=rf"row 0: field 'prompt\[1\].{field}'.*Fix:"):
             read_prompt_rows([write(tmp_path / "bad.parquet", [dict(make_row(), prompt=broken)])])
+    # OpenAI's format: an assistant turn that only calls tools has content null; kept, rendered as the template does
+    calls_only = [messages[0], {**messages[1], "content": None}, *messages[2:]]
+    path = write(tmp_path / "null.parquet", [dict(make_row(), prompt=calls_only)])
+    (row,), _ = read_prompt_rows([path])
+    assert row.messages == calls_only
+    (record,), _ = load_prompt_dataset([path], tok, max_prompt_len=128)
+    expected = tok.apply_chat_template(
+        calls_only, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert record.prompt_ids == expected
+    assert tok.decode(expected) == "u:add\na:#easy=calc:1+2\nt:3=calc,c1\nu:so\na:"
 
 
 def test_file_list_errors(tmp_path):
