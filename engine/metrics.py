@@ -93,13 +93,30 @@ class MetricsLogger:
 
     def resume_at(self, step: int) -> None:
         """Drop metrics.jsonl lines of steps after `step` (a crashed run logged them past its last checkpoint;
-        the resumed run logs them again), so the file holds each step once."""
+        the resumed run logs them again), so the file holds each step once; the progress bar starts there."""
+        if self._bar is not None and step:
+            self._bar.update(step)
         if self._jsonl is None:
             return
         path = self._jsonl.name
         self._jsonl.close()
+        kept, unreadable = [], 0
         with open(path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by a kill (or a full disk) mid-write
+                    unreadable += 1
+                    continue
+                if row.get("step", 0) <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        if unreadable:
+            print(
+                f"metrics: dropped {unreadable} unreadable line(s) of {path} (cut by a kill mid-write)",
+                flush=True,
+            )
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(kept)

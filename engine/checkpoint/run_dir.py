@@ -5,10 +5,11 @@ decision whether a run may start there (fresh or resuming), taken before anythin
   A lock whose pid is dead on this host is stale (a killed run) and is taken over with a message; a lock
   of a live process, or of another host (whose processes cannot be checked from here), refuses the start.
   It is removed when the run ends (a SIGKILL leaves it behind: the next run takes it over as stale).
-- A fresh run (`trainer.resume=off`) in a directory that holds an earlier run's metrics.jsonl or
-  checkpoints is refused; with `trainer.overwrite=true` those outputs are removed first. With
-  `trainer.resume=auto` and checkpoints of which none is usable, `trainer.overwrite=true` starts fresh the
-  same way (without it engine/checkpoint/checkpoint.py refuses, naming every unusable checkpoint).
+- A fresh run (`trainer.resume=off`, or `trainer.resume=auto` finding no checkpoint) in a directory that
+  holds an earlier run's metrics.jsonl or checkpoints is refused; with `trainer.overwrite=true` those outputs
+  are removed first. With `trainer.resume=auto` and checkpoints of which none is usable,
+  `trainer.overwrite=true` starts fresh the same way (without it engine/checkpoint/checkpoint.py refuses,
+  naming every unusable checkpoint).
 
 What this module must not do: read or write checkpoint contents (engine/checkpoint/checkpoint.py does), or touch a
 directory it does not hold the lock of.
@@ -170,11 +171,27 @@ def prepare_output_dir(output_dir: str, t: TrainerConfig, say: Callable[[str], N
             f"them. Fix: continue that run with trainer.resume=auto; or start fresh in a new "
             f"trainer.output_dir, or here with trainer.overwrite=true (removes them)"
         )
-    if t.resume == "auto" and t.overwrite:
-        try:
-            latest_checkpoint(os.path.join(output_dir, CHECKPOINTS_DIR))
-        except CheckpointError as err:  # none usable: start fresh, as asked
+    if t.resume != "auto":
+        return
+    try:
+        found_checkpoint = latest_checkpoint(os.path.join(output_dir, CHECKPOINTS_DIR))
+    except CheckpointError as err:  # none usable: start fresh if asked (else checkpoint.py refuses)
+        if t.overwrite:
             _remove_outputs(output_dir, f"no usable checkpoint to resume: {err}", say)
+        return
+    found = [] if found_checkpoint is not None else _earlier_outputs(output_dir)
+    if not found:
+        return
+    if t.overwrite:
+        _remove_outputs(output_dir, "trainer.resume=auto found no checkpoint to resume", say)
+        return
+    raise OutputDirError(
+        f"trainer.output_dir={output_dir} holds an earlier run's outputs ({', '.join(found)}) but no "
+        f"checkpoint, so trainer.resume=auto would start a fresh run and overwrite that run's metrics (it "
+        f"saved none: trainer.save_freq=0, or it stopped before its first save). Fix: start fresh in a new "
+        f"trainer.output_dir, or here with trainer.overwrite=true (removes them); or resume a checkpoint kept "
+        f"elsewhere with trainer.resume=PATH"
+    )
 
 
 @contextlib.contextmanager

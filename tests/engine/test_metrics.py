@@ -47,3 +47,23 @@ def test_resume_drops_lines_logged_after_the_checkpoint(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["reward/mean"] == 40.0
+
+
+def test_resume_drops_a_line_cut_by_a_kill(tmp_path, capsys):
+    """A kill (or a full disk) mid-write leaves a cut last line: resuming drops it and says so, instead of
+    failing to parse it; the bar of a resumed run starts at its step."""
+    import json
+
+    from engine.metrics import MetricsLogger
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "reward/mean": 0.5}) + "\n" for s in (1, 2, 3)))
+    with open(path, "a") as f:
+        f.write('{"step": 4, "reward/me')
+    logger = MetricsLogger(str(tmp_path), ["jsonl"], enabled=True, total_steps=6, progress_bar=True)
+    logger.resume_at(2)
+    assert logger._bar.n == 2
+    logger.log(3, {"reward/mean": 3.0})
+    logger.close()
+    assert [json.loads(line)["step"] for line in open(path)] == [1, 2, 3]
+    assert "dropped 1 unreadable line" in capsys.readouterr().out

@@ -100,7 +100,13 @@ def test_a_fresh_run_in_an_old_runs_directory_is_refused_unless_overwrite(tmp_pa
         text = str(err.value)
         for needle in (str(out), "trainer.resume=auto", "new trainer.output_dir", "trainer.overwrite=true"):
             assert needle in text, (needle, text)
-        prepare_output_dir(str(out), TrainerConfig(resume="auto"), said.append)  # continuing is fine
+        if name == "ckpt":
+            prepare_output_dir(str(out), TrainerConfig(resume="auto"), said.append)  # continuing is fine
+        else:  # no checkpoint: resume=auto would start fresh over the earlier run's metrics
+            with pytest.raises(OutputDirError) as err:
+                prepare_output_dir(str(out), TrainerConfig(resume="auto"), said.append)
+            for needle in ("no checkpoint", "new trainer.output_dir", "trainer.overwrite=true"):
+                assert needle in str(err.value), (needle, str(err.value))
         assert os.listdir(out)
         prepare_output_dir(str(out), TrainerConfig(resume="off", overwrite=True), said.append)
         assert os.listdir(out) == [], os.listdir(out)
@@ -121,3 +127,8 @@ def test_overwrite_starts_fresh_when_no_checkpoint_is_usable(tmp_path):
     (bad / "metrics.jsonl").write_text('{"step": 1}\n')
     prepare_output_dir(str(bad), TrainerConfig(resume="auto", overwrite=True), said.append)
     assert os.listdir(bad) == [] and "meta.json is missing" in said[0], said
+    fresh = tmp_path / "fresh"  # metrics of a run that saved no checkpoint
+    fresh.mkdir()
+    (fresh / "metrics.jsonl").write_text('{"step": 3}\n')
+    prepare_output_dir(str(fresh), TrainerConfig(resume="auto", overwrite=True), said.append)
+    assert os.listdir(fresh) == [] and "found no checkpoint" in said[-1], said
