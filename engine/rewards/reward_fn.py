@@ -2,6 +2,9 @@
 
 A user function has verl's signature, so users bring theirs unchanged:
     fn(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> float | dict
+called as verl calls it, by keyword (`fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...)`):
+the parameters may come in any order, have defaults, or be taken by `**kwargs`; a function that cannot take
+these four keywords is refused when it is loaded
 (a dict must hold "score"; its other numeric keys are returned as extras, which the trainer logs as
 `reward/extra/<key>`, the mean over the step's responses on all DP replicas; a key whose value is not a
 number, or that some response's dict lacks, is ignored).
@@ -24,7 +27,9 @@ from engine.errors import RewardFnCallError, RewardFnError
 from engine.rewards.registry import get_rule
 from engine.user_code import import_target, is_file_target, split_target
 
-UserRewardFn = Callable[[str, str, str, dict], "float | dict"]
+UserRewardFn = Callable[..., "float | dict"]
+ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
+"""The keywords a reward function is called with (verl's names)."""
 BUILTIN_NAME = "the built-in rule rewards (reward.fn empty)"
 
 
@@ -89,7 +94,7 @@ class RewardFn:
         scores, extras = [], []
         for i, args in enumerate(zip(data_sources, responses, ground_truths, extra_infos)):
             try:
-                out = self.fn(*args)
+                out = self.fn(**dict(zip(ARGUMENTS, args)))
             except Exception as exc:
                 raise RewardFnCallError(
                     f"{self.name} raised {type(exc).__name__} on response {i} (data_source={args[0]!r}){_where(exc)}: "
@@ -183,11 +188,11 @@ def load_user_fn(spec: str) -> UserRewardFn:
             "of them after the colon"
         )
     try:
-        inspect.signature(fn).bind("data_source", "solution_str", "ground_truth", {})
+        inspect.signature(fn).bind(**dict.fromkeys(ARGUMENTS, ""))
     except TypeError as exc:
         raise RewardFnError(
-            f"reward.fn={spec!r}: {fn_name} must accept (data_source, solution_str, ground_truth, extra_info): "
-            f"{exc}. Fix: give it these four parameters"
+            f"reward.fn={spec!r}: {fn_name} must accept the keywords data_source, solution_str, ground_truth "
+            f"and extra_info (it is called with them, as verl calls it): {exc}. Fix: name its parameters so"
         ) from exc
     except ValueError:  # builtins without a signature: let the first call tell
         pass

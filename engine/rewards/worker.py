@@ -158,9 +158,9 @@ def _serve(fn_spec: str, conn, progress, parent_pid: int) -> None:
         conn.send(("raised", type(exc).__name__, str(exc)))
         return
 
-    def counted(*args):
+    def counted(**kwargs):
         progress.value += 1
-        return fn(*args)
+        return fn(**kwargs)
 
     reward = RewardFn(counted, user_fn_name(fn_spec))
     conn.send(("ready",))

@@ -258,6 +258,15 @@ def two_args(data_source, solution_str):
 
 def with_extra(data_source, solution_str, ground_truth, extra_info):
     return {"score": float(solution_str == ground_truth), "length": len(solution_str)}
+
+def reordered(solution_str, ground_truth, data_source=None, extra_info=None):
+    return float(solution_str == ground_truth)
+
+def keywords_only(*, ground_truth, **kwargs):
+    return float(kwargs["solution_str"] == ground_truth)
+
+def other_names(source, response, truth, info):
+    return 1.0
 """
 
 
@@ -285,6 +294,9 @@ def test_user_fn_from_file_and_module(user_file, user_module):
     result = build_reward_fn(f"{user_file}:as_dict").score(["s"], ["r"], ["g"], [{}])
     assert result.scores.tolist() == [0.5] and result.extras["acc"].tolist() == [1.0]
     assert "pred" not in result.extras  # non-numeric extras are not returned
+    for name in ("reordered", "keywords_only"):  # called by keyword, as verl calls them
+        scores = build_reward_fn(f"{user_file}:{name}")(["s", "s"], ["42", "41"], ["42", "42"], [{}, {}])
+        assert scores.tolist() == [1.0, 0.0], name
 
 
 @pytest.mark.parametrize(
@@ -318,8 +330,9 @@ def test_user_fn_loading_errors(tmp_path, user_file):
         ),
         (
             f"{user_file}:two_args",
-            r"two_args must accept \(data_source, solution_str, ground_truth, extra_info\)",
+            r"two_args must accept the keywords data_source, solution_str, ground_truth and extra_info",
         ),
+        (f"{user_file}:other_names", r"other_names must accept the keywords data_source"),
     ]
     for spec, message in cases:
         with pytest.raises(ValueError, match=message):
