@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 
 _TOTALS = ("timing/step", "timing/testing")
@@ -57,9 +58,15 @@ def _line(ax, records: list[dict], key: str, **style) -> None:
         ax.plot(steps, values, label=key, **style)
 
 
+_AT_K = re.compile(r"/(mean|best|maj)@\d+$")  # rollout.val_n = k > 1: val/<data_source>/mean@k, ...
+
+
 def _val_keys(records: list[dict]) -> list[str]:
     keys = {
-        k for r in records for k in r if k.startswith("val/") and "reward" in k and not k.endswith("_std")
+        k
+        for r in records
+        for k in r
+        if k.startswith("val/") and ("reward" in k or _AT_K.search(k)) and not k.endswith("_std")
     }
     return sorted(keys)
 

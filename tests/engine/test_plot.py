@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from engine.tools.plot import main, read_metrics, write_plot
+from engine.tools.plot import _val_keys, main, read_metrics, write_plot
 
 pytest.importorskip("matplotlib")
 
@@ -50,3 +50,18 @@ def test_plot_errors_name_the_file(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("")
     assert main([str(tmp_path)]) == 1
     assert "holds no step" in capsys.readouterr().err
+
+
+def test_plot_draws_every_validation_score():
+    """The validation panel: rewards per data source and, with rollout.val_n = k > 1, mean@k/best@k/maj@k."""
+    record = _record(
+        2, **{"val/reward_mean": 0.3, "val/openai/gsm8k/reward": 0.3, "val/openai/gsm8k/reward_std": 0.1}
+    )
+    record.update({f"val/openai/gsm8k/{m}@4": 0.5 for m in ("mean", "best", "maj")})
+    assert _val_keys([record]) == [
+        "val/openai/gsm8k/best@4",
+        "val/openai/gsm8k/maj@4",
+        "val/openai/gsm8k/mean@4",
+        "val/openai/gsm8k/reward",
+        "val/reward_mean",
+    ]
