@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.errors import RewardFnCallError, RewardFnError
@@ -95,7 +96,7 @@ class RewardFn:
         for i, args in enumerate(zip(data_sources, responses, ground_truths, extra_infos)):
             try:
                 out = self.fn(**dict(zip(ARGUMENTS, args)))
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # sys.exit() in the function must not end this rank quietly
                 raise RewardFnCallError(
                     f"{self.name} raised {type(exc).__name__} on response {i} (data_source={args[0]!r}){_where(exc)}: "
                     f"{exc}. Fix: the function must return a number for every response"
@@ -146,9 +147,11 @@ def _as_result(scores: list[float], extras: list[dict[str, float]]) -> RewardRes
 
 
 def _as_number(value) -> float | None:
-    """A real number (bool, int, float, numpy scalar, one-element tensor) as float, else None."""
+    """A real number (bool, int, float, numpy scalar or bool, one-element tensor or array) as float, else None."""
     if isinstance(value, torch.Tensor):
         return float(value.item()) if value.numel() == 1 else None
+    if isinstance(value, (np.bool_, np.ndarray)):
+        return float(value.item()) if value.size == 1 and value.dtype.kind in "biuf" else None
     if isinstance(value, numbers.Real):
         return float(value)
     return None

@@ -2,7 +2,7 @@
 `OUTPUT_DIR/metrics.jsonl`.
 
 Four panels over steps: training reward (mean, with min/max as a band) and every validation reward
-(`val/...reward...` keys); response length (mean, max); `actor/entropy` and, on a second scale, the KLs
+(`val/...reward...` keys, and `val/<data_source>/mean@k`, `best@k`, `maj@k`); response length (mean, max); `actor/entropy` and, on a second scale, the KLs
 (`actor/kl_loss`, `actor/rollout_kl`, `actor/reward_kl_penalty`, `actor/ppo_kl`, whichever the run logged); and the step's time stacked by phase
 (`timing/<phase>`, without the totals `timing/step` and `timing/testing`). A step logged twice (a resumed run
 repeats nothing, but an interrupted line may be followed by its rerun) keeps its last record.

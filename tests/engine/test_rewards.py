@@ -267,6 +267,14 @@ def keywords_only(*, ground_truth, **kwargs):
 
 def other_names(source, response, truth, info):
     return 1.0
+
+def quits(data_source, solution_str, ground_truth, extra_info):
+    import sys
+    sys.exit(0)
+
+def numpy_outputs(data_source, solution_str, ground_truth, extra_info):
+    import numpy as np
+    return np.bool_(solution_str == ground_truth) if data_source == "b" else np.array(0.25)
 """
 
 
@@ -294,6 +302,8 @@ def test_user_fn_from_file_and_module(user_file, user_module):
     result = build_reward_fn(f"{user_file}:as_dict").score(["s"], ["r"], ["g"], [{}])
     assert result.scores.tolist() == [0.5] and result.extras["acc"].tolist() == [1.0]
     assert "pred" not in result.extras  # non-numeric extras are not returned
+    numpy_fn = build_reward_fn(f"{user_file}:numpy_outputs")  # numpy bools and 0-d arrays are numbers
+    assert numpy_fn(["b", "b", "a"], ["1", "2", "x"], ["1", "1", "y"], [{}] * 3).tolist() == [1.0, 0.0, 0.25]
     for name in ("reordered", "keywords_only"):  # called by keyword, as verl calls them
         scores = build_reward_fn(f"{user_file}:{name}")(["s", "s"], ["42", "41"], ["42", "42"], [{}, {}])
         assert scores.tolist() == [1.0, 0.0], name
@@ -311,6 +321,7 @@ def test_user_fn_from_file_and_module(user_file, user_module):
             RewardFnCallError,
             r"raised KeyError on response 0 \(data_source='s'\) at .*my_reward.py:\d+ in boom",
         ),
+        ("quits", RewardFnCallError, r"raised SystemExit on response 0"),  # not a quiet exit of the rank
     ],
 )
 def test_user_fn_bad_outputs_name_the_function(user_file, name, error, message):
