@@ -61,6 +61,9 @@ class Components:
     loader: PromptLoader
     val_batches: list[list[PromptRecord]]
     logger: MetricsLogger
+    val_prompts: int = 0
+    """How many prompts of `val_batches` this replica scores: the rest repeat earlier ones to even out the
+    replicas' shares (`replica_val_batches`)."""
     rollout_weights: RolloutWeights | None = None
     """The actor's rollout-layout weights between `weight_sync.to_rollout()` and `to_train()`, else None."""
     critic: MegatronRole | None = None
@@ -100,12 +103,10 @@ def load_prompts(
     tool_schemas: dict[str, dict] | None,
     files_key: str,
     log: bool,
-    dp: int = 1,
 ) -> list[PromptRecord]:
     """The prompts of `files` (`files_key`) as data.* and rollout.max_new_tokens say (`load_prompt_dataset`).
     With `log` (the logging rank) a line says how many prompts are not used and why: over
-    data.max_prompt_len, bad rows skipped, and with `dp` > 1 (validation) the remainder that
-    `replica_val_batches` leaves out so every DP replica validates as many prompts."""
+    data.max_prompt_len, bad rows skipped."""
     records, counts = load_prompt_dataset(
         files,
         tokenizer,
@@ -115,35 +116,35 @@ def load_prompts(
         tool_schemas,
         cfg.rollout.max_new_tokens,
     )
-    num_left_out = len(records) % dp
-    if log and (counts["too_long"] or counts["bad"] or num_left_out):
-        left_out = f", {num_left_out} left out for equal shares over {dp} DP replicas" if num_left_out else ""
+    if log and (counts["too_long"] or counts["bad"]):
         print(
-            f"data: kept {counts['kept'] - num_left_out} of {counts['rows']} prompts of {files_key} "
-            f"({counts['too_long']} over data.max_prompt_len, {counts['bad']} bad rows skipped{left_out})",
+            f"data: kept {counts['kept']} of {counts['rows']} prompts of {files_key} "
+            f"({counts['too_long']} over data.max_prompt_len, {counts['bad']} bad rows skipped)",
             flush=True,
         )
     return records
 
 
-def _val_batches(
-    records: list[PromptRecord], groups: ProcessGroups, per_rank: int
-) -> list[list[PromptRecord]]:
-    """This DP rank's validation prompts (an equal share per rank; the remainder is left out and reported by
-    `load_prompts`), in batches."""
-    return replica_val_batches(records, groups.dims.dp, groups.dp_rank, per_rank)
-
-
 def replica_val_batches(
     records: list[PromptRecord], dp: int, rank: int, per_rank: int
 ) -> list[list[PromptRecord]]:
-    """Training replica `rank`'s validation batches of `per_rank` prompts among `dp` replicas (`_val_batches`;
-    the rollout ranks of split placement ask for the replicas they serve). The last len(records) % dp
-    prompts are left out: every replica must run as many validation rollouts, whose weight transitions are
-    collective across replicas (expert parallelism), and a rank with no batch would skip validation."""
-    usable = len(records) // dp * dp
-    mine = records[rank:usable:dp]
+    """Training replica `rank`'s validation batches of `per_rank` prompts among `dp` replicas (the rollout
+    ranks of split placement ask for the replicas they serve): prompt i goes to replica i % dp. Every
+    replica must run as many validation rollouts (their weight transitions are collective across replicas
+    under expert parallelism, and a rank with no batch would skip validation), so when len(records) is not
+    a multiple of dp the replicas short of one prompt run a repeat of the first prompts at the end of their
+    last batch, which `validate` drops before scoring counts (`replica_val_prompts`): every prompt is scored
+    once, as verl pads and unpads."""
+    if not records:
+        return []
+    padded = -(-len(records) // dp) * dp
+    mine = [records[i % len(records)] for i in range(rank, padded, dp)]
     return [mine[i : i + per_rank] for i in range(0, len(mine), per_rank)]
+
+
+def replica_val_prompts(num_records: int, dp: int, rank: int) -> int:
+    """How many of `replica_val_batches`' prompts of replica `rank` are not repeats: they come first."""
+    return len(range(rank, num_records, dp))
 
 
 def model_shape(model: ModelConfig, tokenizer_vocab: int, tp: int) -> ModelShape:
@@ -287,7 +288,7 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
     )
     val_records = []
     if val_files:
-        val_records = load_prompts(cfg, val_files, tokenizer, schemas, "data.val_files", log, dims.dp)
+        val_records = load_prompts(cfg, val_files, tokenizer, schemas, "data.val_files", log)
     if cfg.rollout.multi_turn.enable:
         refuse_row_caps(records, "data.train_files")
         refuse_row_caps(val_records, "data.val_files")
@@ -348,7 +349,8 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
         rollout=rollout,
         reward_fn=reward_fn,
         loader=loader,
-        val_batches=_val_batches(val_records, groups, cfg.data.batch_size // dims.dp),
+        val_batches=replica_val_batches(val_records, dims.dp, groups.dp_rank, cfg.data.batch_size // dims.dp),
+        val_prompts=replica_val_prompts(len(val_records), dims.dp, groups.dp_rank),
         logger=logger,
         critic=critic,
         reward_model=reward_model,

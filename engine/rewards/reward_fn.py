@@ -96,7 +96,10 @@ class RewardFn:
         for i, args in enumerate(zip(data_sources, responses, ground_truths, extra_infos)):
             try:
                 out = self.fn(**dict(zip(ARGUMENTS, args)))
-            except (Exception, SystemExit) as exc:  # sys.exit() in the function must not end this rank quietly
+            except (
+                Exception,
+                SystemExit,
+            ) as exc:  # sys.exit() in the function must not end this rank quietly
                 raise RewardFnCallError(
                     f"{self.name} raised {type(exc).__name__} on response {i} (data_source={args[0]!r}){_where(exc)}: "
                     f"{exc}. Fix: the function must return a number for every response"

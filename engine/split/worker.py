@@ -256,7 +256,7 @@ def build_rollout_worker(
     records = load_prompts(cfg, train_files, tokenizer, schemas, "data.train_files", False)
     val_records = []
     if val_files and cfg.trainer.test_freq:
-        val_records = load_prompts(cfg, val_files, tokenizer, schemas, "data.val_files", False, train.dp)
+        val_records = load_prompts(cfg, val_files, tokenizer, schemas, "data.val_files", False)
     if tools is not None:
         refuse_row_caps(records, "data.train_files")
         refuse_row_caps(val_records, "data.val_files")

@@ -11,7 +11,8 @@ gets k responses sampled as in training (`rollout.temperature`, `top_p`, `top_k`
   frequent answer wins (ties: the one seen first), and the prompt scores what a response with that answer
   scored; 0 when no response has an answer. Logged only where answers are defined: built-in rules without
   a reward model scoring alone.
-All of these are averaged over prompts across every DP replica.
+All of these are averaged over prompts across every DP replica, each prompt counted once (the repeats that
+even out the replicas' shares are run, not counted).
 
 `validate` rolls out and scores every validation batch of the rank and returns these metrics.
 """
@@ -126,6 +127,20 @@ def batch_values(c, records, outs: list, batcher) -> dict[str, torch.Tensor]:
     return prompt_values(c.cfg.rollout.val_n, *row_scores(c, records, outs, batcher))
 
 
+def scored_prompts(
+    per_prompt: list[tuple[Sequence[str], Mapping[str, torch.Tensor]]], keep: int
+) -> list[tuple[Sequence[str], Mapping[str, torch.Tensor]]]:
+    """The first `keep` prompts of the batches' (data sources, {name: value per prompt}): those after them
+    repeat earlier prompts to even out the replicas' shares (engine/setup.py `replica_val_batches`)."""
+    out = []
+    for sources, values in per_prompt:
+        n = min(len(sources), keep)
+        if n:
+            out.append((sources[:n], {name: v[:n] for name, v in values.items()}))
+        keep -= n
+    return out
+
+
 def validate(ctx: StepContext) -> dict[str, float]:
     """`val/*` metrics over every validation batch of this rank (collective over DP); `ctx.timer` times it.
     Under split placement the rollout ranks generate and score the batches (`TrainerLink.validate`)."""
@@ -137,7 +152,9 @@ def validate(ctx: StepContext) -> dict[str, float]:
         for records in c.val_batches:
             outs = rollout(ctx, records, ("val", "val_sample") if k > 1 else ("val",))
             per_prompt.append(([r.data_source for r in records], batch_values(c, records, outs, ctx.batcher)))
-    mean, std, _, _ = dp_stats(torch.cat([values["reward"] for _, values in per_prompt]), c.groups)
+    per_prompt = scored_prompts(per_prompt, c.val_prompts)
+    rewards = [values["reward"] for _, values in per_prompt]
+    mean, std, _, _ = dp_stats(torch.cat(rewards) if rewards else torch.zeros(0), c.groups)
     return {
         "val/reward_mean": mean,
         "val/reward_std": std,

@@ -70,26 +70,49 @@ def test_too_long_filtered_and_counted(tmp_path, tokenizer):
 
 
 def test_val_prompts_not_used_are_reported(tmp_path, tokenizer, capsys):
-    """data.val_files' prompts over data.max_prompt_len, bad rows skipped and the remainder that equal DP
-    shares leave out are printed as the training files' are (engine.setup.load_prompts, used by the
-    training ranks and the rollout ranks of split placement), on the logging rank only."""
+    """data.val_files' prompts over data.max_prompt_len and bad rows skipped are printed as the training
+    files' are (engine.setup.load_prompts, used by the training ranks and the rollout ranks of split
+    placement), on the logging rank only; no prompt is left out for the DP shares."""
     from engine.config import TrainConfig
-    from engine.setup import load_prompts, replica_val_batches
+    from engine.setup import load_prompts
 
     cfg = TrainConfig()
     cfg.data.max_prompt_len, cfg.data.bad_rows = 4 + TEMPLATE_OVERHEAD, "skip"
     rows = [make_row("a" * n) for n in (2, 10, 4, 3, 3, 3)] + [make_row(truth=None)]
     path = write(tmp_path / "val.parquet", rows)
-    records = load_prompts(cfg, [path], tokenizer, None, "data.val_files", log=True, dp=2)
+    records = load_prompts(cfg, [path], tokenizer, None, "data.val_files", log=True)
     assert len(records) == 5  # one too long, one bad
-    used = sum(len(b) for d in range(2) for b in replica_val_batches(records, 2, d, per_rank=2))
-    assert used == 4
     assert capsys.readouterr().out == (
-        "data: kept 4 of 7 prompts of data.val_files (1 over data.max_prompt_len, 1 bad rows skipped, "
-        "1 left out for equal shares over 2 DP replicas)\n"
+        "data: kept 5 of 7 prompts of data.val_files (1 over data.max_prompt_len, 1 bad rows skipped)\n"
     )
-    load_prompts(cfg, [path], tokenizer, None, "data.val_files", log=False, dp=2)
+    load_prompts(cfg, [path], tokenizer, None, "data.val_files", log=False)
     assert capsys.readouterr().out == ""
+
+
+def test_every_val_prompt_is_scored_once_over_dp_replicas():
+    """Each replica runs as many validation prompts (repeats even out the shares) and scores its own ones
+    only: over every replica, each prompt exactly once, per data source (engine/setup.py
+    `replica_val_batches`, engine/step/validation.py `scored_prompts`)."""
+    import torch
+
+    from engine.setup import replica_val_batches, replica_val_prompts
+    from engine.step.validation import scored_prompts
+
+    for n in range(0, 10):
+        records = [f"p{i}" for i in range(n)]
+        for dp in (1, 2, 3, 4):
+            for per_rank in (1, 2, 5):
+                scored, sizes = [], set()
+                for rank in range(dp):
+                    batches = replica_val_batches(records, dp, rank, per_rank)
+                    sizes.add(tuple(len(b) for b in batches))
+                    per_prompt = [(b, {"reward": torch.tensor([int(p[1:]) for p in b])}) for b in batches]
+                    kept = scored_prompts(per_prompt, replica_val_prompts(n, dp, rank))
+                    for sources, values in kept:
+                        assert [int(p[1:]) for p in sources] == values["reward"].tolist()
+                        scored += sources
+                assert sorted(scored) == sorted(records), (n, dp, per_rank, scored)
+                assert len(sizes) == 1, (n, dp, per_rank, sizes)  # the same batches on every replica
 
 
 def _set(path_keys, value):

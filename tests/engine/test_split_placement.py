@@ -58,9 +58,10 @@ STUCK_FOR_S = 20.0
 
 
 def _validation(tmp_path, test_freq: int) -> list[str]:
-    """Validation every `test_freq` steps on 8 prompts of the embedded task (a parquet file of its own), each
-    with a greedy and rollout.val_n=2 sampled responses."""
-    val = write_embedded_dataset(str(tmp_path / "val"), "copy", 8, 4, seed=7, split="val")
+    """Validation every `test_freq` steps on 7 prompts of the embedded task (a parquet file of its own), each
+    with a greedy and rollout.val_n=2 sampled responses (7: two training replicas run a repeat to even out
+    their shares, which neither counts)."""
+    val = write_embedded_dataset(str(tmp_path / "val"), "copy", 7, 4, seed=7, split="val")
     return [f"trainer.test_freq={test_freq}", "rollout.val_n=2", f"data.val_files=[{val}]"]
 
 
