@@ -13,7 +13,12 @@ from algorithms.advantages import advantage_traits
 from engine.config import ConfigError, ModelConfig, TrainConfig
 from engine.data import PromptLoader, PromptRecord, load_prompt_dataset, load_tokenizer, refuse_row_caps
 from engine.metrics import MetricsLogger
-from engine.models.builder import ModelShape, build_gpt_chunks, build_gpt_chunks_ep_invariant, resolve_shape
+from engine.models.builder import (
+    ModelShape,
+    build_gpt_chunks,
+    build_gpt_chunks_layout_invariant,
+    resolve_shape,
+)
 from engine.models.hf import HFCheckpoint, check_tp_layout, load_hf_weights
 from engine.models.hf_config import model_config_from_hf
 from engine.rewards.build import build_reward_fn
@@ -161,8 +166,8 @@ def model_shape(model: ModelConfig, tokenizer_vocab: int, tp: int) -> ModelShape
 def build_policy_chunks(cfg: TrainConfig, shape: ModelShape, groups: ProcessGroups) -> list:
     """Actor/reference chunks: loaded from `model.path`, or seeded random init (same on every DP replica)."""
     torch.manual_seed(cfg.trainer.seed)
-    # a random init is the same model at every parallel.ep
-    build = build_gpt_chunks if cfg.model.path else build_gpt_chunks_ep_invariant
+    # a random init is the same model at every parallel.pp, vpp and ep
+    build = build_gpt_chunks if cfg.model.path else build_gpt_chunks_layout_invariant
     chunks = build(shape, groups, init_std=cfg.model.init_std, recompute=cfg.model.recompute)
     if cfg.model.path:
         load_hf_weights(chunks, cfg.model.path, shape, groups)
@@ -184,13 +189,10 @@ def build_critic(
                 f"tokenizer's {vocab_size}: point critic.path at a model of the actor's family"
             )
     torch.manual_seed(cfg.trainer.seed)
-    chunks = build_gpt_chunks(
-        shape,
-        groups,
-        init_std=cfg.model.init_std,
-        recompute=cfg.model.recompute,
-        value_head=True,
-    )
+    build = (
+        build_gpt_chunks if path else build_gpt_chunks_layout_invariant
+    )  # a random init: one model at any layout
+    chunks = build(shape, groups, init_std=cfg.model.init_std, recompute=cfg.model.recompute, value_head=True)
     if path:
         load_hf_weights(chunks, path, shape, groups)
     c = cfg.critic

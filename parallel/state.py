@@ -122,16 +122,23 @@ class ProcessGroups:
             self.is_last_stage and vp_stage == self.dims.vpp - 1,
         )
 
-    def without_expert_parallel(self) -> ProcessGroups:
-        """These groups as if parallel.ep were 1 (every expert on this rank), for building a model of the
-        EP=1 layout on this rank (engine/models/builder.py `build_gpt_chunks_ep_invariant`); not for training."""
+    def as_one_stage(self) -> ProcessGroups:
+        """These groups as if parallel.pp, vpp and ep were 1 (every layer and every expert on this rank, the
+        TP and DP groups kept), for building the whole model of this rank's TP shard (engine/models/builder.py
+        `build_gpt_chunks_layout_invariant`); not for training."""
         e = self.experts
         experts = None
         if e is not None:
             experts = ExpertGroups(
-                ep=self.alone, tp_ep=self.tp, tp_ep_pp=self.mp, expt_dp=self.dp, tp_dp=e.tp_dp
+                ep=self.alone, tp_ep=self.tp, tp_ep_pp=self.tp, expt_dp=self.dp, tp_dp=e.tp_dp
             )
-        return dataclasses.replace(self, dims=dataclasses.replace(self.dims, ep=1), experts=experts)
+        d = self.dims
+        dims = dataclasses.replace(
+            d, world_size=d.world_size // d.pp, pp=1, vpp=1, first_stage_layers=0, last_stage_layers=0, ep=1
+        )
+        return dataclasses.replace(
+            self, dims=dims, pp=self.alone, mp=self.tp, embd=self.alone, experts=experts
+        )
 
     def megatron_groups(self) -> ProcessGroupCollection:
         """These groups as megatron-core's `ProcessGroupCollection`, for GPTModel, DDP, the optimizer,

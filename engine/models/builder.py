@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from engine.config import ModelConfig, MoEConfig
 from engine.models.spec import Fusions, install_moe_without_te, install_rope_fusion, layer_spec, norm_spec
 from parallel.dims import ParallelDims
-from parallel.rollout_weights import is_expert_param
+from parallel.rollout_weights import global_param_names, is_expert_param
 from parallel.state import ProcessGroups
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -322,32 +322,46 @@ def mark_experts_expert_parallel(model: torch.nn.Module) -> None:
 
 
 @torch.no_grad()
-def build_gpt_chunks_ep_invariant(
+def build_gpt_chunks_layout_invariant(
     shape: ModelShape, groups: ProcessGroups, *, init_std: float, recompute: bool, value_head: bool = False
 ) -> list[GPTModel]:
-    """`build_gpt_chunks` whose random init is the same model at every parallel.ep: megatron draws each
-    rank's local experts from one shared stream (local expert i would be equal on every expert-parallel rank,
-    and every parameter after the experts would be drawn from another point of the stream than at EP=1).
-    At ep > 1 the chunks are first built at EP=1 from the current RNG state (all experts: a transient second
-    copy of the model on this rank) and their weights copied into this rank's chunks, experts by global index."""
-    if groups.dims.ep == 1:
+    """`build_gpt_chunks` whose random init is the same model at every parallel.pp, vpp and ep (megatron's CPU
+    initialisation also draws every TP shard from the whole tensor: the same model at every parallel.tp on
+    CPU). megatron draws a stage's layers from the seeded stream as if they came first (a later stage starts
+    from another point of the stream than at PP=1: other weights), and every rank's local experts from one
+    shared stream (local expert i equal on every expert-parallel rank). So at pp > 1 or ep > 1 the model is
+    first built whole on this rank (one stage, every expert: a transient copy of the model of this TP shard)
+    and its weights copied into this rank's chunks by global name; the RNG state afterwards is that of the
+    whole build, as at PP=1."""
+    dims = groups.dims
+    if dims.pp == 1 and dims.ep == 1:
         return build_gpt_chunks(shape, groups, init_std=init_std, recompute=recompute, value_head=value_head)
-    full = build_gpt_chunks(
-        shape, groups.without_expert_parallel(), init_std=init_std, recompute=recompute, value_head=value_head
-    )
-    chunks = build_gpt_chunks(shape, groups, init_std=init_std, recompute=recompute, value_head=value_head)
-    offset = groups.expert_offset(shape.moe.num_experts)
-    for mine, whole in zip(chunks, full):
-        source = dict(whole.named_parameters())
-        for name, param in mine.named_parameters():
-            param.copy_(source[_global_expert_name(name, offset)])
+    kwargs = dict(init_std=init_std, recompute=recompute, value_head=value_head)
+    whole = build_gpt_chunks(shape, groups.as_one_stage(), **kwargs)
+    after = _rng_states(groups.device)
+    chunks = build_gpt_chunks(shape, groups, **kwargs)
+    _set_rng_states(groups.device, after)
+    source = global_param_names(whole, [range(shape.num_layers)])
+    layers = dims.train_layout().layers(groups.pp_rank, shape.num_layers)
+    offset = groups.expert_offset(shape.moe.num_experts) if shape.moe else 0
+    for name, param in global_param_names(chunks, layers, offset).items():
+        if name == "output_layer.weight" and name not in source:  # the last stage's copy of a tied embedding
+            name = "embedding.word_embeddings.weight"
+        param.copy_(source[name])
     return chunks
 
 
-def _global_expert_name(name: str, offset: int) -> str:
-    """`...local_experts.{i}...` -> `...local_experts.{offset + i}...`; other names unchanged."""
-    head, sep, rest = name.partition(".local_experts.")
-    if not sep:
-        return name
-    index, _, tail = rest.partition(".")
-    return f"{head}{sep}{int(index) + offset}.{tail}"
+def _rng_states(device: torch.device) -> tuple:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda, get_cuda_rng_tracker().get_states()
+
+
+def _set_rng_states(device: torch.device, states: tuple) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1], device)
+    get_cuda_rng_tracker().set_states(states[2])

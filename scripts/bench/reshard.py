@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ModelConfig, MoEConfig, OptimConfig
-from engine.models.builder import build_gpt_chunks, build_gpt_chunks_ep_invariant, resolve_shape
+from engine.models.builder import build_gpt_chunks, build_gpt_chunks_layout_invariant, resolve_shape
 from parallel import naive_gather
 from parallel.dims import ParallelDims
 from parallel.expert_gather import ExpertGather
@@ -317,7 +317,7 @@ def main() -> int:
     try:
         shape = resolve_shape(cfg, cfg.vocab_size, dims.tp)
         torch.manual_seed(0)
-        build = build_gpt_chunks_ep_invariant if num_experts else build_gpt_chunks
+        build = build_gpt_chunks_layout_invariant if num_experts else build_gpt_chunks
         chunks = build(shape, groups, init_std=0.02, recompute=False)
         if args.distopt:
             from engine.roles.policy import MegatronRole

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ModelConfig, MoEConfig, OptimConfig
-from engine.models.builder import build_gpt_chunks, build_gpt_chunks_ep_invariant, resolve_shape
+from engine.models.builder import build_gpt_chunks, build_gpt_chunks_layout_invariant, resolve_shape
 from engine.models.logprobs import token_log_probs
 from engine.roles.policy import MegatronRole
 from parallel.dims import ParallelDims
@@ -283,7 +283,7 @@ def check_expert_reshard(tp: int, pp: int, rtp: int) -> dict:
     )
     shape = resolve_shape(cfg, VOCAB, tp)
     torch.manual_seed(0)
-    chunks = build_gpt_chunks_ep_invariant(shape, groups, init_std=0.02, recompute=False)
+    chunks = build_gpt_chunks_layout_invariant(shape, groups, init_std=0.02, recompute=False)
     before = snapshot(chunks)
     naive = NaiveGather(chunks, groups, shape.num_layers, False)
     full = {n: t.clone() for n, t in naive.to_rollout().params.items() if not is_expert_param(n)}
@@ -314,3 +314,42 @@ def check_expert_reshard(tp: int, pp: int, rtp: int) -> dict:
     after = snapshot(chunks)
     expect(all(torch.equal(before[k], after[k]) for k in before), "training parameters changed")
     return {"expert_received_bytes": received, "expert_bytes": expert_bytes}
+
+
+def check_random_init_layout_invariant(
+    layouts: list[tuple[int, int, int]], tie: bool, value_head: bool
+) -> list:
+    """A seeded random init (`build_gpt_chunks_layout_invariant`, what a run without model.path trains) is
+    the same model at every (pp, vpp, num_layers) of `layouts` as megatron's own build of the whole model
+    (DP only: every layer on every rank) from the same seed: each parameter equal by global name
+    (`torch.equal`); the critic's (`value_head`) too. Before, a later stage drew its layers from the start
+    of the stream. Returns the layouts checked."""
+    checked = []
+    for num_layers in sorted({layers for _, _, layers in layouts}):
+        shape = resolve_shape(model_config(tie, num_layers), VOCAB, 1)
+        dp_only = setup(1, 1)
+        torch.manual_seed(3)
+        whole = build_gpt_chunks(shape, dp_only, init_std=0.02, recompute=False, value_head=value_head)
+        reference = {n: p.detach().clone() for n, p in global_param_names(whole, [range(num_layers)]).items()}
+        for pp, vpp, layers in layouts:
+            if layers != num_layers:
+                continue
+            groups = setup(1, pp, vpp)
+            torch.manual_seed(3)
+            chunks = build_gpt_chunks_layout_invariant(
+                shape, groups, init_std=0.02, recompute=False, value_head=value_head
+            )
+            local = global_param_names(chunks, groups.dims.train_layout().layers(groups.pp_rank, num_layers))
+            for name, param in local.items():
+                source = name
+                if tie and name == "output_layer.weight" and name not in reference:  # last stage's tied copy
+                    source = "embedding.word_embeddings.weight"
+                expect(source in reference, f"random init p{pp}v{vpp}L{num_layers}: {name} not in the model")
+                expect(
+                    torch.equal(param, reference[source]),
+                    f"random init p{pp}v{vpp}L{num_layers}: {name} differs",
+                )
+            checked.append(
+                f"p{pp}v{vpp}L{num_layers}{' tied' if tie else ''}{' critic' if value_head else ''}"
+            )
+    return checked

@@ -27,6 +27,7 @@ from hybrid_reshard_checks import (
     NUM_LAYERS,
     check_expert_reshard,
     check_invalid,
+    check_random_init_layout_invariant,
     check_repointed_after_build,
     check_reshard,
     check_training,
@@ -138,6 +139,10 @@ def main() -> None:
     if world == 2:
         summary["invalid"] = check_invalid()
         summary["in_place_after_repoint"] = check_repointed_after_build()
+        summary["random_init"] = check_random_init_layout_invariant(
+            [(2, 1, 4), (2, 2, 4), (2, 1, 3)], True, False
+        )
+        summary["random_init"] += check_random_init_layout_invariant([(2, 1, 4)], False, True)
     summary["seconds"] = round(time.perf_counter() - start, 2)
     if dist.get_rank() == 0:
         print("HYBRID_OK " + json.dumps(summary), flush=True)
