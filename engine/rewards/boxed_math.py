@@ -1,5 +1,11 @@
 """Boxed math (MATH, MATH-500 and similar): the last `\\boxed{...}` of the response vs the ground truth.
 
+The answer is read as verl's `math_reward.last_boxed_only_string` reads it: the content of the last
+`\\boxed{...}` (nested braces allowed), or after `\\boxed ` (a space) everything up to the next `$` or the
+end (`$\\boxed 5$, as required` -> `5`). `\\fbox{...}` is read only when there is no `\\boxed` at all (verl
+reads it then too, but scores it 0). Where a `\\boxed ` comes before a later `\\boxed{...}`, the later box
+is read (verl reads from the `\\boxed ` on).
+
 A normalised string compare with every normalisation of verl's `math_reward.strip_string` (MATH's own),
 so scores match verl's on its data, plus a few of our own:
 - verl's: line breaks and spaces removed; `\\!` removed; `\\\\` -> `\\`; `\\dfrac`/`\\tfrac` -> `\\frac`; `\\left`
@@ -9,7 +15,8 @@ so scores match verl's on its data, plus a few of our own:
   `a/b` -> `\\frac{a}{b}`; `0.5` -> `\\frac{1}{2}`.
 - ours: `\\,` `\\;` `\\:` spacing, a bare `$` or `%`, and a trailing `.` removed; `\\left`/`\\right` only as
   whole commands (`\\leftarrow` stays).
-No other symbolic equivalence ("2/4" != "\\frac{1}{2}"). Score 1.0 if equal, else 0.0.
+No other symbolic equivalence ("2/4" != "\\frac{1}{2}"). Score 1.0 if equal, else 0.0. The data_source "math"
+is not this rule's: verl scores it as DAPO math (`engine.rewards.dapo_math`).
 """
 
 from __future__ import annotations
@@ -25,14 +32,15 @@ _MARKS = re.compile(r"\\?[$%]|\^(?:\\circ|\{\\circ\})")
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (nested braces allowed) or `\\boxed x`; None if absent/unbalanced."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    """Content of the last `\\boxed{...}` or `\\boxed x` (to the next `$`), else of the last `\\fbox{...}`;
+    None if absent or unbalanced."""
+    command = "\\boxed" if "\\boxed" in text else "\\fbox"
+    start = text.rfind(command)
     if start < 0:
         return None
-    i = start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox"))
-    if text[i : i + 1] == " ":  # `\boxed 5`: the answer is the next word
-        word = text[i:].split()
-        return word[0].rstrip("$") if word else None
+    i = start + len(command)
+    if text[i : i + 1] == " " and command == "\\boxed":  # `$\boxed 5$, as required`
+        return text[i + 1 :].split("$")[0]
     if text[i : i + 1] != "{":
         return None
     depth = 0
@@ -92,7 +100,6 @@ def boxed_answer(solution_str: str) -> str | None:
 @register_rule(
     "boxed_math",
     sources=(
-        "math",
         "boxed",
         "lighteval/math",
         "digitallearninggmbh/math-lighteval",

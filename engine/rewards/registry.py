@@ -1,7 +1,8 @@
 """Rule rewards registered by `data_source`: one entry per family, matched by exact name or prefix.
 
 A rule maps (solution_str, ground_truth) to a score; `oracle` formats a ground truth as the response the
-rule expects (used by `engine.reward_check` to show that a perfect answer scores 1.0).
+rule expects (used by `engine.reward_check` to show that a perfect answer scores 1.0). A rule's scale is its
+own (most score 0..1; `math_dapo` scores -1 or +1, as verl does).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from engine.errors import RewardFnError
 
 # A data_source matches a registered name exactly, or as a prefix followed by one of these
-# (so "gsm8k_train" and "math/level5" match, "mathematics" does not match "math").
+# (so "gsm8k_train" and "math_dapo/train" match, "gsm8kx" does not match "gsm8k").
 _PREFIX_SEPARATORS = "/_-:."
 
 
@@ -28,6 +29,10 @@ class RuleReward:
     answer: Callable[..., str | None] | None = None
     """(solution_str, **options) -> the normalised final answer the rule would compare, None if there is none
     (for majority votes in validation); None when the rule defines no answer."""
+    exact_sources: tuple[str, ...] = ()
+    """data_source names this rule scores only when given exactly, case included (never as a prefix): a short
+    generic name such as "math" would otherwise also claim "MATH", "math_*" and "math/*" sources, which may
+    hold other answer formats."""
 
 
 _RULES: dict[str, RuleReward] = {}
@@ -38,26 +43,36 @@ def register_rule(
     sources: tuple[str, ...],
     oracle: Callable[[str], str],
     answer: Callable[..., str | None] | None = None,
+    exact_sources: tuple[str, ...] = (),
 ):
-    """Decorator: register `score(solution_str, ground_truth, **options) -> float` for `sources`."""
+    """Decorator: register `score(solution_str, ground_truth, **options) -> float` for `sources` (exact names
+    or prefixes) and `exact_sources` (exact names only)."""
 
     def wrap(score: Callable[[str, str], float]) -> Callable[[str, str], float]:
-        taken = {source for rule in _RULES.values() for source in rule.sources}
-        clash = taken & {source.lower() for source in sources}
+        mine = tuple(source.lower() for source in sources)
+        taken = {source.lower() for rule in _RULES.values() for source in rule.sources + rule.exact_sources}
+        clash = taken & {*mine, *(source.lower() for source in exact_sources)}
         if name in _RULES or clash:
             raise ValueError(f"rule reward {name!r} clashes with an existing registration ({clash or name})")
-        _RULES[name] = RuleReward(name, tuple(source.lower() for source in sources), score, oracle, answer)
+        _RULES[name] = RuleReward(name, mine, score, oracle, answer, tuple(exact_sources))
         return score
 
     return wrap
 
 
 def known_sources() -> list[str]:
-    return sorted(source for rule in _RULES.values() for source in rule.sources)
+    """Every registered name; those matched only exactly are marked `(exact)`."""
+    names = [source for rule in _RULES.values() for source in rule.sources]
+    names += [f"{source} (exact)" for rule in _RULES.values() for source in rule.exact_sources]
+    return sorted(names)
 
 
 def find_rule(data_source: str) -> RuleReward | None:
-    """The rule for `data_source` (case-insensitive): exact name first, else the longest matching prefix."""
+    """The rule for `data_source`: an exact-only name as given, else (case-insensitive) an exact name, else the
+    longest matching prefix."""
+    for rule in _RULES.values():
+        if data_source in rule.exact_sources:
+            return rule
     key = data_source.lower()
     best, best_len = None, -1
     for rule in _RULES.values():
@@ -78,7 +93,8 @@ def get_rule(data_source: str) -> RuleReward:
     rule = find_rule(data_source)
     if rule is None:
         raise RewardFnError(
-            f"no built-in reward for data_source={data_source!r}; known (exact or as prefix): {known_sources()}. "
+            f"no built-in reward for data_source={data_source!r}; known (exact or as a prefix, those marked "
+            f"(exact) only exactly): {known_sources()}. "
             "Fix: set reward.fn=module:function or reward.fn=path/to/file.py:function with "
             "fn(data_source, solution_str, ground_truth, extra_info) -> float"
         )

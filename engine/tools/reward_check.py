@@ -5,9 +5,10 @@
         [model.tokenizer_path=DIR | model.path=DIR] [data.max_prompt_len=512] [data.bad_rows=error]
 
 For each of the first rows it scores the "oracle" response (the ground truth written the way the
-built-in rule expects: "#### 42" for gsm8k, "\\boxed{x}" for math, the digits for the embedded tasks; the
-raw ground truth for other data sources) and every given response, and prints a table. With a tokenizer
-it also shows each prompt's length after the chat template. Exit status 1 if any score failed.
+built-in rule expects: "#### 42" for gsm8k, "\\boxed{x}" for boxed math, "Answer: x" for math_dapo, the digits
+for the embedded tasks; the raw ground truth for other data sources) and every given response, and prints a
+table. With a tokenizer it also shows each prompt's length after the chat template. Exit status 1 if any score
+failed.
 Arguments are `key=value` (OmegaConf dotlist), independent of the trainer's Hydra config.
 
 A dry run that generates (as verl users do with a quick eval), with `reward_check.num_samples=K > 0`:

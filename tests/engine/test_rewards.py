@@ -177,7 +177,7 @@ def test_boxed_math_scores_like_verl(response, truth, verl_score):
 def test_rule_answers_for_majority_votes():
     from engine.rewards.registry import rule_answer
 
-    assert rule_answer("math", r"so \boxed{\dfrac12}.") == r"\frac{1}{2}"
+    assert rule_answer("lighteval/MATH", r"so \boxed{\dfrac12}.") == r"\frac{1}{2}"
     assert rule_answer("openai/gsm8k", "#### 1,000") == "1000"
     assert rule_answer("openai/gsm8k", "#### 1,000.0", {"gsm8k": {"method": "numeric"}}) == "1000"
     assert rule_answer("openai/gsm8k", "no answer") is None
@@ -209,7 +209,7 @@ def test_dispatch_by_data_source():
     assert find_rule("openai/gsm8k").name == "gsm8k"
     assert find_rule("GSM8K_train").name == "gsm8k"  # case-insensitive prefix
     assert find_rule("HuggingFaceH4/MATH-500").name == "boxed_math"
-    assert find_rule("math/level5").name == "boxed_math"
+    assert find_rule("lighteval/MATH/level5").name == "boxed_math"
     assert find_rule("mathematics") is None  # a prefix must end at a separator
     assert find_rule("embedded/copy").name == find_rule("embedded/target").name == "embedded"
     assert rule_reward("embedded/target", "555", "555", {}) == 1.0
@@ -220,7 +220,9 @@ def test_dispatch_by_data_source():
 def test_builtin_reward_fn_batch():
     fn = build_reward_fn("")
     scores = fn(
-        ["openai/gsm8k", "math", "embedded/copy"], ["#### 3", r"\boxed{2}", "1200"], ["3", "2", "1234"]
+        ["openai/gsm8k", "lighteval/MATH", "embedded/copy"],
+        ["#### 3", r"\boxed{2}", "1200"],
+        ["3", "2", "1234"],
     )
     assert scores.dtype == torch.float32 and scores.tolist() == [1.0, 1.0, 0.5]
     with pytest.raises(ValueError, match="unknown/src"):

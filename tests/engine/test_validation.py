@@ -20,7 +20,7 @@ def test_sample_metrics_by_hand():
 
 def test_response_answers_from_rules():
     texts = ["so #### 1,000", "#### 7.0", r"\boxed{\dfrac12}"]
-    sources = ["openai/gsm8k", "openai/gsm8k", "math"]
+    sources = ["openai/gsm8k", "openai/gsm8k", "lighteval/MATH"]
     assert response_answers(sources, texts, "strict") == ["1000", "7.0", r"\frac{1}{2}"]
     assert response_answers(sources, texts, "numeric") == ["1000", "7", r"\frac{1}{2}"]
-    assert response_answers(["my/source", "math"], texts[1:], "strict") is None  # no rule: no vote
+    assert response_answers(["my/source", "lighteval/MATH"], texts[1:], "strict") is None  # no rule: no vote
