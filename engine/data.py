@@ -123,10 +123,28 @@ def _read_columns(path: str, where: str) -> dict[str, list]:
             f"{where.split('[')[0]}"
         )
     columns = {name: table.column(name).to_pylist() for name in wanted}
+    _keep_float_width(table, columns["reward_model"])
     columns.setdefault("extra_info", [None] * table.num_rows)
     columns.setdefault("tools", [None] * table.num_rows)
     columns.setdefault("max_new_tokens", [None] * table.num_rows)
     return columns
+
+
+def _keep_float_width(table, reward_models: list) -> None:
+    """A float32/float16 ground_truth column comes out of `to_pylist` as Python (64-bit) floats: 0.1 as
+    0.10000000149011612. Give those values back their own type, so that engine/data_rows.py writes the
+    shortest decimal of their precision ("0.1")."""
+    import pyarrow as pa
+
+    kind = table.schema.field("reward_model").type
+    if not pa.types.is_struct(kind) or kind.get_field_index("ground_truth") < 0:
+        return
+    narrow = {pa.float32(): np.float32, pa.float16(): np.float16}.get(kind.field("ground_truth").type)
+    if narrow is None:
+        return
+    for value in reward_models:
+        if isinstance(value, dict) and isinstance(value.get("ground_truth"), float):
+            value["ground_truth"] = narrow(value["ground_truth"])
 
 
 def read_prompt_rows(

@@ -120,21 +120,27 @@ def check_ground_truth(value: Any) -> str:
     if isinstance(truth, (int, np.integer)) and not isinstance(truth, bool):
         return str(int(truth))
     if isinstance(truth, (float, np.floating)):
-        return _float_truth(float(truth), fix)
+        return _float_truth(truth, fix)
     raise BadRow("reward_model.ground_truth", f"is {describe(truth)}, expected a string", fix)
 
 
-def _float_truth(truth: float, fix: str) -> str:
+def _float_truth(truth: float | np.floating, fix: str) -> str:
     """A float answer as the string a rule compares: pandas stores integer answers as floats once one value of
     the column is missing or fractional, so 72.0 is the answer "72" (str would give "72.0", which GSM8K's
-    strict rule never matches); a fractional one keeps its repr ("2.5")."""
-    if not math.isfinite(truth):
+    strict rule never matches); a fractional one is the shortest decimal of its own precision ("2.5"; a
+    float32 column's 0.1 is "0.1", not float64's "0.10000000149011612")."""
+    value = float(truth)
+    if not math.isfinite(value):
         raise BadRow(
             "reward_model.ground_truth",
-            f"is {truth!r}, not an answer (a float column's missing value reads as NaN)",
+            f"is {value!r}, not an answer (a float column's missing value reads as NaN)",
             f"{fix}; fill in or drop the row's answer",
         )
-    return str(int(truth)) if truth.is_integer() else repr(truth)
+    if value.is_integer():
+        return str(int(value))
+    if isinstance(truth, np.floating):
+        return np.format_float_positional(truth, unique=True, trim="-")
+    return repr(value)
 
 
 def check_extra_info(value: Any) -> dict:

@@ -9,8 +9,8 @@ gets k responses sampled as in training (`rollout.temperature`, `top_p`, `top_k`
 - `maj@k`: the reward of the majority answer: each response's final answer is read as the built-in rule
   compares it (`engine.rewards.rule_answer`: GSM8K's number, the normalised box of boxed math), the most
   frequent answer wins (ties: the one seen first), and the prompt scores what a response with that answer
-  scored; 0 when no response has an answer. Logged only where answers are defined: built-in rules without
-  a reward model scoring alone.
+  scored; when no response has an answer, what they scored (the rule's score of no answer: 0, or -1 for
+  math_dapo). Logged only where answers are defined: built-in rules without a reward model scoring alone.
 All of these are averaged over prompts across every DP replica, each prompt counted once (the repeats that
 even out the replicas' shares are run, not counted).
 
@@ -51,7 +51,7 @@ def sample_metrics(scores_pk: torch.Tensor, answers: Sequence[str | None] | None
     out = {f"mean@{k}": scores_pk.mean(1), f"best@{k}": scores_pk.max(1).values}
     if answers is None:
         return out
-    majority = torch.zeros(scores_pk.shape[0], dtype=scores_pk.dtype)
+    majority = scores_pk[:, 0].clone()  # no answer in any response: what they scored without one
     for p in range(scores_pk.shape[0]):
         mine = answers[p * k : (p + 1) * k]
         votes = Counter(a for a in mine if a is not None)

@@ -191,6 +191,14 @@ def test_float_ground_truths_read_as_the_answer_a_rule_compares(tmp_path, tokeni
     records, _ = load_prompt_dataset([path], tokenizer, max_prompt_len=64)
     assert [r.ground_truth for r in records] == ["72", "3", "2.5", "-4"]
     assert gsm8k_score("#### 72", records[0].ground_truth) == 1.0
+    narrow = table.set_column(  # a float32 column: 0.1 is "0.1", not float64's "0.10000000149011612"
+        2,
+        "reward_model",
+        pa.StructArray.from_arrays([pa.array([0.1, 2.5, 72.0, -4.0], pa.float32())], ["ground_truth"]),
+    )
+    pq.write_table(narrow, path)
+    records, _ = load_prompt_dataset([path], tokenizer, max_prompt_len=64)
+    assert [r.ground_truth for r in records] == ["0.1", "2.5", "72", "-4"]
     for bad in (float("nan"), float("inf")):
         rows = [make_row(truth=1.5), make_row(truth=bad)]
         with pytest.raises(ValueError, match=r"row 1: field 'reward_model.ground_truth' is (nan|inf).*Fix:"):

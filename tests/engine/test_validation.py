@@ -14,7 +14,9 @@ def test_sample_metrics_by_hand():
     # prompt 0: "7" twice -> 1.0; prompt 1: a three-way tie, the first ("3") wins -> 0.0;
     # prompt 2: "9" and "2" tie, "9" seen first -> 1.0
     assert out["maj@3"].tolist() == [1.0, 0.0, 1.0]
-    assert sample_metrics(scores[:1], [None, None, None])["maj@3"].tolist() == [0.0]
+    assert sample_metrics(scores[:1] * 0, [None, None, None])["maj@3"].tolist() == [0.0]
+    # no answer anywhere: what the responses scored without one (math_dapo: -1, not 0)
+    assert sample_metrics(torch.full((1, 3), -1.0), [None, None, None])["maj@3"].tolist() == [-1.0]
     assert "maj@3" not in sample_metrics(scores, None)
 
 
