@@ -32,7 +32,10 @@ class TrainerConfig:
     max_checkpoints: int = 2
     """Keep the newest N checkpoints in output_dir/checkpoints (0 = keep all)."""
     test_freq: int = 0
-    """Validate every N steps (0 = never)."""
+    """Validate every N steps and after the last one (0 = never)."""
+    val_before_train: bool = False
+    """Also validate the starting model, before the first step of a fresh run, logged as step 0 (verl's
+    `trainer.val_before_train`, on by default there); colocated placement only."""
     resume: str = "off"
     """`auto` (latest usable checkpoint in output_dir, else start fresh), `off`, or a checkpoint path. A path
     to a checkpoint of this output_dir older than its latest (a branch off that run's history) is refused

@@ -141,7 +141,7 @@ class MetricsLogger:
                 self._bar.write(line)
             else:
                 print(line, flush=True)
-        if self._bar is not None:
+        if self._bar is not None and step > 0:  # step 0: validation before training
             self._bar.update(1)
 
     def close(self) -> None:

@@ -156,6 +156,8 @@ class Trainer:
                 c.split.start(self.step, c.loader)
             c.logger.resume_at(self.step)
             self.ref_offload.offload()
+            if t.val_before_train and self.step == 0 and c.val_batches:  # the starting model, as step 0
+                c.logger.log(0, self.validate())
             save_metrics: dict[str, float] = {}  # the save after a step, logged on the next step's line
             while self.step < t.total_steps:
                 metrics = self.train_step()

@@ -69,7 +69,11 @@ def _ignored_key_rules(cfg: TrainConfig) -> list[tuple[str, bool, str]]:
             r.backend != "native" or cfg.cluster.device != "cuda",
             "only rollout.backend=native on cluster.device=cuda reads it",
         ),
-        ("rollout.val_temperature", t.test_freq == 0, "trainer.test_freq=0: no validation"),
+        (
+            "rollout.val_temperature",
+            t.test_freq == 0 and not t.val_before_train,
+            "trainer.test_freq=0: no validation",
+        ),
         ("trainer.max_checkpoints", t.save_freq == 0, "trainer.save_freq=0: no checkpoints"),
         ("data.embedded_task", bool(d.train_files), "data.train_files is set"),
         ("data.embedded_digits", bool(d.train_files), "data.train_files is set"),

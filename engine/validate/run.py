@@ -37,6 +37,13 @@ def validate_trainer(cfg: TrainConfig) -> None:
     ):
         if value < 0:
             fail(key, value, "must be >= 0", "use 0 to turn it off")
+    if t.val_before_train and cfg.placement.mode == "split":
+        fail(
+            "trainer.val_before_train",
+            True,
+            "runs with colocated placement only (placement.mode=split's rollout ranks validate after steps)",
+            "set trainer.val_before_train=false and validate after the first step with trainer.test_freq=1",
+        )
     if t.resume == "auto" and not t.output_dir:
         fail(
             "trainer.resume",

@@ -36,6 +36,8 @@ def test_split_placement_validates_the_training_layout_on_the_training_ranks():
     assert validate(composed(*base, "placement.rollout_ranks=1", *off_policy), world_size=3).dp == 2
     served = ["trainer.test_freq=5", "algorithm.dynamic_sampling=true"]  # the rollout ranks run these too
     assert validate(composed(*base, "placement.rollout_ranks=1", *served), world_size=3).dp == 2
+    with pytest.raises(ConfigError, match=r"trainer.val_before_train=True: .*colocated placement only.*Fix:"):
+        validate(composed(*base, "placement.rollout_ranks=1", "trainer.val_before_train=true"), world_size=3)
 
 
 def test_uneven_pipeline_stages_are_accepted():

@@ -290,3 +290,22 @@ def test_rollout_kl_is_the_first_mini_batch_before_any_update(tmp_path):
     assert abs(metrics["actor/rollout_kl"] - expected) <= 1e-8 + 1e-5 * abs(expected), (metrics, expected)
     # the updates did move the policy: an average over them would include that drift
     assert metrics["actor/ppo_kl"] > 1e-3, metrics
+
+
+def test_val_before_train_validates_the_starting_model_as_step_0(tmp_path):
+    """trainer.val_before_train: a step-0 line with the validation of the starting model. With a learning rate
+    far below float32's resolution the weights do not move, so the greedy validation after step 1 (the path
+    every run takes) must score exactly as step 0's."""
+    out = str(tmp_path / "run")
+    flags = [
+        "trainer.total_steps=1",
+        "trainer.test_freq=1",
+        "trainer.val_before_train=true",
+        "optim.lr=1e-30",
+    ]
+    run_job(["algorithm=grpo", *flags], out)
+    rows = read_metrics(out)
+    assert [row["step"] for row in rows] == [0, 1]
+    assert "reward/mean" not in rows[0] and "val/reward_mean" in rows[0], rows[0]
+    assert rows[0]["val/embedded/copy/reward"] == rows[1]["val/embedded/copy/reward"]
+    assert rows[0]["val/reward_std"] == rows[1]["val/reward_std"]
