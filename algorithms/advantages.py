@@ -211,18 +211,24 @@ def grpo_advantages(
     eps: float = 1e-6,
     reduce_sum: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """GRPO (Shao et al. 2024): group-normalised score; `norm_by_std=False` is Dr.GRPO (Liu et al. 2025)."""
+    """GRPO (Shao et al. 2024): group-normalised score; `norm_by_std=False` is Dr.GRPO (Liu et al. 2025).
+
+    The group moments are taken in float64: a group whose rewards are all equal (common without dynamic
+    sampling) must get advantage 0, and in float32 the mean of n equal values (0.7 x 16) is off by a rounding
+    residual d that the std (~|d|) then scales towards +-1: the same sign for the whole group, a biased update
+    (measured: +0.106 for 16 x 0.7, up to 0.81 at 64). In float64 the mean of equal float32 values is exact."""
     mask_bt = check_mask(mask_bt)
     scores_b = _check_scores(scores_b, mask_bt)
     group_index_b = check_group_index(group_index_b, mask_bt)
-    inverse_b, num_groups, count_b = _group_baseline_inputs(scores_b, group_index_b)
-    mean_b = _group_sum(scores_b, inverse_b, num_groups) / count_b
-    advantages_b = torch.where(count_b > 1, scores_b - mean_b, scores_b)
+    wide_b = scores_b.double()
+    inverse_b, num_groups, count_b = _group_baseline_inputs(wide_b, group_index_b)
+    mean_b = _group_sum(wide_b, inverse_b, num_groups) / count_b
+    advantages_b = torch.where(count_b > 1, wide_b - mean_b, wide_b)
     if norm_by_std:
-        sq_dev_b = _group_sum((scores_b - mean_b).square(), inverse_b, num_groups)
+        sq_dev_b = _group_sum((wide_b - mean_b).square(), inverse_b, num_groups)
         std_b = torch.where(count_b > 1, (sq_dev_b / (count_b - 1).clamp(min=1)).sqrt(), 1.0)
         advantages_b = advantages_b / (std_b + eps)
-    return _outcome(scores_b, advantages_b, mask_bt)
+    return _outcome(scores_b, advantages_b.to(scores_b.dtype), mask_bt)
 
 
 @register_advantage("rloo", AdvantageTraits(group_relative=True))

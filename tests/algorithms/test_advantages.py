@@ -43,6 +43,24 @@ def test_grpo_hand_example():
     assert_broadcast(returns, SCORES.tolist())
 
 
+def test_grpo_group_of_equal_float32_rewards_gets_exactly_zero():
+    """A group whose rewards are all equal gets advantage 0 (no biased update), also for rewards float32 does
+    not sum exactly (0.7, reward-model scores): before, the float32 group mean's rounding residual divided by
+    the std (~ the residual) gave +0.106 to all 16 members of a 0.7 group."""
+    for n, value in ((16, 0.7), (64, -3.3), (5, 0.1)):
+        scores = torch.full((n,), value, dtype=torch.float32)
+        mask = torch.ones(n, 3, dtype=torch.float32)
+        for norm in (True, False):
+            adv, _ = run(
+                "grpo",
+                mask_bt=mask,
+                scores_b=scores,
+                group_index_b=torch.zeros(n, dtype=torch.long),
+                norm_by_std=norm,
+            )
+            assert adv.dtype == torch.float32 and (adv == 0).all(), (n, value, norm, adv[0, 0].item())
+
+
 def test_dr_grpo_no_std_hand_example():
     adv, _ = run("grpo", mask_bt=MASK, scores_b=SCORES, group_index_b=GROUPS, norm_by_std=False)
     # score - group mean: prompt 7 mean 0.5, prompt 3 mean 3, prompt 9 alone
