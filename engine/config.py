@@ -174,10 +174,11 @@ class DataConfig:
     """Parquet files in the RLHF schema: one path or a list (`~` expands); empty = the embedded task."""
     val_files: Any = field(default_factory=list)
     """Parquet files for validation, as train_files; empty = a held-out embedded set when training on it.
-    Every DP replica validates an equal share: the last (prompts % dp) are left out, and counted in the
-    `data: kept` line."""
+    Every prompt is scored once at any DP size (a replica short of one runs a repeat it does not count)."""
     batch_size: int = 16
-    """Prompts per step (global, across DP ranks)."""
+    """Prompts per step (global, across DP ranks). An epoch is the whole batches of the prompts: when
+    data.batch_size does not divide their number, each epoch leaves the remainder out (as verl's drop_last),
+    other prompts each epoch when shuffling, the same last ones without (said at the start)."""
     max_prompt_len: int = 64
     """Prompts longer than this many tokens are dropped (and counted)."""
     bad_rows: str = "error"

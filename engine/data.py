@@ -29,6 +29,7 @@ computes the same global batch from (seed, epoch, position), then takes its cons
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -452,24 +453,64 @@ class PromptLoader:
         first = self.dp_rank * share
         return [r for i in range(0, self.batch_size, per_mini) for r in batch[i + first : i + first + share]]
 
-    def state_dict(self) -> dict[str, int]:
+    def tail_note(self) -> str | None:
+        """What each epoch leaves out when batch_size does not divide the prompts (None when it does)."""
+        left = len(self.records) % self.batch_size
+        if not left:
+            return None
+        which = (
+            "other ones each epoch (shuffled)"
+            if self.shuffle
+            else "always the same last ones (data.shuffle=false): they are never trained on"
+        )
+        return (
+            f"data: an epoch is {self.num_batches_per_epoch} batches of data.batch_size={self.batch_size}: "
+            f"{left} of the {len(self.records)} prompts are left out of each, {which}"
+        )
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A hash of the records in order (index, data source, ground truth, prompt token ids): which data a
+        saved position is a position in."""
+        digest = hashlib.sha256()
+        for r in self.records:
+            digest.update(f"{r.index}\0{r.data_source}\0{r.ground_truth}\0".encode())
+            digest.update(np.asarray(r.prompt_ids, dtype=np.int64).tobytes())
+        return digest.hexdigest()[:16]
+
+    def state_dict(self) -> dict[str, int | str]:
         return {
             "epoch": self._epoch,
             "position": self._position,
             "seed": self.seed,
+            "shuffle": int(self.shuffle),
             "num_records": len(self.records),
             "batch_size": self.batch_size,
+            "fingerprint": self.fingerprint,
         }
 
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        now = {"seed": self.seed, "num_records": len(self.records), "batch_size": self.batch_size}
+    def load_state_dict(self, state: Mapping[str, int | str]) -> None:
+        """Continue at the saved position; refused when it would be a position in other data or another
+        order (a changed seed, data.shuffle, batch size, or prompts: files, their contents, data.max_prompt_len,
+        the tokenizer or its chat template). Checkpoints from before the shuffle and fingerprint keys skip
+        those checks."""
+        now = {
+            "seed": self.seed,
+            "shuffle": int(self.shuffle),
+            "num_records": len(self.records),
+            "batch_size": self.batch_size,
+            "fingerprint": self.fingerprint,
+        }
         changed = {
             key: (state[key], value) for key, value in now.items() if key in state and state[key] != value
         }
         if changed:
             raise DataError(
-                f"cannot resume the prompt loader: (saved, now) differ for {changed}. Fix: resume with the same "
-                "trainer.seed, data.train_files, data.max_prompt_len and data.batch_size, or start a fresh run"
+                f"cannot resume the prompt loader: (saved, now) differ for {changed} (fingerprint: a hash of the "
+                "prompts). Its position would be a position in other data or another order. Fix: resume with the "
+                "same trainer.seed, data.shuffle, data.batch_size, data.train_files (and contents), tokenizer and "
+                "data.max_prompt_len; or, to train the checkpoint's weights on other data, export them "
+                "(python -m engine.export CHECKPOINT OUT_DIR) and start a new run with model.path=OUT_DIR"
             )
         self._epoch, self._position = int(state["epoch"]), int(state["position"])
         self._order = self._permutation(self._epoch)

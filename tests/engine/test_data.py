@@ -362,6 +362,10 @@ def test_loader_deterministic_and_epochs():
     assert a.epoch == 2 and a.num_batches_per_epoch == 2
     plain = PromptLoader(records(10), 4, 1, 0, 1, shuffle=False)
     assert [indices(plain.next_batch()) for _ in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]]
+    assert "2 of the 10 prompts are left out of each, always the same last ones" in plain.tail_note()
+    assert (
+        "other ones each epoch" in a.tail_note() and PromptLoader(records(8), 4, 1, 0, 1).tail_note() is None
+    )
 
 
 def test_dp_ranks_take_consecutive_shares_of_the_global_batch():
@@ -411,6 +415,14 @@ def test_loader_errors():
     state = PromptLoader(records(10), 4, 0, 0, 1).state_dict()
     with pytest.raises(ValueError, match=r"cannot resume the prompt loader.*num_records"):
         PromptLoader(records(12), 4, 0, 0, 1).load_state_dict(state)
+    # the same number of prompts but other ones (a file rewritten in place), or another order: refused
+    other = [PromptRecord([i + 100], "s", str(i), {}, i) for i in range(10)]
+    with pytest.raises(ValueError, match=r"cannot resume the prompt loader.*'fingerprint'.*engine.export"):
+        PromptLoader(other, 4, 0, 0, 1).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"cannot resume the prompt loader.*'shuffle': \(1, 0\)"):
+        PromptLoader(records(10), 4, 0, 0, 1, shuffle=False).load_state_dict(state)
+    old = {k: v for k, v in state.items() if k not in ("shuffle", "fingerprint")}  # an older checkpoint
+    PromptLoader(records(10), 4, 0, 0, 1).load_state_dict(old)
 
 
 def test_files_as_single_string(tmp_path):
