@@ -90,7 +90,7 @@ def _expand_files(files: Sequence[str], files_key: str) -> list[tuple[str, str]]
         names = sorted(name for name in os.listdir(path) if name.endswith(".parquet"))
         inside = [name for name in names if os.path.isfile(os.path.join(path, name))]
         if not inside:
-            raise ValueError(
+            raise DataError(
                 f"{where}: a directory with no *.parquet files. Fix: put the parquet files in it, or list the "
                 f"files themselves, e.g. {files_key}=[/data/train.parquet]"
             )
@@ -119,7 +119,7 @@ def _read_columns(path: str, where: str) -> dict[str, list]:
     wanted = [*REQUIRED_COLUMNS, *(name for name in optional if name in names)]
     table = pq.read_table(path, columns=wanted)
     if table.num_rows == 0:
-        raise ValueError(
+        raise DataError(
             f"{where}: the file has no rows. Fix: write the prompts into it, or remove it from "
             f"{where.split('[')[0]}"
         )

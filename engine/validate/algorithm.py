@@ -33,6 +33,13 @@ def validate_algorithm(cfg: TrainConfig) -> None:
         ("algorithm.clip_ratio_high", a.clip_ratio_high),
     ):
         positive(key, value)
+    if a.clip_ratio_low >= 1.0:
+        fail(
+            "algorithm.clip_ratio_low",
+            a.clip_ratio_low,
+            "must be < 1 (the ratio is clipped below at 1 - clip_ratio_low)",
+            "use 0.2 (the usual value)",
+        )
     if a.clip_ratio_c <= 1.0:
         fail(
             "algorithm.clip_ratio_c",

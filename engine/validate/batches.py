@@ -15,6 +15,7 @@ def validate_batches(cfg: TrainConfig, dims: ParallelDims) -> None:
     positive("data.max_prompt_len", cfg.data.max_prompt_len)
     one_of("data.bad_rows", cfg.data.bad_rows, ("error", "skip"))
     one_of("data.embedded_task", cfg.data.embedded_task, EMBEDDED_TASKS)
+    positive("data.embedded_digits", cfg.data.embedded_digits)
     if b % dims.dp:
         fail(
             "data.batch_size",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from algorithms.advantages import advantage_traits
 from algorithms.kl import KL_CONTROLLERS_WITH_TARGET
 from algorithms.losses import policy_loss_traits
-from engine.config import TrainConfig
+from engine.config import TrainConfig, max_response_tokens, overlong_buffer_tokens
 
 
 def _ignored_key_rules(cfg: TrainConfig) -> list[tuple[str, bool, str]]:
@@ -57,7 +57,16 @@ def _ignored_key_rules(cfg: TrainConfig) -> list[tuple[str, bool, str]]:
             not policy_loss_traits(a.policy_loss).dual_clip,
             f"algorithm.policy_loss={a.policy_loss} has no dual clip",
         ),
-        ("algorithm.overlong_penalty", a.overlong_buffer_len == 0, "algorithm.overlong_buffer_len=0 (off)"),
+        (
+            "algorithm.overlong_penalty",
+            overlong_buffer_tokens(a, max_response_tokens(r)) == 0,
+            "no overlong buffer (algorithm.overlong_buffer_len=0, overlong_buffer_frac=0)",
+        ),
+        (
+            "trainer.test_freq",
+            bool(d.train_files) and not d.val_files and t.test_freq > 0,
+            "data.val_files is empty (the embedded validation set goes with the embedded task only)",
+        ),
         ("algorithm.max_sampling_rounds", not a.dynamic_sampling, "algorithm.dynamic_sampling=false"),
         ("optim.min_lr", cfg.optim.lr_decay == "constant", "optim.lr_decay=constant never decays to it"),
         ("rollout.keep_rollout_weights", r.weight_sync == "naive", "rollout.weight_sync=naive gathers anew"),

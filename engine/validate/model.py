@@ -86,7 +86,31 @@ def validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
     if m.path:
         validate_tokenizer_source(cfg)
         return  # the rest of the architecture comes from config.json; checked when it is read
-    if m.head_dim == 0 and m.hidden_size % m.num_attention_heads:
+    if m.head_dim < 0 or m.head_dim % 2:
+        fail(
+            "model.head_dim",
+            m.head_dim,
+            "must be 0 (hidden / heads) or a positive even number (RoPE rotates pairs)",
+            "use 0 or e.g. 64",
+        )
+    if m.vocab_size < 0:
+        fail(
+            "model.vocab_size",
+            m.vocab_size,
+            "must be >= 0",
+            "use 0 (the tokenizer's size) or a positive size",
+        )
+    if m.init_std < 0:
+        fail("model.init_std", m.init_std, "must be >= 0", "use 0.02")
+    positive("model.rope_theta", m.rope_theta)
+    positive("model.norm_eps", m.norm_eps)
+    if m.rope_scaling_factor < 0:
+        fail(
+            "model.rope_scaling_factor",
+            m.rope_scaling_factor,
+            "must be >= 0",
+            "use 0 (off) or Llama-3's factor (e.g. 8)",
+        )
         fail(
             "model.hidden_size",
             m.hidden_size,

@@ -11,6 +11,7 @@ from parallel.dims import ParallelDims
 def validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
     r = cfg.rollout
     one_of("rollout.backend", r.backend, ("native", "vllm"))
+    positive("rollout.max_num_seqs", r.max_num_seqs)
     one_of("rollout.weight_sync", r.weight_sync, ("hybrid", "naive"))
     if r.weight_sync == "naive" and r.tp != 1:
         fail(

@@ -22,12 +22,25 @@ def validate_optim(cfg: TrainConfig) -> None:
     if o.lr_warmup_steps < 0:
         fail("optim.lr_warmup_steps", o.lr_warmup_steps, "must be >= 0", "use 0 for no warm-up")
     positive("optim.initial_loss_scale", o.initial_loss_scale)
+    for key, value in (("optim.adam_beta1", o.adam_beta1), ("optim.adam_beta2", o.adam_beta2)):
+        if not 0.0 <= value < 1.0:
+            fail(key, value, "must lie in [0, 1)", "use 0.9 for adam_beta1 and 0.999 for adam_beta2")
+    positive("optim.adam_eps", o.adam_eps)
+    if o.weight_decay < 0:
+        fail("optim.weight_decay", o.weight_decay, "must be >= 0", "use 0.0 (off) or e.g. 0.01")
     positive("cluster.peak_tflops", cfg.cluster.peak_tflops)
 
 
 def validate_trainer(cfg: TrainConfig) -> None:
     t = cfg.trainer
     positive("trainer.total_steps", t.total_steps)
+    if t.seed < 0:
+        fail(
+            "trainer.seed",
+            t.seed,
+            "must be >= 0 (numpy's seeded generators take no negative seeds)",
+            "use 0 or above",
+        )
     for name in t.loggers:
         one_of("trainer.loggers", name, LOGGERS)
     for key, value in (

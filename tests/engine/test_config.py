@@ -131,6 +131,17 @@ def test_keys_a_combination_ignores_get_one_warning_each():
     assert ignored_key_warnings(composed("optim.min_lr=1e-5")) == [
         "warning: optim.min_lr=1e-05 is ignored: optim.lr_decay=constant never decays to it"
     ]
+    # DAPO's buffer is a fraction of the response budget: its penalty is read (no warning); none at all: warned
+    assert ignored_key_warnings(composed("algorithm=dapo", "algorithm.overlong_penalty=0.5")) == []
+    assert ignored_key_warnings(composed("algorithm.overlong_penalty=0.5")) == [
+        "warning: algorithm.overlong_penalty=0.5 is ignored: no overlong buffer (algorithm.overlong_buffer_len=0, "
+        "overlong_buffer_frac=0)"
+    ]
+    # own training files without validation files: trainer.test_freq validates nothing
+    assert ignored_key_warnings(composed("data.train_files=[/d/t.parquet]", "trainer.test_freq=5")) == [
+        "warning: trainer.test_freq=5 is ignored: data.val_files is empty (the embedded validation set goes with "
+        "the embedded task only)"
+    ]
 
 
 def test_checkpoint_positions_must_hold_prompt_plus_response(tmp_path):
