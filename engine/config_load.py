@@ -7,6 +7,7 @@ import difflib
 import os
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from engine.config import ConfigError, TrainConfig
 
@@ -21,7 +22,14 @@ def to_dataclass(cfg: DictConfig | TrainConfig) -> TrainConfig:
     schema = OmegaConf.to_container(OmegaConf.structured(TrainConfig))
     for key, value in _unknown_keys(OmegaConf.to_container(cfg, resolve=False), schema, ""):
         raise ConfigError(unknown_key_message(key, value))
-    out = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
+    try:
+        out = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
+    except OmegaConfBaseException as err:  # e.g. `key=${oops}`: an interpolation naming no key
+        key = getattr(err, "full_key", None) or "the config"
+        raise ConfigError(
+            f"{key}: {type(err).__name__}: {str(err).splitlines()[0]}. Fix: give it a plain value, or "
+            "${...} naming an existing key"
+        ) from None
     out.data.train_files = _file_list("data.train_files", out.data.train_files)
     out.data.val_files = _file_list("data.val_files", out.data.val_files)
     return out

@@ -98,13 +98,25 @@ def _expand_files(files: Sequence[str], files_key: str) -> list[tuple[str, str]]
     return out
 
 
+def check_files_exist(files: Sequence[str], files_key: str) -> None:
+    """Raise DataFileNotFoundError naming the first of `files` (`files_key`) that does not exist (a file or
+    a directory of them): engine/validate runs it before any process group exists."""
+    for file_i, path in enumerate(map(str, files)):
+        if not os.path.exists(path):
+            _not_found(f"{files_key}[{file_i}]={path}")
+
+
+def _not_found(where: str) -> None:
+    raise DataFileNotFoundError(
+        f"{where}: file not found. Fix: pass existing parquet files, e.g. {where.split('[')[0]}=[/data/train.parquet]"
+    )
+
+
 def _read_columns(path: str, where: str) -> dict[str, list]:
     import pyarrow.parquet as pq
 
     if not os.path.isfile(path):
-        raise DataFileNotFoundError(
-            f"{where}: file not found. Fix: pass existing parquet files, e.g. {where.split('[')[0]}=[/data/train.parquet]"
-        )
+        _not_found(where)
     try:
         names = pq.read_schema(path).names
     except Exception as exc:  # pyarrow raises several types for unreadable files

@@ -7,6 +7,7 @@ import os
 
 from engine.checkpoint.store import CHECKPOINTS_DIR
 from engine.config import LOGGERS, ConfigError, TrainConfig
+from engine.data import check_files_exist
 from engine.validate.model import validate_checkpoint_positions
 from engine.validate.rules import fail, one_of, positive
 
@@ -50,6 +51,15 @@ def validate_trainer(cfg: TrainConfig) -> None:
     ):
         if value < 0:
             fail(key, value, "must be >= 0", "use 0 to turn it off")
+    if t.output_dir and os.path.exists(t.output_dir) and not os.path.isdir(t.output_dir):
+        fail(
+            "trainer.output_dir",
+            t.output_dir,
+            "is a file, not a directory",
+            "point it at a directory (new or a run's)",
+        )
+    check_files_exist(cfg.data.train_files, "data.train_files")  # a data error (status 1), before any group
+    check_files_exist(cfg.data.val_files, "data.val_files")
     if t.val_before_train and cfg.placement.mode == "split":
         fail(
             "trainer.val_before_train",

@@ -216,3 +216,18 @@ def test_a_newly_registered_estimator_is_validated_by_its_traits():
         validate(composed(f"algorithm.adv_estimator={name}", "rollout.n=1"), world_size=1)
     warnings = ignored_key_warnings(composed(f"algorithm.adv_estimator={name}", "algorithm.gamma=0.9"))
     assert not any("algorithm.gamma" in line for line in warnings)
+
+
+def test_output_dir_data_files_and_interpolations_are_checked_before_any_process_group(tmp_path):
+    """What used to fail after the process group started (or as a raw OmegaConf traceback) is refused by
+    validation, naming the key."""
+    from engine.errors import DataFileNotFoundError
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ConfigError, match=r"trainer.output_dir='.*afile': is a file, not a directory\. Fix:"):
+        validate(composed(f"trainer.output_dir={afile}"), world_size=1)
+    with pytest.raises(DataFileNotFoundError, match=r"data.val_files\[0\]=/no/such.parquet: file not found"):
+        validate(composed("data.val_files=[/no/such.parquet]"), world_size=1)
+    with pytest.raises(ConfigError, match=r"trainer.output_dir: InterpolationKeyError: .*oops.*Fix:"):
+        composed("trainer.output_dir=${oops}")
