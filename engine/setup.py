@@ -11,7 +11,7 @@ import torch
 
 from algorithms.advantages import advantage_traits
 from engine.config import ConfigError, ModelConfig, TrainConfig
-from engine.data import PromptLoader, PromptRecord, load_prompt_dataset, load_tokenizer, refuse_row_caps
+from engine.data import PromptRecord, load_prompt_dataset, load_tokenizer, refuse_row_caps
 from engine.metrics import MetricsLogger
 from engine.models.builder import (
     ModelShape,
@@ -21,6 +21,7 @@ from engine.models.builder import (
 )
 from engine.models.hf import HFCheckpoint, check_tp_layout, load_hf_weights
 from engine.models.hf_config import model_config_from_hf
+from engine.prompt_loader import PromptLoader
 from engine.rewards.build import build_reward_fn
 from engine.rewards.reward_fn import RewardFn
 from engine.roles.policy import MegatronRole

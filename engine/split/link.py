@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from engine.data import PromptLoader
+from engine.prompt_loader import PromptLoader
 from engine.step.batch import Experience, Responses
 from engine.step.validation import prompt_values
 from parallel.split_plan import SplitLayout

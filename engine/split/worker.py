@@ -35,9 +35,10 @@ import torch.distributed as dist
 
 from algorithms.advantages import advantage_traits
 from engine.config import TrainConfig
-from engine.data import PromptLoader, load_tokenizer, refuse_row_caps
+from engine.data import load_tokenizer, refuse_row_caps
 from engine.metrics import PhaseTimer
 from engine.multi_turn.episode import EpisodeRunner
+from engine.prompt_loader import PromptLoader
 from engine.rewards.build import build_reward_fn
 from engine.rewards.reward_fn import RewardFn
 from engine.rollout import build_rollout_engine

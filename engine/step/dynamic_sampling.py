@@ -61,7 +61,7 @@ class GroupSelector:
 
 def _mini_batch_slices(num_groups: int, dp_rank: int, dp_size: int, num_mini_batches: int) -> list[int]:
     """Positions in a global batch of `num_groups` groups that replica `dp_rank` holds: its consecutive share
-    of each mini-batch's slice (engine/data.py PromptLoader.next_batch's layout)."""
+    of each mini-batch's slice (engine/prompt_loader.py PromptLoader.next_batch's layout)."""
     per_mini = num_groups // num_mini_batches
     share = per_mini // dp_size
     return [i + dp_rank * share + j for i in range(0, num_groups, per_mini) for j in range(share)]
