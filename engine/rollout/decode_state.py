@@ -36,11 +36,35 @@ class SlotState:
     """(slots,) int64: cache position the slot's next decode step writes (advanced for live slots only)."""
     step: torch.Tensor
     """(slots,) int64: response index of the token the slot samples next."""
+    table: torch.Tensor | None = None
+    """(slots, pages per row) int32: the page table of a paged call (engine/rollout/paged_kv.py), else None."""
+
+    @staticmethod
+    def reuse(state, slots: int, pages_per_row: int, pad_id: int, device) -> SlotState:
+        """`state` where it has `slots` slots (and a page table of `pages_per_row` where that is not 0), else
+        a new state of that size (CUDA graphs captured on the old one are then invalid)."""
+        if state is not None and state.tokens.numel() == slots:
+            if not pages_per_row or (state.table is not None and state.table.shape[1] == pages_per_row):
+                return state
+        long = torch.long
+        return SlotState(
+            tokens=torch.full((slots,), pad_id, dtype=long, device=device),
+            pad=torch.zeros(slots, dtype=long, device=device),
+            row_of=torch.zeros(slots, dtype=long, device=device),
+            alive=torch.zeros(slots, dtype=torch.bool, device=device),
+            cur=torch.zeros(slots, dtype=long, device=device),
+            step=torch.zeros(slots, dtype=long, device=device),
+            table=torch.zeros(slots, pages_per_row, dtype=torch.int32, device=device)
+            if pages_per_row
+            else None,
+        )
 
     def set_idle(self, lo: int, hi: int, scratch: int, pad_id: int) -> None:
         """Slots [lo, hi) become fillers: not alive, outputs to the scratch row, reading one key."""
         self.alive[lo:hi], self.row_of[lo:hi], self.tokens[lo:hi] = False, scratch, pad_id
         self.pad[lo:hi] = self.cur[lo:hi]
+        if self.table is not None:
+            self.table[lo:hi] = 0  # the scratch page
 
 
 @dataclass
@@ -100,3 +124,16 @@ def compact_slots(
         buf[: order.numel()] = buf[order]
     st.alive[:live] = True
     st.set_idle(live, width, scratch, pad_id)
+
+
+def compact_paged(st: SlotState, sched, alive: list[bool], live: int, width: int, scratch: int, pad_id: int):
+    """`compact_slots` for a paged call: the live slots of [0, width) (`alive`, read at the host check just
+    before, whose finished slots hold no pages) move to [0, live) with their page-table rows; no K/V move."""
+    order = [s for s in range(width) if alive[s]] + [s for s in range(width) if not alive[s]]
+    index = torch.tensor(order, device=st.tokens.device)
+    for buf in (st.tokens, st.pad, st.row_of, st.cur, st.step):
+        buf[:width] = buf[index]
+    sched.permute(order)
+    st.alive[:live] = True
+    st.set_idle(live, width, scratch, pad_id)
+    st.table[:width].copy_(sched.host[:width])

@@ -3,7 +3,8 @@
 decode kernel reads them in place, engine/rollout/model.py).
 
 The budget decides how many sequences decode at once (`max_slots`); the engine chunks a larger batch instead
-of allocating more. The buffer is kept between calls (and only re-allocated when a call needs more than it
+of allocating more. Calls whose rows finish at different times view it as flat pages instead (`flat_views`,
+engine/rollout/paged_kv.py), so that a row holds only the positions it has written. The buffer is kept between calls (and only re-allocated when a call needs more than it
 holds) unless released, so a CUDA graph captured on its views stays valid for as long as it lives: `version`
 changes whenever the storage does. Finished sequences are removed by `compact`, which moves the live rows
 to the front (one copy of the live part, done only when enough rows finished: see native.py).
@@ -57,11 +58,25 @@ class KVCachePool:
         return self.budget_bytes() // self.bytes_per_sequence(seq_len)
 
     def views(self, slots: int, seq_len: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per-layer K and V views (slots, seq_len, groups, head_dim) of the buffer (grown if too small).
+        """Per-layer K and V views (slots, seq_len, groups, head_dim) of the buffer (grown if too small)."""
+        return self._layer_views((slots, seq_len))
 
-        A new buffer is zero-filled: masked cache positions are multiplied by a zero attention weight, and
+    def flat_views(self, positions: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer K and V views (positions, groups, head_dim) of the buffer (grown if too small): a paged
+        call's pages (engine/rollout/paged_kv.py)."""
+        return self._layer_views((positions,))
+
+    def bytes_per_position(self) -> int:
+        return self.bytes_per_sequence(1)
+
+    def max_positions(self) -> int:
+        """Positions (of every layer's K and V) the budget holds."""
+        return self.budget_bytes() // self.bytes_per_position()
+
+    def _layer_views(self, rows: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A new buffer is zero-filled: masked cache positions are multiplied by a zero attention weight, and
         0 * NaN would be NaN."""
-        shape = (self.num_layers, 2, slots, seq_len, self.groups, self.head_dim)
+        shape = (self.num_layers, 2, *rows, self.groups, self.head_dim)
         numel = 1
         for d in shape:
             numel *= d

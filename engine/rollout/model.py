@@ -43,6 +43,7 @@ from engine.models import moe
 from engine.models.builder import ModelShape
 from engine.models.compiled import ROLLOUT, cuda_kernel
 from engine.rollout import triton_decode
+from engine.rollout.attention_kernels import DecodeKernels, decode_attention_kernel, flash_varlen_decode
 from engine.rollout.moe_experts import MoEWeights, moe_layer
 from parallel.rollout_weights import RolloutWeights
 
@@ -103,79 +104,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     """megatron's x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x, dim / 2) * sin_signed
     (sin_signed = [-sin_1; sin_2]): the same products, bit for bit, in 4 ops instead of 6."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
-
-
-def flash_decode_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether FlashAttention-2 (built into torch) runs the decode attention: CUDA sm80+, half precision,
-    head_dim a multiple of 8 up to 256, and torch's flash SDPA backend enabled."""
-    return (
-        device.type == "cuda"
-        and dtype in (torch.bfloat16, torch.float16)
-        and head_dim % 8 == 0
-        and head_dim <= 256
-        and torch.backends.cuda.flash_sdp_enabled()
-        and torch.cuda.get_device_capability(device) >= (8, 0)
-    )
-
-
-def flash_varlen_decode(q, cache_k, cache_v, cum_q, cum_k, used_k) -> torch.Tensor:
-    """FlashAttention-2 varlen decode: q (b, groups, heads per group, dim) with the heads of a group folded into
-    the query axis (cumulative query lengths `cum_q`), row r's keys at flat cache positions starting at
-    `cum_k[r]`, `used_k[r]` of them; cache (b, positions, groups, dim). Returns (b, groups, per group, dim)."""
-    b, g, pg, hd = q.shape
-    out = torch.ops.aten._flash_attention_forward(
-        q.transpose(1, 2).reshape(b * pg, g, hd),
-        cache_k.view(-1, g, hd),
-        cache_v.view(-1, g, hd),
-        cum_q,
-        cum_k,
-        pg,
-        cache_k.shape[1],
-        0.0,
-        False,
-        False,
-        seqused_k=used_k,
-    )[0]
-    return out.view(b, pg, g, hd).transpose(1, 2)
-
-
-ATTENTION_KERNELS = ("triton", "flash", "sdpa")
-
-
-@dataclass
-class DecodeKernels:
-    """Which fast kernels the rollout forward uses where they apply (CUDA, half precision)."""
-
-    attention: str = "auto"
-    """Decode attention: "triton" (engine/rollout/triton_decode.py), "flash" (FlashAttention-2 varlen over each
-    row's written keys), "sdpa" (masked SDPA over the first `num_keys` positions: the plain path), or "auto":
-    the first of those that applies here (CPU: sdpa)."""
-    compiled: bool = True
-    """Residual add + RMSNorm, SwiGLU and RoPE as torch.compile'd kernels (ENGINE_COMPILE_ROLLOUT=0: off)."""
-
-
-def decode_attention_kernel(
-    wanted: str, device: torch.device, dtype: torch.dtype, head_dim: int, per_group: int
-) -> str:
-    """Resolve `DecodeKernels.attention` for this device, dtype and head shape; a named kernel that cannot
-    run here is an error."""
-    ok = {
-        "triton": triton_decode.supported(device, dtype, head_dim, per_group),
-        "flash": flash_decode_supported(device, dtype, head_dim),
-        "sdpa": True,
-    }
-    if wanted == "auto":
-        return next(k for k in ATTENTION_KERNELS if ok[k])
-    if wanted not in ok:
-        raise ValueError(
-            f"decode attention kernel {wanted!r}: pick one of auto, {', '.join(ATTENTION_KERNELS)}"
-        )
-    if not ok[wanted]:
-        raise ValueError(
-            f"decode attention kernel {wanted!r} cannot run on {device} in {dtype} with head_dim {head_dim}: "
-            "use 'auto'"
-        )
-    return wanted
 
 
 @dataclass
@@ -372,10 +300,12 @@ class RolloutModel:
         cache_k: list[torch.Tensor],
         cache_v: list[torch.Tensor],
         row_prompt: torch.Tensor,
+        at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run left-padded prompts `ids_us` (u, s) with `pad_u` leading pad tokens each; write their K/V at
         cache positions [0, s) of the cache rows (`cache_k[l]` (rows, >= s, groups, dim), row r holding prompt
-        `row_prompt[r]`); return the logits of the last position, (u, vocab_size) float32.
+        `row_prompt[r]`; paged: `cache_k[l]` is the flat (positions, groups, dim) buffer and row r's position
+        j sits at `at[r, j]`); return the logits of the last position, (u, vocab_size) float32.
 
         Pad positions attend to themselves only, so their K/V stay finite (a fully masked row would be NaN
         and poison the real rows through 0 * NaN in the value sum); real tokens never attend to them.
@@ -389,8 +319,10 @@ class RolloutModel:
         cos, sin = self.cos[pos][:, :, None, None], self.sin[pos][:, :, None, None]  # (u, s, 1, 1, dim)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache_k[i][:, :n] = k[row_prompt]
-            cache_v[i][:, :n] = v[row_prompt]
+            if at is None:
+                cache_k[i][:, :n], cache_v[i][:, :n] = k[row_prompt], v[row_prompt]
+            else:
+                cache_k[i][at], cache_v[i][at] = k[row_prompt], v[row_prompt]
             q = q.reshape(u, n, self.heads, self.head_dim).transpose(1, 2)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (u, groups, s, dim)
             if self.per_group > 1:
@@ -452,17 +384,25 @@ class RolloutModel:
         cache_k: list[torch.Tensor],
         cache_v: list[torch.Tensor],
         num_keys: int,
+        table: torch.Tensor | None = None,
+        page: int = 0,
     ) -> torch.Tensor:
         """One decode step: token `tokens_b[r]` sits at cache position `cur[r]` ((b,) int64, or (1,): the same
         for every row) of row r, whose first `pad_b[r]` positions are padding; K/V are written there and the
         row attends over cache positions [pad_b[r], cur[r]] (the plain path masks the first `num_keys`; the
-        Triton and flash kernels read exactly those). Returns (b, vocab_size) float32 logits. No host synchronisation and static
-        shapes: capturable in a CUDA graph."""
+        Triton and flash kernels read exactly those). Paged (`table` (b, pages per row) and `page` given; not
+        with the flash kernel): the caches are flat (positions, groups, dim) buffers and row r's position n
+        sits at `table[r, n // page] * page + n % page`. Returns (b, vocab_size) float32 logits. No host
+        synchronisation and static shapes: capturable in a CUDA graph."""
         b = tokens_b.shape[0]
         pg, hd = self.per_group, self.head_dim
         cur = cur.expand(b)
         pos = cur - pad_b  # (b,)
         rows = torch.arange(b, device=tokens_b.device)
+        if table is not None:
+            if self.attention == "flash":
+                raise ValueError("the flash decode kernel reads contiguous rows, not a paged cache")
+            write = table.gather(1, (cur // page)[:, None]).squeeze(1).long() * page + cur % page  # (b,)
         cos, sin = self.cos[pos][:, None, None, None], self.sin[pos][:, None, None, None]  # (b, 1, 1, 1, dim)
         if self.attention == "flash":  # row r's keys: flat positions r * cache_len + [pad_r, cur]
             cache_len = cache_k[0].shape[1]
@@ -473,16 +413,24 @@ class RolloutModel:
         elif self.attention == "sdpa":
             ar = torch.arange(num_keys, device=tokens_b.device)
             mask = ((ar >= pad_b[:, None]) & (ar <= cur[:, None]))[:, None, None]  # (b, 1, 1, keys)
+            if table is not None:  # row r's first num_keys positions, gathered
+                keys_at = table[:, ar // page].long() * page + ar % page  # (b, num_keys)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache_k[i].index_put_((rows, cur), k[:, 0])  # k (b, 1, groups, dim)
-            cache_v[i].index_put_((rows, cur), v[:, 0])
+            at = (rows, cur) if table is None else (write,)
+            cache_k[i].index_put_(at, k[:, 0])  # k (b, 1, groups, dim)
+            cache_v[i].index_put_(at, v[:, 0])
             if self.attention == "triton":
-                out = triton_decode.decode_attention(q[:, 0], cache_k[i], cache_v[i], pad_b, cur)
+                paged = {} if table is None else {"table": table, "page": page}
+                out = triton_decode.decode_attention(q[:, 0], cache_k[i], cache_v[i], pad_b, cur, **paged)
             elif self.attention == "flash":
                 out = flash_varlen_decode(q[:, 0], cache_k[i], cache_v[i], cum_q, cum_k, used_k)
             else:
-                keys = (cache_k[i][:, :num_keys].transpose(1, 2), cache_v[i][:, :num_keys].transpose(1, 2))
+                if table is None:
+                    keys = (cache_k[i][:, :num_keys], cache_v[i][:, :num_keys])
+                else:
+                    keys = (cache_k[i][keys_at], cache_v[i][keys_at])
+                keys = (keys[0].transpose(1, 2), keys[1].transpose(1, 2))
                 out = F.scaled_dot_product_attention(q[:, 0], *keys, attn_mask=mask)  # (b, groups, pg, dim)
             return out.reshape(b, 1, self.heads * hd)
 

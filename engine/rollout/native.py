@@ -2,20 +2,21 @@
 handed over by the weight transition (no copy into another model), tensor-parallel over the rollout TP group.
 
 How a `generate` call runs (the forward itself is engine/rollout/model.py):
-- rows = prompts x n, longest limit first, then longest prompt; at most `slots` rows decode at once (as many
-  as the KV cache budget holds, engine/rollout/kv_cache.py, and at most `max_num_seqs`);
+- rows = prompts x n, longest limit first, then longest prompt; at most `slots` rows decode at once (at most
+  `max_num_seqs`, and as many as the KV cache budget holds: engine/rollout/kv_cache.py);
 - prefill: each distinct prompt of an admitted batch once (left-padded, at most `prefill_tokens` tokens per
-  forward), its K/V copied to the cache rows of its n samples; only the last position's logits are computed;
+  forward: engine/rollout/prefill.py), its K/V written to the cache rows of its n samples;
 - decode: one token for every slot per step, each slot at its own cache position (engine/rollout/
-  decode_state.py); a finished row is masked at once, and the batch is compacted (live rows' K/V moved to the
-  front, one copy of the live part) only when enough rows finished: a quarter of the batch in eager mode,
-  one batch bucket down with CUDA graphs, so that finishing costs O(log) copies of the cache, not one per
-  finish (and before an admission, unless the live slots already lead the batch);
-- admission: rows beyond the first `slots` wait; where rows can finish early (stop tokens, per-row limits)
-  they are prefilled into the slots finished rows free, at a host check where at least an eighth of the
-  slots are free, so that GPU time tracks the tokens generated rather than each chunk's longest row;
-  otherwise (and for calls that keep episode K/V or record routes) the next rows start when the batch is
-  empty;
+  decode_state.py); a finished row is masked at once, and the batch is compacted (live rows moved to the
+  front) only when enough rows finished: a quarter of the batch in eager mode, one batch bucket down with
+  CUDA graphs (and before an admission, unless the live slots already lead the batch);
+- calls whose rows can finish early (stop tokens, per-row limits) hold K/V in pages (engine/rollout/
+  paged_kv.py): a row holds the positions it wrote, not the longest row's, compaction moves page-table rows,
+  and finished rows' slots and pages go to the next rows at a host check where an eighth of the slots'
+  worth fits, so that GPU time and memory track the tokens generated rather than each chunk's longest row.
+  Without pages (`paged_kv=False`, the flash kernel) each slot has the longest row's length, compaction
+  copies the live part and rows are admitted where an eighth of the slots is free; fixed lengths, turns
+  inside `hold()` and recorded routes keep that layout and start the next rows when the batch is empty;
 - on CUDA the decode step is replayed from a CUDA graph per batch bucket (engine/rollout/cuda_graphs.py) and
   the host checks for finished rows every `check_every` steps only; on CPU every step, inside
   `parallel.cpu.no_shim_overhead()` (the megatron CPU shims' TorchFunctionMode costs a Python call per op).
@@ -49,11 +50,13 @@ from engine.rollout.base import (
     check_sampling,
 )
 from engine.rollout.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for
-from engine.rollout.decode_state import CallOutputs, SlotState, compact_slots, record_tokens
+from engine.rollout.decode_state import CallOutputs, SlotState, compact_paged, compact_slots, record_tokens
 from engine.rollout.kept_rows import KeptRows, kept_rows, prefill_continued
 from engine.rollout.kv_cache import KVCachePool
 from engine.rollout.model import DecodeKernels, RolloutModel, rope_tables
 from engine.rollout.moe_experts import use_cuda_graphs
+from engine.rollout.paged_kv import PagedSlots, Pending, paged_check, uses_pages
+from engine.rollout.prefill import prefill_rows
 from engine.rollout.routes import RouteRecorder
 from parallel.cpu import no_shim_overhead
 from parallel.rollout_weights import RolloutWeights
@@ -71,7 +74,8 @@ class NativeRollout(RolloutEngine):
     `check_every` (decode steps between host checks for finished rows; None: 1 on CPU, 8 on CUDA),
     `kernels` (the forward's fast kernels, engine/rollout/model.py `DecodeKernels`; default: all where they apply),
     `keep_episode_cache` (inside `hold()`, keep each row's K/V for `generate_continued`; False: every call
-    prefills its prompts in full).
+    prefills its prompts in full), `paged_kv` (calls whose rows finish at different times hold their K/V in
+    pages: engine/rollout/paged_kv.py; False: one contiguous region per slot, sized by the longest row).
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class NativeRollout(RolloutEngine):
         check_every: int | None = None,
         kernels: DecodeKernels | None = None,
         keep_episode_cache: bool = True,
+        paged_kv: bool = True,
     ):
         device = torch.device(device)
         on_cuda = device.type == "cuda"
@@ -108,6 +113,7 @@ class NativeRollout(RolloutEngine):
         self.seq_align = 64 if on_cuda else 8
         self.kernels = kernels or DecodeKernels()
         self.keep_episode_cache = keep_episode_cache
+        self.paged_kv = paged_kv
         self._holding = False
         self._hold_len: int | None = None
         self._kept: KeptRows | None = None
@@ -159,19 +165,11 @@ class NativeRollout(RolloutEngine):
         self._rows = None
         self._kept = None
 
-    def _rows_state(self, slots: int) -> SlotState:
-        if self._rows is None or self._rows.tokens.numel() != slots:
-            dev, long = self.device, torch.long
-            self._rows = SlotState(
-                tokens=torch.full((slots,), self.pad_id, dtype=long, device=dev),
-                pad=torch.zeros(slots, dtype=long, device=dev),
-                row_of=torch.zeros(slots, dtype=long, device=dev),
-                alive=torch.zeros(slots, dtype=torch.bool, device=dev),
-                cur=torch.zeros(slots, dtype=long, device=dev),
-                step=torch.zeros(slots, dtype=long, device=dev),
-            )
-            self._rows_version += 1
-        return self._rows
+    def _rows_state(self, slots: int, pages_per_row: int = 0) -> SlotState:
+        rows = SlotState.reuse(self._rows, slots, pages_per_row, self.pad_id, self.device)
+        if rows is not self._rows:
+            self._rows, self._rows_version = rows, self._rows_version + 1
+        return rows
 
     # ---- generation ------------------------------------------------------------------------------
     @contextmanager
@@ -229,11 +227,13 @@ class NativeRollout(RolloutEngine):
             empty = torch.zeros(0, new)
             return RolloutOutput(empty.long(), empty, empty, [])
         longest = max(len(p) for p in prompts)
+        paged = self.paged_kv and uses_pages(sampling, continued, self._holding and self.keep_episode_cache)
+        paged = paged and self.model.attention != "flash"  # (flash reads contiguous rows)
         if continued is not None:  # the kept rows' layout
             seq_len, slots = continued[0].seq_len, continued[0].slots
         else:
             seq_len = self._seq_len(longest + new)
-            slots = min(self.max_num_seqs, num_rows, self._budget_slots(seq_len))
+            slots = min(self.max_num_seqs, num_rows, num_rows if paged else self._budget_slots(seq_len))
         # longest responses first (chunks of similar length), then longest prompts
         order = sorted(range(len(prompts)), key=lambda i: (-sampling.limit_of(i), -len(prompts[i])))
         rows = [(p * sampling.n + j, p) for p in order for j in range(sampling.n)]
@@ -244,13 +244,14 @@ class NativeRollout(RolloutEngine):
             "compactions": 0,
             "decode_steps": 0,
             "slot_steps": 0,
+            "paged": int(paged),
         }
         if self._holding:
             self.last_stats["continued_rows"] = 0 if continued is None else num_rows
         self.last_stats_by_width = {}
         # inside hold(): track where each row's K/V end up, when one chunk holds every row
         keep = self._holding and self.keep_episode_cache and num_rows <= slots
-        self._recorder = self._route_recorder(prompts, sampling, continued)
+        self._recorder = RouteRecorder.for_call(self.model, prompts, sampling, continued, self.device)
         with torch.inference_mode(), no_shim_overhead():
             out = CallOutputs(
                 ids=torch.full((new, num_rows + 1), self.pad_id, dtype=torch.long, device=self.device),
@@ -266,7 +267,7 @@ class NativeRollout(RolloutEngine):
             if sampling.stop_token_ids and not sampling.ignore_eos:
                 stops = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=self.device)
             track = self._decode_rows(
-                rows, prompts, sampling, gen, stops, out, slots, seq_len, continued, keep
+                rows, prompts, sampling, gen, stops, out, slots, seq_len, continued, keep, paged
             )
             result = RolloutOutput(
                 response_ids=out.ids[:, :num_rows].t().cpu(),
@@ -284,17 +285,6 @@ class NativeRollout(RolloutEngine):
             self.release()
         return result
 
-    def _route_recorder(self, prompts, sampling: SamplingParams, continued) -> RouteRecorder | None:
-        """The recorder of the call's expert choices when `sampling.routed_experts` asks for them."""
-        if not sampling.routed_experts:
-            return None
-        if self.shape.moe is None or continued is not None:
-            raise ValueError(
-                "SamplingParams.routed_experts: only MoE models record routes, and not for continued prompts "
-                "(multi-turn); set algorithm.router_replay=false"
-            )
-        return RouteRecorder(self.model, prompts, sampling.n, sampling.max_new_tokens, self.device)
-
     def _seq_len(self, needed: int) -> int:
         """Cache length for calls needing `needed` positions: rounded up (fewer distinct graph keys), never past
         the RoPE table; inside `hold(max_len)` at least max_len where the budget holds one such sequence."""
@@ -309,102 +299,73 @@ class NativeRollout(RolloutEngine):
     def _budget_slots(self, seq_len: int) -> int:
         slots = self.pool.max_slots(seq_len)
         if slots < 1:
-            raise ValueError(
-                f"the KV cache budget ({self.pool.budget_bytes()} bytes) cannot hold one sequence of {seq_len} "
-                f"positions ({self.pool.bytes_per_sequence(seq_len)} bytes); raise kv_cache_budget_bytes "
-                "(or kv_cache_memory_fraction on CUDA), or lower data.max_prompt_len / rollout.max_new_tokens"
-            )
+            self._budget_error(seq_len)
         return slots
 
-    def _prefill(self, chunk, prompts, caches) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Prefill the chunk's distinct prompts into the cache rows of their samples; returns the logits of
-        each row (rows, vocab), each row's padding (rows,) and the padded prompt length."""
-        dev = self.device
-        uniq: list[int] = []
-        row_prompt: list[int] = []
-        first_row: list[int] = []
-        for r, (_, p) in enumerate(chunk):
-            if not uniq or uniq[-1] != p:
-                uniq.append(p)
-                first_row.append(r)
-            row_prompt.append(len(uniq) - 1)
-        first_row.append(len(chunk))
-        plen = max(len(prompts[p]) for p in uniq)
-        ids = torch.full((len(uniq), plen), self.pad_id, dtype=torch.long)
-        for u, p in enumerate(uniq):
-            ids[u, plen - len(prompts[p]) :] = torch.tensor(prompts[p])
-        ids = ids.to(dev)
-        pad_u = torch.tensor([plen - len(prompts[p]) for p in uniq], device=dev)
-        row_prompt_t = torch.tensor(row_prompt, device=dev)
-        cache_k, cache_v = caches
-        logits_u = torch.empty(len(uniq), self.shape.vocab_size, device=dev)
-        per = max(1, self.prefill_tokens // plen)
-        for a in range(0, len(uniq), per):
-            b = min(len(uniq), a + per)
-            r0, r1 = first_row[a], first_row[b]
-            logits_u[a:b] = self.model.prefill(
-                ids[a:b],
-                pad_u[a:b],
-                [k[r0:r1] for k in cache_k],
-                [v[r0:r1] for v in cache_v],
-                row_prompt_t[r0:r1] - a,
-            )
-            if self._recorder is not None:
-                self._recorder.prefill(chunk, uniq, first_row, a, b, prompts)
-        return logits_u[row_prompt_t], pad_u[row_prompt_t], plen
-
-    def _prefill_continued(self, chunk, prompts, caches, kept: KeptRows, previous: list[int]):
-        """`_prefill` for prompts that extend kept rows (engine/rollout/kept_rows.py `prefill_continued`)."""
-        return prefill_continued(
-            self.model, self.pad_id, self.prefill_tokens, chunk, prompts, caches, kept, previous
+    def _budget_error(self, seq_len: int):
+        raise ValueError(
+            f"the KV cache budget ({self.pool.budget_bytes()} bytes) cannot hold one sequence of {seq_len} "
+            f"positions ({self.pool.bytes_per_sequence(seq_len)} bytes); raise kv_cache_budget_bytes "
+            "(or kv_cache_memory_fraction on CUDA), or lower data.max_prompt_len / rollout.max_new_tokens"
         )
 
     def _decode_rows(
-        self, rows, prompts, sampling, gen, stops, out: CallOutputs, slots, seq_len, continued, keep
+        self, rows, prompts, sampling, gen, stops, out: CallOutputs, slots, seq_len, continued, keep, paged
     ):
         """Prefill and decode `rows` through `slots` cache slots. Rows are admitted in order: first as many as
         the slots hold, then, where rows can finish early (stop tokens or per-row limits) and no bookkeeping
         needs the call's rows in one batch (`keep`, `continued`, recorded routes), into the slots that finished
         rows free, at every host check where at least an eighth of the slots are free (the live slots are
-        compacted to the front, the new rows prefilled behind them); otherwise when the batch is empty. With
-        `keep`, return (chunk row of each slot or -1, left padding of each slot) as they end up."""
-        caches = self.pool.views(slots, seq_len)
-        st = self._rows_state(slots)
+        compacted to the front, the new rows prefilled behind them; `paged`: as many as the free KV pages
+        hold, engine/rollout/paged_kv.py); otherwise when the batch is empty. With `keep`, return (chunk row
+        of each slot or -1, left padding of each slot) as they end up."""
+        sched = None
+        if paged:  # (the budget holds one whole row, or the error names the settings)
+            sched = PagedSlots.for_budget(self.pool.max_positions(), self.seq_align, slots, seq_len)
+            sched = sched or self._budget_error(seq_len)
+            caches = self.pool.flat_views(sched.num_pages * sched.page)
+            st = self._rows_state(slots, sched.pages_per_row)
+        else:
+            caches, st = self.pool.views(slots, seq_len), self._rows_state(slots)
         buckets = batch_buckets(slots) if self.graphs is not None else None
         scratch = out.stopped.numel() - 1
         if self.graphs is not None:
             ptrs = tuple(t.data_ptr() for t in (*self.weights.params.values(), *self.model.expert_views()))
-            self.graphs.invalidate_unless((ptrs, self.pool.version, slots, seq_len, self._rows_version))
+            key = (ptrs, self.pool.version, slots, seq_len, self._rows_version, paged)
+            self.graphs.invalidate_unless(key)
         rows_finish = stops is not None or out.limit is not None
         admit_late = rows_finish and not keep and continued is None and self._recorder is None
-        track = None
-        t = end = live = width = top = admitted_at = next_row = lead = 0  # t: decode steps; top >= every cur
+        queue = [Pending(r, p) for r, p in rows]
+        prompts = list(prompts)  # preempted rows append their prompt and response so far
+        track, alive = None, []  # alive: the slots' state at the last host check (paged)
+        t = end = live = width = top = admitted_at = lead = 0  # t: decode steps; top >= every cur
         since, since_steps = time.perf_counter(), 0
         while True:
             if t >= end:  # every admitted row has had all its steps
                 live = 0
-            free = slots - live
-            if next_row < len(rows) and (
-                live == 0 or (admit_late and free * 8 >= slots and t % self.check_every == 0)
-            ):
-                if live and self._live_to_front(caches, st, live, width, top, scratch, lead):
+            take = 0
+            if queue and (live == 0 or (admit_late and t % self.check_every == 0)):
+                take = self._to_admit(queue, prompts, slots, live, sched)
+            if take:
+                if live and self._live_to_front(
+                    caches, st, live, width, top, scratch, lead, None, sched, alive
+                ):
                     self.last_stats["compactions"] += 1
-                chunk = rows[next_row : next_row + free]
-                next_row += len(chunk)
+                entries, queue[:take] = queue[:take], []
                 track, plen = self._admit(
-                    chunk, prompts, sampling, gen, stops, out, caches, st, live, continued, keep
+                    entries, prompts, sampling, gen, stops, out, caches, st, live, continued, keep, sched
                 )
-                n = live + len(chunk)
+                n = live + take
                 width = bucket_for(n, buckets) if buckets else n
                 st.cur[n:width] = 0  # nothing of this call's rows is there
                 st.set_idle(n, width, scratch, self.pad_id)
-                end = max(end, t + max(sampling.limit_of(p) for _, p in chunk) - 1)
-                top, live, admitted_at = max(top, plen), n, t
+                end = max(end, t + max(sampling.limit_of(e.row // sampling.n) - e.start for e in entries) - 1)
+                top, live, admitted_at, alive = max(top, plen), n, t, [True] * n + [False] * (width - n)
                 if t >= end:  # every admitted row had its only token from the prefill (limits of 1)
                     continue
             elif live == 0:
                 break
-            logits = self._decode(width, top, caches, st, seq_len)
+            logits = self._decode(width, top, caches, st, seq_len, sched)
             if self._recorder is not None:  # the step fed response token t - admitted_at of the live slots
                 self._recorder.decode(st.row_of[:width], st.alive[:width], t - admitted_at)
             st.cur[:width] += st.alive[:width]
@@ -413,27 +374,58 @@ class NativeRollout(RolloutEngine):
             self.last_stats["slot_steps"] += width
             record_tokens(logits, sampling, gen, stops, out, st, 0, self.pad_id, sampling.max_new_tokens)
             if rows_finish and t < end and t % self.check_every == 0:
-                alive = st.alive[:width]  # live slots, their bound, and how many lead the batch
-                live_t, top_t, lead = torch.stack(
-                    (alive.sum(), st.cur[:width].max(), alive.cumprod(0).sum())
-                ).tolist()
+                if sched is None:
+                    alive_t = st.alive[:width]  # live slots, their bound, and how many lead the batch
+                    live, top, lead = torch.stack(
+                        (alive_t.sum(), st.cur[:width].max(), alive_t.cumprod(0).sum())
+                    ).tolist()
+                else:
+                    live, top, lead, alive = paged_check(
+                        st, sched, out, width, queue, prompts, self.check_every, self.pad_id, sampling.n
+                    )
                 now = time.perf_counter()  # the host waited for the steps queued since the last check
                 self._time_width(width, since_steps, now - since)
                 since, since_steps = now, 0
-                live, top = live_t, top_t
-                width, lead = self._maybe_compact(live, width, top, caches, st, buckets, scratch, track, lead)
+                width, lead = self._maybe_compact(
+                    live, width, top, caches, st, buckets, scratch, track, lead, sched, alive
+                )
+        if sched is not None:
+            self.last_stats.update(sched.stats())
         return track
 
-    def _admit(self, chunk, prompts, sampling, gen, stops, out, caches, st: SlotState, lo, continued, keep):
-        """Prefill `chunk`'s rows into slots [lo, lo + len(chunk)) and sample their first tokens; returns
-        (`track` when `keep`, the padded prompt length)."""
+    def _to_admit(self, queue: list[Pending], prompts, slots: int, live: int, sched) -> int:
+        """How many queued rows to admit now (the loop asks at host checks and when the batch is empty): all
+        the free slots hold once an eighth of them are free; paged: `PagedSlots.admissible`."""
+        free = slots - live
+        if sched is None:
+            return min(free, len(queue)) if live == 0 or free * 8 >= slots else 0
+        return sched.admissible(queue, lambda e: len(prompts[e.prompt]), slots, live, self.check_every)
+
+    def _admit(self, entries, prompts, sampling, gen, stops, out, caches, st, lo, continued, keep, sched):
+        """Prefill the rows of `entries` into slots [lo, lo + len(entries)) and sample their first tokens (a
+        preempted row's next one); returns (`track` when `keep`, the padded prompt length)."""
         self.last_stats["chunks"] += 1
+        chunk = [(e.row, e.prompt) for e in entries]
         n, hi = len(chunk), lo + len(chunk)
-        views = tuple([c[lo:hi] for c in layer] for layer in caches)
-        if continued is None:  # (continued rows come first, from anywhere in the cache: lo = 0)
-            logits, pad_r, plen = self._prefill(chunk, prompts, views)
+        if sched is not None:  # pages for the prompts and the positions written until the next host check
+            if lo == 0:
+                sched.release(0, len(sched.owned))
+            plen = max(len(prompts[p]) for _, p in chunk)
+            sched.admit(lo, entries, plen + self.check_every + 1)
+            st.table.copy_(sched.host)
+            args = (caches, self._recorder, st.table[lo:hi], sched.page)
+            logits, pad_r, plen = prefill_rows(
+                self.model, self.pad_id, self.prefill_tokens, chunk, prompts, *args
+            )
+        elif continued is None:  # (continued rows come first, from anywhere in the cache: lo = 0)
+            views = tuple([c[lo:hi] for c in layer] for layer in caches)
+            args = (views, self._recorder)
+            logits, pad_r, plen = prefill_rows(
+                self.model, self.pad_id, self.prefill_tokens, chunk, prompts, *args
+            )
         else:
-            logits, pad_r, plen = self._prefill_continued(chunk, prompts, caches, *continued)
+            args = (self.model, self.pad_id, self.prefill_tokens, chunk, prompts, caches, *continued)
+            logits, pad_r, plen = prefill_continued(*args)
         track = None
         if keep:  # permuted with the slots when finished rows are compacted away
             track = (
@@ -441,7 +433,8 @@ class NativeRollout(RolloutEngine):
                 st.pad.new_zeros(st.pad.numel()),
             )
             track[0][:n], track[1][:n] = torch.arange(n, device=self.device), pad_r
-        st.pad[lo:hi], st.cur[lo:hi], st.step[lo:hi], st.alive[lo:hi] = pad_r, plen, 0, True
+        st.pad[lo:hi], st.cur[lo:hi], st.alive[lo:hi] = pad_r, plen, True
+        st.step[lo:hi] = torch.tensor([e.start for e in entries], device=self.device)
         st.row_of[lo:hi] = torch.tensor([r for r, _ in chunk], device=self.device)
         record_tokens(logits, sampling, gen, stops, out, st, lo, self.pad_id, sampling.max_new_tokens)
         return track, plen
@@ -454,7 +447,7 @@ class NativeRollout(RolloutEngine):
             total[0] += steps
             total[1] += seconds
 
-    def _maybe_compact(self, live, width, top, caches, st: SlotState, buckets, scratch, track, lead):
+    def _maybe_compact(self, live, width, top, caches, st, buckets, scratch, track, lead, sched, alive):
         """Move the live slots to the front when enough finished (no copy when the first `lead` slots, all
         live, are all of them); returns (the new batch width: one batch bucket down with CUDA graphs, a quarter
         of the batch in eager mode; the live slots leading it)."""
@@ -463,30 +456,31 @@ class NativeRollout(RolloutEngine):
         target = bucket_for(live, buckets) if buckets else live
         if (target >= width) if buckets else (live * 4 > width * 3):
             return width, lead
-        self._live_to_front(caches, st, live, width, top, scratch, lead, track)
+        self._live_to_front(caches, st, live, width, top, scratch, lead, track, sched, alive)
         self.last_stats["compactions"] += 1  # the batch narrows, with or without a copy
         return target, live
 
-    def _live_to_front(self, caches, st: SlotState, live, width, top, scratch, lead, track=None) -> bool:
-        """Move the `live` slots to the front (one copy of their K/V up to `top`) unless the first `lead`
-        slots, all live, are all of them; True where it copied."""
+    def _live_to_front(self, caches, st, live, width, top, scratch, lead, track, sched, alive) -> bool:
+        """Move the `live` slots to the front (one copy of their K/V up to `top`; paged: of their page-table
+        rows, `alive` being the host's view of the slots) unless the first `lead` slots, all live, are all of
+        them; True where it moved them."""
         if lead >= live:
             return False
-        compact_slots(caches, st, live, width, top, scratch, self.pad_id, track)
+        if sched is not None:
+            compact_paged(st, sched, alive, live, width, scratch, self.pad_id)
+        else:
+            compact_slots(caches, st, live, width, top, scratch, self.pad_id, track)
         return True
 
-    def _decode(self, width: int, top: int, caches, st: SlotState, seq_len: int) -> torch.Tensor:
+    def _decode(self, width: int, top: int, caches, st: SlotState, seq_len: int, sched) -> torch.Tensor:
         cache_k, cache_v = caches
 
         def step(b: int, num_keys: int = seq_len) -> torch.Tensor:
-            return self.model.decode(
-                st.tokens[:b],
-                st.pad[:b],
-                st.cur[:b],
-                [k[:b] for k in cache_k],
-                [v[:b] for v in cache_v],
-                num_keys,
-            )
+            if sched is not None:  # the flat caches, row r's positions through its page-table row
+                rows_k, rows_v, paged = cache_k, cache_v, (st.table[:b], sched.page)
+            else:
+                rows_k, rows_v, paged = [k[:b] for k in cache_k], [v[:b] for v in cache_v], ()
+            return self.model.decode(st.tokens[:b], st.pad[:b], st.cur[:b], rows_k, rows_v, num_keys, *paged)
 
         if self.graphs is None or self._recorder is not None:  # the recorder reads each step's routes
             return step(width, min(top + 1, seq_len))

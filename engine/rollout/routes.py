@@ -34,6 +34,19 @@ class RouteRecorder:
         self.prompt_lens = torch.tensor(lens, dtype=torch.long, device=device)  # (rows + 1,)
         model.routes = []
 
+    @staticmethod
+    def for_call(model, prompts, sampling, continued, device: torch.device) -> RouteRecorder | None:
+        """The recorder of a native `generate` call's expert choices when `sampling.routed_experts` asks for
+        them (not for continued prompts)."""
+        if not sampling.routed_experts:
+            return None
+        if model.shape.moe is None or continued is not None:
+            raise ValueError(
+                "SamplingParams.routed_experts: only MoE models record routes, and not for continued prompts "
+                "(multi-turn); set algorithm.router_replay=false"
+            )
+        return RouteRecorder(model, prompts, sampling.n, sampling.max_new_tokens, device)
+
     def _take(self) -> torch.Tensor:
         """(tokens, layers, top_k) of the model's forward since the last call."""
         out = torch.stack(self.model.routes, dim=1).to(torch.int16)

@@ -44,6 +44,8 @@ if triton is not None:
         pad_ptr,
         cur_ptr,
         stride_cur,
+        table_ptr,
+        stride_tb,
         acc_ptr,
         max_ptr,
         sum_ptr,
@@ -64,6 +66,7 @@ if triton is not None:
         BLOCK_H: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        PAGE: tl.constexpr,
     ):
         row_group = tl.program_id(0)
         split = tl.program_id(1)
@@ -80,7 +83,7 @@ if triton is not None:
             mask=head_ok[:, None],
             other=0.0,
         )
-        k_base = k_ptr + row.to(tl.int64) * stride_kb + group * stride_kg
+        k_base = k_ptr + row.to(tl.int64) * stride_kb + group * stride_kg  # paged: stride_kb = 0
         v_base = v_ptr + row.to(tl.int64) * stride_vb + group * stride_vg
         m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -89,18 +92,19 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             key_ok = offs_n < hi
-            k = tl.load(
-                k_base + offs_n[:, None] * stride_kl + offs_d[None, :], mask=key_ok[:, None], other=0.0
-            )
+            if PAGE > 0:  # position n of the row sits at page table[row, n // PAGE], offset n % PAGE
+                page = tl.load(table_ptr + row * stride_tb + offs_n // PAGE, mask=key_ok, other=0)
+                at = page.to(tl.int64) * PAGE + offs_n % PAGE
+            else:
+                at = offs_n
+            k = tl.load(k_base + at[:, None] * stride_kl + offs_d[None, :], mask=key_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * qk_scale
             s = tl.where(key_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_base + offs_n[:, None] * stride_vl + offs_d[None, :], mask=key_ok[:, None], other=0.0
-            )
+            v = tl.load(v_base + at[:, None] * stride_vl + offs_d[None, :], mask=key_ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         state = (row_group * splits + split) * BLOCK_H + offs_h
@@ -144,6 +148,8 @@ def decode_attention(
     pad: torch.Tensor,
     cur: torch.Tensor,
     *,
+    table: torch.Tensor | None = None,
+    page: int = 0,
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -152,9 +158,16 @@ def decode_attention(
     """q (rows, groups, heads per group, dim), cache (rows, positions, groups, dim), pad (rows,) int,
     cur (rows,) or (1,) int -> attention output (rows, groups, heads per group, dim) in q's dtype, softmax
     scale 1/sqrt(dim), row r over cache positions [pad[r], cur[r]]. The keyword arguments are the kernel's tuning
-    knobs (scripts/bench/decode_attention.py sweeps them); `splits` None: `num_splits`."""
+    knobs (scripts/bench/decode_attention.py sweeps them); `splits` None: `num_splits`.
+
+    Paged (`table` (rows, pages per row) int32 and `page` given): the cache is one flat (positions, groups,
+    dim) buffer per layer and row r's position n sits at `table[r, n // page] * page + n % page`."""
     rows, groups, per_group, dim = q.shape
-    cache_len = cache_k.shape[1]
+    if table is not None:  # the flat cache as one "row" that every row indexes through its page table
+        cache_k, cache_v = cache_k.unsqueeze(0), cache_v.unsqueeze(0)
+        cache_len, stride_kb, stride_vb, stride_tb = table.shape[1] * page, 0, 0, table.stride(0)
+    else:
+        cache_len, stride_kb, stride_vb, stride_tb, table, page = cache_k.shape[1], None, None, 0, pad, 0
     cur = cur.expand(rows)  # one position per row (a (1,) tensor: the same for every row, stride 0)
     if q.stride(-1) != 1 or cache_k.stride(-1) != 1 or cache_v.stride(-1) != 1:
         raise ValueError("decode_attention needs unit stride over the head dim")
@@ -173,16 +186,18 @@ def decode_attention(
         pad,
         cur,
         cur.stride(0),
+        table,
+        stride_tb,
         acc,
         m,
         s,
         q.stride(0),
         q.stride(1),
         q.stride(2),
-        cache_k.stride(0),
+        cache_k.stride(0) if stride_kb is None else stride_kb,
         cache_k.stride(1),
         cache_k.stride(2),
-        cache_v.stride(0),
+        cache_v.stride(0) if stride_vb is None else stride_vb,
         cache_v.stride(1),
         cache_v.stride(2),
         groups,
@@ -193,6 +208,7 @@ def decode_attention(
         BLOCK_H=block_h,
         HEAD_DIM=dim,
         BLOCK_N=block_n,
+        PAGE=page,
         num_warps=num_warps,
         num_stages=num_stages,
     )

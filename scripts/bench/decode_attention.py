@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from presets import hf_config_for  # noqa: E402
 
 from engine.rollout import triton_decode  # noqa: E402
-from engine.rollout.model import flash_varlen_decode  # noqa: E402
+from engine.rollout.attention_kernels import flash_varlen_decode  # noqa: E402
 
 
 def time_ms(fn, iters: int) -> float:

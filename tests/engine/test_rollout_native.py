@@ -290,13 +290,14 @@ def test_per_prompt_limits_stop_each_prompts_rows(tiny, check_every):
         )
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_freed_slots_admit_waiting_rows(tiny, graphs):
+@pytest.mark.parametrize("graphs,paged", [(False, True), (True, True), (False, False), (True, False)])
+def test_freed_slots_admit_waiting_rows(tiny, graphs, paged):
     """More rows than slots, long-tailed per-row limits: rows waiting for a slot are admitted into the slots
     that finished rows free (while the long rows go on), not after the whole batch ends; every row's tokens
     are those of a run with all rows in one batch (greedy, float32: log-probs within 1e-5). Decode steps
     shrink from the sum over chunks of each chunk's longest row to about the longest row. With stop tokens
-    (rows ending early, lengths unknown up front) the same holds."""
+    (rows ending early, lengths unknown up front) the same holds. Both KV layouts (pages, and contiguous
+    slots with their K/V copied at compaction)."""
     shape = tiny["qwen2"][0]
     prompts = random_prompts(shape.vocab_size, lens=tuple(range(3, 15)), seed=3)
     limits = (20, 2, 3, 2, 3, 2, 3, 2, 2, 4, 2, 3)
@@ -304,7 +305,7 @@ def test_freed_slots_admit_waiting_rows(tiny, graphs):
         n=2, temperature=0.0, max_new_tokens=20, max_new_tokens_per_prompt=limits, ignore_eos=True
     )
     one_batch = engine_for(tiny, "qwen2").generate(prompts, sampling)
-    engine = engine_for(tiny, "qwen2", max_num_seqs=6, check_every=1)
+    engine = engine_for(tiny, "qwen2", max_num_seqs=6, check_every=1, paged_kv=paged)
     if graphs:
         engine.graphs = EagerGraphs()
     out = engine.generate(prompts, sampling)

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
+from engine.rollout.attention_kernels import decode_attention_kernel
 from engine.rollout.base import SamplingParams, check_sampling
 from engine.rollout.cuda_graphs import batch_buckets, bucket_for
 from engine.rollout.kv_cache import KVCachePool, compact_rows
-from engine.rollout.model import decode_attention_kernel
 from engine.rollout.sampler import _draw, sample_tokens
 
 # probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625 at temperature 1

@@ -1,0 +1,85 @@
+"""Which decode attention kernel the native engine's forward (engine/rollout/model.py) runs, and the
+FlashAttention-2 varlen call: the kernel choice (`DecodeKernels`, `decode_attention_kernel`) lives here so that
+the forward reads as the model alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.rollout import triton_decode
+
+
+def flash_decode_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether FlashAttention-2 (built into torch) runs the decode attention: CUDA sm80+, half precision,
+    head_dim a multiple of 8 up to 256, and torch's flash SDPA backend enabled."""
+    return (
+        device.type == "cuda"
+        and dtype in (torch.bfloat16, torch.float16)
+        and head_dim % 8 == 0
+        and head_dim <= 256
+        and torch.backends.cuda.flash_sdp_enabled()
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+    )
+
+
+def flash_varlen_decode(q, cache_k, cache_v, cum_q, cum_k, used_k) -> torch.Tensor:
+    """FlashAttention-2 varlen decode: q (b, groups, heads per group, dim) with the heads of a group folded into
+    the query axis (cumulative query lengths `cum_q`), row r's keys at flat cache positions starting at
+    `cum_k[r]`, `used_k[r]` of them; cache (b, positions, groups, dim). Returns (b, groups, per group, dim)."""
+    b, g, pg, hd = q.shape
+    out = torch.ops.aten._flash_attention_forward(
+        q.transpose(1, 2).reshape(b * pg, g, hd),
+        cache_k.view(-1, g, hd),
+        cache_v.view(-1, g, hd),
+        cum_q,
+        cum_k,
+        pg,
+        cache_k.shape[1],
+        0.0,
+        False,
+        False,
+        seqused_k=used_k,
+    )[0]
+    return out.view(b, pg, g, hd).transpose(1, 2)
+
+
+ATTENTION_KERNELS = ("triton", "flash", "sdpa")
+
+
+@dataclass
+class DecodeKernels:
+    """Which fast kernels the rollout forward uses where they apply (CUDA, half precision)."""
+
+    attention: str = "auto"
+    """Decode attention: "triton" (engine/rollout/triton_decode.py), "flash" (FlashAttention-2 varlen over each
+    row's written keys), "sdpa" (masked SDPA over the first `num_keys` positions: the plain path), or "auto":
+    the first of those that applies here (CPU: sdpa)."""
+    compiled: bool = True
+    """Residual add + RMSNorm, SwiGLU and RoPE as torch.compile'd kernels (ENGINE_COMPILE_ROLLOUT=0: off)."""
+
+
+def decode_attention_kernel(
+    wanted: str, device: torch.device, dtype: torch.dtype, head_dim: int, per_group: int
+) -> str:
+    """Resolve `DecodeKernels.attention` for this device, dtype and head shape; a named kernel that cannot
+    run here is an error."""
+    ok = {
+        "triton": triton_decode.supported(device, dtype, head_dim, per_group),
+        "flash": flash_decode_supported(device, dtype, head_dim),
+        "sdpa": True,
+    }
+    if wanted == "auto":
+        return next(k for k in ATTENTION_KERNELS if ok[k])
+    if wanted not in ok:
+        raise ValueError(
+            f"decode attention kernel {wanted!r}: pick one of auto, {', '.join(ATTENTION_KERNELS)}"
+        )
+    if not ok[wanted]:
+        raise ValueError(
+            f"decode attention kernel {wanted!r} cannot run on {device} in {dtype} with head_dim {head_dim}: "
+            "use 'auto'"
+        )
+    return wanted
