@@ -10,13 +10,14 @@ How a `generate` call runs (the forward itself is engine/rollout/model.py):
   decode_state.py); a finished row is masked at once, and the batch is compacted (live rows moved to the
   front) only when enough rows finished: a quarter of the batch in eager mode, one batch bucket down with
   CUDA graphs (and before an admission, unless the live slots already lead the batch);
-- calls whose rows can finish early (stop tokens, per-row limits) hold K/V in pages (engine/rollout/
-  paged_kv.py): a row holds the positions it wrote, not the longest row's, compaction moves page-table rows,
-  and finished rows' slots and pages go to the next rows at a host check where an eighth of the slots'
-  worth fits, so that GPU time and memory track the tokens generated rather than each chunk's longest row.
-  Without pages (`paged_kv=False`, the flash kernel) each slot has the longest row's length, compaction
-  copies the live part and rows are admitted where an eighth of the slots is free; fixed lengths, turns
-  inside `hold()` and recorded routes keep that layout and start the next rows when the batch is empty;
+- calls whose rows can finish early (stop tokens, per-row limits), where the KV budget holds fewer whole
+  rows than the call decodes at once, keep K/V in pages (engine/rollout/paged_kv.py): a row holds the
+  positions it wrote, compaction moves page-table rows, and finished rows' slots and pages go to the next
+  rows at a host check where an eighth of the slots' worth fits, so that GPU time and memory track the
+  tokens generated rather than each chunk's longest row. Without pages (budget to spare, `paged_kv=False`,
+  the flash kernel) each slot has the longest row's length, compaction copies the live part and rows are
+  admitted where an eighth of the slots is free; fixed lengths, turns inside `hold()` and recorded routes
+  keep that layout and start the next rows when the batch is empty;
 - on CUDA the decode step is replayed from a CUDA graph per batch bucket (engine/rollout/cuda_graphs.py) and
   the host checks for finished rows every `check_every` steps only; on CPU every step, inside
   `parallel.cpu.no_shim_overhead()` (the megatron CPU shims' TorchFunctionMode costs a Python call per op).
@@ -75,7 +76,8 @@ class NativeRollout(RolloutEngine):
     `kernels` (the forward's fast kernels, engine/rollout/model.py `DecodeKernels`; default: all where they apply),
     `keep_episode_cache` (inside `hold()`, keep each row's K/V for `generate_continued`; False: every call
     prefills its prompts in full), `paged_kv` (calls whose rows finish at different times hold their K/V in
-    pages: engine/rollout/paged_kv.py; False: one contiguous region per slot, sized by the longest row).
+    pages, engine/rollout/paged_kv.py: True always, None where the budget holds fewer whole rows than the
+    call decodes at once; False never: one contiguous region per slot, sized by the longest row).
     """
 
     def __init__(
@@ -93,7 +95,7 @@ class NativeRollout(RolloutEngine):
         check_every: int | None = None,
         kernels: DecodeKernels | None = None,
         keep_episode_cache: bool = True,
-        paged_kv: bool = True,
+        paged_kv: bool | None = None,
     ):
         device = torch.device(device)
         on_cuda = device.type == "cuda"
@@ -227,13 +229,16 @@ class NativeRollout(RolloutEngine):
             empty = torch.zeros(0, new)
             return RolloutOutput(empty.long(), empty, empty, [])
         longest = max(len(p) for p in prompts)
-        paged = self.paged_kv and uses_pages(sampling, continued, self._holding and self.keep_episode_cache)
-        paged = paged and self.model.attention != "flash"  # (flash reads contiguous rows)
+        paged = self.paged_kv is not False and self.model.attention != "flash"  # (flash: contiguous rows)
+        paged = paged and uses_pages(sampling, continued, self._holding and self.keep_episode_cache)
         if continued is not None:  # the kept rows' layout
             seq_len, slots = continued[0].seq_len, continued[0].slots
         else:
             seq_len = self._seq_len(longest + new)
-            slots = min(self.max_num_seqs, num_rows, num_rows if paged else self._budget_slots(seq_len))
+            slots = min(self.max_num_seqs, num_rows)
+            budget = self._budget_slots(seq_len)  # auto: pages where whole rows would not all fit
+            paged = paged and (self.paged_kv or budget < slots)
+            slots = slots if paged else min(slots, budget)
         # longest responses first (chunks of similar length), then longest prompts
         order = sorted(range(len(prompts)), key=lambda i: (-sampling.limit_of(i), -len(prompts[i])))
         rows = [(p * sampling.n + j, p) for p in order for j in range(sampling.n)]

@@ -24,7 +24,9 @@ fails is reported as `{"error": ...}` (traceback on stderr) and the other backen
 `native_plain`: the native engine with its CUDA kernels off (`DecodeKernels(attention="sdpa",
 compiled=False)`: masked SDPA decode attention, eager elementwise ops), the baseline those kernels are
 measured against in the same run; `native_flash`: FlashAttention-2 decode attention instead of the Triton
-kernel, compiled elementwise ops (both skipped on CPU, where every variant is the plain path).
+kernel, compiled elementwise ops (both skipped on CPU, where every variant is the plain path);
+`native_contiguous`: the native engine without paged KV (`paged_kv=False`: every slot holds the longest
+row's positions, so the KV budget bounds the batch by the longest row).
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
 `--profile DIR`: one more native `generate` of the same batch under torch.profiler: the top 30 kernels to
@@ -59,7 +61,7 @@ CONF_MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "conf", "model"
 PRESETS = ("tiny", "tiny_moe", "qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_7b", "qwen1_5_moe_a2_7b")
 TINY = ("tiny", "tiny_moe")
 TINY_VOCAB = 512
-BACKENDS = ("native", "native_flash", "native_plain", "vllm", "transformers")
+BACKENDS = ("native", "native_contiguous", "native_flash", "native_plain", "vllm", "transformers")
 
 
 def parse_args() -> argparse.Namespace:
@@ -202,7 +204,9 @@ VARIANTS = {  # the native engine with other kernels, against `native` (auto) in
 }
 
 
-def run_native(shape, weights, prompts, sampling, args, device, shim_overhead=False, kernels=None) -> dict:
+def run_native(
+    shape, weights, prompts, sampling, args, device, shim_overhead=False, kernels=None, paged_kv=True
+) -> dict:
     from engine.rollout import native
 
     engine = native.NativeRollout(
@@ -211,6 +215,7 @@ def run_native(shape, weights, prompts, sampling, args, device, shim_overhead=Fa
         args.max_num_seqs,
         cuda_graphs=False if args.no_cuda_graphs else None,
         kernels=kernels,
+        paged_kv=paged_kv,
     )
     engine.set_weights(weights)
     patch = contextlib.nullcontext()
@@ -407,6 +412,11 @@ def main() -> None:
             results["native_with_shim_overhead"], _ = run_native(
                 shape, weights, prompts, sampling, args, device, shim_overhead=True
             )
+    if "native_contiguous" in wanted:  # the KV layout before pages: one longest-row region per slot
+        results["native_contiguous"], greedy = run_native(
+            shape, weights, prompts, sampling, args, device, paged_kv=False
+        )
+        results["native_contiguous"]["greedy_agree_first_token"] = _agree(greedy, reference)
     for name, kernels in VARIANTS.items():
         if name not in wanted:
             continue

@@ -123,14 +123,14 @@ def test_pages_hold_more_rows_than_contiguous_slots(tiny):  # noqa: F811
     ref = engine_for(tiny, "qwen2").generate(prompts, sampling)
     per_row = engine_for(tiny, "qwen2").pool.bytes_per_sequence(40)  # longest prompt 14 + 24, rounded up to 8
     runs = {}
-    for paged in (False, True):
+    for paged in (False, None):  # None: pages where the budget binds, as here
         engine = engine_for(tiny, "qwen2", kv_cache_budget_bytes=3 * per_row, check_every=1, paged_kv=paged)
         out = engine.generate(prompts, sampling)
         assert torch.equal(out.response_ids, ref.response_ids) and torch.equal(
             out.response_mask, ref.response_mask
         )
         torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
-        runs[paged] = dict(engine.last_stats), max(engine.last_stats_by_width or {0: 0})
+        runs[paged is None] = dict(engine.last_stats), max(engine.last_stats_by_width or {0: 0})
     (flat, flat_width), (pages, paged_width) = runs[False], runs[True]
     assert flat["slots"] == 3 and flat_width <= 3 and not flat["paged"]
     assert pages["paged"] and paged_width > 3, pages
@@ -168,7 +168,7 @@ def test_sampling_under_a_seed_equals_the_contiguous_layout(tiny):  # noqa: F811
         n=2, temperature=1.0, max_new_tokens=24, max_new_tokens_per_prompt=limits, stop_token_ids=(7,), seed=5
     )
     a = engine_for(tiny, "qwen2", paged_kv=False).generate(prompts, sampling)
-    paged = engine_for(tiny, "qwen2")
+    paged = engine_for(tiny, "qwen2", paged_kv=True)
     b = paged.generate(prompts, sampling)
     assert paged.last_stats["paged"] == 1
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.log_probs, b.log_probs)

@@ -305,7 +305,7 @@ def test_freed_slots_admit_waiting_rows(tiny, graphs, paged):
         n=2, temperature=0.0, max_new_tokens=20, max_new_tokens_per_prompt=limits, ignore_eos=True
     )
     one_batch = engine_for(tiny, "qwen2").generate(prompts, sampling)
-    engine = engine_for(tiny, "qwen2", max_num_seqs=6, check_every=1, paged_kv=paged)
+    engine = engine_for(tiny, "qwen2", max_num_seqs=6, check_every=1, paged_kv=paged or None)
     if graphs:
         engine.graphs = EagerGraphs()
     out = engine.generate(prompts, sampling)
