@@ -336,7 +336,8 @@ class NativeRollout(RolloutEngine):
         scratch = out.stopped.numel() - 1
         if self.graphs is not None:
             ptrs = tuple(t.data_ptr() for t in (*self.weights.params.values(), *self.model.expert_views()))
-            key = (ptrs, self.pool.version, slots, seq_len, self._rows_version, paged)
+            pages = sched.num_pages if sched else 0
+            key = (ptrs, self.pool.version, slots, seq_len, self._rows_version, pages)
             self.graphs.invalidate_unless(key)
         rows_finish = stops is not None or out.limit is not None
         admit_late = rows_finish and not keep and continued is None and self._recorder is None
@@ -350,7 +351,10 @@ class NativeRollout(RolloutEngine):
                 live = 0
             take = 0
             if queue and (live == 0 or (admit_late and t % self.check_every == 0)):
-                take = self._to_admit(queue, prompts, slots, live, sched)
+                if sched is not None:  # as many as the free pages hold
+                    take = sched.admissible(queue, prompts, sampling, slots, live, self.check_every)
+                elif live == 0 or (slots - live) * 8 >= slots:  # all the free slots hold, an eighth free
+                    take = min(slots - live, len(queue))
             if take:
                 if live and self._live_to_front(
                     caches, st, live, width, top, scratch, lead, None, sched, alive
@@ -397,14 +401,6 @@ class NativeRollout(RolloutEngine):
         if sched is not None:
             self.last_stats.update(sched.stats())
         return track
-
-    def _to_admit(self, queue: list[Pending], prompts, slots: int, live: int, sched) -> int:
-        """How many queued rows to admit now (the loop asks at host checks and when the batch is empty): all
-        the free slots hold once an eighth of them are free; paged: `PagedSlots.admissible`."""
-        free = slots - live
-        if sched is None:
-            return min(free, len(queue)) if live == 0 or free * 8 >= slots else 0
-        return sched.admissible(queue, lambda e: len(prompts[e.prompt]), slots, live, self.check_every)
 
     def _admit(self, entries, prompts, sampling, gen, stops, out, caches, st, lo, continued, keep, sched):
         """Prefill the rows of `entries` into slots [lo, lo + len(entries)) and sample their first tokens (a

@@ -74,10 +74,14 @@ class PagedSlots:
         whole = slots * (per_row + 1)
         return cls(min(budget, whole + whole // 31 + 2), page, slots, per_row)
 
-    def admissible(self, queue: list[Pending], prompt_len, slots: int, live: int, horizon: int) -> int:
+    def admissible(self, queue: list[Pending], prompts, sampling, slots: int, live: int, horizon: int) -> int:
         """How many queued rows to admit now: as many as `fit`, if that is at least an eighth of the slots
         (or what is left), so that admissions (each a prefill) stay few; any that fit when nothing is live."""
-        k = self.fit(queue, prompt_len, slots - live, live, horizon)
+
+        def lengths(e: Pending) -> tuple[int, int]:
+            return len(prompts[e.prompt]), sampling.limit_of(e.row // sampling.n) - e.start
+
+        k = self.fit(queue, lengths, slots - live, live, horizon)
         return k if live == 0 or k >= min(-(-slots // 8), len(queue)) else 0
 
     def pages_for(self, positions: int) -> int:
@@ -101,19 +105,23 @@ class PagedSlots:
             self.host[slot, j] = have[-1]
         self.peak_pages = max(self.peak_pages, self.num_pages - 1 - len(self.free))
 
-    def fit(self, queue: list[Pending], prompt_len, free_slots: int, live: int, horizon: int) -> int:
-        """How many rows at the head of `queue` (at most `free_slots`) to admit now: their prompts, padded to
-        the longest of them, the next `horizon` positions and a page to grow into (at most a whole row) each
-        fit the free pages with one page per live row and the watermark left (none left when nothing is
-        live: the first row always fits)."""
+    def fit(self, queue: list[Pending], lengths, free_slots: int, live: int, horizon: int) -> int:
+        """How many rows at the head of `queue` (at most `free_slots`) to admit now. `lengths(entry)` = (prompt
+        length, response tokens left). Their prompts, padded to the longest of them, the next `horizon`
+        positions and a page to grow into (at most a whole row) each fit the free pages with one page per
+        live row and the watermark left (none left when nothing is live: the first row always fits); and
+        every row's prompt padding and tokens left fit a row's pages (a preempted row's prompt holds its
+        response so far)."""
         keep = live + (self.watermark() if live else 0)
-        k = plen = 0
+        k = plen = left = 0
         for entry in queue[:free_slots]:
-            longest = max(plen, prompt_len(entry))
+            prompt, tokens = lengths(entry)
+            longest, most = max(plen, prompt), max(left, tokens)
             row = min(self.pages_for(longest + horizon + 1) + 1, self.pages_per_row)  # and a growth page
-            if (k + 1) * row + keep > len(self.free) and (k or live):
+            fits = (k + 1) * row + keep <= len(self.free) and longest + most <= self.pages_per_row * self.page
+            if not fits and (k or live):
                 break
-            k, plen = k + 1, longest
+            k, plen, left = k + 1, longest, most
         return k
 
     def admit(self, lo: int, entries: list[Pending], positions: int) -> None:

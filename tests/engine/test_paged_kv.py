@@ -40,7 +40,7 @@ def test_page_books_balance_through_admit_grow_preempt_and_compaction():
             order = [s for s in range(8) if alive[s]] + [s for s in range(8) if not alive[s]]
             sched.permute(order)
             alive, cur = [alive[s] for s in order], [cur[s] for s in order]
-            k = sched.fit(queue, lambda e: lens[e.prompt], 8 - live, live, 2)
+            k = sched.fit(queue, lambda e: (lens[e.prompt], 20), 8 - live, live, 2)
             assert k >= 1 or live  # something always fits an empty batch
             entries, queue[:k] = queue[:k], []
             if entries:
@@ -173,3 +173,16 @@ def test_sampling_under_a_seed_equals_the_contiguous_layout(tiny):  # noqa: F811
     assert paged.last_stats["paged"] == 1
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.log_probs, b.log_probs)
     assert a.finish_reasons == b.finish_reasons
+
+
+def test_fit_keeps_every_row_of_a_chunk_inside_a_row_of_pages():
+    """A preempted row's prompt holds its response so far: padded to it, a fresh row with many tokens left
+    would run past a row's pages (40 positions here), so it waits for the next chunk; rows that fit together
+    are taken together, and an empty batch always takes its first row."""
+    sched = PagedSlots(num_pages=200, page=4, slots=8, pages_per_row=10)
+    lengths = {0: (30, 5), 1: (6, 30), 2: (8, 4), 3: (9, 30)}
+    queue = [Pending(r, r) for r in (0, 1)]
+    assert sched.fit(queue, lambda e: lengths[e.prompt], 8, 0, 2) == 1
+    queue = [Pending(r, r) for r in (2, 1, 3)]
+    assert sched.fit(queue, lambda e: lengths[e.prompt], 8, 0, 2) == 3
+    assert sched.fit(queue, lambda e: lengths[e.prompt], 2, 0, 2) == 2
