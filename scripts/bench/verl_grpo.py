@@ -28,9 +28,12 @@ console logger. Attention: SDPA (flash-attn is not installed; verl's default is 
 `use_remove_padding` only with `--remove-padding` (without flash-attn, transformers' SDPA masks the packed
 rows as one block-diagonal sequence: correct, but attention over the whole packed micro-batch).
 
-Timing: verl's console logger prints `step:N - key:value - ...` per step; `timing_s/step` of steps after the
-first gives `step_s` (median), the other `timing_s/*` keys (gen, old_log_prob, update_actor,
-update_weights, ...) are reported per step. Tokens/s/GPU count real tokens: n x sum(prompt_len + cap).
+Timing: verl's console logger prints `step:N - key:value - ...` per step (after Ray's `(TaskRunner pid=N)`
+prefix); `timing_s/step` of steps after the first gives `step_s` (median; None with one step: the first is
+`first_step_s`), the other `timing_s/*` keys (gen, old_log_prob, update_actor, update_weights, ...) are
+reported per step, with `perf/mfu/actor` and the actor's `max_memory_allocated_gb`. Tokens/s/GPU count real
+tokens: n x sum(prompt_len + cap). On SIGTERM (run.sh's `timeout`) the JSON of the steps logged so far is
+printed (`stopped_by_signal`) and verl is killed: keep run.sh's `--timeout` below the device call's limit.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,7 +60,8 @@ REWARD = '''def compute_score(data_source, solution_str, ground_truth, extra_inf
     """Constant reward: the benchmark measures cost, not learning."""
     return 0.0
 '''
-STEP_LINE = re.compile(r"^step:(\d+) - (.*)$")
+# verl 0.9.1 logs from a Ray actor: the line starts with a colored `(TaskRunner pid=N)` prefix
+STEP_LINE = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
 METRIC = re.compile(r"([\w/@.\-]+):(?:np\.\w+\()?(-?[\d.]+(?:[eE][-+]?\d+)?|nan|inf)\)?")
 
 
@@ -181,22 +186,29 @@ def verl_overrides(args: argparse.Namespace, files: dict, workdir: str) -> list[
 
 def parse_steps(lines) -> dict[int, dict[str, float]]:
     """Metrics per step from verl's console logger lines (`step:N - key:value - ...`, numpy scalars as
-    `np.float64(x)`)."""
+    `np.float64(x)`; Ray's `(TaskRunner pid=N)` prefix before `step:` is skipped)."""
     steps: dict[int, dict[str, float]] = {}
     for line in lines:
-        m = STEP_LINE.match(line.strip())
+        m = STEP_LINE.search(line.strip())
         if m:
             steps[int(m.group(1))] = {k: float(v) for k, v in METRIC.findall(m.group(2))}
     return steps
 
 
 def summarize(args: argparse.Namespace, caps: list[int], steps: dict[int, dict[str, float]]) -> dict:
-    """The bench's JSON object from the per-step metrics."""
+    """The bench's JSON object from the per-step metrics. `step_s` is the median of the steps after the first
+    (None with one step or none: the first step holds verl's warm-up and is reported as `first_step_s`)."""
     order = sorted(steps)
     times = [steps[s].get("timing_s/step", float("nan")) for s in order]
-    steady = times[1:] or times
-    step_s = statistics.median(steady) if steady else float("nan")
+    steady = times[1:]
+    step_s = statistics.median(steady) if steady else None
     tokens = args.n * sum(args.prompt_len + c for c in caps)
+
+    def last_key(suffix: str) -> str | None:  # verl 0.9.1: actor/perf/max_memory_allocated_gb, perf/mfu/actor
+        keys = [k for s in order for k in steps[s] if k == suffix or k.endswith("/" + suffix)]
+        return keys[-1] if keys else None
+
+    mem, mfu = last_key("max_memory_allocated_gb"), last_key("perf/mfu/actor")
     return {
         "system": "verl_grpo",
         "engine": "verl 0.9.1 fsdp + vllm (colocated)",
@@ -205,13 +217,18 @@ def summarize(args: argparse.Namespace, caps: list[int], steps: dict[int, dict[s
         "remove_padding": args.remove_padding,
         "gradient_checkpointing": args.gradient_checkpointing,
         "max_tokens": args.max_tokens,
+        "steps_done": len(order),
         "step_s": step_s,
+        "first_step_s": times[0] if times else None,
         "step_s_all": times,
-        "tokens_per_s_per_gpu": tokens / step_s / args.gpus if steady else None,
-        "timing_s": {s: {k: v for k, v in steps[s].items() if k.startswith("timing_s/")} for s in order},
-        "peak_memory_gb": max(
-            (steps[s].get("perf/max_memory_allocated_gb", 0.0) for s in order), default=None
-        ),
+        "tokens": tokens,
+        "tokens_per_s_per_gpu": tokens / step_s / args.gpus if step_s else None,
+        "timing_s": {
+            s: {k: v for k, v in steps[s].items() if k.startswith("timing_s/") and "/agent_loop/" not in k}
+            for s in order
+        },
+        "mfu_update_actor": [steps[s].get(mfu) for s in order] if mfu else None,
+        "peak_memory_gb": max((steps[s].get(mem, 0.0) for s in order), default=None) if mem else None,
     }
 
 
@@ -230,12 +247,22 @@ def main() -> None:
     cmd = [python, "-m", "verl.trainer.main_ppo", *verl_overrides(args, files, workdir)]
     print(" ".join(cmd), file=sys.stderr, flush=True)
     lines = []
-    with subprocess.Popen(
+    proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=workdir
-    ) as proc:
-        for line in proc.stdout:  # verl's log to stderr; only the JSON goes to stdout
-            sys.stderr.write(line)
-            lines.append(line)
+    )
+
+    def on_term(signum, frame):  # run.sh's `timeout`: the steps logged so far still become the JSON
+        result = summarize(args, files["caps"], parse_steps(lines))
+        result.update(returncode=None, stopped_by_signal=signum)
+        print(json.dumps(result), flush=True)
+        proc.kill()
+        os._exit(124)
+
+    signal.signal(signal.SIGTERM, on_term)
+    for line in proc.stdout:  # verl's log to stderr; only the JSON goes to stdout
+        sys.stderr.write(line)
+        lines.append(line)
+    proc.wait()
     steps = parse_steps(lines)
     result = summarize(args, files["caps"], steps)
     result["returncode"] = proc.returncode

@@ -69,3 +69,24 @@ def test_console_lines_to_json():
     assert out["tokens_per_s_per_gpu"] == 2 * 6 * (16 + 40) / 10.0
     assert out["timing_s"][2] == {"timing_s/gen": 4.0, "timing_s/update_actor": 3.5, "timing_s/step": 9.0}
     assert out["peak_memory_gb"] == 41.0
+
+
+def test_ray_prefixed_lines_and_one_step():
+    """verl 0.9.1's lines as measured on the H200 (2026-12-02): Ray's colored actor prefix before `step:`,
+    the actor's memory and MFU under `actor/perf/...` and `perf/mfu/actor`; one step gives no step_s."""
+    line = (
+        "\x1b[36m(TaskRunner pid=2851)\x1b[0m step:1 - actor/perf/max_memory_allocated_gb:np.float64(74.1) - "
+        "perf/mfu/actor:np.float64(0.0163) - num_turns/min:np.int32(2) - timing_s/agent_loop/slowest/gen:3.0 - "
+        "timing_s/gen:37.15 - timing_s/update_actor:75.7 - timing_s/step:138.36\n"
+    )
+    steps = parse_steps(["noise", line])
+    assert sorted(steps) == [1] and steps[1]["timing_s/step"] == 138.36
+    out = summarize(parse_args(ARGS), [40] * 6, steps)
+    assert out["step_s"] is None and out["tokens_per_s_per_gpu"] is None
+    assert out["first_step_s"] == 138.36 and out["steps_done"] == 1
+    assert out["peak_memory_gb"] == 74.1 and out["mfu_update_actor"] == [0.0163]
+    assert out["timing_s"][1] == {
+        "timing_s/gen": 37.15,
+        "timing_s/update_actor": 75.7,
+        "timing_s/step": 138.36,
+    }
