@@ -44,8 +44,8 @@ def tiny(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("rollout_gpu_hf")
     out = {}
-    for i, family in enumerate(FAMILIES):
-        path = hf_tiny.save_tiny(family, str(root / family), seed=i)
+    for i, family in enumerate(FAMILIES):  # rows of several 64-position pages
+        path = hf_tiny.save_tiny(family, str(root / family), seed=i, max_position_embeddings=512)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         hf.generation_config.eos_token_id = None
         shape, weights = rollout_weights_from_hf(path)
@@ -195,8 +195,8 @@ def test_triton_paged_decode_equals_the_contiguous_cache_bitwise(splits):
 def test_paged_generation_with_graphs_equals_the_contiguous_layout(tiny):
     """Long-tailed per-row limits with CUDA graphs: pages where the budget holds every row give the
     contiguous layout's tokens and log-probs bit for bit in bf16 (the Triton kernel through the table);
-    a budget of two whole rows (stop tokens, lengths unknown up front) preempts and resumes rows and still
-    gives an unconstrained run's tokens in float32 (log-probs within 1e-4)."""
+    a budget of two whole rows preempts and resumes rows (rows that outgrow their pages; admission does not
+    read per-row limits) and still gives an unconstrained run's tokens in float32 (log-probs within 1e-4)."""
     shape = tiny["qwen2"][0]
     prompts = random_prompts(shape.vocab_size, lens=tuple(range(3, 27)), seed=4)
     limits = tuple([40, 3, 2, 5, 2, 30, 3, 2, 6, 2, 3, 2] * 2)
@@ -206,13 +206,13 @@ def test_paged_generation_with_graphs_equals_the_contiguous_layout(tiny):
     paged = paged_engine.generate(prompts, sampling)
     assert paged_engine.last_stats["paged"] and paged_engine.last_stats["graphs"] >= 2
     assert torch.equal(flat.response_ids, paged.response_ids) and torch.equal(flat.log_probs, paged.log_probs)
-    free = engine(tiny, "qwen2").generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=200))
-    stop = int(torch.bincount(free.response_ids[:, 60:].flatten()).argmax())
-    stops = SamplingParams(temperature=0.0, max_new_tokens=200, stop_token_ids=(stop,))
-    ref = engine(tiny, "qwen2").generate(prompts, stops)
-    per_page = paged_engine.pool.bytes_per_sequence(64)  # rows of 26 + 200 positions: 4 pages
+    long_rows = tuple([200, 150, 3, 120, 2, 180] * 4)  # rows that outgrow what admission set aside
+    long = SamplingParams(temperature=0.0, max_new_tokens=200, max_new_tokens_per_prompt=long_rows)
+    ref_engine = engine(tiny, "qwen2")
+    ref = ref_engine.generate(prompts, long)
+    per_page = ref_engine.pool.bytes_per_sequence(64)  # float32; rows of 26 + 200 positions: 4 pages
     tight = engine(tiny, "qwen2", kv_cache_budget_bytes=9 * per_page, max_num_seqs=16)
-    out = tight.generate(prompts, stops)
+    out = tight.generate(prompts, long)
     assert tight.last_stats["preemptions"] >= 1 and tight.last_stats["graphs"] >= 1, tight.last_stats
     assert torch.equal(out.response_ids, ref.response_ids) and out.finish_reasons == ref.finish_reasons
     torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-4, rtol=0)
