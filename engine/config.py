@@ -150,10 +150,16 @@ class RolloutConfig:
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks fix response lengths this way)."""
     val_temperature: float = 0.0
-    """Temperature for validation rollouts (0 = greedy)."""
+    """Temperature of validation responses (0 = greedy), as verl's val_kwargs.temperature."""
+    val_top_p: float = 1.0
+    """Nucleus mass of sampled validation responses (val_temperature > 0), as verl's val_kwargs.top_p."""
+    val_top_k: int = 0
+    """Top-k of sampled validation responses (val_temperature > 0; 0 = off), as verl's val_kwargs.top_k."""
     val_n: int = 1
-    """Validation: besides the val_temperature response, k > 1 responses per prompt sampled like training's
-    (temperature, top_p, top_k), logged as val/<data_source>/mean@k, best@k and maj@k."""
+    """Validation: besides the one val_temperature response, k > 1 responses per prompt, logged as
+    val/<data_source>/mean@k, best@k and maj@k: sampled at val_temperature, val_top_p and val_top_k (verl's
+    val_kwargs with n = k), or, with val_temperature = 0 (k greedy responses would all be one), at training's
+    temperature, top_p and top_k."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of GPU memory for weights + KV cache."""
     max_num_seqs: int = 256

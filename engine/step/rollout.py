@@ -144,13 +144,17 @@ def rollout_params(
     record's `max_new_tokens` where it has one, stopping at `stop_ids` (engine/data.py `stop_token_ids`);
     the rollout ranks of split placement use the same."""
     eos = stop_ids
+    r = cfg.rollout
+    val_sample = replace(
+        sampling_params(cfg, eos, False, seed), n=r.val_n, log_probs=False, routed_experts=False
+    )
+    if r.val_temperature > 0:  # verl's val_kwargs: every validation response at its temperature, top_p, top_k
+        val_sample = replace(val_sample, temperature=r.val_temperature, top_p=r.val_top_p, top_k=r.val_top_k)
     params = {
         "sample": sampling_params(cfg, eos, False, seed),
         "greedy": sampling_params(cfg, eos, True, seed, temperature=0.0),
-        "val": sampling_params(cfg, eos, True, seed),
-        "val_sample": replace(
-            sampling_params(cfg, eos, False, seed), n=cfg.rollout.val_n, log_probs=False, routed_experts=False
-        ),
+        "val": replace(sampling_params(cfg, eos, True, seed), top_p=r.val_top_p, top_k=r.val_top_k),
+        "val_sample": val_sample,
     }
     limits = row_limits(records, cfg.rollout.max_new_tokens)  # the data rows' response budgets
     return {kind: replace(p, max_new_tokens_per_prompt=limits) for kind, p in params.items()}
@@ -159,7 +163,7 @@ def rollout_params(
 def rollout(ctx: StepContext, records, kinds: tuple[str, ...], round_index: int = 0) -> list[RolloutOutput]:
     """One train -> rollout -> train transition and a rollout per kind: "sample" (rollout.n sampled
     responses), "greedy" (one at temperature 0: a greedy baseline), "val" (one at rollout.val_temperature),
-    "val_sample" (rollout.val_n sampled ones). Every kind caps a prompt's responses at its record's
+    "val_sample" (rollout.val_n sampled ones: at val_temperature where it is > 0, else as "sample"). Every kind caps a prompt's responses at its record's
     `max_new_tokens` (the data row's budget) where it has one."""
     c, timer = ctx.c, ctx.timer
     cfg = c.cfg

@@ -2,7 +2,9 @@
 
 Every validation prompt gets one response at `rollout.val_temperature` (greedy by default), logged as
 `val/<data_source>/reward` (and over all sources as `val/reward_mean`). With `rollout.val_n=k > 1` it also
-gets k responses sampled as in training (`rollout.temperature`, `top_p`, `top_k`), logged per source as:
+gets k responses sampled at `rollout.val_temperature`, `val_top_p` and `val_top_k` (verl's `val_kwargs` with
+n = k), or as in training (`rollout.temperature`, `top_p`, `top_k`) where val_temperature is 0, since k
+greedy responses would be one; logged per source as:
 - `mean@k`: the mean reward of the k responses;
 - `best@k`: the best of the k (exact: the maximum over the prompt's k responses; verl estimates it by
   bootstrap over subsets of size k drawn with replacement, which reads lower);

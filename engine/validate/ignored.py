@@ -20,6 +20,10 @@ def _ignored_key_rules(cfg: TrainConfig) -> list[tuple[str, bool, str]]:
     split_why = (
         "placement.mode=split: the rollout ranks keep their own weights, sent by parallel/split_transfer.py"
     )
+    no_val = t.test_freq == 0 and not t.val_before_train
+    val_why = (
+        "trainer.test_freq=0: no validation" if no_val else "rollout.val_temperature=0: greedy validation"
+    )
     return [
         ("critic.path", no_critic, gae_only),
         ("critic.lr", no_critic, gae_only),
@@ -78,10 +82,10 @@ def _ignored_key_rules(cfg: TrainConfig) -> list[tuple[str, bool, str]]:
             r.backend != "native" or cfg.cluster.device != "cuda",
             "only rollout.backend=native on cluster.device=cuda reads it",
         ),
-        (
-            "rollout.val_temperature",
-            t.test_freq == 0 and not t.val_before_train,
-            "trainer.test_freq=0: no validation",
+        ("rollout.val_temperature", no_val, "trainer.test_freq=0: no validation"),
+        *(
+            (key, no_val or r.val_temperature == 0, val_why)
+            for key in ("rollout.val_top_p", "rollout.val_top_k")
         ),
         ("trainer.max_checkpoints", t.save_freq == 0, "trainer.save_freq=0: no checkpoints"),
         ("data.embedded_task", bool(d.train_files), "data.train_files is set"),

@@ -53,6 +53,10 @@ def validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
     positive("rollout.val_n", r.val_n)
     if r.val_temperature < 0:
         fail("rollout.val_temperature", r.val_temperature, "must be >= 0", "use 0 for greedy validation")
+    if not 0.0 < r.val_top_p <= 1.0:
+        fail("rollout.val_top_p", r.val_top_p, "must lie in (0, 1]", "use 1.0 to turn nucleus sampling off")
+    if r.val_top_k < 0:
+        fail("rollout.val_top_k", r.val_top_k, "must be >= 0", "use 0 to turn top-k off")
     if not 0.0 < r.kv_cache_memory_fraction < 1.0:
         fail("rollout.kv_cache_memory_fraction", r.kv_cache_memory_fraction, "must lie in (0, 1)", "use 0.5")
     if not 0.0 < r.gpu_memory_utilization < 1.0:

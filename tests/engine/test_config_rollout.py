@@ -115,3 +115,42 @@ def test_rollout_log_probs_off_runs_the_old_forward_for_a_kl_in_the_reward_and_r
     assert not needs_old_log_prob_forward(composed("algorithm=grpo").algorithm, rollout_log_probs=False)
     with pytest.raises(ConfigError, match=r"algorithm.tis_cap=0\.5.*Fix: set rollout.log_probs=true, or "):
         validate(composed("rollout.log_probs=false", "algorithm.tis_cap=0.5"), world_size=1)
+
+
+def test_validation_sampling_follows_verls_val_kwargs():
+    """rollout.val_temperature, val_top_p, val_top_k and val_n map verl's val_kwargs (temperature, top_p, top_k,
+    n): the val_n responses are sampled at the validation settings, not training's; with val_temperature=0
+    (greedy, the default) the one val response is greedy and the val_n samples keep training's sampling
+    (k greedy responses would be one). Bad values are refused with the key; validation keys a run does not
+    read are warned about."""
+    from engine.step.rollout import rollout_params
+    from engine.validate.ignored import ignored_key_warnings
+
+    train = ("rollout.temperature=1.0", "rollout.top_p=0.95", "rollout.top_k=50", "rollout.val_n=4")
+    cfg = composed(*train, "rollout.val_temperature=0.6", "rollout.val_top_p=0.9", "rollout.val_top_k=20")
+    validate(cfg, world_size=1)
+    params = rollout_params(cfg, (2,), 0, [])
+    sample, val, val_sample = params["sample"], params["val"], params["val_sample"]
+    assert (sample.temperature, sample.top_p, sample.top_k) == (1.0, 0.95, 50)
+    assert (val_sample.n, val_sample.temperature, val_sample.top_p, val_sample.top_k) == (4, 0.6, 0.9, 20)
+    assert (val.n, val.temperature, val.top_p, val.top_k) == (1, 0.6, 0.9, 20)
+    greedy = rollout_params(composed(*train), (2,), 0, [])
+    assert greedy["val"].temperature == 0.0
+    assert (greedy["val_sample"].temperature, greedy["val_sample"].top_p, greedy["val_sample"].top_k) == (
+        1.0,
+        0.95,
+        50,
+    )
+    with pytest.raises(ConfigError, match=r"rollout.val_top_p=0\.0.*Fix: use 1.0"):
+        validate(composed("rollout.val_top_p=0.0"), world_size=1)
+    with pytest.raises(ConfigError, match=r"rollout.val_top_k=-1.*Fix: use 0"):
+        validate(composed("rollout.val_top_k=-1"), world_size=1)
+    warned = ignored_key_warnings(composed("rollout.val_top_p=0.9", "trainer.test_freq=1"))
+    assert any("rollout.val_top_p=0.9 is ignored: rollout.val_temperature=0" in w for w in warned), warned
+    warned = ignored_key_warnings(
+        composed("rollout.val_top_k=5", "rollout.val_temperature=0.6", "trainer.test_freq=0")
+    )
+    assert any("rollout.val_top_k=5 is ignored: trainer.test_freq=0" in w for w in warned), warned
+    assert not ignored_key_warnings(
+        composed("rollout.val_top_k=5", "rollout.val_temperature=0.6", "trainer.test_freq=1")
+    )
