@@ -135,7 +135,7 @@ class RolloutConfig:
     n: int = 8
     """Responses sampled per prompt."""
     temperature: float = 1.0
-    """Sampling temperature (> 0)."""
+    """Sampling temperature (>= 0.01, engine/rollout/base.py `MIN_TEMPERATURE`)."""
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]."""
     top_k: int = 0
@@ -150,7 +150,7 @@ class RolloutConfig:
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks fix response lengths this way)."""
     val_temperature: float = 0.0
-    """Temperature of validation responses (0 = greedy), as verl's val_kwargs.temperature."""
+    """Temperature of validation responses (0 = greedy, else >= 0.01), as verl's val_kwargs.temperature."""
     val_top_p: float = 1.0
     """Nucleus mass of sampled validation responses (val_temperature > 0), as verl's val_kwargs.top_p."""
     val_top_k: int = 0

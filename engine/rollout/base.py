@@ -23,6 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+MIN_TEMPERATURE = 0.01
+"""The smallest positive sampling temperature. The sampler multiplies float32 logits by 1 / temperature: far
+below this bound the product overflows to inf (at 1e-40, 1 / T is itself past float32's 3.4e38) and the softmax
+turns NaN; vLLM raises any temperature under 0.01 to 0.01, so the training forward would score other
+log-probs than the rollout drew with. Under it sampling is greedy in all but name (a logit gap of 0.1 is a
+factor of e^10); temperature 0 is greedy."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -31,7 +38,7 @@ class SamplingParams:
     n: int = 1
     """Responses per prompt."""
     temperature: float = 1.0
-    """0 = greedy."""
+    """0 = greedy, else >= `MIN_TEMPERATURE`."""
     top_p: float = 1.0
     """Nucleus mass in (0, 1]."""
     top_k: int = 0
@@ -127,7 +134,11 @@ def check_sampling(sampling: SamplingParams) -> None:
     rules = (
         ("n", sampling.n >= 1, "must be >= 1"),
         ("max_new_tokens", sampling.max_new_tokens >= 1, "must be >= 1"),
-        ("temperature", sampling.temperature >= 0.0, "must be >= 0 (0 = greedy)"),
+        (
+            "temperature",
+            sampling.temperature == 0.0 or sampling.temperature >= MIN_TEMPERATURE,
+            f"must be 0 (greedy) or >= {MIN_TEMPERATURE} (MIN_TEMPERATURE)",
+        ),
         ("top_p", 0.0 < sampling.top_p <= 1.0, "must lie in (0, 1] (1 = off)"),
         ("top_k", sampling.top_k >= 0, "must be >= 0 (0 = off)"),
     )

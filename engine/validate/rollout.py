@@ -44,15 +44,13 @@ def validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
             "group, so it needs at least 2 per prompt",
             "set rollout.n=8 (or >= 2)",
         )
-    positive("rollout.temperature", r.temperature)
+    validate_temperatures(cfg)
     if not 0.0 < r.top_p <= 1.0:
         fail("rollout.top_p", r.top_p, "must lie in (0, 1]", "use 1.0 to turn nucleus sampling off")
     if r.top_k < 0:
         fail("rollout.top_k", r.top_k, "must be >= 0", "use 0 to turn top-k off")
     positive("rollout.max_new_tokens", r.max_new_tokens)
     positive("rollout.val_n", r.val_n)
-    if r.val_temperature < 0:
-        fail("rollout.val_temperature", r.val_temperature, "must be >= 0", "use 0 for greedy validation")
     if not 0.0 < r.val_top_p <= 1.0:
         fail("rollout.val_top_p", r.val_top_p, "must lie in (0, 1]", "use 1.0 to turn nucleus sampling off")
     if r.val_top_k < 0:
@@ -66,6 +64,31 @@ def validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
         validate_without_rollout_log_probs(cfg)
     if r.backend == "vllm" and r.log_probs:
         validate_vllm_log_probs(cfg)
+
+
+def validate_temperatures(cfg: TrainConfig) -> None:
+    """rollout.temperature > 0 (the training forward scores at it), rollout.val_temperature 0 (greedy) or
+    positive; a positive one at least `MIN_TEMPERATURE` (engine/rollout/base.py says why)."""
+    from engine.rollout.base import MIN_TEMPERATURE
+
+    r = cfg.rollout
+    positive("rollout.temperature", r.temperature)
+    if r.val_temperature < 0:
+        fail("rollout.val_temperature", r.val_temperature, "must be >= 0", "use 0 for greedy validation")
+    why = (
+        f"must be >= {MIN_TEMPERATURE}: the sampler multiplies float32 logits by 1/temperature, which far below "
+        "that overflows to inf and turns the probabilities NaN (vLLM raises any temperature under 0.01 to "
+        "0.01); below it sampling is greedy in all but name"
+    )
+    if r.temperature < MIN_TEMPERATURE:
+        fail("rollout.temperature", r.temperature, why, f"set rollout.temperature >= {MIN_TEMPERATURE}")
+    if 0 < r.val_temperature < MIN_TEMPERATURE:
+        fail(
+            "rollout.val_temperature",
+            r.val_temperature,
+            why,
+            f"set rollout.val_temperature=0 for greedy validation, or >= {MIN_TEMPERATURE}",
+        )
 
 
 def validate_multi_turn(cfg: TrainConfig) -> None:

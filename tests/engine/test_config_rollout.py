@@ -154,3 +154,23 @@ def test_validation_sampling_follows_verls_val_kwargs():
     assert not ignored_key_warnings(
         composed("rollout.val_top_k=5", "rollout.val_temperature=0.6", "trainer.test_freq=1")
     )
+
+
+def test_temperatures_under_the_smallest_are_refused_with_the_bound():
+    """A tiny positive temperature used to pass validation and crash the sampler mid-rollout (1 / T overflows
+    float32, the probabilities turn NaN, the draw indexes past the vocabulary): refused with the key, the bound
+    and why; the bound itself and greedy validation (0) are accepted."""
+    import re
+
+    from engine.rollout.base import MIN_TEMPERATURE
+
+    for key in ("rollout.temperature", "rollout.val_temperature"):
+        with pytest.raises(
+            ConfigError, match=re.escape(f"{key}=1e-40: must be >= {MIN_TEMPERATURE}: the sampler multiplies")
+        ) as err:
+            validate(composed(f"{key}=1e-40"), world_size=1)
+        assert "overflows to inf" in str(err.value) and f"Fix: set {key}" in str(err.value)
+        validate(composed(f"{key}={MIN_TEMPERATURE}"), world_size=1)
+    validate(composed("rollout.val_temperature=0"), world_size=1)
+    with pytest.raises(ConfigError, match="rollout.temperature=0.0: must be > 0"):
+        validate(composed("rollout.temperature=0"), world_size=1)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from engine.rollout.attention_kernels import decode_attention_kernel
-from engine.rollout.base import SamplingParams, check_sampling
+from engine.rollout.base import MIN_TEMPERATURE, SamplingParams, check_sampling
 from engine.rollout.cuda_graphs import batch_buckets, bucket_for
 from engine.rollout.kv_cache import KVCachePool, compact_rows
-from engine.rollout.sampler import _draw, sample_tokens
+from engine.rollout.sampler import _draw, _scaled_lse_probs, sample_tokens
 
 # probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625 at temperature 1
 PROBS = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
@@ -127,11 +127,38 @@ def test_seeded_draws_repeat_and_differ_across_seeds():
 
 
 @pytest.mark.parametrize(
-    "field, value", [("n", 0), ("max_new_tokens", 0), ("temperature", -1.0), ("top_p", 1.5), ("top_k", -1)]
+    "field, value",
+    [
+        ("n", 0),
+        ("max_new_tokens", 0),
+        ("temperature", -1.0),
+        ("temperature", 1e-40),
+        ("top_p", 1.5),
+        ("top_k", -1),
+    ],
 )
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}=.*rollout.{field}"):
         check_sampling(SamplingParams(**{field: value}))
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (2, 1.0), (0, 0.99)])
+def test_the_smallest_temperature_samples_without_nan(top_k, top_p):
+    """At MIN_TEMPERATURE float32 logits far beyond any model's (1e30) stay finite once scaled, and the draw is
+    still a draw: two logits 0.01 apart (probabilities 1 : e) both come up, with finite log-probs. At 1e-40
+    (the bound's reason) 1 / T overflows float32 and the probabilities are NaN."""
+    logits = torch.tensor([0.0, 0.01, -1e30, 1e-3 - 1.0]).expand(ROWS, -1).contiguous()  # float32
+    sampling = SamplingParams(temperature=MIN_TEMPERATURE, top_k=top_k, top_p=top_p)
+    check_sampling(sampling)
+    tokens, logp = sample_tokens(logits, sampling, torch.Generator().manual_seed(0))
+    assert set(tokens.tolist()) == {0, 1} and bool(logp.isfinite().all())
+    expected = torch.tensor([0.0, 1.0]) - math.log(1 + math.e)  # log(1 : e), the others ~e^-100 and below
+    torch.testing.assert_close(logp, expected[tokens], atol=1e-5, rtol=0)
+    freq = torch.bincount(tokens, minlength=2)[1].item() / ROWS
+    assert abs(freq - math.e / (1 + math.e)) < 0.03
+    huge = torch.tensor([[1e30, -1e30, 0.0]])
+    assert bool(_scaled_lse_probs(huge, 1.0 / MIN_TEMPERATURE)[2].isfinite().all())
+    assert bool(_scaled_lse_probs(huge, 1.0 / 1e-40)[2].isnan().any())
 
 
 def test_graph_buckets_cover_every_width_with_at_most_half_padding():
