@@ -246,7 +246,7 @@ class ModelConfig:
     head_dim: int = 0
     """Per-head width; 0 = hidden_size / num_attention_heads."""
     vocab_size: int = 0
-    """Vocabulary; 0 = the tokenizer's size."""
+    """Vocabulary (random init; at least the tokenizer's size); 0 = the tokenizer's size."""
     max_position_embeddings: int = 256
     """Longest prompt + response."""
     rope_theta: float = 10000.0

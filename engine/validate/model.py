@@ -85,6 +85,7 @@ def validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
     validate_stage_layers(cfg, dims)
     if m.path:
         validate_tokenizer_source(cfg)
+        validate_vocab_holds_tokenizer(cfg)
         return  # the rest of the architecture comes from config.json; checked when it is read
     if m.head_dim < 0 or m.head_dim % 2:
         fail(
@@ -100,6 +101,7 @@ def validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
             "must be >= 0",
             "use 0 (the tokenizer's size) or a positive size",
         )
+    validate_vocab_holds_tokenizer(cfg)
     if m.init_std < 0:
         fail("model.init_std", m.init_std, "must be >= 0", "use 0.02")
     positive("model.rope_theta", m.rope_theta)
@@ -285,6 +287,83 @@ def validate_tokenizer_source(cfg: TrainConfig) -> None:
             f"save the model's tokenizer into {m.path} (tokenizer.save_pretrained), or set "
             "model.tokenizer_path to a directory that has one",
         )
+
+
+def tokenizer_files_size(path: str) -> int | None:
+    """The token ids the tokenizer in directory `path` can produce, at least (its largest known id + 1), read
+    from tokenizer.json (model vocabulary and added tokens), vocab.json and tokenizer_config.json's
+    added_tokens_decoder without loading the tokenizer; None when none of them names an id (a sentencepiece
+    tokenizer.model alone) or one is unreadable (engine/data.py `load_tokenizer` says why)."""
+    ids: list[int] = []
+    try:
+        tok = _json_file(os.path.join(path, "tokenizer.json"))
+        vocab = tok.get("model", {}).get("vocab")
+        if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: token -> id
+            ids += vocab.values()
+        elif isinstance(vocab, list):  # Unigram: [piece, score] in id order
+            ids.append(len(vocab) - 1)
+        ids += [token["id"] for token in tok.get("added_tokens", [])]
+        ids += _json_file(os.path.join(path, "vocab.json")).values()
+        ids += map(
+            int, _json_file(os.path.join(path, "tokenizer_config.json")).get("added_tokens_decoder", {})
+        )
+        return max(ids) + 1 if ids else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def _json_file(file: str) -> dict:
+    """The JSON object in `file`, {} when there is no such file."""
+    if not os.path.isfile(file):
+        return {}
+    with open(file, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def validate_vocab_holds_tokenizer(cfg: TrainConfig) -> None:
+    """The actor's vocabulary (model.vocab_size for a random init, 0 = the tokenizer's size; model.path's
+    config.json vocab_size) holds every id of the tokenizer (model.tokenizer_path, else model.path's, else the
+    embedded character one); otherwise the first rollout's prompts index past the embedding. The tokenizer's
+    size is read from its files (`tokenizer_files_size`)."""
+    from engine.tasks.embedded import EMBEDDED_VOCAB
+
+    m = cfg.model
+    if m.path:
+        key = f"{m.path}/config.json: vocab_size"
+        try:
+            vocab = int(_json_file(os.path.join(m.path, "config.json"))["vocab_size"])
+        except (OSError, ValueError, TypeError, KeyError):  # named when config.json is read
+            return
+    elif m.vocab_size > 0:
+        key, vocab = "model.vocab_size", m.vocab_size
+    else:
+        return
+    tok_dir = m.tokenizer_path or m.path
+    if tok_dir:
+        size = tokenizer_files_size(tok_dir)
+        source = f"model.tokenizer_path={tok_dir!r}" if m.tokenizer_path else f"model.path={tok_dir!r}"
+    elif not cfg.data.train_files:
+        size, source = len(EMBEDDED_VOCAB), "the embedded character tokenizer (no model.tokenizer_path)"
+    else:
+        return  # data.train_files without a tokenizer: refused when the data is loaded
+    if size is None or vocab >= size:
+        return
+    if not m.path:
+        fix = f"set model.vocab_size=0 (the tokenizer's size) or >= {size}, or use a smaller tokenizer"
+    elif m.tokenizer_path:
+        fix = "point model.tokenizer_path at the tokenizer the checkpoint was trained with (empty: model.path's)"
+    else:
+        fix = (
+            "the checkpoint's config.json and tokenizer files disagree: set model.tokenizer_path to the "
+            "tokenizer it was trained with, or save the model and its tokenizer together again"
+        )
+    fail(
+        key,
+        vocab,
+        f"is smaller than the vocabulary of the tokenizer of {source}: {size} tokens (ids up to {size - 1}), all "
+        "of which the model's embedding must hold",
+        fix,
+    )
 
 
 def validate_checkpoint_positions(cfg: TrainConfig, key: str, path: str) -> None:
