@@ -460,6 +460,12 @@ def needs_old_log_prob_forward(
     return alg.ppo_epochs > 1 or alg.num_mini_batches > 1 or (alg.kl_in_reward and stale_or_missing)
 
 
+def needs_reference(alg: AlgorithmConfig) -> bool:
+    """Whether the run builds the frozen reference policy: a KL loss (algorithm.kl_loss_coef > 0) or a KL in
+    the reward (algorithm.kl_in_reward) needs its log-probs."""
+    return alg.kl_loss_coef > 0 or alg.kl_in_reward
+
+
 def max_response_tokens(rollout: RolloutConfig) -> int:
     """The most tokens of one response, the length DAPO's overlong penalty ramps towards: rollout.max_new_tokens,
     or with rollout.multi_turn.enable the episode's budget, multi_turn.max_total_tokens, which counts tool

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from algorithms.advantages import advantage_traits
-from engine.config import ConfigError, ModelConfig, TrainConfig
+from engine.config import ConfigError, ModelConfig, TrainConfig, needs_reference
 from engine.data import PromptRecord, load_prompt_dataset, load_tokenizer, refuse_row_caps
 from engine.metrics import MetricsLogger
 from engine.models.builder import (
@@ -301,7 +301,7 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
     actor_chunks = build_policy_chunks(cfg, shape, groups)
     alg = cfg.algorithm
     reference = None
-    if alg.kl_loss_coef > 0 or alg.kl_in_reward:
+    if needs_reference(alg):
         ref_chunks = build_policy_chunks(cfg, shape, groups)
         if not cfg.model.path:  # random init: the reference starts as a copy of the actor
             for ref, act in zip(ref_chunks, actor_chunks):

@@ -144,6 +144,61 @@ def test_keys_a_combination_ignores_get_one_warning_each():
     ]
 
 
+def test_settings_read_only_in_some_runs_are_warned_about_elsewhere():
+    """Each of these used to be ignored without a word; each is read (no warning) where the combination uses it."""
+    off_validation = "trainer.test_freq=0 and trainer.val_before_train=false: no validation"
+    budget = "trainer.max_tokens_per_micro_batch=256"
+    cases = [
+        (
+            ["algorithm.kl_loss_coef=0", "trainer.offload_reference=true"],
+            "trainer.offload_reference=True is ignored: no reference policy is built (algorithm.kl_loss_coef=0, "
+            "algorithm.kl_in_reward=false)",
+            ["trainer.offload_reference=true"],  # grpo's KL loss builds the reference
+        ),
+        (
+            ["placement.critic_tp=2"],
+            "placement.critic_tp=2 is ignored: only a critic on ranks of its own (placement.mode=split, "
+            "placement.critic_ranks > 0) has its own layout; otherwise it trains in the actor's (parallel.tp, "
+            "parallel.pp)",
+            ["placement.critic_tp=2", "placement.mode=split", "placement.critic_ranks=2", "algorithm=ppo"],
+        ),
+        (
+            ["rollout.val_n=4", "trainer.test_freq=0"],
+            f"rollout.val_n=4 is ignored: {off_validation}",
+            ["rollout.val_n=4", "trainer.test_freq=0", "trainer.val_before_train=true"],
+        ),
+        (
+            [budget, "trainer.micro_batch_size=4"],
+            "trainer.micro_batch_size=4 is ignored: trainer.max_tokens_per_micro_batch cuts the micro-batches "
+            "by its token budget",
+            ["trainer.micro_batch_size=4"],
+        ),
+        (
+            ["algorithm.tis_mode=mask"],
+            "algorithm.tis_mode='mask' is ignored: algorithm.tis_cap=0: no importance correction between "
+            "rollout and training log-probs",
+            ["algorithm.tis_mode=mask", "algorithm.tis_cap=2"],
+        ),
+    ]
+    for ignored, line, read in cases:
+        assert ignored_key_warnings(composed(*ignored)) == [f"warning: {line}"]
+        assert ignored_key_warnings(composed(*read)) == []
+    assert (
+        f"rollout.val_temperature=0.5 is ignored: {off_validation}"
+        in ignored_key_warnings(composed("rollout.val_temperature=0.5", "trainer.test_freq=0"))[0]
+    )
+
+
+def test_multi_turn_keys_are_warned_about_while_multi_turn_is_off():
+    """The nested rollout.multi_turn.* keys (three levels deep) are read only with rollout.multi_turn.enable."""
+    keys = ["rollout.multi_turn.max_turns=2", "rollout.multi_turn.tools=[python]"]
+    assert ignored_key_warnings(composed(*keys)) == [
+        "warning: rollout.multi_turn.max_turns=2 is ignored: rollout.multi_turn.enable=false",
+        "warning: rollout.multi_turn.tools=['python'] is ignored: rollout.multi_turn.enable=false",
+    ]
+    assert ignored_key_warnings(composed("rollout.multi_turn.enable=true", *keys)) == []
+
+
 def test_checkpoint_positions_must_hold_prompt_plus_response(tmp_path):
     """With model.path (and critic.path under GAE, reward.model_path) the checkpoint's config.json gives
     max_position_embeddings; data.max_prompt_len + rollout.max_new_tokens (64 + 5 by default) must fit.
