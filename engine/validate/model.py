@@ -113,6 +113,7 @@ def validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
             "must be >= 0",
             "use 0 (off) or Llama-3's factor (e.g. 8)",
         )
+    if m.head_dim == 0 and m.hidden_size % m.num_attention_heads:
         fail(
             "model.hidden_size",
             m.hidden_size,

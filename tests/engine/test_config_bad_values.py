@@ -42,6 +42,7 @@ BAD = [
     (["model.rope_theta=0"], 1, "model.rope_theta"),
     (["model.norm_eps=-1"], 1, "model.norm_eps"),
     (["model.rope_scaling_factor=-2"], 1, "model.rope_scaling_factor=-2.0: must be >= 0"),
+    (["model.hidden_size=66"], 1, "model.hidden_size=66: must be divisible by model.num_attention_heads=4"),
     (["data.embedded_digits=0"], 1, "data.embedded_digits"),
     (["rollout.tp=3", "parallel.tp=2"], 2, "rollout.tp"),
     (["rollout.backend=sglang"], 1, "rollout.backend"),
