@@ -238,7 +238,9 @@ def run_native(
     if args.profile and not shim_overhead and kernels is None:
         result["profile"] = profile_generate(engine, prompts, sampling, device, args)
     engine.release()
-    if device.type == "cuda":  # the next variant's KV budget (a fraction of free memory) sees this one's cache
+    if (
+        device.type == "cuda"
+    ):  # the next variant's KV budget (a fraction of free memory) sees this one's cache
         torch.cuda.empty_cache()
     return result, greedy
 
