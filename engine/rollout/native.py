@@ -228,7 +228,7 @@ class NativeRollout(RolloutEngine):
         if num_rows == 0:
             empty = torch.zeros(0, new)
             return RolloutOutput(empty.long(), empty, empty, [])
-        longest = max(len(p) for p in prompts)
+        longest, sched = max(len(p) for p in prompts), None
         paged = self.paged_kv is not False and self.model.attention != "flash"  # (flash: contiguous rows)
         paged = paged and uses_pages(sampling, continued, self._holding and self.keep_episode_cache)
         if continued is not None:  # the kept rows' layout
@@ -237,7 +237,14 @@ class NativeRollout(RolloutEngine):
             seq_len = self._seq_len(longest + new)
             slots = min(self.max_num_seqs, num_rows)
             budget = self._budget_slots(seq_len)  # auto: pages where whole rows would not all fit
-            paged = paged and (self.paged_kv or budget < slots)
+            if paged and (self.paged_kv or budget < slots):  # (None: no room for the scratch page)
+                sched = PagedSlots.for_budget(self.pool.max_positions(), self.seq_align, slots, seq_len)
+                if sched is None and self.paged_kv:
+                    raise ValueError(
+                        f"paged_kv=True: the KV cache budget ({self.pool.budget_bytes()} bytes) holds one row of "
+                        f"{seq_len} positions but not the scratch page of {self.seq_align} more; raise the budget"
+                    )
+            paged = sched is not None
             slots = slots if paged else min(slots, budget)
         # longest responses first (chunks of similar length), then longest prompts
         order = sorted(range(len(prompts)), key=lambda i: (-sampling.limit_of(i), -len(prompts[i])))
@@ -272,7 +279,7 @@ class NativeRollout(RolloutEngine):
             if sampling.stop_token_ids and not sampling.ignore_eos:
                 stops = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=self.device)
             track = self._decode_rows(
-                rows, prompts, sampling, gen, stops, out, slots, seq_len, continued, keep, paged
+                rows, prompts, sampling, gen, stops, out, slots, seq_len, continued, keep, sched
             )
             result = RolloutOutput(
                 response_ids=out.ids[:, :num_rows].t().cpu(),
@@ -304,30 +311,24 @@ class NativeRollout(RolloutEngine):
     def _budget_slots(self, seq_len: int) -> int:
         slots = self.pool.max_slots(seq_len)
         if slots < 1:
-            self._budget_error(seq_len)
+            raise ValueError(
+                f"the KV cache budget ({self.pool.budget_bytes()} bytes) cannot hold one sequence of {seq_len} "
+                f"positions ({self.pool.bytes_per_sequence(seq_len)} bytes); raise kv_cache_budget_bytes "
+                "(or kv_cache_memory_fraction on CUDA), or lower data.max_prompt_len / rollout.max_new_tokens"
+            )
         return slots
 
-    def _budget_error(self, seq_len: int):
-        raise ValueError(
-            f"the KV cache budget ({self.pool.budget_bytes()} bytes) cannot hold one sequence of {seq_len} "
-            f"positions ({self.pool.bytes_per_sequence(seq_len)} bytes); raise kv_cache_budget_bytes "
-            "(or kv_cache_memory_fraction on CUDA), or lower data.max_prompt_len / rollout.max_new_tokens"
-        )
-
     def _decode_rows(
-        self, rows, prompts, sampling, gen, stops, out: CallOutputs, slots, seq_len, continued, keep, paged
+        self, rows, prompts, sampling, gen, stops, out: CallOutputs, slots, seq_len, continued, keep, sched
     ):
         """Prefill and decode `rows` through `slots` cache slots. Rows are admitted in order: first as many as
         the slots hold, then, where rows can finish early (stop tokens or per-row limits) and no bookkeeping
         needs the call's rows in one batch (`keep`, `continued`, recorded routes), into the slots that finished
         rows free, at every host check where at least an eighth of the slots are free (the live slots are
-        compacted to the front, the new rows prefilled behind them; `paged`: as many as the free KV pages
-        hold, engine/rollout/paged_kv.py); otherwise when the batch is empty. With `keep`, return (chunk row
+        compacted to the front, the new rows prefilled behind them; with pages, `sched`: as many as the free
+        KV pages hold, engine/rollout/paged_kv.py); otherwise when the batch is empty. With `keep`, return (chunk row
         of each slot or -1, left padding of each slot) as they end up."""
-        sched = None
-        if paged:  # (the budget holds one whole row, or the error names the settings)
-            sched = PagedSlots.for_budget(self.pool.max_positions(), self.seq_align, slots, seq_len)
-            sched = sched or self._budget_error(seq_len)
+        if sched is not None:
             caches = self.pool.flat_views(sched.num_pages * sched.page)
             st = self._rows_state(slots, sched.pages_per_row)
         else:

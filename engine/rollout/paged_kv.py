@@ -49,10 +49,13 @@ class PagedSlots:
     """Which pages each slot owns (`host`: the page table as the device should hold it), the free pages, and
     each slot's queue entry and admission order."""
 
-    def __init__(self, num_pages: int, page: int, slots: int, pages_per_row: int):
+    def __init__(self, num_pages: int, page: int, slots: int, seq_len: int):
+        pages_per_row = -(-seq_len // page)
         if num_pages - 1 < pages_per_row:
             raise ValueError(f"{num_pages - 1} KV pages cannot hold one row of {pages_per_row} pages")
         self.page, self.pages_per_row, self.num_pages = page, pages_per_row, num_pages
+        self.seq_len = seq_len
+        """Most positions of a row (the forward reads no further; a row of pages may hold a few more)."""
         self.free = list(range(num_pages - 1, SCRATCH_PAGE, -1))  # pop() takes the lowest page
         self.owned: list[list[int]] = [[] for _ in range(slots)]
         self.host = torch.zeros(slots, pages_per_row, dtype=torch.int32)
@@ -69,10 +72,10 @@ class PagedSlots:
         where the budget allows, rows are admitted as they would be without pages; None where the budget
         cannot hold one whole row."""
         per_row, budget = -(-seq_len // page), positions // page
-        if budget - 1 < per_row:
+        if budget - 1 < per_row:  # (page 0 is the scratch page)
             return None
         whole = slots * (per_row + 1)
-        return cls(min(budget, whole + whole // 31 + 2), page, slots, per_row)
+        return cls(min(budget, whole + whole // 31 + 2), page, slots, seq_len)
 
     def admissible(self, queue: list[Pending], prompts, sampling, slots: int, live: int, horizon: int) -> int:
         """How many queued rows to admit now: as many as `fit`, if that is at least an eighth of the slots
@@ -110,7 +113,7 @@ class PagedSlots:
         length, response tokens left). Their prompts, padded to the longest of them, the next `horizon`
         positions and a page to grow into (at most a whole row) each fit the free pages with one page per
         live row and the watermark left (none left when nothing is live: the first row always fits); and
-        every row's prompt padding and tokens left fit a row's pages (a preempted row's prompt holds its
+        every row's prompt padding and tokens left fit `seq_len` (a preempted row's prompt holds its
         response so far)."""
         keep = live + (self.watermark() if live else 0)
         k = plen = left = 0
@@ -118,7 +121,7 @@ class PagedSlots:
             prompt, tokens = lengths(entry)
             longest, most = max(plen, prompt), max(left, tokens)
             row = min(self.pages_for(longest + horizon + 1) + 1, self.pages_per_row)  # and a growth page
-            fits = (k + 1) * row + keep <= len(self.free) and longest + most <= self.pages_per_row * self.page
+            fits = (k + 1) * row + keep <= len(self.free) and longest + most <= self.seq_len
             if not fits and (k or live):
                 break
             k, plen, left = k + 1, longest, most

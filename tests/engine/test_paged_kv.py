@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import random
 
+import hf_tiny
 import pytest
 import torch
-from test_rollout_native import engine_for, random_prompts, tiny  # noqa: F401 (the fixture)
+from test_rollout_native import CPU, engine_for, random_prompts, rollout_weights_from_hf, tiny  # noqa: F401
 
 from engine.rollout.base import SamplingParams
+from engine.rollout.native import NativeRollout
 from engine.rollout.paged_kv import SCRATCH_PAGE, PagedSlots, Pending, positions_at
 
 
@@ -28,7 +30,7 @@ def test_page_books_balance_through_admit_grow_preempt_and_compaction():
     compactions. No page is lost or owned twice, growth covers the next interval of every live slot that
     is not preempted, the latest admitted go first, and the oldest live row is never preempted."""
     rnd = random.Random(0)
-    sched = PagedSlots(num_pages=41, page=4, slots=8, pages_per_row=10)
+    sched = PagedSlots(num_pages=41, page=4, slots=8, seq_len=40)
     queue = [Pending(r, r) for r in range(60)]
     lens = {r: rnd.randint(1, 9) for r in range(60)}
     alive, cur, preempted_any = [False] * 8, [0] * 8, False
@@ -179,10 +181,52 @@ def test_fit_keeps_every_row_of_a_chunk_inside_a_row_of_pages():
     """A preempted row's prompt holds its response so far: padded to it, a fresh row with many tokens left
     would run past a row's pages (40 positions here), so it waits for the next chunk; rows that fit together
     are taken together, and an empty batch always takes its first row."""
-    sched = PagedSlots(num_pages=200, page=4, slots=8, pages_per_row=10)
+    sched = PagedSlots(num_pages=200, page=4, slots=8, seq_len=40)
     lengths = {0: (30, 5), 1: (6, 30), 2: (8, 4), 3: (9, 30)}
     queue = [Pending(r, r) for r in (0, 1)]
     assert sched.fit(queue, lambda e: lengths[e.prompt], 8, 0, 2) == 1
     queue = [Pending(r, r) for r in (2, 1, 3)]
     assert sched.fit(queue, lambda e: lengths[e.prompt], 8, 0, 2) == 3
     assert sched.fit(queue, lambda e: lengths[e.prompt], 2, 0, 2) == 2
+
+
+def test_rows_stay_inside_a_position_limit_that_is_not_a_page_multiple(tmp_path):
+    """max_position_embeddings 61 (CPU pages of 8: a row of pages holds 64): a preempted row's prompt (its
+    response so far) pads the fresh rows of its chunk, and none may then write past position 61, which the
+    forward does not read (it gave a row a wrong last token). Tokens equal the contiguous layout's (greedy,
+    float32), log-probs within 5e-5 (batch shapes differ)."""
+    path = hf_tiny.save_tiny("llama", str(tmp_path / "llama61"), seed=3, max_position_embeddings=61)
+    shape, weights = rollout_weights_from_hf(path)
+
+    def make(**kw) -> NativeRollout:
+        engine = NativeRollout(shape, CPU, **kw)
+        engine.set_weights(weights)
+        return engine
+
+    prompts = random_prompts(shape.vocab_size, lens=(2, 11, 8, 2, 2, 12, 10), seed=648)
+    sampling = SamplingParams(n=2, temperature=0.0, max_new_tokens=48, stop_token_ids=(67, 42))
+    ref = make(paged_kv=False).generate(prompts, sampling)
+    engine = make(kv_cache_budget_bytes=72 * make().pool.bytes_per_position(), paged_kv=True, check_every=4)
+    out = engine.generate(prompts, sampling)
+    assert engine.last_stats["preemptions"] >= 1 and engine.last_stats["seq_len"] == 61
+    assert torch.equal(out.response_ids, ref.response_ids) and out.finish_reasons == ref.finish_reasons
+    torch.testing.assert_close(out.log_probs, ref.log_probs, atol=5e-5, rtol=0)
+
+
+def test_a_budget_of_one_row_without_room_for_the_scratch_page_stays_contiguous(tiny):  # noqa: F811
+    """A budget of exactly one whole row: pages would need one more (the scratch page), so the default
+    (paged_kv=None) decodes one contiguous row at a time as before pages existed; paged_kv=True says why
+    it cannot."""
+    shape = tiny["llama"][0]
+    prompts = random_prompts(shape.vocab_size, lens=(5, 9, 3), seed=1)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(5,))
+    ref = engine_for(tiny, "llama").generate(prompts, sampling)
+    one_row = engine_for(tiny, "llama").pool.bytes_per_sequence(24)  # 9 + 12 rounded up to 8
+    engine = engine_for(tiny, "llama", kv_cache_budget_bytes=one_row)
+    out = engine.generate(prompts, sampling)
+    assert engine.last_stats["slots"] == 1 and not engine.last_stats["paged"]
+    assert torch.equal(out.response_ids, ref.response_ids)
+    with pytest.raises(
+        ValueError, match="paged_kv=True: the KV cache budget .* not the scratch page of 8 more"
+    ):
+        engine_for(tiny, "llama", kv_cache_budget_bytes=one_row, paged_kv=True).generate(prompts, sampling)
