@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from algorithms.losses import loss_normalizer
-from engine.config import AlgorithmConfig
+from engine.config import AlgorithmConfig, TrainConfig, max_response_tokens
 from engine.models.builder import ModelShape
 from engine.roles.dynamic_batch import MicroBatcher
 from engine.roles.policy import LossFn, MegatronRole
@@ -33,6 +33,14 @@ from engine.step.losses import (
     make_critic_loss,
 )
 from engine.step.stats import dp_stats
+
+
+def loss_max_len(cfg: TrainConfig) -> int:
+    """The constant length seq-mean-token-sum-norm divides each sequence's loss sum by: the most tokens of one
+    response (`max_response_tokens`: rollout.max_new_tokens, or a multi-turn episode's
+    rollout.multi_turn.max_total_tokens), as verl divides by its response width (response_length, which
+    holds a whole episode under its agent loop)."""
+    return max_response_tokens(cfg.rollout)
 
 
 def run_updates(
@@ -172,7 +180,7 @@ def update_actor(
             metric_names=actor_metric_names(rollout_log_probs, alg.tis_cap > 0),
             keys=tuple(keys),
             batcher=ctx.batcher,
-            max_len=c.cfg.rollout.max_new_tokens,
+            max_len=loss_max_len(c.cfg),
             seed=c.cfg.trainer.seed + ctx.step,
             temperature=c.cfg.rollout.temperature,
             first_only=ACTOR_FIRST_MINI_BATCH_METRICS,
@@ -204,7 +212,7 @@ def update_critic(ctx: StepContext, exp: Experience) -> dict[str, float]:
         metric_names=CRITIC_METRICS,
         keys=("values", "returns"),
         batcher=ctx.batcher,
-        max_len=c.cfg.rollout.max_new_tokens,
+        max_len=loss_max_len(c.cfg),
         seed=c.cfg.trainer.seed + ctx.step,
     )
     metrics = {f"critic/{k}": v for k, v in out.items()}

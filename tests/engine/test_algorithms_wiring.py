@@ -311,3 +311,16 @@ def test_actor_loss_terms_are_logged_apart_from_the_total():
             totals[key] += float(metrics[key])
     for key, value in expected.items():
         assert totals[key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_seq_mean_token_sum_norm_divides_by_the_response_budget():
+    """Dr.GRPO's constant (seq-mean-token-sum-norm) is the most tokens of one response: rollout.max_new_tokens,
+    and under multi-turn the episode's budget, multi_turn.max_total_tokens, as verl divides by its response
+    width, which holds the whole episode (it was one turn's max_new_tokens, scaling multi-turn losses up)."""
+    from engine.step.update import loss_max_len
+
+    assert loss_max_len(composed("rollout.max_new_tokens=8")) == 8
+    episodes = composed(
+        "rollout.max_new_tokens=8", "rollout.multi_turn.enable=true", "rollout.multi_turn.max_total_tokens=40"
+    )
+    assert loss_max_len(episodes) == 40
