@@ -1,9 +1,7 @@
 """Validation metrics per data source, as verl users read them.
 
 Every validation prompt gets one response at `rollout.val_temperature` (greedy by default), logged as
-`val/<data_source>/reward` (and over all sources as `val/reward_mean`). A response's reward is what training
-gives it: the score, plus DAPO's overlong penalty where `algorithm.overlong_buffer_len` (or `_frac`) turns it
-on (verl's DAPO recipe passes the same overlong settings to its validation reward manager). With `rollout.val_n=k > 1` it also
+`val/<data_source>/reward` (and over all sources as `val/reward_mean`). With `rollout.val_n=k > 1` it also
 gets k responses sampled at `rollout.val_temperature`, `val_top_p` and `val_top_k` (verl's `val_kwargs` with
 n = k), or as in training (`rollout.temperature`, `top_p`, `top_k`) where val_temperature is 0, since k
 greedy responses would be one; logged per source as:
@@ -104,21 +102,15 @@ def row_scores(c, records, outs: list, batcher) -> tuple[list[torch.Tensor], lis
     reward.fn or a reward model, or a rule that defines no answer). `c` needs cfg, tokenizer, reward_fn and
     reward_model (the rollout ranks of split placement pass their worker)."""
     k = c.cfg.rollout.val_n
-    scores = [with_penalty(*score(c, outs[0], records, 1, batcher)[:2])]
+    scores = [score(c, outs[0], records, 1, batcher)[0]]
     answers = None
     if k > 1:
         texts = decode_responses(c.tokenizer, outs[1].response_ids, outs[1].response_mask)
-        scores.append(with_penalty(*score(c, outs[1], records, k, batcher, texts)[:2]))
+        scores.append(score(c, outs[1], records, k, batcher, texts)[0])
         if c.cfg.reward.fn == "" and not c.cfg.reward.model_path:
             sources = [records[i // k].data_source for i in range(len(texts))]
             answers = response_answers(sources, texts, c.cfg.reward.gsm8k_method)
     return scores, answers
-
-
-def with_penalty(scores: torch.Tensor, penalty: torch.Tensor | None) -> torch.Tensor:
-    """A validation response's reward: its score plus DAPO's overlong penalty where that is on, as verl's
-    validation reward manager adds it."""
-    return scores if penalty is None else scores + penalty
 
 
 def prompt_values(
