@@ -290,49 +290,33 @@ def validate_tokenizer_source(cfg: TrainConfig) -> None:
         )
 
 
-def tokenizer_files_size(path: str) -> int | None:
-    """The token ids the tokenizer in directory `path` can produce, at least (its largest known id + 1), read
-    from tokenizer.json (model vocabulary and added tokens), vocab.json and tokenizer_config.json's
-    added_tokens_decoder without loading the tokenizer; None when none of them names an id (a sentencepiece
-    tokenizer.model alone) or one is unreadable (engine/data.py `load_tokenizer` says why)."""
-    ids: list[int] = []
+def tokenizer_size(path: str, key: str) -> int | None:
+    """The token ids the tokenizer in directory `path` can produce (its largest id + 1), counted on the tokenizer
+    as engine/data.py `load_tokenizer` loads it (transformers adds the special tokens that tokenizer_config.json,
+    special_tokens_map.json or added_tokens.json name past the vocabulary only when it loads them); None where
+    it does not load (the data error names `key` when setup loads it)."""
+    from engine.data import DataError, load_tokenizer
+
     try:
-        tok = _json_file(os.path.join(path, "tokenizer.json"))
-        vocab = tok.get("model", {}).get("vocab")
-        if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: token -> id
-            ids += vocab.values()
-        elif isinstance(vocab, list):  # Unigram: [piece, score] in id order
-            ids.append(len(vocab) - 1)
-        ids += [token["id"] for token in tok.get("added_tokens", [])]
-        ids += _json_file(os.path.join(path, "vocab.json")).values()
-        ids += map(
-            int, _json_file(os.path.join(path, "tokenizer_config.json")).get("added_tokens_decoder", {})
-        )
-        return max(ids) + 1 if ids else None
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        tokenizer = load_tokenizer(path, key)
+    except DataError:
         return None
-
-
-def _json_file(file: str) -> dict:
-    """The JSON object in `file`, {} when there is no such file."""
-    if not os.path.isfile(file):
-        return {}
-    with open(file, encoding="utf-8") as f:
-        return json.load(f)
+    return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
 
 
 def validate_vocab_holds_tokenizer(cfg: TrainConfig) -> None:
     """The actor's vocabulary (model.vocab_size for a random init, 0 = the tokenizer's size; model.path's
     config.json vocab_size) holds every id of the tokenizer (model.tokenizer_path, else model.path's, else the
     embedded character one); otherwise the first rollout's prompts index past the embedding. The tokenizer's
-    size is read from its files (`tokenizer_files_size`)."""
+    size is counted on the loaded tokenizer (`tokenizer_size`)."""
     from engine.tasks.embedded import EMBEDDED_VOCAB
 
     m = cfg.model
     if m.path:
         key = f"{m.path}/config.json: vocab_size"
         try:
-            vocab = int(_json_file(os.path.join(m.path, "config.json"))["vocab_size"])
+            with open(os.path.join(m.path, "config.json"), encoding="utf-8") as f:
+                vocab = int(json.load(f)["vocab_size"])
         except (OSError, ValueError, TypeError, KeyError):  # named when config.json is read
             return
     elif m.vocab_size > 0:
@@ -341,8 +325,8 @@ def validate_vocab_holds_tokenizer(cfg: TrainConfig) -> None:
         return
     tok_dir = m.tokenizer_path or m.path
     if tok_dir:
-        size = tokenizer_files_size(tok_dir)
-        source = f"model.tokenizer_path={tok_dir!r}" if m.tokenizer_path else f"model.path={tok_dir!r}"
+        tok_key = "model.tokenizer_path" if m.tokenizer_path else "model.path"
+        size, source = tokenizer_size(tok_dir, tok_key), f"{tok_key}={tok_dir!r}"
     elif not cfg.data.train_files:
         size, source = len(EMBEDDED_VOCAB), "the embedded character tokenizer (no model.tokenizer_path)"
     else:

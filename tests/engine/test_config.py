@@ -290,19 +290,19 @@ def test_output_dir_data_files_and_interpolations_are_checked_before_any_process
 
 def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_at_startup(tmp_path):
     """model.vocab_size (random init) or model.path's config.json vocab_size below the tokenizer's size used to
-    fail at the first rollout (prompt ids past the embedding); now validation refuses it, naming the key, both
-    sizes and the tokenizer, reading the tokenizer's files only. The size read equals what the loaded
-    tokenizer counts (engine/setup.py sizes a random init by it)."""
+    fail at the first rollout or forward (ids past the embedding); now validation refuses it, naming the key,
+    both sizes and the tokenizer. The size is counted on the tokenizer as setup loads it: special tokens that
+    tokenizer_config.json names past the vocabulary count (transformers adds them only when it loads it)."""
     import json
     import re
     import shutil
 
     from engine.data import load_tokenizer
     from engine.tasks.embedded import build_embedded_tokenizer
-    from engine.validate.model import tokenizer_files_size
+    from engine.validate.model import tokenizer_size
 
     tok = build_embedded_tokenizer(str(tmp_path / "tok"))
-    assert tokenizer_files_size(tok) == len(load_tokenizer(tok)) == 50
+    assert tokenizer_size(tok, "model.tokenizer_path") == len(load_tokenizer(tok)) == 50
 
     def refused(overrides: list[str], message: str) -> None:
         with pytest.raises(ConfigError, match=re.escape(message)):
@@ -316,6 +316,15 @@ def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_at_startup(tmp_path)
     validate(composed(f"model.tokenizer_path={tok}", "model.vocab_size=50"), world_size=1)
     validate(composed("model.vocab_size=0"), world_size=1)  # the tokenizer's size
 
+    specials = tmp_path / "specials"  # two special tokens that only tokenizer_config.json names
+    shutil.copytree(tok, specials)
+    config = json.loads((specials / "tokenizer_config.json").read_text())
+    config["additional_special_tokens"] = ["<x>", "<y>"]
+    (specials / "tokenizer_config.json").write_text(json.dumps(config))
+    assert tokenizer_size(str(specials), "model.tokenizer_path") == len(load_tokenizer(str(specials))) == 52
+    refused([f"model.tokenizer_path={specials}", "model.vocab_size=51"], f"{specials}': 52 tokens")
+    validate(composed(f"model.tokenizer_path={specials}", "model.vocab_size=52"), world_size=1)
+
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tok, ckpt)
     (ckpt / "config.json").write_text(json.dumps({"max_position_embeddings": 128, "vocab_size": 40}))
@@ -324,28 +333,3 @@ def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_at_startup(tmp_path)
     )
     (ckpt / "config.json").write_text(json.dumps({"max_position_embeddings": 128, "vocab_size": 64}))
     validate(composed(f"model.path={ckpt}"), world_size=1)
-
-
-def test_tokenizer_files_size_reads_every_kind_of_vocabulary(tmp_path):
-    """BPE/WordLevel vocabularies are token -> id, Unigram's a list in id order; added tokens (tokenizer.json,
-    tokenizer_config.json) may lie past the vocabulary. A sentencepiece model alone gives no size (checked when
-    loaded)."""
-    import json
-
-    from engine.validate.model import tokenizer_files_size
-
-    def size(**files) -> int | None:
-        d = tmp_path / str(len(list(tmp_path.iterdir())))
-        d.mkdir()
-        for name, content in files.items():
-            (d / name.replace("_json", ".json")).write_text(json.dumps(content))
-        return tokenizer_files_size(str(d))
-
-    added = [{"id": 7, "content": "<x>"}]
-    assert size(tokenizer_json={"model": {"vocab": {"a": 0, "b": 1}}, "added_tokens": added}) == 8
-    assert size(tokenizer_json={"model": {"vocab": [["a", 0.0], ["b", -1.0], ["c", -2.0]]}}) == 3
-    assert size(vocab_json={"a": 0, "b": 4}, tokenizer_config_json={"added_tokens_decoder": {"9": {}}}) == 10
-    assert size(tokenizer_config_json={}) is None
-    (tmp_path / "sp").mkdir()
-    (tmp_path / "sp" / "tokenizer.model").write_bytes(b"\x00")
-    assert tokenizer_files_size(str(tmp_path / "sp")) is None
