@@ -148,8 +148,13 @@ def rollout_params(
     val_sample = replace(
         sampling_params(cfg, eos, False, seed), n=r.val_n, log_probs=False, routed_experts=False
     )
-    if r.val_temperature > 0:  # verl's val_kwargs: every validation response at its temperature, top_p, top_k
-        val_sample = replace(val_sample, temperature=r.val_temperature, top_p=r.val_top_p, top_k=r.val_top_k)
+    if (
+        r.val_temperature > 0
+    ):  # verl's val_kwargs: every validation response at its temperature, top_p, top_k;
+        # another seed, or a backend that seeds each row by its index (vLLM) repeats the "val" response
+        val_sample = replace(
+            val_sample, temperature=r.val_temperature, top_p=r.val_top_p, top_k=r.val_top_k, seed=seed + 1
+        )
     params = {
         "sample": sampling_params(cfg, eos, False, seed),
         "greedy": sampling_params(cfg, eos, True, seed, temperature=0.0),

@@ -134,6 +134,9 @@ def test_validation_sampling_follows_verls_val_kwargs():
     assert (sample.temperature, sample.top_p, sample.top_k) == (1.0, 0.95, 50)
     assert (val_sample.n, val_sample.temperature, val_sample.top_p, val_sample.top_k) == (4, 0.6, 0.9, 20)
     assert (val.n, val.temperature, val.top_p, val.top_k) == (1, 0.6, 0.9, 20)
+    assert (
+        val_sample.seed != val.seed
+    )  # vLLM seeds rows by index: the same seed would repeat the val response
     greedy = rollout_params(composed(*train), (2,), 0, [])
     assert greedy["val"].temperature == 0.0
     assert (greedy["val_sample"].temperature, greedy["val_sample"].top_p, greedy["val_sample"].top_k) == (
