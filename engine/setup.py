@@ -289,8 +289,9 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
         cfg.data.shuffle,
         num_mini_batches=cfg.algorithm.num_mini_batches,
     )
-    if log and loader.tail_note():
-        print(loader.tail_note(), flush=True)
+    note = loader.tail_note()
+    if log and note:
+        print(note, flush=True)
     val_records = []
     if val_files:
         val_records = load_prompts(cfg, val_files, tokenizer, schemas, "data.val_files", log)

@@ -4,8 +4,8 @@ decode kernel reads them in place, engine/rollout/model.py).
 
 The budget decides how many sequences decode at once (`max_slots`); the engine chunks a larger batch instead
 of allocating more. Calls whose rows finish at different times view it as flat pages instead (`flat_views`,
-engine/rollout/paged_kv.py), so that a row holds only the positions it has written. The buffer is kept between calls (and only re-allocated when a call needs more than it
-holds) unless released, so a CUDA graph captured on its views stays valid for as long as it lives: `version`
+engine/rollout/paged_kv.py), so that a row holds only the positions it has written. The buffer is kept
+between calls (and only re-allocated when a call needs more than it holds) unless released, so a CUDA graph captured on its views stays valid for as long as it lives: `version`
 changes whenever the storage does. Finished sequences are removed by `compact`, which moves the live rows
 to the front (one copy of the live part, done only when enough rows finished: see native.py).
 """

@@ -45,6 +45,7 @@ from engine.models.compiled import ROLLOUT, cuda_kernel
 from engine.rollout import triton_decode
 from engine.rollout.attention_kernels import DecodeKernels, decode_attention_kernel, flash_varlen_decode
 from engine.rollout.moe_experts import MoEWeights, moe_layer
+from engine.rollout.paged_kv import positions_at
 from parallel.rollout_weights import RolloutWeights
 
 
@@ -414,7 +415,7 @@ class RolloutModel:
             ar = torch.arange(num_keys, device=tokens_b.device)
             mask = ((ar >= pad_b[:, None]) & (ar <= cur[:, None]))[:, None, None]  # (b, 1, 1, keys)
             if table is not None:  # row r's first num_keys positions, gathered
-                keys_at = table[:, ar // page].long() * page + ar % page  # (b, num_keys)
+                keys_at = positions_at(table, num_keys, page)  # (b, num_keys)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             at = (rows, cur) if table is None else (write,)

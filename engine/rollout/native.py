@@ -326,8 +326,8 @@ class NativeRollout(RolloutEngine):
         needs the call's rows in one batch (`keep`, `continued`, recorded routes), into the slots that finished
         rows free, at every host check where at least an eighth of the slots are free (the live slots are
         compacted to the front, the new rows prefilled behind them; with pages, `sched`: as many as the free
-        KV pages hold, engine/rollout/paged_kv.py); otherwise when the batch is empty. With `keep`, return (chunk row
-        of each slot or -1, left padding of each slot) as they end up."""
+        KV pages hold, engine/rollout/paged_kv.py); otherwise when the batch is empty. With `keep`, return
+        (chunk row of each slot or -1, left padding of each slot) as they end up."""
         if sched is not None:
             caches = self.pool.flat_views(sched.num_pages * sched.page)
             st = self._rows_state(slots, sched.pages_per_row)

@@ -96,9 +96,8 @@ class PagedSlots:
     def release(self, lo: int, hi: int) -> None:
         """Free the pages of slots [lo, hi) (their table rows point at the scratch page)."""
         for s in range(lo, hi):
-            self.free.extend(reversed(self.owned[s]))
-            self.owned[s], self.entry[s] = [], None
-        self.host[lo:hi] = SCRATCH_PAGE
+            self.release_owned(s)
+            self.entry[s] = None
 
     def grow(self, slot: int, positions: int) -> None:
         """Give `slot` the pages of its first `positions` positions (the caller checked that they are free)."""

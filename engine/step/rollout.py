@@ -148,10 +148,9 @@ def rollout_params(
     val_sample = replace(
         sampling_params(cfg, eos, False, seed), n=r.val_n, log_probs=False, routed_experts=False
     )
-    if (
-        r.val_temperature > 0
-    ):  # verl's val_kwargs: every validation response at its temperature, top_p, top_k;
-        # another seed, or a backend that seeds each row by its index (vLLM) repeats the "val" response
+    if r.val_temperature > 0:
+        # verl's val_kwargs: every validation response at its temperature, top_p, top_k; another seed, or a
+        # backend that seeds each row by its index (vLLM) repeats the "val" response
         val_sample = replace(
             val_sample, temperature=r.val_temperature, top_p=r.val_top_p, top_k=r.val_top_k, seed=seed + 1
         )
@@ -168,8 +167,8 @@ def rollout_params(
 def rollout(ctx: StepContext, records, kinds: tuple[str, ...], round_index: int = 0) -> list[RolloutOutput]:
     """One train -> rollout -> train transition and a rollout per kind: "sample" (rollout.n sampled
     responses), "greedy" (one at temperature 0: a greedy baseline), "val" (one at rollout.val_temperature),
-    "val_sample" (rollout.val_n sampled ones: at val_temperature where it is > 0, else as "sample"). Every kind caps a prompt's responses at its record's
-    `max_new_tokens` (the data row's budget) where it has one."""
+    "val_sample" (rollout.val_n sampled ones: at val_temperature where it is > 0, else as "sample"). Every
+    kind caps a prompt's responses at its record's `max_new_tokens` (the data row's budget) where it has one."""
     c, timer = ctx.c, ctx.timer
     cfg = c.cfg
     prompts = [r.prompt_ids for r in records]
