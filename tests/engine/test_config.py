@@ -252,20 +252,19 @@ def test_data_files_take_one_path_or_a_list_and_expand_home(monkeypatch, tmp_pat
         composed("data.train_files=3")
 
 
-def test_a_newly_registered_estimator_is_validated_by_its_traits():
+def test_a_newly_registered_estimator_is_validated_by_its_traits(monkeypatch):
     """Validation takes the names and capabilities from the registry: a new estimator is accepted, and what it
-    declares (group-relative, reads gamma) decides the rules and the ignored-key warnings."""
-    from algorithms.advantages import (
-        AdvantageTraits,
-        advantage_estimator_names,
-        get_advantage_estimator,
-        register_advantage,
-    )
+    declares (group-relative, reads gamma) decides the rules and the ignored-key warnings. The registry is
+    process-wide: the estimator is registered into copies that monkeypatch puts back, so no later test
+    (tests/algorithms/test_advantages.py lists the known names) sees it."""
+    from algorithms import advantages
+    from algorithms.advantages import AdvantageTraits, get_advantage_estimator, register_advantage
 
+    monkeypatch.setattr(advantages._ESTIMATORS, "_fns", dict(advantages._ESTIMATORS._fns))
+    monkeypatch.setattr(advantages, "_TRAITS", dict(advantages._TRAITS))
     name = "test_group_gamma"
-    if name not in advantage_estimator_names():
-        traits = AdvantageTraits(group_relative=True, uses_gamma=True)
-        register_advantage(name, traits)(get_advantage_estimator("grpo"))
+    traits = AdvantageTraits(group_relative=True, uses_gamma=True)
+    register_advantage(name, traits)(get_advantage_estimator("grpo"))
     validate(composed(f"algorithm.adv_estimator={name}"), world_size=1)
     with pytest.raises(ConfigError, match=f"rollout.n=1: algorithm.adv_estimator={name} compares responses"):
         validate(composed(f"algorithm.adv_estimator={name}", "rollout.n=1"), world_size=1)
