@@ -20,7 +20,7 @@ from engine.models.builder import (
     resolve_shape,
 )
 from engine.models.hf import HFCheckpoint, check_tp_layout, load_hf_weights
-from engine.models.hf_config import model_config_from_hf
+from engine.models.hf_config import checkpoint_model_config
 from engine.prompt_loader import PromptLoader
 from engine.rewards.build import build_reward_fn
 from engine.rewards.reward_fn import RewardFn
@@ -154,12 +154,13 @@ def replica_val_prompts(num_records: int, dp: int, rank: int) -> int:
 
 
 def model_shape(model: ModelConfig, tokenizer_vocab: int, tp: int) -> ModelShape:
-    """The architecture: from `model.path`'s config.json when set (dtype and recompute stay the config's),
-    else from the model config with the tokenizer's vocabulary."""
+    """The architecture: from `model.path`'s config.json when set (`checkpoint_model_config`: dtype, recompute
+    and the MoE training settings stay the config's), else from the model config with the tokenizer's
+    vocabulary."""
     if not model.path:
         return resolve_shape(model, tokenizer_vocab, tp)
-    overrides = model_config_from_hf(model.path)
-    shape = resolve_shape(replace(model, **overrides), overrides["vocab_size"], tp)
+    checkpoint = checkpoint_model_config(model)
+    shape = resolve_shape(checkpoint, checkpoint.vocab_size, tp)
     check_tp_layout(shape, tp, f"{model.path}/config.json")
     return shape
 

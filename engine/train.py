@@ -26,6 +26,7 @@ from engine.metrics import run_header
 from engine.startup import errors_only, kernels_line
 from engine.tools.plot import plot_at_end
 from engine.validate import validate
+from engine.validate.checkpoint import checkpoint_conflict_warnings
 from engine.validate.ignored import ignored_key_warnings
 from parallel.launch import explain_rank_failures, read_launch_env
 from parallel.state import destroy_distributed, init_distributed, world_size_from_env
@@ -49,7 +50,7 @@ def main(raw: DictConfig) -> None:
         errors_only()
     cfg = to_dataclass(raw)
     dims = validate(cfg, world_size_from_env())
-    warnings = ignored_key_warnings(cfg)
+    warnings = ignored_key_warnings(cfg) + checkpoint_conflict_warnings(cfg)
     if cfg.placement.mode == "split":  # training and rollout ranks: engine/split/run.py
         from engine.split.run import run_split
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import UserError
@@ -22,10 +23,12 @@ from engine.errors import UserError
 if TYPE_CHECKING:
     import torch
 
-    from engine.config import MoEConfig
+    from engine.config import ModelConfig, MoEConfig
     from engine.models.builder import ModelShape
 
 HF_CONFIG_FILE = "config.json"
+# model.moe fields config.json does not hold (training settings): a checkpoint's model keeps the config's.
+MOE_TRAINING_KEYS = ("z_loss_coef", "token_dispatcher")
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe")
 _FAMILIES = {
     "qwen2": "Qwen2",
@@ -197,6 +200,15 @@ def model_config_from_hf(path: str) -> dict[str, Any]:
         moe=_moe(cfg, model_type, file),
     )
     return overrides
+
+
+def checkpoint_model_config(model: ModelConfig) -> ModelConfig:
+    """`model` with the architecture of the checkpoint at `model.path` (`model_config_from_hf`): what a run
+    with model.path builds. What config.json does not hold stays the config's: dtype, recompute, init_std,
+    the tokenizer, and model.moe's `MOE_TRAINING_KEYS`."""
+    overrides = model_config_from_hf(model.path)
+    overrides["moe"] = replace(overrides["moe"], **{k: getattr(model.moe, k) for k in MOE_TRAINING_KEYS})
+    return replace(model, **overrides)
 
 
 def hf_config_from_shape(

@@ -4,7 +4,8 @@ Each check raises `ConfigError` naming the key(s), the value, the rule and a fix
 config groups so that the first message a user sees is about the first thing they would look at. One module
 per concern: placement (which ranks train and which generate), model (layout, architecture, checkpoint
 files), algorithm, rollout, batches, run (optimizer, trainer, reward, optional packages), ignored (keys a
-combination ignores), rules (the raising helpers).
+combination ignores), checkpoint (model keys whose values model.path's checkpoint replaces with others),
+rules (the raising helpers).
 """
 
 from __future__ import annotations

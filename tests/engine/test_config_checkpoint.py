@@ -1,0 +1,106 @@
+"""Architecture keys that model.path's checkpoint replaces (engine/validate/checkpoint.py): a warning for each
+configured value that differs from the checkpoint's, none where they agree, and the run built from the
+checkpoint's values either way. Tiny random Hugging Face checkpoints saved with save_pretrained (no processes,
+no process group); the real-size case reads config.json excerpts only."""
+
+from __future__ import annotations
+
+import json
+
+import hf_tiny
+import pytest
+from config_compose import composed
+
+from engine.setup import model_shape
+from engine.validate.checkpoint import checkpoint_conflict_warnings
+
+FIX = "the checkpoint's value is used; drop the override or fix model.path"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> dict[str, str]:
+    """A dense Qwen2 (4 layers, width 64, vocab 101, tied) and a Qwen3-MoE checkpoint (hf_tiny's sizes)."""
+    root = tmp_path_factory.mktemp("hf")
+    return {f: hf_tiny.save_tiny(f, str(root / f)) for f in ("qwen2", "qwen3_moe")}
+
+
+def _warned(path: str, *overrides: str) -> list[str]:
+    return checkpoint_conflict_warnings(composed(f"model.path={path}", *overrides))
+
+
+def test_values_equal_to_the_checkpoints_warn_nothing(ckpt):
+    """The default preset (the schema's defaults: no architecture named) and explicit values equal to the
+    checkpoint's, MoE included, give no warning."""
+    assert _warned(ckpt["qwen2"]) == []
+    same = ["model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=96", "model.vocab_size=101"]
+    assert _warned(ckpt["qwen2"], *same, "model.qkv_bias=true", "model.tie_embeddings=true") == []
+    assert _warned(ckpt["qwen3_moe"], "model=tiny_moe", "model.moe.ffn_hidden_size=32") == []
+    assert checkpoint_conflict_warnings(composed()) == []  # no model.path
+
+
+@pytest.mark.parametrize("preset", ["qwen2_5_0_5b", "qwen3_30b_a3b"])
+def test_a_preset_equal_to_its_real_config_warns_nothing(preset, tmp_path):
+    """The common case: a preset with model.path at the checkpoint it describes (real config.json values)."""
+    from test_hf import REAL_CONFIGS
+
+    (tmp_path / "config.json").write_text(json.dumps(REAL_CONFIGS[preset]))
+    assert _warned(str(tmp_path), f"model={preset}") == []
+
+
+def test_a_wrong_preset_warns_once_per_differing_key_and_the_checkpoint_is_built(ckpt):
+    """model=qwen2_5_1_5b on a 4-layer, width-64 Qwen2: one line per key that differs, naming both values, the
+    config.json and the fix; keys that agree (GQA groups, QKV bias, tied embeddings, norm eps) and keys
+    config.json does not hold (dtype) give none. The shape is the checkpoint's."""
+    path = ckpt["qwen2"]
+    cfg = composed("model=qwen2_5_1_5b", f"model.path={path}")
+    lines = checkpoint_conflict_warnings(cfg)
+    file = f"{path}/config.json"
+    for key, ours, theirs in [
+        ("hidden_size", 1536, 64),
+        ("num_layers", 28, 4),
+        ("vocab_size", 151936, 101),
+        ("ffn_hidden_size", 8960, 96),
+        ("num_attention_heads", 12, 4),
+        ("head_dim", 128, 16),
+        ("max_position_embeddings", 131072, 128),
+        ("rope_theta", 1000000.0, 10000.0),
+    ]:
+        assert f"warning: model.{key}={ours!r} differs from {file} ({theirs!r}): {FIX}" in lines
+    assert len(lines) == 8
+    shape = model_shape(cfg.model, tokenizer_vocab=99, tp=1)
+    assert (shape.num_layers, shape.hidden_size, shape.vocab_size, shape.head_dim) == (4, 64, 101, 16)
+    assert shape.max_position_embeddings == 128 and shape.rope_theta == 10000.0
+
+
+def test_command_line_overrides_that_differ_are_named(ckpt):
+    lines = _warned(ckpt["qwen2"], "model.hidden_size=128", "model.num_layers=8", "model.vocab_size=200")
+    file = f"{ckpt['qwen2']}/config.json"
+    assert lines == [
+        f"warning: model.num_layers=8 differs from {file} (4): {FIX}",
+        f"warning: model.hidden_size=128 differs from {file} (64): {FIX}",
+        f"warning: model.vocab_size=200 differs from {file} (101): {FIX}",
+    ]
+
+
+def test_moe_keys_against_moe_and_dense_checkpoints(ckpt):
+    """An MoE checkpoint replaces the experts' architecture but keeps the config's MoE training settings
+    (z-loss, token dispatcher: config.json holds neither); a dense checkpoint reads only num_experts."""
+    moe = ckpt["qwen3_moe"]
+    cfg = composed(
+        "model=tiny_moe",
+        f"model.path={moe}",
+        "model.moe.num_experts=8",
+        "model.moe.ffn_hidden_size=32",
+        "model.moe.z_loss_coef=0.01",
+        "model.moe.token_dispatcher=allgather",
+    )
+    assert checkpoint_conflict_warnings(cfg) == [
+        f"warning: model.moe.num_experts=8 differs from {moe}/config.json (4): {FIX}"
+    ]
+    shape = model_shape(cfg.model, tokenizer_vocab=99, tp=1)
+    assert (shape.moe.num_experts, shape.moe.ffn_hidden_size) == (4, 32)
+    assert (shape.moe.z_loss_coef, shape.moe.token_dispatcher) == (0.01, "allgather")
+    dense = ckpt["qwen2"]
+    assert _warned(dense, "model=tiny_moe", "model.qkv_bias=true", "model.qk_norm=false") == [
+        f"warning: model.moe.num_experts=4 differs from {dense}/config.json (0): {FIX}"
+    ]
