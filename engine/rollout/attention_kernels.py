@@ -59,6 +59,11 @@ class DecodeKernels:
     the first of those that applies here (CPU: sdpa)."""
     compiled: bool = True
     """Residual add + RMSNorm, SwiGLU and RoPE as torch.compile'd kernels (ENGINE_COMPILE_ROLLOUT=0: off)."""
+    fused: bool = True
+    """With the Triton or flash decode attention: RoPE and the K/V cache writes as one Triton kernel
+    (engine/rollout/triton_rope_kv.py; not with QK-norm), and the Triton kernel's split merge as one Triton
+    kernel. False: the compiled RoPE, two indexed writes, the compiled merge (the baseline of
+    scripts/bench/rollout.py's `native_unfused`)."""
 
 
 def decode_attention_kernel(

@@ -25,7 +25,9 @@ Kernels (`DecodeKernels`; CUDA only, the attention kernels in half precision; CP
   position and `seqused_k` stops them at `cur`; the query heads of a group folded into the query axis, which
   FA2 pads to 128-row tiles); the plain path: SDPA with a boolean mask over the first `num_keys` positions,
   query heads folded the same way (memory-efficient or cuDNN kernel on GPU);
-- the elementwise chains compiled into one kernel each (torch.compile): residual add + RMSNorm, SwiGLU, RoPE.
+- the elementwise chains compiled into one kernel each (torch.compile): residual add + RMSNorm, SwiGLU, RoPE;
+- with the Triton or flash attention (`DecodeKernels.fused`): a decode step's RoPE and K/V cache writes as one
+  Triton kernel (engine/rollout/triton_rope_kv.py; models without QK-norm), the split merge as another.
 Prefill always uses SDPA with a mask (left padding): prefill is a small share of a long rollout.
 Measured on one H200 (scripts/bench/README.md, "Rollout").
 """
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 from engine.models import moe
 from engine.models.builder import ModelShape
 from engine.models.compiled import ROLLOUT, cuda_kernel
-from engine.rollout import triton_decode
+from engine.rollout import triton_decode, triton_rope_kv
 from engine.rollout.attention_kernels import DecodeKernels, decode_attention_kernel, flash_varlen_decode
 from engine.rollout.moe_experts import MoEWeights, moe_layer
 from engine.rollout.paged_kv import positions_at
@@ -188,6 +190,10 @@ class RolloutModel:
 
         self._add_norm, self._norm = kernel(add_rms_norm), kernel(rms_norm)
         self._swiglu, self._rope = kernel(swiglu), kernel(_rope)
+        self.fused = kernels.fused and self.attention in ("triton", "flash")
+        self.fused_rope_kv = (
+            self.fused and triton_rope_kv.triton is not None and all(la.q_norm is None for la in self.layers)
+        )
 
     def _layer(self, p: dict[str, torch.Tensor], i: int) -> _Layer:
         pre = f"decoder.layers.{i}."
@@ -261,13 +267,18 @@ class RolloutModel:
             local = parts.view(self.tp_size, b, self.vocab_shard).permute(1, 0, 2).reshape(b, -1)
         return local[:, : self.shape.vocab_size].float()
 
+    def _projected(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        """h (b, s, hidden) -> the fused QKV projection (b, s, groups, heads per group + 2, dim): each group's
+        query heads, then its key and value."""
+        qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
+        return qkv.view(*h.shape[:2], self.groups, self.per_group + 2, self.head_dim)
+
     def _qkv(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h (b, s, hidden) -> q (b, s, groups, heads per group, dim), k and v (b, s, groups, dim), QK-norm and
         RoPE applied (`cos`, `sin` broadcast as (b, s, 1, 1, dim)). The query heads of a group and its key
         are adjacent in the fused projection, so RoPE runs on both at once."""
-        b, n = h.shape[:2]
         pg, eps = self.per_group, self.shape.norm_eps
-        qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(b, n, self.groups, pg + 2, self.head_dim)
+        qkv = self._projected(layer, h)
         if layer.q_norm is None:
             qk = qkv[:, :, :, : pg + 1]
         else:
@@ -277,15 +288,18 @@ class RolloutModel:
         qk = self._rope(qk, cos, sin)
         return qk[:, :, :, :pg], qk[:, :, :, pg], qkv[:, :, :, pg + 1]
 
-    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+    def _layers(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, raw=False
+    ) -> torch.Tensor:
         """Every transformer layer on embeddings `x` (b, s, hidden) with RoPE tables `cos`, `sin` broadcast as
-        (b, s, 1, 1, dim); `attend(i, q, k, v)` returns layer i's attention output (b, s, heads * dim). Returns
-        the final-normed hidden states. Each residual add is fused with the norm that follows it (the next
+        (b, s, 1, 1, dim); `attend(i, q, k, v)` returns layer i's attention output (b, s, heads * dim) (`raw`:
+        `attend(i, qkv, None, None)` with the projection before QK-norm and RoPE, `_projected`). Returns the
+        final-normed hidden states. Each residual add is fused with the norm that follows it (the next
         layer's input norm, the final norm after the last)."""
         eps, layers = self.shape.norm_eps, self.layers
         h = self._norm(x, layers[0].input_norm, eps)
         for i, layer in enumerate(layers):
-            q, k, v = self._qkv(layer, h, cos, sin)
+            q, k, v = (self._projected(layer, h), None, None) if raw else self._qkv(layer, h, cos, sin)
             proj = self._all_reduce(F.linear(attend(i, q, k, v), layer.proj_w))
             x, h = self._add_norm(x, proj, layer.mlp_norm, eps)
             mlp = self._mlp(layer, h)
@@ -404,7 +418,8 @@ class RolloutModel:
             if self.attention == "flash":
                 raise ValueError("the flash decode kernel reads contiguous rows, not a paged cache")
             write = table.gather(1, (cur // page)[:, None]).squeeze(1).long() * page + cur % page  # (b,)
-        cos, sin = self.cos[pos][:, None, None, None], self.sin[pos][:, None, None, None]  # (b, 1, 1, 1, dim)
+        cos_bd, sin_bd = self.cos[pos], self.sin[pos]  # (b, dim)
+        cos, sin = cos_bd[:, None, None, None], sin_bd[:, None, None, None]  # (b, 1, 1, 1, dim)
         if self.attention == "flash":  # row r's keys: flat positions r * cache_len + [pad_r, cur]
             cache_len = cache_k[0].shape[1]
             cum_q = torch.arange(0, b * pg + 1, pg, dtype=torch.int32, device=tokens_b.device)
@@ -417,23 +432,32 @@ class RolloutModel:
             if table is not None:  # row r's first num_keys positions, gathered
                 keys_at = positions_at(table, num_keys, page)  # (b, num_keys)
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            at = (rows, cur) if table is None else (write,)
-            cache_k[i].index_put_(at, k[:, 0])  # k (b, 1, groups, dim)
-            cache_v[i].index_put_(at, v[:, 0])
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+            if self.fused_rope_kv:  # q: the raw projection (b, 1, groups, per group + 2, dim)
+                at = cur if table is None else write
+                q = triton_rope_kv.rope_write_kv(
+                    q[:, 0], cos_bd, sin_bd, cache_k[i], cache_v[i], at, table is not None
+                )
+            else:
+                at = (rows, cur) if table is None else (write,)
+                cache_k[i].index_put_(at, k[:, 0])  # k (b, 1, groups, dim)
+                cache_v[i].index_put_(at, v[:, 0])
+                q = q[:, 0]  # (b, groups, per group, dim)
             if self.attention == "triton":
                 paged = {} if table is None else {"table": table, "page": page}
-                out = triton_decode.decode_attention(q[:, 0], cache_k[i], cache_v[i], pad_b, cur, **paged)
+                out = triton_decode.decode_attention(
+                    q, cache_k[i], cache_v[i], pad_b, cur, triton_merge=self.fused, **paged
+                )
             elif self.attention == "flash":
-                out = flash_varlen_decode(q[:, 0], cache_k[i], cache_v[i], cum_q, cum_k, used_k)
+                out = flash_varlen_decode(q, cache_k[i], cache_v[i], cum_q, cum_k, used_k)
             else:
                 if table is None:
                     keys = (cache_k[i][:, :num_keys], cache_v[i][:, :num_keys])
                 else:
                     keys = (cache_k[i][keys_at], cache_v[i][keys_at])
                 keys = (keys[0].transpose(1, 2), keys[1].transpose(1, 2))
-                out = F.scaled_dot_product_attention(q[:, 0], *keys, attn_mask=mask)  # (b, groups, pg, dim)
+                out = F.scaled_dot_product_attention(q, *keys, attn_mask=mask)  # (b, groups, pg, dim)
             return out.reshape(b, 1, self.heads * hd)
 
-        h = self._layers(self.embed(tokens_b[:, None]), cos, sin, attend)
+        h = self._layers(self.embed(tokens_b[:, None]), cos, sin, attend, raw=self.fused_rope_kv)
         return self.logits(h[:, 0])

@@ -112,6 +112,43 @@ if triton is not None:
         tl.store(max_ptr + state, m_i)
         tl.store(sum_ptr + state, l_i)
 
+    @triton.jit
+    def _merge_splits(
+        acc_ptr,
+        max_ptr,
+        sum_ptr,
+        out_ptr,
+        stride_ob,
+        stride_og,
+        stride_oh,
+        groups,
+        splits,
+        PER_GROUP: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+    ):
+        """`merge_splits` as one kernel, one program per (row, group): the splits' states weighted by
+        exp2(their max - the largest), summed in split order, divided, cast to the output's dtype."""
+        row_group = tl.program_id(0)
+        row = row_group // groups
+        group = row_group % groups
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, HEAD_DIM)
+        first = row_group * splits * BLOCK_H + offs_h
+        m_all = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+        for split in range(splits):
+            m_all = tl.maximum(m_all, tl.load(max_ptr + first + split * BLOCK_H))
+        num = tl.zeros((BLOCK_H, HEAD_DIM), dtype=tl.float32)
+        den = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for split in range(splits):  # an empty range has max -inf: weight 0
+            state = first + split * BLOCK_H
+            weight = tl.exp2(tl.load(max_ptr + state) - m_all)
+            num += tl.load(acc_ptr + state[:, None] * HEAD_DIM + offs_d[None, :]) * weight[:, None]
+            den += tl.load(sum_ptr + state) * weight
+        out = num / den[:, None]
+        dst = out_ptr + row * stride_ob + group * stride_og + offs_h[:, None] * stride_oh + offs_d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=(offs_h < PER_GROUP)[:, None])
+
 
 @functools.cache
 def _sm_count(device_index: int) -> int:
@@ -154,11 +191,14 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     splits: int | None = None,
+    triton_merge: bool = True,
 ) -> torch.Tensor:
     """q (rows, groups, heads per group, dim), cache (rows, positions, groups, dim), pad (rows,) int,
     cur (rows,) or (1,) int -> attention output (rows, groups, heads per group, dim) in q's dtype, softmax
     scale 1/sqrt(dim), row r over cache positions [pad[r], cur[r]]. The keyword arguments are the kernel's tuning
-    knobs (scripts/bench/decode_attention.py sweeps them); `splits` None: `num_splits`.
+    knobs (scripts/bench/decode_attention.py sweeps them); `splits` None: `num_splits`. `triton_merge`: the
+    splits' states merged by one Triton kernel (`_merge_splits`); False: `merge_splits` compiled (two kernels
+    on an H200), or with one split an eager division and cast.
 
     Paged (`table` (rows, pages per row) int32 and `page` given): the cache is one flat (positions, groups,
     dim) buffer per layer and row r's position n sits at `table[r, n // page] * page + n % page`."""
@@ -212,6 +252,22 @@ def decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if triton_merge:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        _merge_splits[(rows * groups,)](
+            acc,
+            m,
+            s,
+            out,
+            *out.stride()[:3],
+            groups,
+            splits,
+            PER_GROUP=per_group,
+            BLOCK_H=block_h,
+            HEAD_DIM=dim,
+            num_warps=num_warps,
+        )
+        return out
     view = (rows, groups, splits, block_h)
     acc, m, s = (
         acc.view(*view, dim)[..., :per_group, :],

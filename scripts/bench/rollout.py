@@ -26,7 +26,8 @@ compiled=False)`: masked SDPA decode attention, eager elementwise ops), the base
 measured against in the same run; `native_flash`: FlashAttention-2 decode attention instead of the Triton
 kernel, compiled elementwise ops (both skipped on CPU, where every variant is the plain path);
 `native_contiguous`: the native engine without paged KV (`paged_kv=False`: every slot holds the longest
-row's positions, so the KV budget bounds the batch by the longest row).
+row's positions, so the KV budget bounds the batch by the longest row); `native_unfused`: the compiled RoPE,
+indexed K/V writes and compiled split merge instead of their Triton kernels (`DecodeKernels(fused=False)`).
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
 `--profile DIR`: one more native `generate` of the same batch under torch.profiler: the top 30 kernels to
@@ -61,7 +62,15 @@ CONF_MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "conf", "model"
 PRESETS = ("tiny", "tiny_moe", "qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_7b", "qwen1_5_moe_a2_7b")
 TINY = ("tiny", "tiny_moe")
 TINY_VOCAB = 512
-BACKENDS = ("native", "native_contiguous", "native_flash", "native_plain", "vllm", "transformers")
+BACKENDS = (
+    "native",
+    "native_contiguous",
+    "native_flash",
+    "native_plain",
+    "native_unfused",
+    "vllm",
+    "transformers",
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -201,6 +210,7 @@ def first_tokens(engine, prompts) -> torch.Tensor:
 VARIANTS = {  # the native engine with other kernels, against `native` (auto) in the same run
     "native_flash": DecodeKernels(attention="flash"),
     "native_plain": DecodeKernels(attention="sdpa", compiled=False),
+    "native_unfused": DecodeKernels(fused=False),
 }
 
 

@@ -192,6 +192,82 @@ def test_triton_paged_decode_equals_the_contiguous_cache_bitwise(splits):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("splits", [1, 3, 5])
+def test_triton_merge_equals_the_compiled_merge(splits):
+    """The split merge as one Triton kernel against the compiled `merge_splits` (and, with one split, the
+    eager division): the same states, bf16 outputs within one rounding step, nearly all equal."""
+    from engine.rollout import triton_decode
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    rows, groups, per_group, dim = 6, 2, 6, 128
+    q = torch.randn(rows, groups, per_group, dim, device=DEV, generator=g).bfloat16()
+    k, v = (torch.randn(rows, 900, groups, dim, device=DEV, generator=g).bfloat16() for _ in range(2))
+    pad = torch.tensor([0, 5, 300, 640, 0, 899], device=DEV)
+    cur = torch.tensor([899, 6, 800, 700, 64, 899], device=DEV)
+    args = (q, k, v, pad, cur)
+    fused = triton_decode.decode_attention(*args, splits=splits, triton_merge=True)
+    compiled = triton_decode.decode_attention(*args, splits=splits, triton_merge=False)
+    assert fused.shape == q.shape and fused.dtype == torch.bfloat16
+    torch.testing.assert_close(fused.float(), compiled.float(), atol=1e-3, rtol=8e-3)
+    assert (fused == compiled).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_fused_rope_kv_write_equals_the_unfused_chain(paged):
+    """RoPE and the K/V writes in one Triton kernel against the compiled RoPE and indexed writes: rotated
+    query heads and key within one bf16 rounding step (nearly all equal), the value written bit for bit, at
+    each row's own position (contiguous rows, or a flat paged buffer), nothing else in the cache touched."""
+    from engine.models.compiled import ROLLOUT, cuda_kernel
+    from engine.rollout.model import _rope, signed_sin
+    from engine.rollout.triton_rope_kv import rope_write_kv
+
+    g = torch.Generator(device=DEV).manual_seed(5)
+    rows, groups, per_group, dim, positions = 5, 2, 7, 128, 96
+    proj = torch.randn(rows, groups * (per_group + 2) * dim, device=DEV, generator=g).bfloat16()
+    qkv = proj.view(rows, groups, per_group + 2, dim)
+    cos_t, sin_t = (t.to(DEV) for t in rope_tables_for(dim, positions))
+    cur = torch.tensor([3, 95, 40, 0, 64], device=DEV)
+    pos = cur - torch.tensor([0, 10, 7, 0, 1], device=DEV)  # left padding
+    cos, sin = cos_t[pos], signed_sin(sin_t)[pos]
+    shape = (rows * positions, groups, dim) if paged else (rows, positions, groups, dim)
+    cache_k, cache_v = (torch.randn(shape, device=DEV, generator=g).bfloat16() for _ in "kv")
+    ref_k, ref_v = cache_k.clone(), cache_v.clone()
+    at = torch.randperm(rows * positions, device=DEV, generator=g)[:rows] if paged else cur
+    q = rope_write_kv(qkv, cos, sin, cache_k, cache_v, at, paged)
+    rope = cuda_kernel(_rope, DEV, ROLLOUT, dynamic=None)
+    qk = rope(qkv[:, :, : per_group + 1], cos[:, None, None], sin[:, None, None])
+    index = (at,) if paged else (torch.arange(rows, device=DEV), cur)
+    ref_k[index], ref_v[index] = qk[:, :, per_group], qkv[:, :, per_group + 1]
+    torch.testing.assert_close(q.float(), qk[:, :, :per_group].float(), atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(cache_k.float(), ref_k.float(), atol=1e-2, rtol=8e-3)
+    assert torch.equal(cache_v, ref_v)
+    assert (q == qk[:, :, :per_group]).float().mean() >= 0.99 and (cache_k == ref_k).float().mean() >= 0.99
+
+
+def rope_tables_for(dim: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 cos/sin tables as engine/rollout/model.py `rope_tables` builds them (theta 1e6)."""
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    emb = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq).repeat(1, 2)
+    return emb.cos().bfloat16(), emb.sin().bfloat16()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_decode_kernels_match_the_unfused_ones(tiny, family):
+    """Teacher-forced decode logits with the fused RoPE/K-V write and Triton merge against the compiled
+    chain they replace (bf16, Triton attention): close, and the same argmax nearly everywhere."""
+    shape, weights, _ = tiny[family]
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, shape.vocab_size, (6, 11), generator=g).to(DEV)
+    pad = torch.tensor([0, 4, 10, 1, 0, 7], device=DEV)
+    model = RolloutModel(shape, on_gpu(weights, torch.bfloat16), rope_tables(shape, DEV, torch.bfloat16))
+    assert model.fused_rope_kv, "the fused RoPE/K-V kernel should run here"
+    fused = teacher_forced_logits(shape, weights, torch.bfloat16, DecodeKernels("triton"), ids, pad, 20)
+    unfused = DecodeKernels("triton", fused=False)
+    plain = teacher_forced_logits(shape, weights, torch.bfloat16, unfused, ids, pad, 20)
+    torch.testing.assert_close(fused, plain, atol=5e-2, rtol=5e-2)
+    assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.95
+
+
 def test_paged_generation_with_graphs_equals_the_contiguous_layout(tiny):
     """Long-tailed per-row limits with CUDA graphs: pages where the budget holds every row give the
     contiguous layout's tokens and log-probs bit for bit in bf16 (the Triton kernel through the table);
@@ -219,7 +295,7 @@ def test_paged_generation_with_graphs_equals_the_contiguous_layout(tiny):
 
 
 def test_split_merge_compiles_once_for_every_width_and_split_count():
-    """The compiled merge of split key ranges is not recompiled when the batch width or the split count
+    """(`DecodeKernels(fused=False)`: the Triton merge replaces it by default.) The compiled merge of split key ranges is not recompiled when the batch width or the split count
     changes (each recompile cost ~2 s inside a rollout: three of them at the widths where the split count
     first moved made the long-tail rollout bench 25% slower at 1.5B, measured on an H200)."""
     from engine.rollout import triton_decode
@@ -230,7 +306,7 @@ def test_split_merge_compiles_once_for_every_width_and_split_count():
         q = torch.randn(rows, 2, 7, 128, device=DEV, generator=g).bfloat16()
         k, v = (torch.randn(rows, 1024, 2, 128, device=DEV, generator=g).bfloat16() for _ in range(2))
         pad, cur = torch.zeros(rows, dtype=torch.long, device=DEV), torch.tensor([1000], device=DEV)
-        return triton_decode.decode_attention(q, k, v, pad, cur, splits=splits)
+        return triton_decode.decode_attention(q, k, v, pad, cur, splits=splits, triton_merge=False)
 
     run(8, 2)  # compiles (or recompiles once, if an earlier test compiled it for fixed sizes)
     with torch._dynamo.config.patch(error_on_recompile=True):
