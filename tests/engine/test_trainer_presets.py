@@ -259,6 +259,13 @@ def test_actor_loss_is_its_logged_terms_and_dict_reward_extras_are_logged(runs):
         assert not any(key.startswith("reward/extra/") and key != "reward/extra/acc" for key in row)
     exp = trainer.last_experience
     assert torch.equal(exp.tensors["reward_extra/acc"], 2 * exp.tensors["scores"])
+    # response_length/clip_ratio is verl's (responses of rollout.max_new_tokens tokens), truncated_ratio
+    # those without a stop token
+    lengths = exp.response_mask.sum(-1)
+    at_max = (lengths == trainer.cfg.rollout.max_new_tokens).float().mean()
+    assert rows[-1]["response_length/clip_ratio"] == pytest.approx(float(at_max))
+    truncated = 1.0 - exp.tensors["finished"].mean()
+    assert rows[-1]["response_length/truncated_ratio"] == pytest.approx(float(truncated))
 
 
 def test_validation_at_k_per_data_source(runs):
