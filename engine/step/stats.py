@@ -93,16 +93,18 @@ def multi_turn_metrics(totals: dict[str, float], groups: ProcessGroups) -> dict[
 
 def reward_extra_metrics(exp: Experience, groups: ProcessGroups) -> dict[str, float]:
     """`reward/extra/<key>`: mean over the DP replicas' rows of each numeric extra of a dict-returning
-    reward function (the union of the replicas' keys: a replica without one contributes no rows)."""
+    reward function (the union of the replicas' keys: a replica without one contributes no rows, nor does a
+    row whose output lacked the key, NaN there: engine/rewards/reward_fn.py)."""
     keys = sorted(k.removeprefix(REWARD_EXTRA) for k in exp.tensors if k.startswith(REWARD_EXTRA))
     if groups.dims.dp > 1:
         gathered = [None] * groups.dims.dp
         dist.all_gather_object(gathered, keys, group=groups.dp)
         keys = sorted(set().union(*gathered))
-    empty = torch.zeros(0)
-    return {
-        f"reward/extra/{k}": dp_stats(exp.tensors.get(f"{REWARD_EXTRA}{k}", empty), groups)[0] for k in keys
-    }
+    out = {}
+    for k in keys:
+        values = exp.tensors.get(f"{REWARD_EXTRA}{k}", torch.zeros(0))
+        out[f"reward/extra/{k}"] = dp_stats(values[~values.isnan()], groups)[0]
+    return out
 
 
 def perf_metrics(

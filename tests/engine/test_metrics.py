@@ -3,13 +3,14 @@ rollout statistics (engine/step/stats.py, on a gloo world of one) against verl's
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine.metrics import PhaseTimer
-from engine.step.batch import Experience
+from engine.step.batch import REWARD_EXTRA, Experience
 from engine.step.stats import rollout_metrics
 
 
@@ -113,3 +114,12 @@ def test_clip_ratio_is_verls_and_truncated_ratio_counts_every_limit(gloo_world):
     # a larger configured maximum: nothing reached it, whatever was cut
     out = rollout_metrics(_experience(response_mask, finished), groups, False, max_response_len=8)
     assert out["response_length/clip_ratio"] == 0.0 and out["response_length/truncated_ratio"] == 0.4
+
+
+def test_reward_extras_leave_out_rows_without_the_key(gloo_world):
+    """reward/extra/<key>: the mean over the rows that have the key (NaN: that row's output lacked it, e.g. a
+    float-scoring rule's row among DAPO-Math's)."""
+    acc = torch.tensor([1.0, math.nan, 0.0, 1.0])
+    exp = _experience(torch.ones(4, 2), [1.0] * 4, **{f"{REWARD_EXTRA}acc": acc})
+    groups = SimpleNamespace(dp=gloo_world, device=torch.device("cpu"), dims=SimpleNamespace(dp=1))
+    assert rollout_metrics(exp, groups, False, max_response_len=2)["reward/extra/acc"] == pytest.approx(2 / 3)
