@@ -17,7 +17,8 @@ Schema of a row (the one verl and most RLHF datasets use):
   to this prompt may have (a per-prompt budget), in [1, rollout.max_new_tokens]; the rollout passes it as
   `SamplingParams.max_new_tokens_per_prompt` (training and validation rollouts, every backend). Responses
   that reach it end with finish reason "length", as at rollout.max_new_tokens (so they count in
-  `response_length/clip_ratio`); DAPO's overlong penalty still ramps towards rollout.max_new_tokens, not the
+  `response_length/truncated_ratio`, but not in `response_length/clip_ratio`, which is verl's: responses of
+  rollout.max_new_tokens tokens); DAPO's overlong penalty still ramps towards rollout.max_new_tokens, not the
   row's cap. Single-turn rollouts only.
 The conversation may have several messages of any roles (system, user, assistant, tool: a dialogue so far).
 Prompts are tokenised with the tokenizer's own chat template, exactly as

@@ -26,7 +26,7 @@ import torch
 
 from algorithms.kl import make_kl_controller
 from engine.checkpoint.checkpoint import Checkpointer
-from engine.config import needs_old_log_prob_forward, packs_sequences
+from engine.config import max_response_tokens, needs_old_log_prob_forward, packs_sequences
 from engine.metrics import PhaseTimer
 from engine.roles.dynamic_batch import MicroBatcher
 from engine.roles.offload import RoleOffloader
@@ -129,7 +129,7 @@ class Trainer:
         self.last_experience = exp
         self.engine_stats = ctx.engine_stats
         metrics = {
-            **rollout_metrics(exp, g, self.rollout_log_probs),
+            **rollout_metrics(exp, g, self.rollout_log_probs, max_response_tokens(c.cfg.rollout)),
             **sampling_metrics,
             **adv_metrics,
             **critic_metrics,

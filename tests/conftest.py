@@ -16,3 +16,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords or "vllm" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def gloo_world():
+    """torch.distributed on gloo in this process, world size 1, for code that runs collectives over the
+    group it is given (yields `dist.group.WORLD`); torn down after the test."""
+    import torch.distributed as dist
+
+    from parallel.launch import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

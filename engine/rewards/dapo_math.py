@@ -19,6 +19,17 @@ No other equivalence: "0.5" != "\\frac{1}{2}", and a trailing period stays ("34.
 Score +1.0 if equal, else -1.0 (a missing answer too), as verl: unlike the other rules (0 or 1), a wrong
 answer is -1, so the mean reward is 2 * accuracy - 1. One departure: a response without an `Answer:` line
 never matches (verl compares the placeholder "[INVALID]", so it would match a ground truth "[INVALID]").
+
+The rule returns verl's dict, `{"score": +-1.0, "acc": 1.0 or 0.0, "pred": the normalised answer}` (verl's
+`acc` is a bool; `pred` is None without an `Answer:` line, where verl's is "[INVALID]"). `acc` is a numeric
+extra (engine/rewards/reward_fn.py), logged as verl users read it:
+- training: `reward/extra/acc`, the mean over the step's responses (verl's trainer only dumps it with the
+  generations);
+- validation: `val/<data_source>/extra/acc` for the one response per prompt (verl's
+  `val-core/<data_source>/acc/mean@1`), and with rollout.val_n=k > 1 `val/<data_source>/extra/acc/mean@k`
+  (verl's `val-core/<data_source>/acc/mean@k`); unlike `val/<data_source>/reward` they read 0..1.
+`pred` is a string, so it is not logged; validation's `maj@k` reads the same answer through the rule's
+`answer` (`dapo_answer`), as verl's `maj@N` reads `pred`.
 """
 
 from __future__ import annotations
@@ -93,6 +104,8 @@ def dapo_answer(solution_str: str) -> str | None:
     oracle=lambda truth: f"Answer: {truth}",
     answer=dapo_answer,
 )
-def dapo_math_score(solution_str: str, ground_truth: str) -> float:
+def dapo_math_score(solution_str: str, ground_truth: str) -> dict[str, float | str | None]:
+    """{"score": 1.0 or -1.0, "acc": 1.0 or 0.0, "pred": the answer read, None without one} (module docstring)."""
     answer = dapo_answer(solution_str)
-    return 1.0 if answer is not None and answer == normalize_dapo_answer(ground_truth) else -1.0
+    correct = answer is not None and answer == normalize_dapo_answer(ground_truth)
+    return {"score": 1.0 if correct else -1.0, "acc": float(correct), "pred": answer}

@@ -1,8 +1,10 @@
 """Rule rewards registered by `data_source`: one entry per family, matched by exact name or prefix.
 
-A rule maps (solution_str, ground_truth) to a score; `oracle` formats a ground truth as the response the
-rule expects (used by `engine.reward_check` to show that a perfect answer scores 1.0). A rule's scale is its
-own (most score 0..1; `math_dapo` scores -1 or +1, as verl does).
+A rule maps (solution_str, ground_truth) to a score, a float or, as verl's rules may, a dict holding "score"
+and extras (`math_dapo`: verl's {"score", "acc", "pred"}; engine/rewards/reward_fn.py logs the numeric ones);
+`oracle` formats a ground truth as the response the rule expects (used by `engine.reward_check` to show that
+a perfect answer scores 1.0). A rule's scale is its own (most score 0..1; `math_dapo` scores -1 or +1, as
+verl does).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ class RuleReward:
     name: str
     sources: tuple[str, ...]
     """Lower-case data_source names (or prefixes) this rule scores."""
-    score: Callable[..., float]
-    """(solution_str, ground_truth, **options) -> score; options are the rule's own settings (e.g. `method`)."""
+    score: Callable[..., float | dict]
+    """(solution_str, ground_truth, **options) -> score, or a dict with "score" and extras; options are the
+    rule's own settings (e.g. `method`)."""
     oracle: Callable[[str], str]
     """ground_truth -> a response that scores 1.0."""
     answer: Callable[..., str | None] | None = None
@@ -45,10 +48,10 @@ def register_rule(
     answer: Callable[..., str | None] | None = None,
     exact_sources: tuple[str, ...] = (),
 ):
-    """Decorator: register `score(solution_str, ground_truth, **options) -> float` for `sources` (exact names
-    or prefixes) and `exact_sources` (exact names only)."""
+    """Decorator: register `score(solution_str, ground_truth, **options) -> float | dict` for `sources` (exact
+    names or prefixes) and `exact_sources` (exact names only)."""
 
-    def wrap(score: Callable[[str, str], float]) -> Callable[[str, str], float]:
+    def wrap(score: Callable[..., float | dict]) -> Callable[..., float | dict]:
         mine = tuple(source.lower() for source in sources)
         taken = {source.lower() for rule in _RULES.values() for source in rule.sources + rule.exact_sources}
         clash = taken & {*mine, *(source.lower() for source in exact_sources)}
@@ -107,11 +110,24 @@ def rule_reward(
     ground_truth: str,
     extra_info: dict | None = None,
     options: Mapping[str, Mapping[str, str]] | None = None,
-) -> float:
-    """The built-in reward: dispatch on data_source (the function used when reward.fn is empty); `options`
-    maps a rule name to its keyword settings, e.g. {"gsm8k": {"method": "strict"}}."""
+) -> float | dict:
+    """The built-in reward: dispatch on data_source (the function used when reward.fn is empty): the rule's
+    float, or its dict with "score" and extras (`rule_score` takes the score alone); `options` maps a rule
+    name to its keyword settings, e.g. {"gsm8k": {"method": "strict"}}."""
     rule = get_rule(data_source)
     return rule.score(solution_str, ground_truth, **(options or {}).get(rule.name, {}))
+
+
+def rule_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: dict | None = None,
+    options: Mapping[str, Mapping[str, str]] | None = None,
+) -> float:
+    """`rule_reward`'s score alone, whether the rule returns a float or a dict."""
+    out = rule_reward(data_source, solution_str, ground_truth, extra_info, options)
+    return out["score"] if isinstance(out, Mapping) else out
 
 
 def rule_answer(

@@ -6,8 +6,10 @@ called as verl calls it, by keyword (`fn(data_source=..., solution_str=..., grou
 the parameters may come in any order, have defaults, or be taken by `**kwargs`; a function that cannot take
 these four keywords is refused when it is loaded
 (a dict must hold "score"; its other numeric keys are returned as extras, which the trainer logs as
-`reward/extra/<key>`, the mean over the step's responses on all DP replicas; a key whose value is not a
-number, or that some response's dict lacks, is ignored).
+`reward/extra/<key>`, the mean over the step's responses on all DP replicas, and validation as
+`val/<data_source>/extra/<key>` (engine/step/validation.py); a key whose value is not a number is ignored; a
+response whose output lacks a key that others have, such as a float among dicts when the built-in rules of
+several data sources score one batch, has NaN there, which the means leave out).
 `reward.fn` is `module:function` (imported from sys.path) or `path/to/file.py:function`.
 Every output is checked: one finite number per response; errors name the function and the response.
 """
@@ -32,6 +34,8 @@ UserRewardFn = Callable[..., "float | dict"]
 ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
 """The keywords a reward function is called with (verl's names)."""
 BUILTIN_NAME = "the built-in rule rewards (reward.fn empty)"
+MISSING_EXTRA = float("nan")
+"""An extra's value for a response whose output lacked that key; means over responses leave it out."""
 
 
 @dataclass
@@ -39,7 +43,8 @@ class RewardResult:
     scores: torch.Tensor
     """(num_responses,) float32."""
     extras: dict[str, torch.Tensor]
-    """Numeric keys (other than "score") that every dict output had, each (num_responses,) float32."""
+    """Numeric keys (other than "score") that some dict output had, each (num_responses,) float32, NaN for the
+    responses whose output lacked it (`MISSING_EXTRA`)."""
 
 
 class RewardFn:
@@ -140,13 +145,29 @@ def _where(exc: BaseException) -> str:
 
 
 def _as_result(scores: list[float], extras: list[dict[str, float]]) -> RewardResult:
-    common = set.intersection(*(set(extra) for extra in extras)) if extras else set()
+    keys = sorted(set().union(*extras))
     return RewardResult(
         scores=torch.tensor(scores, dtype=torch.float32),
         extras={
-            key: torch.tensor([extra[key] for extra in extras], dtype=torch.float32) for key in sorted(common)
+            key: torch.tensor([extra.get(key, MISSING_EXTRA) for extra in extras], dtype=torch.float32)
+            for key in keys
         },
     )
+
+
+def concat_extras(
+    parts: Sequence[Mapping[str, torch.Tensor]], rows: Sequence[int]
+) -> dict[str, torch.Tensor]:
+    """The extras of consecutive batches of responses ({key: (rows[i],)} per batch) as one: every key any batch
+    has, `MISSING_EXTRA` for the rows of a batch without it."""
+
+    def column(part: Mapping[str, torch.Tensor], n: int, key: str) -> torch.Tensor:
+        return part.get(key, torch.full((n,), MISSING_EXTRA, dtype=torch.float32))
+
+    keys = sorted(set().union(*parts))
+    return {
+        key: torch.cat([column(part, n, key) for part, n in zip(parts, rows, strict=True)]) for key in keys
+    }
 
 
 def _as_number(value) -> float | None:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from engine.prompt_loader import PromptLoader
+from engine.rewards.reward_fn import concat_extras
 from engine.step.batch import Experience, Responses
 from engine.step.validation import prompt_values
 from parallel.split_plan import SplitLayout
@@ -183,15 +184,20 @@ class TrainerLink:
         c, per_prompt = ctx.c, []
         for b, shares in enumerate(zip(*parts)):  # one validation batch: each serving replica's share
             sources = [source for share in shares for source in share[0]]
-            scores = [torch.cat([share[1][i] for share in shares]) for i in range(len(shares[0][1]))]
-            answers = None if shares[0][2] is None else [a for share in shares for a in share[2]]
+            rollouts = range(len(shares[0][1]))
+            scores = [torch.cat([share[1][i] for share in shares]) for i in rollouts]
+            extras = [
+                concat_extras([share[2][i] for share in shares], [len(share[1][i]) for share in shares])
+                for i in rollouts
+            ]
+            answers = None if shares[0][3] is None else [a for share in shares for a in share[3]]
             if c.reward_model is not None:
                 prompts = [r.prompt_ids for r in c.val_batches[b]]
                 for i, n in enumerate((1, c.cfg.rollout.val_n)[: len(scores)]):
-                    ids = torch.cat([share[3][i][0] for share in shares])
-                    mask = torch.cat([share[3][i][1] for share in shares])
+                    ids = torch.cat([share[4][i][0] for share in shares])
+                    mask = torch.cat([share[4][i][1] for share in shares])
                     scores[i] = scores[i] + c.reward_model(prompts, ids, mask, n, ctx.batcher)
-            per_prompt.append((sources, prompt_values(c.cfg.rollout.val_n, scores, answers)))
+            per_prompt.append((sources, prompt_values(c.cfg.rollout.val_n, scores, extras, answers)))
         return per_prompt
 
 

@@ -205,9 +205,9 @@ class RolloutWorker:
     def _validate(self, step: int) -> None:
         """Generate and score each served share of every validation batch with the weights held now (those
         of step `step`, after `step` steps), with the seeds and scoring of colocated validation; rollout TP
-        rank 0 sends each training replica's [(data sources, row scores per rollout, maj@k answers or None,
-        (response ids, response mask) per rollout when a reward model scores on the trainers, else None) per
-        batch]."""
+        rank 0 sends each training replica's [(data sources, row scores per rollout, reward extras per rollout,
+        maj@k answers or None, (response ids, response mask) per rollout when a reward model scores on the
+        trainers, else None) per batch]."""
         cfg, eos = self.cfg, checkpoint_stop_ids(self.cfg, self.tokenizer)
         kinds = ("val", "val_sample") if cfg.rollout.val_n > 1 else ("val",)
         for d, batches in self.val_batches.items():
@@ -224,9 +224,9 @@ class RolloutWorker:
                     rollout_replica(self.engine, self.weights, prompts, params[k], self.episodes, tool_names)
                     for k in kinds
                 ]
-                scores, answers = row_scores(self, records, outs, None)
+                scores, extras, answers = row_scores(self, records, outs, None)
                 rows = [(o.response_ids, o.response_mask) for o in outs] if cfg.reward.model_path else None
-                per_batch.append(([r.data_source for r in records], scores, answers, rows))
+                per_batch.append(([r.data_source for r in records], scores, extras, answers, rows))
             if self.layout.rollout_coords(self.rank)[0] == 0:
                 for dst in self.layout.replica_ranks(d):
                     send_object(per_batch, dst, self.everyone)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from engine.step.batch import REWARD_EXTRA, Experience
+from engine.step.batch import REWARD_EXTRA, Experience, response_lengths
 from engine.step.perf import mfu, train_flops
 from parallel.state import ProcessGroups
 
@@ -36,9 +36,21 @@ def dp_stats(values: torch.Tensor, groups: ProcessGroups) -> tuple[float, float,
     return mean, max(sq / count - mean * mean, 0.0) ** 0.5, -float(ext[0]), float(ext[1])
 
 
-def rollout_metrics(exp: Experience, groups: ProcessGroups, rollout_log_probs: bool) -> dict[str, float]:
+def rollout_metrics(
+    exp: Experience, groups: ProcessGroups, rollout_log_probs: bool, max_response_len: int
+) -> dict[str, float]:
     """`reward/*`, `response_length/*`, `rollout/logprob_mean` (when the rollout returns log-probs) and the
-    reward function's extras."""
+    reward function's extras.
+
+    `response_length/mean|std|min|max` count the trained (generated) tokens of each response (verl's count a
+    multi-turn episode's tool tokens too).
+    `response_length/clip_ratio` is verl's: the fraction of responses whose length equals `max_response_len`,
+    the configured most tokens of one response (engine/config.py `max_response_tokens`: rollout.max_new_tokens,
+    or with multi-turn rollout.multi_turn.max_total_tokens, against the episode's length with its tool turns,
+    as verl's response width holds a whole episode). Only that global maximum counts: a response cut earlier by
+    its prompt's own `max_new_tokens` (the dataset column) or an episode ended for want of room for a tool turn
+    is not in it. `response_length/truncated_ratio` is: the fraction of responses that ended without a stop
+    token (finish reason "length"), whichever limit cut them."""
     out = {}
     for name, values in (
         ("reward", exp.tensors["scores"]),
@@ -46,7 +58,9 @@ def rollout_metrics(exp: Experience, groups: ProcessGroups, rollout_log_probs: b
     ):
         mean, std, lo, hi = dp_stats(values, groups)
         out.update({f"{name}/mean": mean, f"{name}/std": std, f"{name}/min": lo, f"{name}/max": hi})
-    out["response_length/clip_ratio"] = dp_stats(1.0 - exp.tensors["finished"], groups)[0]
+    at_max = (response_lengths(exp.response_mask) == max_response_len).float()
+    out["response_length/clip_ratio"] = dp_stats(at_max, groups)[0]
+    out["response_length/truncated_ratio"] = dp_stats(1.0 - exp.tensors["finished"], groups)[0]
     if "overlong_penalty" in exp.tensors:
         out["reward/overlong_penalty_mean"] = dp_stats(exp.tensors["overlong_penalty"], groups)[0]
     if "staleness" in exp.tensors:  # split placement: how far behind the update its rows were generated
@@ -79,16 +93,18 @@ def multi_turn_metrics(totals: dict[str, float], groups: ProcessGroups) -> dict[
 
 def reward_extra_metrics(exp: Experience, groups: ProcessGroups) -> dict[str, float]:
     """`reward/extra/<key>`: mean over the DP replicas' rows of each numeric extra of a dict-returning
-    reward function (the union of the replicas' keys: a replica without one contributes no rows)."""
+    reward function (the union of the replicas' keys: a replica without one contributes no rows, nor does a
+    row whose output lacked the key, NaN there: engine/rewards/reward_fn.py)."""
     keys = sorted(k.removeprefix(REWARD_EXTRA) for k in exp.tensors if k.startswith(REWARD_EXTRA))
     if groups.dims.dp > 1:
         gathered = [None] * groups.dims.dp
         dist.all_gather_object(gathered, keys, group=groups.dp)
         keys = sorted(set().union(*gathered))
-    empty = torch.zeros(0)
-    return {
-        f"reward/extra/{k}": dp_stats(exp.tensors.get(f"{REWARD_EXTRA}{k}", empty), groups)[0] for k in keys
-    }
+    out = {}
+    for k in keys:
+        values = exp.tensors.get(f"{REWARD_EXTRA}{k}", torch.zeros(0))
+        out[f"reward/extra/{k}"] = dp_stats(values[~values.isnan()], groups)[0]
+    return out
 
 
 def perf_metrics(

@@ -13,6 +13,9 @@ greedy responses would be one; logged per source as:
   frequent answer wins (ties: the one seen first), and the prompt scores what a response with that answer
   scored; when no response has an answer, what they scored (the rule's score of no answer: 0, or -1 for
   math_dapo). Logged only where answers are defined: built-in rules without a reward model scoring alone.
+The reward function's numeric extras (engine/rewards/reward_fn.py: DAPO-Math's `acc`) are logged per source
+as `extra/<key>` for the one response (verl's `<key>/mean@1`) and, with val_n=k > 1, `extra/<key>/mean@k`
+for the k (verl's `<key>/mean@k`); a source whose responses lack a key has none.
 All of these are averaged over prompts across every DP replica, each prompt counted once (the repeats that
 even out the replicas' shares are run, not counted).
 
@@ -21,6 +24,7 @@ even out the replicas' shares are run, not counted).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
@@ -67,12 +71,15 @@ def sample_metrics(scores_pk: torch.Tensor, answers: Sequence[str | None] | None
 def per_source_means(
     batches: Sequence[tuple[Sequence[str], Mapping[str, torch.Tensor]]], dp_group: dist.ProcessGroup
 ) -> dict[str, float]:
-    """`val/<source>/<name>`: the mean over prompts of every per-prompt value, all DP replicas together.
+    """`val/<source>/<name>`: the mean over prompts of every per-prompt value, all DP replicas together; NaN
+    values (a reward extra the prompt's responses lack) are left out, and a name with none is not logged.
     `batches`: (data source of each prompt, {name: value per prompt}) for this replica's batches."""
     totals: dict[tuple[str, str], list[float]] = {}
     for sources, values in batches:
         for name, per_prompt in values.items():
             for source, value in zip(sources, per_prompt.tolist()):
+                if math.isnan(value):
+                    continue
                 entry = totals.setdefault((source, name), [0.0, 0.0])
                 entry[0] += value
                 entry[1] += 1.0
@@ -96,31 +103,41 @@ def validation_due(trainer, completed: int) -> bool:
     return bool(t.test_freq) and (completed % t.test_freq == 0 or completed == t.total_steps)
 
 
-def row_scores(c, records, outs: list, batcher) -> tuple[list[torch.Tensor], list[str | None] | None]:
-    """Each rollout's row scores (the "val" rollout `outs[0]`, with rollout.val_n=k > 1 the "val_sample" one
-    `outs[1]`, k rows per prompt) and the sampled rows' answers for maj@k (None where no majority is taken:
-    reward.fn or a reward model, or a rule that defines no answer). `c` needs cfg, tokenizer, reward_fn and
-    reward_model (the rollout ranks of split placement pass their worker)."""
+def row_scores(
+    c, records, outs: list, batcher
+) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], list[str | None] | None]:
+    """Each rollout's row scores and reward extras ({key: (rows,)}, NaN where a row's output lacked the key)
+    (the "val" rollout `outs[0]`, with rollout.val_n=k > 1 the "val_sample" one `outs[1]`, k rows per prompt)
+    and the sampled rows' answers for maj@k (None where no majority is taken: reward.fn or a reward model, or
+    a rule that defines no answer). `c` needs cfg, tokenizer, reward_fn and reward_model (the rollout ranks
+    of split placement pass their worker)."""
     k = c.cfg.rollout.val_n
-    scores = [score(c, outs[0], records, 1, batcher)[0]]
-    answers = None
+    first, _, first_extras = score(c, outs[0], records, 1, batcher)
+    scores, extras, answers = [first], [first_extras], None
     if k > 1:
         texts = decode_responses(c.tokenizer, outs[1].response_ids, outs[1].response_mask)
-        scores.append(score(c, outs[1], records, k, batcher, texts)[0])
+        sampled, _, sampled_extras = score(c, outs[1], records, k, batcher, texts)
+        scores.append(sampled)
+        extras.append(sampled_extras)
         if c.cfg.reward.fn == "" and not c.cfg.reward.model_path:
             sources = [records[i // k].data_source for i in range(len(texts))]
             answers = response_answers(sources, texts, c.cfg.reward.gsm8k_method)
-    return scores, answers
+    return scores, extras, answers
 
 
 def prompt_values(
-    k: int, scores: list[torch.Tensor], answers: list[str | None] | None
+    k: int,
+    scores: list[torch.Tensor],
+    extras: list[dict[str, torch.Tensor]],
+    answers: list[str | None] | None,
 ) -> dict[str, torch.Tensor]:
-    """{name: value per prompt} from `row_scores`' output: `reward` of the "val" rollout, and with
-    rollout.val_n=k > 1 mean@k, best@k (and maj@k) of the "val_sample" one."""
-    values = {"reward": scores[0]}
+    """{name: value per prompt} from `row_scores`' output: `reward` and `extra/<key>` of the "val" rollout,
+    and with rollout.val_n=k > 1 mean@k, best@k (and maj@k) and `extra/<key>/mean@k` of the "val_sample" one
+    (NaN for a prompt whose k responses all lack the key)."""
+    values = {"reward": scores[0], **{f"extra/{key}": v for key, v in extras[0].items()}}
     if k > 1:
         values.update(sample_metrics(scores[1].view(-1, k), answers))
+        values.update({f"extra/{key}/mean@{k}": v.view(-1, k).nanmean(1) for key, v in extras[1].items()})
     return values
 
 

@@ -256,7 +256,9 @@ def generate_and_score(settings: dict, overrides: list[str]) -> int:
                         print(
                             f"\n=== prompt {i // k} (data_source={rows[i].data_source!r}): {_snippet(prompt, 200)}"
                         )
-                    extras = "".join(f"  {key}={float(v[i]):.4g}" for key, v in result.extras.items())
+                    extras = "".join(  # NaN: this response's output lacked the key
+                        f"  {key}={float(v[i]):.4g}" for key, v in result.extras.items() if not v[i].isnan()
+                    )
                     print(f"\n[prompt {i // k}, sample {i % k}] score={float(result.scores[i]):.4f}{extras}")
                     print(text if out.episodes is None else _episode_text(out.episodes[i]))
     finally:

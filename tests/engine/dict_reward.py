@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
-from engine.rewards.registry import rule_reward
+from engine.rewards.registry import rule_score
 
 
 def score(data_source, solution_str, ground_truth, extra_info):
-    s = rule_reward(data_source, solution_str, ground_truth, extra_info)
+    s = rule_score(data_source, solution_str, ground_truth, extra_info)
     return {"score": s, "acc": 2.0 * s, "note": "x"}

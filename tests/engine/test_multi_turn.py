@@ -417,6 +417,11 @@ def test_multi_turn_job_metrics_overlong_penalty_and_validation(tmp_path):
     expected = -(lengths - 14).clamp(0, 4) / 4.0
     assert torch.equal(exp.tensors["overlong_penalty"], expected.float()), (lengths, exp.tensors)
     assert (lengths > 14).any() and (exp.response_mask.sum(-1) < lengths).all()
+    # verl's clip ratio: episodes as long as the budget, 18, their tool tokens counted; a last turn cut by
+    # rollout.max_new_tokens short of it counts as truncated only
+    clipped = float((lengths == 18).float().mean())
+    assert rows[-1]["response_length/clip_ratio"] == pytest.approx(clipped)
+    assert rows[-1]["response_length/truncated_ratio"] > clipped
     # validation rolled out whole episodes and scored them as such: 3 turns, the tool turn in the text
     assert rows[-1]["val/reward_mean"] == 4.0 and rows[-1]["val/reward_std"] == 0.0
 

@@ -1,8 +1,12 @@
-"""engine.rewards rules by data_source: DAPO math (`Answer:` lines, +1/-1), its routing, and how the boxed
-rule reads `\\boxed 5$` and `\\fbox`. Expected values are worked out by hand from the rules' docstrings
-(verl's `math_dapo.compute_score` and `math_reward.compute_score` agree on every one except where marked)."""
+"""engine.rewards rules by data_source: DAPO math (`Answer:` lines, +1/-1, verl's dict with `acc` and `pred`),
+its routing, and how the boxed rule reads `\\boxed 5$` and `\\fbox`. Expected values are worked out by hand
+from the rules' docstrings (verl's `math_dapo.compute_score` and `math_reward.compute_score` agree on every one
+except where marked)."""
+
+import math
 
 import pytest
+import torch
 
 from engine.rewards.boxed_math import boxed_math_score, last_boxed
 from engine.rewards.build import build_reward_fn
@@ -41,7 +45,30 @@ from engine.rewards.registry import find_rule, rule_answer, rule_reward
     ],
 )
 def test_math_dapo_scores(response, truth, score):
-    assert rule_reward("math_dapo", response, truth) == score
+    out = rule_reward("math_dapo", response, truth)
+    assert (out["score"], out["acc"]) == (score, float(score == 1.0))
+    assert out["pred"] == rule_answer("math_dapo", response)
+
+
+def test_math_dapo_returns_verls_dict():
+    """verl's compute_score returns {"score": reward, "acc": correct, "pred": pred}: by hand, as verl would
+    (its acc a bool, here 1.0 / 0.0; its pred without an `Answer:` line "[INVALID]", here None)."""
+    cases = [
+        ("math_dapo", "So.\nAnswer: 1,000", "1000", {"score": 1.0, "acc": 1.0, "pred": "1000"}),
+        ("math", "Answer: $\\frac 12$", "2", {"score": -1.0, "acc": 0.0, "pred": "\\frac{1}{2}"}),
+        ("math_dapo", "no answer", "3", {"score": -1.0, "acc": 0.0, "pred": None}),
+    ]
+    for source, response, truth, verl in cases:
+        assert rule_reward(source, response, truth) == verl, response
+    # through the trainer's reward function: acc is an extra; pred (a string) is not; a row of a float rule
+    # (boxed math) has no acc (NaN, left out of the logged means)
+    result = build_reward_fn("").score(
+        ["math_dapo", "lighteval/MATH", "math_dapo", "math_dapo"],
+        ["Answer: 3", r"\boxed{3}", "Answer: 4", "3"],
+        ["3"] * 4,
+    )
+    assert result.scores.tolist() == [1.0, 1.0, -1.0, -1.0] and sorted(result.extras) == ["acc"]
+    torch.testing.assert_close(result.extras["acc"], torch.tensor([1.0, math.nan, 0.0, 0.0]), equal_nan=True)
 
 
 def test_math_dapo_answer_and_oracle():
@@ -50,7 +77,7 @@ def test_math_dapo_answer_and_oracle():
     assert rule_answer("math_dapo", r"\boxed{3}") is None
     rule = find_rule("math_dapo")
     for truth in ["34", "\\frac{1}{2}", "x = 5", "1,000", "5 \\text{ cm}"]:
-        assert rule.score(rule.oracle(truth), truth) == 1.0, truth
+        assert rule.score(rule.oracle(truth), truth)["score"] == 1.0, truth
     assert rule.oracle("34") == "Answer: 34"
 
 

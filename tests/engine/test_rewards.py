@@ -295,6 +295,25 @@ def user_module(tmp_path, monkeypatch):
     sys.modules.pop("pkg_reward_mod", None)
 
 
+def test_extras_a_response_lacks_are_nan():
+    """A key some outputs lack (a float output, a dict without it, a non-numeric value) is NaN for those
+    responses (left out of the logged means); batches of responses join with the keys of all of them."""
+    from engine.rewards.reward_fn import RewardFn, concat_extras
+
+    def mixed(data_source, solution_str, ground_truth, extra_info):
+        return {"d": {"score": 1.0, "acc": True}, "t": {"score": 0.0, "acc": "x"}}.get(data_source, 0.5)
+
+    nan = float("nan")
+    result = RewardFn(mixed, "mixed").score(["d", "f", "t"], ["r"] * 3, ["g"] * 3, [{}] * 3)
+    assert result.scores.tolist() == [1.0, 0.5, 0.0] and sorted(result.extras) == ["acc"]
+    torch.testing.assert_close(result.extras["acc"], torch.tensor([1.0, nan, nan]), equal_nan=True)
+    joined = concat_extras(
+        [{"acc": torch.tensor([1.0, 0.0])}, {}, {"acc": torch.tensor([0.5]), "b": torch.ones(1)}], [2, 1, 1]
+    )
+    torch.testing.assert_close(joined["acc"], torch.tensor([1.0, 0.0, nan, 0.5]), equal_nan=True)
+    torch.testing.assert_close(joined["b"], torch.tensor([nan, nan, nan, 1.0]), equal_nan=True)
+
+
 def test_user_fn_from_file_and_module(user_file, user_module):
     for spec in (f"{user_file}:score", f"{user_module}:score"):
         fn = build_reward_fn(spec)

@@ -40,6 +40,7 @@ from parallel.layout import TrainLayout
 from parallel.split_plan import SplitLayout
 
 REWARD = f"reward.fn={os.path.join(os.path.dirname(__file__), 'stall_reward.py')}:score"
+DICT_REWARD = f"{os.path.join(os.path.dirname(__file__), 'dict_reward.py')}:score"
 RUN = [
     "trainer.total_steps=4",
     "trainer.test_freq=0",
@@ -179,13 +180,15 @@ def test_split_3_ranks_equals_colocated_dp2_and_resumes_after_sigkill(tmp_path):
 def test_split_tp2_train_2_rollout_replicas_equals_colocated_micro_dp(tmp_path):
     """4 ranks: TP=2 with sequence parallelism trains (DP=1), two rollout replicas generate one half of its
     prompts each; with DAPO's dynamic sampling (further rounds until the batch has enough groups whose rewards
-    differ) and validation after every step."""
+    differ), validation after every step and a reward returning a dict, whose extra `acc` is joined over the
+    rounds and the replicas' shares."""
     short = [
         "trainer.total_steps=2",
         "trainer.save_freq=0",
         "parallel.tp=2",
         "parallel.sp=true",
         "rollout.tp=1",
+        f"reward.fn={DICT_REWARD}",  # after RUN's reward.fn: the last override wins
     ]
     short += ["algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3", *_validation(tmp_path, 1)]
     colocated = _train(2, tmp_path / "colocated", *short)
@@ -194,6 +197,7 @@ def test_split_tp2_train_2_rollout_replicas_equals_colocated_micro_dp(tmp_path):
     for step, row in split.items():
         assert _comparable(row) == _comparable(colocated[step]), step
         assert "val/reward_mean" in row and "val/embedded/copy/mean@2" in row, step
+        assert "reward/extra/acc" in row and "val/embedded/copy/extra/acc/mean@2" in row, step
     assert max(row["dynamic_sampling/rounds"] for row in split.values()) > 1  # further rounds ran
 
 

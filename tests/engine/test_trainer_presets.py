@@ -62,12 +62,14 @@ JOBS = {
         (*BASE, *KL_REWARD, "timing/old_log_prob"),
     ),
 }
-# GRPO with an entropy bonus and a user reward returning a dict (tests/engine/dict_reward.py)
+# GRPO with an entropy bonus and a user reward returning a dict (tests/engine/dict_reward.py), validated
+# after its last step
 JOBS["grpo_entropy_dict_reward"] = (
     [
         "algorithm=grpo",
         "algorithm.entropy_coef=0.01",
         f"reward.fn={os.path.join(os.path.dirname(__file__), 'dict_reward.py')}:score",
+        "trainer.test_freq=2",
     ],
     2,
     (*BASE, "actor/loss", "actor/entropy_loss", "actor/kl_loss", "reward/extra/acc"),
@@ -249,7 +251,8 @@ def test_critic_loads_its_backbone_from_the_checkpoint_with_a_zero_head(tmp_path
 
 def test_actor_loss_is_its_logged_terms_and_dict_reward_extras_are_logged(runs):
     """actor/loss = pg_loss - entropy_coef * entropy_loss + kl_loss_coef * kl_loss (each a mean per optimizer
-    step); a dict reward's numeric extra `acc` (2 x score) is logged as reward/extra/acc, its string `note` not."""
+    step); a dict reward's numeric extra `acc` (2 x score) is logged as reward/extra/acc and in validation as
+    val/<source>/extra/acc, its string `note` not."""
     trainer, rows = runs("grpo_entropy_dict_reward")
     for row in rows:
         total = row["actor/pg_loss"] - 0.01 * row["actor/entropy_loss"] + 0.001 * row["actor/kl_loss"]
@@ -259,6 +262,16 @@ def test_actor_loss_is_its_logged_terms_and_dict_reward_extras_are_logged(runs):
         assert not any(key.startswith("reward/extra/") and key != "reward/extra/acc" for key in row)
     exp = trainer.last_experience
     assert torch.equal(exp.tensors["reward_extra/acc"], 2 * exp.tensors["scores"])
+    # response_length/clip_ratio is verl's (responses of rollout.max_new_tokens tokens), truncated_ratio
+    # those without a stop token
+    lengths = exp.response_mask.sum(-1)
+    at_max = (lengths == trainer.cfg.rollout.max_new_tokens).float().mean()
+    assert rows[-1]["response_length/clip_ratio"] == pytest.approx(float(at_max))
+    truncated = 1.0 - exp.tensors["finished"].mean()
+    assert rows[-1]["response_length/truncated_ratio"] == pytest.approx(float(truncated))
+    val = rows[-1]["val/embedded/copy/extra/acc"]
+    assert val == pytest.approx(2 * rows[-1]["val/embedded/copy/reward"], abs=1e-6)
+    assert not any("/extra/note" in key for key in rows[-1])
 
 
 def test_validation_at_k_per_data_source(runs):
