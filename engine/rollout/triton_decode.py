@@ -12,7 +12,7 @@ Layout: q (rows, groups, heads per group, dim) (any strides, unit stride over di
 [pad[r], cur[r]]; `cur` is read on the device (a (rows,) or (1,) tensor), so the launch can be captured in a CUDA graph.
 The positions are cut into `splits` contiguous ranges, one program each (more programs when rows x groups
 alone would not fill the GPU); each writes its partial softmax state (max, sum, weighted values) in float32,
-and `decode_attention` merges them.
+and `decode_attention` merges them (`_merge_splits`, one more Triton kernel; or `merge_splits` compiled).
 
 Only on CUDA with Triton installed, in half precision (`supported`); engine/rollout/model.py falls back to
 FlashAttention-2 or SDPA otherwise. Parity with SDPA: tests/engine/test_rollout_gpu.py.
