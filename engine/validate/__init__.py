@@ -3,7 +3,8 @@
 Each check raises `ConfigError` naming the key(s), the value, the rule and a fix. The order follows the
 config groups so that the first message a user sees is about the first thing they would look at. One module
 per concern: placement (which ranks train and which generate), model (layout, architecture, checkpoint
-files), algorithm, rollout, batches, run (optimizer, trainer, reward, optional packages), ignored (keys a
+files), built (the model the run builds, which the architecture checks read: model.path's config.json when
+set), algorithm, rollout, batches, run (optimizer, trainer, reward, optional packages), ignored (keys a
 combination ignores), checkpoint (model keys whose values model.path's checkpoint replaces with others),
 rules (the raising helpers).
 """
@@ -24,10 +25,10 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     """Check every group and cross-group rule; return the validated training layout (over the actor's
     training ranks: all of `world_size` unless placement.mode=split)."""
     dims = validate_parallel(cfg, training_world_size(cfg, world_size))
-    validate_model(cfg, dims)
-    validate_placement(cfg, dims)
-    validate_algorithm(cfg)
-    validate_rollout(cfg, dims)
+    built = validate_model(cfg, dims)
+    validate_placement(cfg, dims, built)
+    validate_algorithm(cfg, built)
+    validate_rollout(cfg, dims, built)
     validate_batches(cfg, dims)
     validate_optim(cfg)
     validate_trainer(cfg)

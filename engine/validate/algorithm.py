@@ -8,12 +8,14 @@ import os
 from algorithms.advantages import advantage_estimator_names, advantage_traits
 from algorithms.kl import KL_CONTROLLERS, KL_CONTROLLERS_WITH_TARGET, kl_estimator_names
 from algorithms.losses import LOSS_AGG_MODES, TIS_MODES, policy_loss_names, policy_loss_traits
-from engine.config import TrainConfig, max_response_tokens
+from engine.config import ModelConfig, TrainConfig, max_response_tokens
+from engine.validate.built import model_key
 from engine.validate.model import validate_checkpoint_positions
 from engine.validate.rules import fail, one_of, positive
 
 
-def validate_algorithm(cfg: TrainConfig) -> None:
+def validate_algorithm(cfg: TrainConfig, built: ModelConfig) -> None:
+    """algorithm.*; `built` is the model the run builds (engine/validate/built.py)."""
     a = cfg.algorithm
     one_of("algorithm.adv_estimator", a.adv_estimator, tuple(advantage_estimator_names()))
     one_of("algorithm.policy_loss", a.policy_loss, tuple(policy_loss_names()))
@@ -67,7 +69,7 @@ def validate_algorithm(cfg: TrainConfig) -> None:
     positive("algorithm.num_mini_batches", a.num_mini_batches)
     positive("algorithm.max_sampling_rounds", a.max_sampling_rounds)
     validate_kl_in_reward(cfg)
-    validate_router_replay(cfg)
+    validate_router_replay(cfg, built)
     if a.value_clip < 0:
         fail("algorithm.value_clip", a.value_clip, "must be >= 0", "use 0.2, or 0 to turn clipping off")
     max_len, len_key = max_response_tokens(cfg.rollout), "rollout.max_new_tokens"
@@ -138,7 +140,7 @@ def validate_kl_in_reward(cfg: TrainConfig) -> None:
         )
 
 
-def validate_router_replay(cfg: TrainConfig) -> None:
+def validate_router_replay(cfg: TrainConfig, built: ModelConfig) -> None:
     """algorithm.router_replay: the native rollout of an MoE model records the experts it chose
     (engine/rollout/routes.py) for single-turn, colocated rollouts; the actor's forwards replay them."""
     if not cfg.algorithm.router_replay:
@@ -147,8 +149,9 @@ def validate_router_replay(cfg: TrainConfig) -> None:
         "algorithm.router_replay",
         (
             (
-                cfg.model.moe.num_experts == 0,
-                "replays the experts of a mixture-of-experts model, and model.moe.num_experts=0 (a dense model)",
+                built.moe.num_experts == 0,
+                f"replays the experts of a mixture-of-experts model, and "
+                f"{model_key(cfg, 'moe.num_experts')}=0 (a dense model)",
                 "pick an MoE model (e.g. model=tiny_moe) or set algorithm.router_replay=false",
             ),
             (

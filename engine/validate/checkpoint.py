@@ -12,9 +12,9 @@ another checkpoint. A user may pick a preset deliberately for its dtype and reco
 batch settings tuned alongside it) and point model.path at a compatible checkpoint that differs in a key or
 two: Qwen2.5-Math-1.5B has the sizes of model=qwen2_5_1_5b but other max_position_embeddings and rope_theta.
 Refusing that run would make them restate every key the checkpoint already holds. What a wrong checkpoint
-breaks is refused against its config.json: at validation, layers the pipeline stages do not split, a prompt
-and response longer than its positions and a vocabulary smaller than the tokenizer's; at setup, heads and
-widths that parallel.tp does not divide.
+breaks is refused at validation, which checks the model the run builds (engine/validate/built.py): layers
+the pipeline stages do not split, heads and widths that parallel.tp (or rollout.tp) does not divide, a prompt
+and response longer than its positions, a vocabulary smaller than the tokenizer's, and the MoE rules.
 
 Keys left at the schema's default are not compared: model=tiny (the default preset) is the schema's defaults,
 and `model.path=DIR` alone, as the README runs it, names no architecture to conflict with. The cost: a key

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import os
 
-from engine.config import DTYPES, ConfigError, TrainConfig
+from engine.config import DTYPES, ConfigError, ModelConfig, TrainConfig
+from engine.validate.built import built_model, model_key
 from engine.validate.rules import fail, one_of, positive
 from parallel.dims import ParallelDims
 
@@ -40,11 +41,11 @@ def validate_parallel(cfg: TrainConfig, world_size: int) -> ParallelDims:
         raise ConfigError(str(err)) from None
 
 
-def validate_stage_layers(cfg: TrainConfig, dims: ParallelDims) -> None:
+def validate_stage_layers(cfg: TrainConfig, dims: ParallelDims, built: ModelConfig) -> None:
     """Every model's layers split over the pipeline stages (megatron's uneven first/last stages): the
-    actor's (model.num_layers, or model.path's config.json), the critic's and the reward model's."""
-    counts = [] if cfg.model.path else [("model.num_layers", cfg.model.num_layers)]
-    for path in (cfg.model.path, cfg.critic.path, cfg.reward.model_path):
+    actor's (`built`: model.num_layers, or model.path's config.json), the critic's and the reward model's."""
+    counts = [(model_key(cfg, "num_layers"), built.num_layers)]
+    for key, path in (("critic.path", cfg.critic.path), ("reward.model_path", cfg.reward.model_path)):
         config_file = os.path.join(path, "config.json")
         if path and os.path.isfile(config_file):
             try:
@@ -53,7 +54,7 @@ def validate_stage_layers(cfg: TrainConfig, dims: ParallelDims) -> None:
             except (OSError, ValueError, AttributeError):  # unreadable: named by the positions check
                 continue
             if isinstance(num_layers, int) and num_layers > 0:
-                counts.append((f"{config_file}: num_hidden_layers", num_layers))
+                counts.append((f"{key}'s {config_file}: num_hidden_layers", num_layers))
     for key, num_layers in counts:
         try:
             dims.stage_layer_counts(num_layers)
@@ -61,32 +62,46 @@ def validate_stage_layers(cfg: TrainConfig, dims: ParallelDims) -> None:
             raise ConfigError(f"{key}={num_layers}: {err}") from None
 
 
-def validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
+def validate_model(cfg: TrainConfig, dims: ParallelDims) -> ModelConfig:
+    """model.*, checked on the model the run builds (`built_model`: model.path's config.json architecture
+    when set); returns that model for the other groups' checks."""
     m = cfg.model
-    if m.path and not os.path.isdir(m.path):
-        fail(
-            "model.path",
-            m.path,
-            "is not a directory",
-            "point model.path at a local Hugging Face checkpoint directory",
-        )
-    one_of("model.dtype", m.dtype, DTYPES)
-    for key, value in (
-        ("model.num_layers", m.num_layers),
-        ("model.hidden_size", m.hidden_size),
-        ("model.num_attention_heads", m.num_attention_heads),
-        ("model.num_query_groups", m.num_query_groups),
-        ("model.ffn_hidden_size", m.ffn_hidden_size),
-    ):
-        positive(key, value)
-    validate_moe(cfg, dims)
     if m.path:
+        if not os.path.isdir(m.path):
+            fail(
+                "model.path",
+                m.path,
+                "is not a directory",
+                "point model.path at a local Hugging Face checkpoint directory",
+            )
         validate_checkpoint_positions(cfg, "model.path", m.path)  # config.json readable first
-    validate_stage_layers(cfg, dims)
+    one_of("model.dtype", m.dtype, DTYPES)
+    built = built_model(cfg)
+    for field in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        positive(model_key(cfg, field), getattr(built, field))
+    validate_moe(cfg, dims, built)
+    validate_stage_layers(cfg, dims, built)
     if m.path:
         validate_tokenizer_source(cfg)
-        validate_vocab_holds_tokenizer(cfg)
-        return  # the rest of the architecture comes from config.json; checked when it is read
+    else:  # with model.path, `checkpoint_model_config` refused what of config.json the engine cannot build
+        validate_configured_architecture(cfg)
+    validate_vocab_holds_tokenizer(cfg, built)
+    for field in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        value = getattr(built, field)
+        if value % dims.tp:
+            fail(
+                model_key(cfg, field),
+                value,
+                f"must be divisible by parallel.tp={dims.tp}",
+                "lower parallel.tp or change the model",
+            )
+    return built
+
+
+def validate_configured_architecture(cfg: TrainConfig) -> None:
+    """The model.* architecture keys of a model without model.path: sizes that fit one another and the
+    longest sequence."""
+    m = cfg.model
     if m.head_dim < 0 or m.head_dim % 2:
         fail(
             "model.head_dim",
@@ -101,7 +116,6 @@ def validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
             "must be >= 0",
             "use 0 (the tokenizer's size) or a positive size",
         )
-    validate_vocab_holds_tokenizer(cfg)
     if m.init_std < 0:
         fail("model.init_std", m.init_std, "must be >= 0", "use 0.02")
     positive("model.rope_theta", m.rope_theta)
@@ -127,18 +141,6 @@ def validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"must divide model.num_attention_heads={m.num_attention_heads}",
             "use a divisor of the head count",
         )
-    for key, value in (
-        ("model.num_attention_heads", m.num_attention_heads),
-        ("model.num_query_groups", m.num_query_groups),
-        ("model.ffn_hidden_size", m.ffn_hidden_size),
-    ):
-        if value % dims.tp:
-            fail(
-                key,
-                value,
-                f"must be divisible by parallel.tp={dims.tp}",
-                "lower parallel.tp or change the model",
-            )
     longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     if longest > m.max_position_embeddings:
         fail(
@@ -149,10 +151,12 @@ def validate_model(cfg: TrainConfig, dims: ParallelDims) -> None:
         )
 
 
-def validate_moe(cfg: TrainConfig, dims: ParallelDims) -> None:
-    """model.moe.* and parallel.ep: the router, the experts' split over the expert-parallel ranks, and the
-    combinations the MoE path does not run (yet)."""
-    e = cfg.model.moe
+def validate_moe(cfg: TrainConfig, dims: ParallelDims, built: ModelConfig) -> None:
+    """The built model's model.moe.* (model.path's config.json's with model.path) and parallel.ep: the
+    router, the experts' split over the expert-parallel ranks, and the combinations the MoE path does not run
+    (yet)."""
+    e = built.moe
+    num_experts = f"{model_key(cfg, 'moe.num_experts')}={e.num_experts}"
     if e.num_experts < 0:
         fail("model.moe.num_experts", e.num_experts, "must be >= 0", "use 0 for a dense model")
     if e.num_experts == 0:
@@ -160,34 +164,31 @@ def validate_moe(cfg: TrainConfig, dims: ParallelDims) -> None:
             fail(
                 "parallel.ep",
                 dims.ep,
-                "expert parallelism needs a mixture-of-experts model (model.moe.num_experts is 0)",
+                f"expert parallelism needs a mixture-of-experts model ({num_experts})",
                 "set parallel.ep=1 or pick an MoE model (model=tiny_moe)",
             )
         return
-    one_of("model.moe.score_function", e.score_function, ("softmax", "sigmoid"))
-    one_of("model.moe.token_dispatcher", e.token_dispatcher, ("alltoall", "allgather"))
+    one_of(model_key(cfg, "moe.score_function"), e.score_function, ("softmax", "sigmoid"))
+    one_of(model_key(cfg, "moe.token_dispatcher"), e.token_dispatcher, ("alltoall", "allgather"))
     if not 1 <= e.top_k <= e.num_experts:
         fail(
-            "model.moe.top_k",
+            model_key(cfg, "moe.top_k"),
             e.top_k,
-            f"must be between 1 and model.moe.num_experts={e.num_experts}",
+            f"must be between 1 and {num_experts}",
             "route each token to fewer experts or add experts",
         )
     if e.num_experts % dims.ep:
         fail(
-            "model.moe.num_experts",
+            model_key(cfg, "moe.num_experts"),
             e.num_experts,
             f"must be divisible by parallel.ep={dims.ep} (each expert-parallel rank holds as many experts)",
             "pick a parallel.ep that divides the expert count",
         )
-    for key, value in (
-        ("model.moe.ffn_hidden_size", e.ffn_hidden_size),
-        ("model.moe.shared_expert_ffn_hidden_size", e.shared_expert_ffn_hidden_size),
-        ("model.moe.aux_loss_coef", e.aux_loss_coef),
-        ("model.moe.z_loss_coef", e.z_loss_coef),
-    ):
+    for field in ("ffn_hidden_size", "shared_expert_ffn_hidden_size", "aux_loss_coef", "z_loss_coef"):
+        value = getattr(e, field)
         if value < 0:
-            fail(key, value, "must be >= 0", f"set {key}=0 for the default / off")
+            key = model_key(cfg, f"moe.{field}")
+            fail(key, value, "must be >= 0", f"set model.moe.{field}=0 for the default / off")
     if e.shared_expert_gate and e.shared_expert_ffn_hidden_size == 0:
         fail(
             "model.moe.shared_expert_gate",
@@ -204,7 +205,7 @@ def validate_moe(cfg: TrainConfig, dims: ParallelDims) -> None:
         )
     if e.score_function == "softmax" and e.top_k == 1 and e.norm_topk_prob:
         fail(
-            "model.moe.norm_topk_prob",
+            model_key(cfg, "moe.norm_topk_prob"),
             True,
             "with top_k=1 the renormalised weight is always 1 and the router gets no gradient",
             "set model.moe.norm_topk_prob=false (softmax over all experts, then top-1)",
@@ -213,39 +214,23 @@ def validate_moe(cfg: TrainConfig, dims: ParallelDims) -> None:
         fail(
             "parallel.sp",
             False,
-            f"megatron's MoE layers train at parallel.tp={dims.tp} only with sequence parallelism",
+            f"megatron's MoE layers train at parallel.tp={dims.tp} only with sequence parallelism "
+            f"({num_experts})",
             "set parallel.sp=true (or parallel.tp=1)",
         )
     if dims.ep > 1:
         validate_expert_parallel_run(cfg, dims)
     vllm = cfg.rollout.backend == "vllm"
     if (cfg.trainer.export_hf or vllm) and not cfg.model.path:
-        from engine.models.hf_config import moe_model_type
-
-        m = cfg.model
-        try:
-            moe_model_type(
-                m.qkv_bias, m.qk_norm, e.score_function, e.shared_expert_ffn_hidden_size, e.shared_expert_gate
-            )
-        except ValueError as err:
-            key, value, off = (
-                ("trainer.export_hf", True, "trainer.export_hf=false")
-                if cfg.trainer.export_hf
-                else ("rollout.backend", "vllm", "rollout.backend=native")
-            )
-            fail(
-                key,
-                value,
-                f"the MoE model cannot be written as a Hugging Face checkpoint (nor config.json for vLLM): {err}",
-                f"set {off} or change those model keys (model=tiny_moe is Qwen3-MoE-shaped)",
-            )
-    expert_ffn = e.ffn_hidden_size or cfg.model.ffn_hidden_size
+        validate_moe_hf_type(cfg)
+    expert_ffn = e.ffn_hidden_size or built.ffn_hidden_size
+    expert_width = model_key(cfg, "moe.ffn_hidden_size")
     if vllm and (expert_ffn % cfg.rollout.tp or e.num_experts < cfg.rollout.tp):
         fail(
             "rollout.tp",
             cfg.rollout.tp,
-            f"vLLM's FusedMoE splits each expert's width (model.moe.ffn_hidden_size={expert_ffn}) over rollout.tp "
-            f"and needs at least rollout.tp experts (model.moe.num_experts={e.num_experts})",
+            f"vLLM's FusedMoE splits each expert's width ({expert_width}={expert_ffn}) over rollout.tp and "
+            f"needs at least rollout.tp experts ({num_experts})",
             "pick a rollout.tp that divides the expert width and is <= the expert count, or rollout.backend=native",
         )
     if cfg.placement.mode != "colocated" and dims.ep > 1:
@@ -255,6 +240,30 @@ def validate_moe(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"split placement trains mixture-of-experts models at parallel.ep=1 only (parallel.ep={dims.ep}: "
             "its weight transfer sends no expert-parallel shards)",
             "set parallel.ep=1 or placement.mode=colocated",
+        )
+
+
+def validate_moe_hf_type(cfg: TrainConfig) -> None:
+    """A configured MoE model that trainer.export_hf or vLLM's config.json must write as a Hugging Face
+    model type (model.path's already is one)."""
+    from engine.models.hf_config import moe_model_type
+
+    m, e = cfg.model, cfg.model.moe
+    try:
+        moe_model_type(
+            m.qkv_bias, m.qk_norm, e.score_function, e.shared_expert_ffn_hidden_size, e.shared_expert_gate
+        )
+    except ValueError as err:
+        key, value, off = (
+            ("trainer.export_hf", True, "trainer.export_hf=false")
+            if cfg.trainer.export_hf
+            else ("rollout.backend", "vllm", "rollout.backend=native")
+        )
+        fail(
+            key,
+            value,
+            f"the MoE model cannot be written as a Hugging Face checkpoint (nor config.json for vLLM): {err}",
+            f"set {off} or change those model keys (model=tiny_moe is Qwen3-MoE-shaped)",
         )
 
 
@@ -304,7 +313,7 @@ def tokenizer_size(path: str, key: str) -> int | None:
     return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
 
 
-def validate_vocab_holds_tokenizer(cfg: TrainConfig) -> None:
+def validate_vocab_holds_tokenizer(cfg: TrainConfig, built: ModelConfig) -> None:
     """The actor's vocabulary (model.vocab_size for a random init, 0 = the tokenizer's size; model.path's
     config.json vocab_size) holds every id of the tokenizer (model.tokenizer_path, else model.path's, else the
     embedded character one); otherwise the first rollout's prompts index past the embedding. The tokenizer's
@@ -312,17 +321,9 @@ def validate_vocab_holds_tokenizer(cfg: TrainConfig) -> None:
     from engine.tasks.embedded import EMBEDDED_VOCAB
 
     m = cfg.model
-    if m.path:
-        key = f"{m.path}/config.json: vocab_size"
-        try:
-            with open(os.path.join(m.path, "config.json"), encoding="utf-8") as f:
-                vocab = int(json.load(f)["vocab_size"])
-        except (OSError, ValueError, TypeError, KeyError):  # named when config.json is read
-            return
-    elif m.vocab_size > 0:
-        key, vocab = "model.vocab_size", m.vocab_size
-    else:
+    if not m.path and m.vocab_size <= 0:
         return
+    key, vocab = model_key(cfg, "vocab_size"), built.vocab_size
     tok_dir = m.tokenizer_path or m.path
     if tok_dir:
         tok_key = "model.tokenizer_path" if m.tokenizer_path else "model.path"

@@ -4,7 +4,8 @@ placement, and the settings split placement does not run with."""
 from __future__ import annotations
 
 from algorithms.advantages import advantage_traits
-from engine.config import ConfigError, TrainConfig
+from engine.config import ModelConfig, TrainConfig
+from engine.validate.built import model_key
 from engine.validate.rules import fail, one_of
 from parallel.dims import ParallelDims
 
@@ -85,7 +86,6 @@ def training_world_size(cfg: TrainConfig, world_size: int) -> int:
                 "start no idle engine",
                 "set placement.critic_ranks=0 (the critic on the actor's ranks), or rollout.backend=native",
             )
-        _check_critic_layout(cfg, train // mp)
     return train
 
 
@@ -98,8 +98,8 @@ def critic_dims(cfg: TrainConfig, dims: ParallelDims) -> ParallelDims | None:
     return ParallelDims(world_size=p.critic_ranks, tp=p.critic_tp or dims.tp, pp=p.critic_pp or dims.pp)
 
 
-def _check_critic_layout(cfg: TrainConfig, actor_dp: int) -> None:
-    """placement.critic_ranks: TP x PP x the actor's DP, the model's widths and layers split by them."""
+def _check_critic_layout(cfg: TrainConfig, actor_dp: int, built: ModelConfig) -> None:
+    """placement.critic_ranks: TP x PP x the actor's DP, the built model's widths and layers split by them."""
     p = cfg.placement
     for key, value in (("placement.critic_tp", p.critic_tp), ("placement.critic_pp", p.critic_pp)):
         if value < 0:
@@ -113,7 +113,7 @@ def _check_critic_layout(cfg: TrainConfig, actor_dp: int) -> None:
             "(placement.critic_tp / critic_pp, 0 = parallel.tp / pp; critic replica d serves actor replica d)",
             f"set placement.critic_ranks={tp * pp * actor_dp}, or change placement.critic_tp / critic_pp",
         )
-    for key, value in _model_widths(cfg):
+    for key, value in _model_widths(cfg, built):
         if value % tp:
             fail(
                 "placement.critic_tp",
@@ -121,22 +121,26 @@ def _check_critic_layout(cfg: TrainConfig, actor_dp: int) -> None:
                 f"must divide {key}={value} (each critic rank holds 1/critic_tp of every head and width)",
                 "pick a placement.critic_tp that divides the model's head counts and ffn width",
             )
-    if not cfg.model.path and cfg.model.num_layers % pp:
+    if built.num_layers % pp:
+        layers = model_key(cfg, "num_layers")
         fail(
             "placement.critic_pp",
             pp,
-            f"must divide model.num_layers={cfg.model.num_layers} (the critic's stages split the layers evenly)",
-            "pick a placement.critic_pp that divides model.num_layers",
+            f"must divide {layers}={built.num_layers} (the critic's stages split the layers evenly)",
+            f"pick a placement.critic_pp that divides {layers}",
         )
 
 
-def validate_placement(cfg: TrainConfig, dims: ParallelDims) -> None:
-    """Split placement: the rollout side's layout (rollout.tp x rollout DP over placement.rollout_ranks, the
-    model's heads and widths split by rollout.tp, whole prompts per rollout replica) and the settings split
-    placement does not run with. Nothing to check when colocated (engine/validate/rollout.py covers it)."""
+def validate_placement(cfg: TrainConfig, dims: ParallelDims, built: ModelConfig) -> None:
+    """Split placement: the critic ranks' layout, the rollout side's layout (rollout.tp x rollout DP over
+    placement.rollout_ranks, the heads and widths of `built`, the model the run builds, split by rollout.tp,
+    whole prompts per rollout replica) and the settings split placement does not run with. Nothing to check
+    when colocated (engine/validate/rollout.py covers it)."""
     p, r = cfg.placement, cfg.rollout
     if p.mode != "split":
         return
+    if p.critic_ranks:
+        _check_critic_layout(cfg, dims.dp, built)
     if r.tp < 1 or p.rollout_ranks % r.tp:
         divisors = [d for d in range(1, p.rollout_ranks + 1) if p.rollout_ranks % d == 0]
         fail(
@@ -145,7 +149,7 @@ def validate_placement(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"must divide placement.rollout_ranks={p.rollout_ranks} (rollout DP = rollout_ranks / rollout.tp)",
             f"use rollout.tp in {divisors}",
         )
-    for key, value in _model_widths(cfg):
+    for key, value in _model_widths(cfg, built):
         if value % r.tp:
             fail(
                 "rollout.tp",
@@ -182,26 +186,10 @@ def validate_placement(cfg: TrainConfig, dims: ParallelDims) -> None:
         )
 
 
-def _model_widths(cfg: TrainConfig) -> list[tuple[str, int]]:
-    """(key, value) of the sizes TP splits: the config's, or model.path's config.json (read as a file)."""
-    m = cfg.model
-    if not m.path:
-        return [
-            ("model.num_attention_heads", m.num_attention_heads),
-            ("model.num_query_groups", m.num_query_groups),
-            ("model.ffn_hidden_size", m.ffn_hidden_size),
-        ]
-    from engine.models.hf_config import model_config_from_hf
-
-    try:
-        hf = model_config_from_hf(m.path)
-    except Exception as err:  # unreadable: the checkpoint checks name it; nothing to add here
-        raise ConfigError(f"model.path={m.path!r}: {err}") from None
-    return [
-        (f"{m.path}/config.json: num_attention_heads", hf["num_attention_heads"]),
-        (f"{m.path}/config.json: num_key_value_heads", hf["num_query_groups"]),
-        (f"{m.path}/config.json: intermediate_size", hf["ffn_hidden_size"]),
-    ]
+def _model_widths(cfg: TrainConfig, built: ModelConfig) -> list[tuple[str, int]]:
+    """(key, value) of the built model's sizes that TP splits."""
+    fields = ("num_attention_heads", "num_query_groups", "ffn_hidden_size")
+    return [(model_key(cfg, field), getattr(built, field)) for field in fields]
 
 
 def _refuse_unsupported_with_split(cfg: TrainConfig) -> None:

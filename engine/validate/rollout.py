@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from algorithms.advantages import advantage_traits
-from engine.config import TrainConfig
+from engine.config import ModelConfig, TrainConfig
+from engine.validate.built import model_key
 from engine.validate.rules import fail, one_of, positive
 from parallel.dims import ParallelDims
 
 
-def validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
+def validate_rollout(cfg: TrainConfig, dims: ParallelDims, built: ModelConfig) -> None:
+    """rollout.*; `built` is the model the run builds (engine/validate/built.py)."""
     r = cfg.rollout
     one_of("rollout.backend", r.backend, ("native", "vllm"))
     positive("rollout.max_num_seqs", r.max_num_seqs)
@@ -59,7 +61,7 @@ def validate_rollout(cfg: TrainConfig, dims: ParallelDims) -> None:
         fail("rollout.kv_cache_memory_fraction", r.kv_cache_memory_fraction, "must lie in (0, 1)", "use 0.5")
     if not 0.0 < r.gpu_memory_utilization < 1.0:
         fail("rollout.gpu_memory_utilization", r.gpu_memory_utilization, "must lie in (0, 1)", "use 0.5")
-    validate_multi_turn(cfg)
+    validate_multi_turn(cfg, built)
     if not r.log_probs:
         validate_without_rollout_log_probs(cfg)
     if r.backend == "vllm" and r.log_probs:
@@ -91,7 +93,7 @@ def validate_temperatures(cfg: TrainConfig) -> None:
         )
 
 
-def validate_multi_turn(cfg: TrainConfig) -> None:
+def validate_multi_turn(cfg: TrainConfig, built: ModelConfig) -> None:
     """rollout.multi_turn.*: limits, tool format and tool names, the room an episode needs, and the embedded
     calculator task's settings."""
     from engine.multi_turn.parsers import tool_format_names
@@ -131,14 +133,15 @@ def validate_multi_turn(cfg: TrainConfig) -> None:
                 "name a built-in tool or a function, e.g. my_tools:search",
             )
     need = cfg.data.max_prompt_len + mt.max_total_tokens + cfg.rollout.max_new_tokens
-    if not cfg.model.path and need > cfg.model.max_position_embeddings:
+    if need > built.max_position_embeddings:
+        positions = model_key(cfg, "max_position_embeddings")
         fail(
             f"{key}.max_total_tokens",
             mt.max_total_tokens,
             f"data.max_prompt_len ({cfg.data.max_prompt_len}) + max_total_tokens + rollout.max_new_tokens "
-            f"({cfg.rollout.max_new_tokens}) = {need} must fit model.max_position_embeddings "
-            f"({cfg.model.max_position_embeddings}): every turn's prompt is the episode so far",
-            "lower one of them or raise model.max_position_embeddings",
+            f"({cfg.rollout.max_new_tokens}) = {need} must fit {positions} "
+            f"({built.max_position_embeddings}): every turn's prompt is the episode so far",
+            "lower one of them" + ("" if cfg.model.path else " or raise model.max_position_embeddings"),
         )
 
 

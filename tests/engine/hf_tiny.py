@@ -59,6 +59,16 @@ def _config(family: str, **overrides):
     return cls(**kw)
 
 
+def config_json(**overrides) -> dict:
+    """A tiny Qwen2 config.json's keys, as save_pretrained writes those the engine reads (no transformers):
+    for tests that need a checkpoint's config.json and no weights."""
+    config = {k: v for k, v in _COMMON.items() if k != "initializer_range"}
+    config.update(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], rms_norm_eps=1e-6, tie_word_embeddings=True
+    )
+    return {**config, **overrides}
+
+
 def save_tiny(family: str, out_dir: str, seed: int = 0, head: str = "causal", **overrides) -> str:
     """Save a random `family` model to `out_dir`; head is `causal`, `token` (num_labels=1: a critic) or
     `sequence` (num_labels=1: a reward model)."""

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import hf_tiny
 import pytest
 from config_compose import CONF, composed
 
@@ -209,7 +210,7 @@ def test_checkpoint_positions_must_hold_prompt_plus_response(tmp_path):
     def checkpoint(name: str, text: str | None = None, **config) -> str:
         path = tmp_path / name
         path.mkdir()
-        (path / "config.json").write_text(json.dumps(config) if text is None else text)
+        (path / "config.json").write_text(json.dumps(hf_tiny.config_json(**config)) if text is None else text)
         (path / "tokenizer_config.json").write_text("{}")  # model.path's tokenizer must exist too
         return str(path)
 
@@ -236,7 +237,7 @@ def test_checkpoint_positions_must_hold_prompt_plus_response(tmp_path):
     )
     broken = checkpoint("broken", text="{not json")
     refused([f"model.path={broken}"], f"{broken}/config.json is not a readable JSON config (JSONDecodeError")
-    keyless = checkpoint("keyless", hidden_size=8)
+    keyless = checkpoint("keyless", text='{"hidden_size": 8}')
     refused([f"model.path={keyless}"], f"{keyless}/config.json has no max_position_embeddings")
 
 
@@ -326,9 +327,9 @@ def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_at_startup(tmp_path)
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tok, ckpt)
-    (ckpt / "config.json").write_text(json.dumps({"max_position_embeddings": 128, "vocab_size": 40}))
+    (ckpt / "config.json").write_text(json.dumps(hf_tiny.config_json(vocab_size=40)))
     refused(
         [f"model.path={ckpt}"], f"{ckpt}/config.json: vocab_size=40: {rule} model.path='{ckpt}': 50 tokens"
     )
-    (ckpt / "config.json").write_text(json.dumps({"max_position_embeddings": 128, "vocab_size": 64}))
+    (ckpt / "config.json").write_text(json.dumps(hf_tiny.config_json(vocab_size=64)))
     validate(composed(f"model.path={ckpt}"), world_size=1)

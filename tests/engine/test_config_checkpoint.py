@@ -11,6 +11,7 @@ import hf_tiny
 import pytest
 from config_compose import composed
 
+from engine.config import ConfigError
 from engine.setup import model_shape
 from engine.validate.checkpoint import checkpoint_conflict_warnings
 
@@ -104,3 +105,63 @@ def test_moe_keys_against_moe_and_dense_checkpoints(ckpt):
     assert _warned(dense, "model=tiny_moe", "model.qkv_bias=true", "model.qk_norm=false") == [
         f"warning: model.moe.num_experts=4 differs from {dense}/config.json (0): {FIX}"
     ]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> str:
+    """The embedded character tokenizer (50 tokens) saved as files: the tiny checkpoints have none."""
+    from engine.tasks.embedded import build_embedded_tokenizer
+
+    return build_embedded_tokenizer(str(tmp_path_factory.mktemp("tok") / "tok"))
+
+
+def _validated(path: str, tok: str, *overrides: str, world_size: int = 1):
+    from engine.validate import validate
+
+    return validate(composed(f"model.path={path}", f"model.tokenizer_path={tok}", *overrides), world_size)
+
+
+def test_validation_applies_the_moe_rules_to_an_moe_checkpoint(ckpt, tok):
+    """model=tiny (dense) with model.path at a Qwen3-MoE checkpoint builds an MoE model, so validation
+    applies the MoE rules to the checkpoint's experts (4, each 32 wide) and names the config.json key they
+    come from."""
+    moe = ckpt["qwen3_moe"]
+    file = f"model.path's {moe}/config.json"
+    _validated(moe, tok)
+    _validated(moe, tok, "parallel.tp=2", "parallel.sp=true", world_size=2)
+    _validated(moe, tok, "algorithm.router_replay=true")  # replays the checkpoint's experts
+    with pytest.raises(
+        ConfigError, match="parallel.sp=False: megatron's MoE layers train at parallel.tp=2"
+    ) as err:
+        _validated(moe, tok, "parallel.tp=2", world_size=2)
+    assert f"({file}: num_experts=4). Fix: set parallel.sp=true" in str(err.value)
+
+    from engine.validate.model import validate_model, validate_parallel
+
+    def vllm(*overrides: str) -> None:  # the model checks only: vLLM needs a GPU and its package
+        cfg = composed(f"model.path={moe}", f"model.tokenizer_path={tok}", "rollout.backend=vllm", *overrides)
+        validate_model(cfg, validate_parallel(cfg, 1))
+
+    vllm("rollout.tp=2")
+    with pytest.raises(
+        ConfigError, match=f"rollout.tp=8: .*needs at least rollout.tp experts \\({file}: num_exp"
+    ):
+        vllm("rollout.tp=8")
+    with pytest.raises(
+        ConfigError, match=f"rollout.tp=3: .*expert's width \\({file}: moe_intermediate_size=32\\)"
+    ):
+        vllm("rollout.tp=3")
+
+
+def test_validation_splits_a_dense_checkpoints_heads_by_parallel_tp(ckpt, tok):
+    """The checkpoint's heads (4, 2 KV heads), not model=tiny's, are checked against parallel.tp before any
+    process group exists; its dense layers refuse expert routing replay, naming config.json."""
+    dense = ckpt["qwen2"]
+    file = f"model.path's {dense}/config.json"
+    assert _validated(dense, tok, "parallel.tp=2", world_size=2).tp == 2
+    with pytest.raises(
+        ConfigError, match=f"{file}: num_key_value_heads=2: must be divisible by parallel.tp=4"
+    ):
+        _validated(dense, tok, "parallel.tp=4", world_size=4)
+    with pytest.raises(ConfigError, match=f"router_replay=True: .*{file}: num_experts=0 \\(a dense model\\)"):
+        _validated(dense, tok, "algorithm.router_replay=true")

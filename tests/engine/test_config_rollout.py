@@ -40,7 +40,7 @@ def test_router_replay_refuses_vllm():
 
     cfg = composed("model=tiny_moe", "algorithm.router_replay=true", "rollout.backend=vllm")
     with pytest.raises(ConfigError, match="which only rollout.backend=native records"):
-        validate_router_replay(cfg)
+        validate_router_replay(cfg, cfg.model)
 
 
 def test_vllm_needs_rollout_tp_one_or_full():
@@ -51,9 +51,9 @@ def test_vllm_needs_rollout_tp_one_or_full():
     cfg = composed("rollout.backend=vllm", "rollout.tp=2", "parallel.tp=4")
     cfg.cluster.device = "cuda"  # checked on its own before this rule; pretend a GPU is visible
     with pytest.raises(ConfigError, match="rollout.tp=2"):
-        validate_rollout(cfg, ParallelDims(world_size=4, tp=4))
+        validate_rollout(cfg, ParallelDims(world_size=4, tp=4), cfg.model)
     cfg.rollout.tp = 4
-    validate_rollout(cfg, ParallelDims(world_size=4, tp=4))
+    validate_rollout(cfg, ParallelDims(world_size=4, tp=4), cfg.model)
 
 
 def test_vllm_on_split_placement_lines_up_with_vllms_tp_groups():
@@ -65,11 +65,15 @@ def test_vllm_on_split_placement_lines_up_with_vllms_tp_groups():
     cfg = composed(
         "placement.mode=split", "placement.rollout_ranks=2", "rollout.backend=vllm", "rollout.tp=2"
     )
-    validate_placement(cfg, ParallelDims(world_size=2, tp=1))  # ranks 0-1 train, 2-3: one vLLM TP group
+    validate_placement(
+        cfg, ParallelDims(world_size=2, tp=1), cfg.model
+    )  # ranks 0-1 train, 2-3: one vLLM TP group
     with pytest.raises(
         ConfigError, match="rollout.tp=2: with rollout.backend=vllm must divide the 1 training"
     ):
-        validate_placement(cfg, ParallelDims(world_size=1, tp=1))  # vLLM's groups would be [0, 1], [2]
+        validate_placement(
+            cfg, ParallelDims(world_size=1, tp=1), cfg.model
+        )  # vLLM's groups would be [0, 1], [2]
 
 
 def test_vllm_log_probs_with_truncation_need_temperature_one():
@@ -82,17 +86,17 @@ def test_vllm_log_probs_with_truncation_need_temperature_one():
     for overrides in (["rollout.top_p=0.9"], ["rollout.top_k=20"], ["rollout.temperature=0.7"]):
         cfg = composed("rollout.backend=vllm", *overrides)
         cfg.cluster.device = "cuda"  # checked on its own before this rule; pretend a GPU is visible
-        validate_rollout(cfg, dims)
+        validate_rollout(cfg, dims, cfg.model)
     cfg = composed("rollout.backend=vllm", "rollout.top_p=0.9", "rollout.temperature=0.7")
     cfg.cluster.device = "cuda"
     with pytest.raises(
         ConfigError, match=r"rollout.temperature=0.7.*rollout.top_p=0.9.*Fix: set rollout.temp"
     ):
-        validate_rollout(cfg, dims)
+        validate_rollout(cfg, dims, cfg.model)
     cfg.rollout.log_probs = False
-    validate_rollout(cfg, dims)
+    validate_rollout(cfg, dims, cfg.model)
     cfg.rollout.backend, cfg.rollout.log_probs = "native", True  # the native sampler gives them at any T
-    validate_rollout(cfg, dims)
+    validate_rollout(cfg, dims, cfg.model)
 
 
 def test_rollout_log_probs_off_runs_the_old_forward_for_a_kl_in_the_reward_and_refuses_tis():
