@@ -55,10 +55,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 CPU = torch.device("cpu")
 
 
-@register_tool_format("test_every_turn")
 def _every_turn(text: str, tools) -> list[ToolCall]:
     """Every assistant turn calls the first tool with its text: episodes run to max_turns."""
     return [ToolCall(tools[0].name, {"expression": "6*7"})]
+
+
+@pytest.fixture
+def every_turn_format(monkeypatch) -> None:
+    """`_every_turn` registered as tool format test_every_turn for one test. The registry is process-wide: the
+    format goes into a copy that monkeypatch puts back, so no later test sees it."""
+    from engine.multi_turn import parsers
+
+    monkeypatch.setattr(parsers, "_FORMATS", dict(parsers._FORMATS))
+    register_tool_format("test_every_turn")(_every_turn)
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +105,7 @@ def _random_engine(tokenizer, max_pos: int = 96, **kw) -> NativeRollout:
     return engine
 
 
+@pytest.mark.usefixtures("every_turn_format")
 def test_episode_ids_are_generated_and_tool_tokens_concatenated(tokenizer):
     engine = _random_engine(tokenizer)
     cfg = MultiTurnConfig(enable=True, max_turns=3, max_total_tokens=40, tool_format="test_every_turn")
@@ -145,6 +155,7 @@ def test_episode_ids_are_generated_and_tool_tokens_concatenated(tokenizer):
         assert 0 < exp.response_mask[r].sum() < length
 
 
+@pytest.mark.usefixtures("every_turn_format")
 def test_native_episodes_keep_the_kv_cache_across_turns(tokenizer):
     """The native engine continues each episode from its kept K/V (only the tool turn is prefilled) and the
     episodes equal those of an engine that prefills every turn in full: ids exactly, log-probs within 1e-5
@@ -343,6 +354,7 @@ def test_multi_turn_config_errors_name_the_key():
         validate(compose_config(["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[nope]"]), 1)
 
 
+@pytest.mark.usefixtures("every_turn_format")
 def test_long_tool_results_keep_start_and_end(tokenizer):
     text = "".join(str(i % 10) for i in range(1000))
     cut = cut_tool_result(text, 40)
@@ -389,6 +401,7 @@ EVERY_TURN_JOB = [
 """Every assistant turn calls the calculator (`6*7`): episodes are assistant, tool `42`, assistant."""
 
 
+@pytest.mark.usefixtures("every_turn_format")
 def test_multi_turn_job_metrics_overlong_penalty_and_validation(tmp_path):
     """World size 1, 2 steps of 4 prompts x 4 episodes, validation at step 2."""
     from trainer_jobs import read_metrics, run_job
@@ -426,6 +439,7 @@ def test_multi_turn_job_metrics_overlong_penalty_and_validation(tmp_path):
     assert rows[-1]["val/reward_mean"] == 4.0 and rows[-1]["val/reward_std"] == 0.0
 
 
+@pytest.mark.usefixtures("every_turn_format")
 def test_reward_check_shows_whole_episodes(tmp_path, capsys):
     from engine.tools.reward_check import main
 
