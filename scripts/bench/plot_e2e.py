@@ -1,6 +1,8 @@
 """Per-phase time of one GRPO step, ours (native and vLLM rollout) versus TRL's GRPOTrainer: the fixed workload
 (scripts/bench/results/e2e_h200.json) and the long-tailed one at 0.5B
-(e2e_h200_long_tail_1024_0_5b_vllm_rows.json, with TRL `generate` from e2e_h200_long_tail_1024_0_5b.json).
+(e2e_h200_long_tail_1024_0_5b_vllm_rows.json, with TRL `generate` from e2e_h200_long_tail_1024_0_5b.json, and
+verl 0.9.1's steady step by phase from verl_h200_long_tail_1024_0_5b.json next to ours measured the same day,
+e2e_h200_long_tail_1024_0_5b_verlcall.json).
 
 pip install matplotlib && python scripts/bench/plot_e2e.py   # writes scripts/bench/results/e2e_h200.png
 """
@@ -17,6 +19,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = os.path.join(os.path.dirname(__file__), "results")
 PHASES = (("gen", "rollout (gen)"), ("update_actor", "actor update"), ("other", "reward, adv, reshard"))
+VERL_PHASES = (
+    ("gen", "timing_s/gen"),
+    ("old_log_prob", "timing_s/old_log_prob"),
+    ("update_actor", "timing_s/update_actor"),
+)
 
 
 def fastest(runs: list[dict], backend: str) -> dict[str, dict]:
@@ -30,7 +37,7 @@ def fastest(runs: list[dict], backend: str) -> dict[str, dict]:
     return best
 
 
-COLORS = {"gen": "#4c72b0", "update_actor": "#dd8452", "other": "#8c8c8c"}
+COLORS = {"gen": "#4c72b0", "update_actor": "#dd8452", "other": "#8c8c8c", "old_log_prob": "#c44e52"}
 TRL_COLORS = {"generate": "#55a868", "vllm": "#8172b3"}
 
 
@@ -57,6 +64,20 @@ def trl_bar(ax, x: int, run: dict, legend_done: set) -> None:
     legend_done.add(key)
     ax.bar(x, run["step_s"], color=TRL_COLORS[engine], label=label)
     ax.text(x, run["step_s"] + 0.5, f"{run['step_s']:.1f}", ha="center", fontsize=8)
+
+
+def verl_bar(ax, x: int, run: dict, legend_done: set) -> None:
+    """verl's last finished step (one GPU) by phase: generation, old log-probs, actor update, the rest."""
+    last = run["timing_s"][str(max(int(k) for k in run["timing_s"]))]
+    parts = {key: last[name] for key, name in VERL_PHASES}
+    parts["other"] = last["timing_s/step"] - sum(parts.values())
+    bottom = 0.0
+    for key in ("gen", "old_log_prob", "update_actor", "other"):
+        label = None if key in legend_done else {"old_log_prob": "old log-probs (verl)"}.get(key, key)
+        legend_done.add(key)
+        ax.bar(x, parts[key], bottom=bottom, color=COLORS[key], label=label)
+        bottom += parts[key]
+    ax.text(x, bottom + 0.5, f"{bottom:.1f}", ha="center", fontsize=8)
 
 
 def fixed_panel(ax) -> None:
@@ -92,11 +113,15 @@ def long_tail_panel(ax) -> None:
     colocated vLLM and with `generate`."""
     rows = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_1024_0_5b_vllm_rows.json")))
     older = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_1024_0_5b.json")))
+    same_day = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_1024_0_5b_verlcall.json")))
+    verl = json.load(open(os.path.join(HERE, "verl_h200_long_tail_1024_0_5b.json")))
     bars = [
         ("ours, native", rows["ours_native"], ours_bar),
         ("ours, vllm", rows["ours_vllm"], ours_bar),
         ("TRL, vLLM\n(colocated)", rows["trl_vllm"], trl_bar),
         ("TRL, generate\n(earlier call)", older["trl_generate"], trl_bar),
+        ("ours, native\n(verl's day)", {"gpus": 1, **same_day}, ours_bar),
+        ("verl 0.9.1\n(padded, no\nflash-attn)", verl, verl_bar),
     ]
     legend_done: set = set()
     for x, (_, run, draw) in enumerate(bars):
@@ -107,7 +132,7 @@ def long_tail_panel(ax) -> None:
 
 
 def main() -> None:
-    fig, (fixed, tail) = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": [2.2, 1]})
+    fig, (fixed, tail) = plt.subplots(1, 2, figsize=(17, 5.2), gridspec_kw={"width_ratios": [2.2, 1.4]})
     fixed_panel(fixed)
     long_tail_panel(tail)
     fig.tight_layout()
