@@ -23,6 +23,7 @@ written on the command line with the schema's default value is not compared eith
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import fields
 
@@ -32,8 +33,9 @@ from engine.models.hf_config import HF_CONFIG_FILE, checkpoint_model_config
 
 def checkpoint_conflict_warnings(cfg: TrainConfig) -> list[str]:
     """One warning line per model.* key (model.moe.* included) whose configured value is not the schema's
-    default and differs from the value model.path's config.json gives it; none without model.path. Reads the
-    JSON file only; a config.json the engine cannot load raises `HFCheckpointError` as setup would."""
+    default and differs from the value model.path's config.json gives it, and one where a CUDA run trains a
+    half-precision checkpoint in float32; none without model.path. Reads the JSON file only; a config.json the
+    engine cannot load raises `HFCheckpointError` as setup would."""
     m = cfg.model
     if not m.path:
         return []
@@ -46,7 +48,26 @@ def checkpoint_conflict_warnings(cfg: TrainConfig) -> list[str]:
                 f"warning: model.{key}={configured!r} differs from {file} ({checkpoint!r}): the checkpoint's "
                 "value is used; drop the override or fix model.path"
             )
-    return lines
+    return lines + _float32_on_cuda(cfg, file)
+
+
+def _float32_on_cuda(cfg: TrainConfig, file: str) -> list[str]:
+    """A warning where a CUDA run trains a half-precision checkpoint in float32: model.dtype is the `model`
+    preset's, not the checkpoint's, and the default preset (tiny) is float32, so `task=gsm8k model.path=DIR`
+    on a GPU would train a bfloat16 checkpoint in float32 (twice the memory) without a word. Not refused: a
+    float32 run is correct, and some want it; on CPU nothing is said (float32 is the CPU's fast type)."""
+    if cfg.cluster.device != "cuda" or cfg.model.dtype != "float32":
+        return []
+    with open(file) as f:
+        config = json.load(f)
+    saved = config.get("dtype") or config.get("torch_dtype")  # transformers 5 writes "dtype"
+    if saved not in ("bfloat16", "float16"):
+        return []
+    return [
+        f"warning: model.dtype=float32 trains {file} (saved in {saved}) in float32 on CUDA: twice the memory "
+        f"of model.dtype={saved} and a slower step; set model.dtype={saved} (verl and TRL compute in half "
+        "precision)"
+    ]
 
 
 def _replaced_values(configured: ModelConfig, used: ModelConfig) -> list[tuple[str, object, object, object]]:

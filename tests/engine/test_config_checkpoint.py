@@ -165,3 +165,22 @@ def test_validation_splits_a_dense_checkpoints_heads_by_parallel_tp(ckpt, tok):
         _validated(dense, tok, "parallel.tp=4", world_size=4)
     with pytest.raises(ConfigError, match=f"router_replay=True: .*{file}: num_experts=0 \\(a dense model\\)"):
         _validated(dense, tok, "algorithm.router_replay=true")
+
+
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])
+def test_a_half_precision_checkpoint_trained_in_float32_on_cuda_is_warned(key, tmp_path):
+    """The README's `task=gsm8k model.path=DIR` keeps the default preset's float32: on a CUDA cluster a
+    bfloat16 checkpoint (transformers 5's "dtype" or the older "torch_dtype") gets one warning naming the fix;
+    model.dtype=bfloat16, the CPU cluster, or a float32 checkpoint get none. Validation only: no GPU needed."""
+    from test_hf import REAL_CONFIGS
+
+    config = {k: v for k, v in REAL_CONFIGS["qwen2_5_0_5b"].items() if k not in ("dtype", "torch_dtype")}
+    (tmp_path / "config.json").write_text(json.dumps({**config, key: "bfloat16"}))
+    path = str(tmp_path)
+    lines = _warned(path, "cluster=single_gpu")
+    assert len(lines) == 1 and "model.dtype=float32 trains" in lines[0], lines
+    assert "set model.dtype=bfloat16" in lines[0] and f"{path}/config.json" in lines[0]
+    assert _warned(path, "cluster=single_gpu", "model.dtype=bfloat16") == []
+    assert _warned(path) == []  # the CPU cluster
+    (tmp_path / "config.json").write_text(json.dumps({**config, key: "float32"}))
+    assert _warned(path, "cluster=single_gpu") == []
