@@ -23,12 +23,12 @@ written on the command line with the schema's default value is not compared eith
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import fields
 
 from engine.config import ModelConfig, MoEConfig, TrainConfig
-from engine.models.hf_config import HF_CONFIG_FILE, checkpoint_model_config
+from engine.models.hf_config import HF_CONFIG_FILE, read_hf_config
+from engine.validate.built import built_model
 
 
 def checkpoint_conflict_warnings(cfg: TrainConfig) -> list[str]:
@@ -39,7 +39,7 @@ def checkpoint_conflict_warnings(cfg: TrainConfig) -> list[str]:
     m = cfg.model
     if not m.path:
         return []
-    used = checkpoint_model_config(m)
+    used = built_model(cfg)
     file = os.path.join(m.path, HF_CONFIG_FILE)
     lines = []
     for key, configured, checkpoint, default in _replaced_values(m, used):
@@ -58,8 +58,7 @@ def _float32_on_cuda(cfg: TrainConfig, file: str) -> list[str]:
     float32 run is correct, and some want it; on CPU nothing is said (float32 is the CPU's fast type)."""
     if cfg.cluster.device != "cuda" or cfg.model.dtype != "float32":
         return []
-    with open(file) as f:
-        config = json.load(f)
+    config = read_hf_config(cfg.model.path)
     saved = config.get("dtype") or config.get("torch_dtype")  # transformers 5 writes "dtype"
     if saved not in ("bfloat16", "float16"):
         return []
