@@ -10,9 +10,11 @@ bandwidths and times of both are in scripts/bench/README.md ("Rollout"; `scripts
 Layout: q (rows, groups, heads per group, dim) (any strides, unit stride over dim); the cache of a layer
 (rows, positions, groups, dim) as engine/rollout/kv_cache.py lays it out. Row r attends over positions
 [pad[r], cur[r]]; `cur` is read on the device (a (rows,) or (1,) tensor), so the launch can be captured in a CUDA graph.
-The positions are cut into `splits` contiguous ranges, one program each (more programs when rows x groups
-alone would not fill the GPU); each writes its partial softmax state (max, sum, weighted values) in float32,
-and `decode_attention` merges them (`_merge_splits`, one more Triton kernel; or `merge_splits` compiled).
+Each row's own positions are cut into `splits` equal spans, one program each (more programs when rows x groups
+alone would not fill the GPU): the work follows the rows' current lengths, not the cache's capacity, which a
+CUDA graph fixes at capture (cutting the capacity instead left a 3,600-key row in one program of a 16k cache).
+Each program writes its partial softmax state (max, sum, weighted values) in float32, and `decode_attention`
+merges them (`_merge_splits`, one more Triton kernel, all splits of a head as one tile; or `merge_splits` compiled).
 
 Only on CUDA with Triton installed, in half precision (`supported`); engine/rollout/model.py falls back to
 FlashAttention-2 or SDPA otherwise. Parity with SDPA: tests/engine/test_rollout_gpu.py.
@@ -60,20 +62,25 @@ if triton is not None:
         stride_vg,
         groups,
         splits,
-        split_len,
         scale,
         PER_GROUP: tl.constexpr,
         BLOCK_H: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        MIN_SPAN: tl.constexpr,
         PAGE: tl.constexpr,
     ):
         row_group = tl.program_id(0)
         split = tl.program_id(1)
         row = row_group // groups
         group = row_group % groups
-        lo = tl.maximum(tl.load(pad_ptr + row), split * split_len)
-        hi = tl.minimum(tl.load(cur_ptr + row * stride_cur) + 1, (split + 1) * split_len)
+        # the row's own keys [pad, cur] cut into `splits` spans of whole key blocks (>= MIN_SPAN positions):
+        # every split of a row does the same work whatever the cache's capacity (trailing splits may be empty)
+        first = tl.load(pad_ptr + row)
+        end = tl.load(cur_ptr + row * stride_cur) + 1
+        span = tl.maximum(tl.cdiv(tl.cdiv(end - first, splits), BLOCK_N) * BLOCK_N, MIN_SPAN)
+        lo = first + split * span
+        hi = tl.minimum(end, lo + span)
 
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -123,31 +130,30 @@ if triton is not None:
         stride_oh,
         groups,
         splits,
-        PER_GROUP: tl.constexpr,
         BLOCK_H: tl.constexpr,
         HEAD_DIM: tl.constexpr,
+        BLOCK_S: tl.constexpr,
     ):
-        """`merge_splits` as one kernel, one program per (row, group): the splits' states weighted by
-        exp2(their max - the largest), summed in split order, divided, cast to the output's dtype."""
+        """`merge_splits` as one kernel, one program per (row, group, query head) holding all of its splits'
+        states as one tile: the states weighted by exp2(their max - the largest), summed, divided, cast to the
+        output's dtype."""
         row_group = tl.program_id(0)
+        head = tl.program_id(1)
         row = row_group // groups
         group = row_group % groups
-        offs_h = tl.arange(0, BLOCK_H)
+        offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, HEAD_DIM)
-        first = row_group * splits * BLOCK_H + offs_h
-        m_all = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-        for split in range(splits):
-            m_all = tl.maximum(m_all, tl.load(max_ptr + first + split * BLOCK_H))
-        num = tl.zeros((BLOCK_H, HEAD_DIM), dtype=tl.float32)
-        den = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for split in range(splits):  # an empty range has max -inf: weight 0
-            state = first + split * BLOCK_H
-            weight = tl.exp2(tl.load(max_ptr + state) - m_all)
-            num += tl.load(acc_ptr + state[:, None] * HEAD_DIM + offs_d[None, :]) * weight[:, None]
-            den += tl.load(sum_ptr + state) * weight
-        out = num / den[:, None]
-        dst = out_ptr + row * stride_ob + group * stride_og + offs_h[:, None] * stride_oh + offs_d[None, :]
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=(offs_h < PER_GROUP)[:, None])
+        split_ok = offs_s < splits
+        state = (row_group * splits + offs_s) * BLOCK_H + head
+        m = tl.load(max_ptr + state, mask=split_ok, other=float("-inf"))
+        weight = tl.exp2(m - tl.max(m, 0))  # an empty range has max -inf: weight 0
+        den = tl.sum(tl.load(sum_ptr + state, mask=split_ok, other=0.0) * weight, 0)
+        acc = tl.load(
+            acc_ptr + state[:, None] * HEAD_DIM + offs_d[None, :], mask=split_ok[:, None], other=0.0
+        )
+        out = tl.sum(acc * weight[:, None], 0) / den
+        dst = out_ptr + row * stride_ob + group * stride_og + head * stride_oh + offs_d
+        tl.store(dst, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
@@ -170,12 +176,15 @@ def supported(device: torch.device, dtype: torch.dtype, head_dim: int, per_group
     )
 
 
+MAX_SPLITS = 64  # the merge holds a head's states as one (splits, dim) float32 tile
+
+
 def num_splits(rows_x_groups: int, cache_len: int, block_n: int, device: torch.device) -> int:
-    """Key ranges per (row, group): enough programs for ~4 waves on the GPU's SMs, each range at least 4
-    key blocks long."""
+    """Key ranges per (row, group): enough programs for ~4 waves on the GPU's SMs, at most `MAX_SPLITS`, and
+    no more than spans of 4 key blocks (the kernel's shortest) would need to cover the cache's capacity."""
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     want = max(1, math.ceil(4 * sms / rows_x_groups))
-    return max(1, min(want, cache_len // (4 * block_n)))
+    return max(1, min(want, MAX_SPLITS, cache_len // (4 * block_n)))
 
 
 def decode_attention(
@@ -213,8 +222,8 @@ def decode_attention(
         raise ValueError("decode_attention needs unit stride over the head dim")
     block_h = max(16, triton.next_power_of_2(per_group))
     splits = splits or num_splits(rows * groups, cache_len, block_n, q.device)
-    split_len = -(-cache_len // splits)
-    split_len = -(-split_len // block_n) * block_n
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"decode_attention: splits={splits}, expected 1..{MAX_SPLITS}")
     states = rows * groups * splits * block_h
     acc = torch.empty(states, dim, dtype=torch.float32, device=q.device)
     m = torch.empty(states, dtype=torch.float32, device=q.device)
@@ -242,19 +251,19 @@ def decode_attention(
         cache_v.stride(2),
         groups,
         splits,
-        split_len,
         1.0 / math.sqrt(dim),
         PER_GROUP=per_group,
         BLOCK_H=block_h,
         HEAD_DIM=dim,
         BLOCK_N=block_n,
+        MIN_SPAN=4 * block_n,
         PAGE=page,
         num_warps=num_warps,
         num_stages=num_stages,
     )
     if triton_merge:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        _merge_splits[(rows * groups,)](
+        _merge_splits[(rows * groups, per_group)](
             acc,
             m,
             s,
@@ -262,9 +271,9 @@ def decode_attention(
             *out.stride()[:3],
             groups,
             splits,
-            PER_GROUP=per_group,
             BLOCK_H=block_h,
             HEAD_DIM=dim,
+            BLOCK_S=max(2, triton.next_power_of_2(splits)),
             num_warps=num_warps,
         )
         return out

@@ -141,11 +141,12 @@ def test_fast_kernels_match_the_plain_path_in_bf16(tiny, family, attention):
 
 
 @pytest.mark.parametrize("per_row", [False, True])
-@pytest.mark.parametrize("splits,block_n", [(None, 64), (3, 32), (5, 64)])
+@pytest.mark.parametrize("splits,block_n", [(None, 64), (3, 32), (5, 64), (64, 16)])
 def test_triton_decode_attention_matches_sdpa(splits, block_n, per_row):
     """Qwen2.5-7B's head shape (7 query heads per KV group, dim 128), rows with different left padding,
-    key ranges split or not (an empty split included), one position for every row or one per row (rows
-    admitted at different times): vs SDPA in float32 on the same bf16 values."""
+    each row's keys split or not (empty splits included: 64 splits of at least 4 key blocks leave most of a
+    row's splits empty), one position for every row or one per row (rows admitted at different times): vs
+    SDPA in float32 on the same bf16 values."""
     from engine.rollout import triton_decode
 
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -192,7 +193,7 @@ def test_triton_paged_decode_equals_the_contiguous_cache_bitwise(splits):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("splits", [1, 3, 5])
+@pytest.mark.parametrize("splits", [1, 3, 5, 40])
 def test_triton_merge_equals_the_compiled_merge(splits):
     """The split merge as one Triton kernel against the compiled `merge_splits` (and, with one split, the
     eager division): the same states, bf16 outputs within one rounding step, nearly all equal."""
