@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 def dp_stats(values: torch.Tensor, groups: ProcessGroups) -> tuple[float, float, float, float]:
     """Mean, std, min, max of `values` (any shape, possibly empty on some replica) over all DP replicas
-    (each replica counted once)."""
+    (each replica counted once); all four NaN when every replica's `values` is empty (a mean of nothing
+    logged as 0.0 would read as a measured zero, e.g. an extra that no row of the step returned)."""
     v = values.double().flatten()
     moments = torch.tensor(
         [float(v.sum()), float((v * v).sum()), float(v.numel())], dtype=torch.float64, device=groups.device
@@ -31,7 +32,8 @@ def dp_stats(values: torch.Tensor, groups: ProcessGroups) -> tuple[float, float,
     dist.all_reduce(moments, group=groups.dp)
     dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=groups.dp)
     total, sq, count = moments.tolist()
-    count = max(count, 1.0)
+    if count == 0:
+        return (float("nan"),) * 4
     mean = total / count
     return mean, max(sq / count - mean * mean, 0.0) ** 0.5, -float(ext[0]), float(ext[1])
 

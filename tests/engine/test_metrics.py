@@ -123,3 +123,6 @@ def test_reward_extras_leave_out_rows_without_the_key(gloo_world):
     exp = _experience(torch.ones(4, 2), [1.0] * 4, **{f"{REWARD_EXTRA}acc": acc})
     groups = SimpleNamespace(dp=gloo_world, device=torch.device("cpu"), dims=SimpleNamespace(dp=1))
     assert rollout_metrics(exp, groups, False, max_response_len=2)["reward/extra/acc"] == pytest.approx(2 / 3)
+    # no row of the step returned the key: NaN, not a measured 0.0
+    exp = _experience(torch.ones(4, 2), [1.0] * 4, **{f"{REWARD_EXTRA}acc": torch.full((4,), math.nan)})
+    assert math.isnan(rollout_metrics(exp, groups, False, max_response_len=2)["reward/extra/acc"])
