@@ -2,7 +2,8 @@
 (scripts/bench/results/e2e_h200.json) and the long-tailed one at 0.5B
 (e2e_h200_long_tail_1024_0_5b_vllm_rows.json, with TRL `generate` from e2e_h200_long_tail_1024_0_5b.json, and
 verl 0.9.1's steady step by phase from verl_h200_long_tail_1024_0_5b.json next to ours measured the same day,
-e2e_h200_long_tail_1024_0_5b_verlcall.json).
+e2e_h200_long_tail_1024_0_5b_verlcall.json), and the long-tailed one at 1.5B to 4,096 tokens against TRL with
+colocated vLLM (e2e_h200_long_tail_4096_1_5b.json).
 
 pip install matplotlib && python scripts/bench/plot_e2e.py   # writes scripts/bench/results/e2e_h200.png
 """
@@ -131,10 +132,26 @@ def long_tail_panel(ax) -> None:
     ax.legend(loc="upper left", fontsize=8)
 
 
+def long_tail_4096_panel(ax) -> None:
+    """The long-tailed workload at 1.5B (responses to 4,096 tokens): ours native by phase (steady step) and TRL
+    with colocated vLLM (its first step: the second did not finish inside the job's limit)."""
+    run = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_4096_1_5b.json")))
+    trl = {"engine": "vllm", "step_s": run["trl_vllm_colocate"]["step_s_all"][0]}
+    legend_done: set = set()
+    ours_bar(ax, 0, {"gpus": 1, **run}, legend_done)
+    trl_bar(ax, 1, trl, legend_done)
+    ax.set_xticks([0, 1], ["ours, native\n(step 2)", "TRL, vLLM\n(colocated;\nstep 1 only)"], fontsize=7)
+    ax.set_title("long tail, qwen2_5_1_5b:\n64 x 8, 256 + up to 4,096 (mean 1,415)", fontsize=10)
+    ax.legend(loc="upper left", fontsize=8)
+
+
 def main() -> None:
-    fig, (fixed, tail) = plt.subplots(1, 2, figsize=(17, 5.2), gridspec_kw={"width_ratios": [2.2, 1.4]})
+    fig, (fixed, tail, tail_4096) = plt.subplots(
+        1, 3, figsize=(21, 5.2), gridspec_kw={"width_ratios": [2.2, 1.4, 0.7]}
+    )
     fixed_panel(fixed)
     long_tail_panel(tail)
+    long_tail_4096_panel(tail_4096)
     fig.tight_layout()
     fig.savefig(os.path.join(HERE, "e2e_h200.png"), dpi=110)
 
