@@ -39,7 +39,14 @@ setup(
         "tqdm>=4.66",
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.6", "matplotlib>=3.7"],
+        # triton: the rollout's GPU kernels run under Triton's interpreter in the CPU tests
+        # (tests/engine/test_triton_cpu.py); a CUDA build of torch brings its own, which satisfies this
+        "test": [
+            "pytest>=8",
+            "ruff>=0.6",
+            "matplotlib>=3.7",
+            "triton>=3.2; platform_system == 'Linux' and platform_machine == 'x86_64'",
+        ],
         "plot": ["matplotlib>=3.7"],
         "vllm": ["vllm>=0.26,<0.27"],
         "te": ["transformer-engine[pytorch]>=2.0"],

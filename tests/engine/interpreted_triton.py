@@ -1,0 +1,106 @@
+"""The rollout's Triton kernels under Triton's interpreter (TRITON_INTERPRET=1) on the CPU, in float16, against
+independent references: decode attention against SDPA in float32, the paged cache against the contiguous one,
+the Triton split merge against `merge_splits`, the fused RoPE/K-V write against `_rope` and indexed writes.
+
+Not collected by the test run itself (the name does not start with test_): tests/engine/test_triton_cpu.py
+runs this file in a subprocess with the interpreter switched on, which Triton reads when the kernels are
+defined. The interpreter has no bfloat16 (it reads garbage), hence float16; the GPU runs the same cases in
+bfloat16 in tests/engine/test_rollout_gpu.py. Sizes are small: the interpreter runs each program in numpy.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/engine/test_triton_cpu.py"
+
+from engine.rollout import triton_decode, triton_rope_kv  # noqa: E402
+from engine.rollout.model import _rope, signed_sin  # noqa: E402
+
+DT = torch.float16
+ROWS, GROUPS, PER_GROUP, DIM = 5, 2, 7, 64  # Qwen2.5-7B's 7 query heads per KV group, a smaller head dim
+
+
+def _inputs(cache_len: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(ROWS, GROUPS, PER_GROUP, DIM, generator=g).to(DT)
+    k, v = (torch.randn(ROWS, cache_len, GROUPS, DIM, generator=g).to(DT) for _ in "kv")
+    return q, k, v
+
+
+def _sdpa(q, k, v, pad, cur):
+    ar = torch.arange(k.shape[1])
+    mask = ((ar >= pad[:, None]) & (ar <= cur.expand(q.shape[0])[:, None]))[:, None, None]
+    return F.scaled_dot_product_attention(
+        q.float(), k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=mask
+    )
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("splits,block_n", [(1, 64), (3, 16), (64, 16)])
+def test_decode_attention_matches_sdpa(splits, block_n, per_row):
+    """Rows with their own left padding, one position for all or one per row; the row's keys in one span, three,
+    or 64 spans of at least 4 key blocks (most of them empty)."""
+    q, k, v = _inputs(300, seed=0)
+    pad = torch.tensor([0, 3, 64, 130, 250])
+    cur = torch.tensor([280, 40, 299, 131, 250]) if per_row else torch.tensor([260])
+    out = triton_decode.decode_attention(q, k, v, pad, cur, splits=splits, block_n=block_n)
+    assert out.dtype == DT and out.shape == q.shape
+    torch.testing.assert_close(out.float(), _sdpa(q, k, v, pad, cur), atol=2e-3, rtol=2e-3)
+
+
+def test_paged_cache_equals_the_contiguous_cache_bitwise():
+    """Each row read through a shuffled page table (16-position pages, padding not page-aligned)."""
+    page, per_row = 16, 12
+    q, k, v = _inputs(page * per_row, seed=1)
+    g = torch.Generator().manual_seed(1)
+    table = (torch.randperm(ROWS * per_row, generator=g) + 1).view(ROWS, per_row).to(torch.int32)
+    flat_k, flat_v = (torch.zeros((ROWS * per_row + 1) * page, GROUPS, DIM, dtype=DT) for _ in "kv")
+    at = (table.long()[:, :, None] * page + torch.arange(page)).view(ROWS, -1)
+    flat_k[at], flat_v[at] = k, v
+    pad, cur = torch.tensor([0, 3, 17, 100, 180]), torch.tensor([150, 20, 191, 101, 180])
+    a = triton_decode.decode_attention(q, k, v, pad, cur, splits=3, block_n=16)
+    b = triton_decode.decode_attention(
+        q, flat_k, flat_v, pad, cur, table=table, page=page, splits=3, block_n=16
+    )
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("splits", [1, 5, 40])
+def test_triton_merge_equals_merge_splits(splits):
+    """The same partial states merged by the Triton kernel and by `merge_splits` (eager on the CPU)."""
+    q, k, v = _inputs(400, seed=2)
+    pad, cur = torch.tensor([0, 5, 300, 100, 399]), torch.tensor([399, 6, 350, 300, 399])
+    args = (q, k, v, pad, cur)
+    fused = triton_decode.decode_attention(*args, splits=splits, block_n=16, triton_merge=True)
+    plain = triton_decode.decode_attention(*args, splits=splits, block_n=16, triton_merge=False)
+    torch.testing.assert_close(fused.float(), plain.float(), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_rope_write_kv_matches_rope_and_indexed_writes(paged):
+    """Rotated query heads and key against `_rope`, the key and value at each row's own position, nothing else
+    in the cache touched."""
+    g = torch.Generator().manual_seed(5)
+    positions = 40
+    qkv = torch.randn(ROWS, GROUPS, PER_GROUP + 2, DIM, generator=g).to(DT)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, DIM, 2, dtype=torch.float32) / DIM))
+    emb = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq).repeat(1, 2)
+    cur = torch.tensor([3, 39, 20, 0, 31])
+    pos = cur - torch.tensor([0, 10, 7, 0, 1])  # left padding
+    cos, sin = emb.cos().to(DT)[pos], signed_sin(emb.sin().to(DT))[pos]
+    shape = (ROWS * positions, GROUPS, DIM) if paged else (ROWS, positions, GROUPS, DIM)
+    cache_k, cache_v = (torch.randn(shape, generator=g).to(DT) for _ in "kv")
+    ref_k, ref_v = cache_k.clone(), cache_v.clone()
+    at = torch.randperm(ROWS * positions, generator=g)[:ROWS] if paged else cur
+    q = triton_rope_kv.rope_write_kv(qkv, cos, sin, cache_k, cache_v, at, paged)
+    qk = _rope(qkv[:, :, : PER_GROUP + 1], cos[:, None, None], sin[:, None, None])
+    index = (at,) if paged else (torch.arange(ROWS), cur)
+    ref_k[index], ref_v[index] = qk[:, :, PER_GROUP], qkv[:, :, PER_GROUP + 1]
+    torch.testing.assert_close(q.float(), qk[:, :, :PER_GROUP].float(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(cache_k.float(), ref_k.float(), atol=2e-3, rtol=2e-3)
+    assert torch.equal(cache_v, ref_v)
