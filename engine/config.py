@@ -217,8 +217,11 @@ class MoEConfig:
     norm_topk_prob: bool = True
     """Renormalise the top-k weights of a token to sum to 1 (Qwen3-MoE: true; Qwen2-MoE, OLMoE: false).
     score_function=sigmoid always renormalises (megatron's router)."""
-    aux_loss_coef: float = 0.0
-    """Load-balancing auxiliary loss coefficient (megatron's `aux_loss`, Switch-Transformer style; 0 = off)."""
+    aux_loss_coef: float | None = None
+    """Load-balancing auxiliary loss coefficient (megatron's `aux_loss`, Switch-Transformer style; 0 = off).
+    None: with model.path, its config.json's `router_aux_loss_coef` (0 where it has none), as verl reads it;
+    without model.path, 0. A number is used as it is, with or without model.path (a training setting, not the
+    architecture: RL runs often turn the load-balancing loss off on a checkpoint trained with it)."""
     z_loss_coef: float = 0.0
     """Router z-loss coefficient (ST-MoE; 0 = off)."""
     token_dispatcher: str = "alltoall"

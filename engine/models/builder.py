@@ -117,7 +117,7 @@ def moe_shape(m: ModelConfig) -> MoEShape | None:
         shared_gate=e.shared_expert_gate,
         score_function=e.score_function,
         norm_topk_prob=e.norm_topk_prob,
-        aux_loss_coef=e.aux_loss_coef,
+        aux_loss_coef=e.aux_loss_coef or 0.0,  # None: no checkpoint sets it (engine/config.py)
         z_loss_coef=e.z_loss_coef,
         token_dispatcher=e.token_dispatcher,
     )

@@ -205,9 +205,12 @@ def model_config_from_hf(path: str) -> dict[str, Any]:
 def checkpoint_model_config(model: ModelConfig) -> ModelConfig:
     """`model` with the architecture of the checkpoint at `model.path` (`model_config_from_hf`): what a run
     with model.path builds. What config.json does not hold stays the config's: dtype, recompute, init_std,
-    the tokenizer, and model.moe's `MOE_TRAINING_KEYS`."""
+    the tokenizer, model.moe's `MOE_TRAINING_KEYS`, and model.moe.aux_loss_coef where it is set (None: the
+    checkpoint's `router_aux_loss_coef`)."""
     overrides = model_config_from_hf(model.path)
     overrides["moe"] = replace(overrides["moe"], **{k: getattr(model.moe, k) for k in MOE_TRAINING_KEYS})
+    if model.moe.aux_loss_coef is not None and overrides["moe"].num_experts:
+        overrides["moe"] = replace(overrides["moe"], aux_loss_coef=model.moe.aux_loss_coef)
     return replace(model, **overrides)
 
 

@@ -186,7 +186,7 @@ def validate_moe(cfg: TrainConfig, dims: ParallelDims, built: ModelConfig) -> No
         )
     for field in ("ffn_hidden_size", "shared_expert_ffn_hidden_size", "aux_loss_coef", "z_loss_coef"):
         value = getattr(e, field)
-        if value < 0:
+        if value is not None and value < 0:
             key = model_key(cfg, f"moe.{field}")
             fail(key, value, "must be >= 0", f"set model.moe.{field}=0 for the default / off")
     if e.shared_expert_gate and e.shared_expert_ffn_hidden_size == 0:

@@ -107,6 +107,26 @@ def test_moe_keys_against_moe_and_dense_checkpoints(ckpt):
     ]
 
 
+def test_moe_aux_loss_coef_is_the_checkpoints_unless_set(ckpt):
+    """model.moe.aux_loss_coef unset: model.path's router_aux_loss_coef (as verl reads it; hf_tiny's Qwen3-MoE
+    has transformers' default, 0.001); set: that value, 0 included (RL runs turn the load-balancing loss off on
+    a checkpoint trained with it), and no warning either way. Without model.path, unset is 0."""
+    moe = ckpt["qwen3_moe"]
+    with open(f"{moe}/config.json") as f:
+        saved = json.load(f)["router_aux_loss_coef"]
+    assert saved > 0
+    for overrides, expected in (
+        ((), saved),
+        (("model.moe.aux_loss_coef=0",), 0.0),
+        (("model.moe.aux_loss_coef=0.02",), 0.02),
+    ):
+        cfg = composed(f"model.path={moe}", *overrides)
+        assert checkpoint_conflict_warnings(cfg) == []
+        assert model_shape(cfg.model, tokenizer_vocab=99, tp=1).moe.aux_loss_coef == expected, overrides
+    unset = composed("model=tiny_moe", "model.moe.aux_loss_coef=null")
+    assert model_shape(unset.model, tokenizer_vocab=99, tp=1).moe.aux_loss_coef == 0.0
+
+
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> str:
     """The embedded character tokenizer (50 tokens) saved as files: the tiny checkpoints have none."""
@@ -130,6 +150,8 @@ def test_validation_applies_the_moe_rules_to_an_moe_checkpoint(ckpt, tok):
     _validated(moe, tok)
     _validated(moe, tok, "parallel.tp=2", "parallel.sp=true", world_size=2)
     _validated(moe, tok, "algorithm.router_replay=true")  # replays the checkpoint's experts
+    with pytest.raises(ConfigError, match=r"model.moe.aux_loss_coef=-1.0: must be >= 0"):  # set: its own key
+        _validated(moe, tok, "model.moe.aux_loss_coef=-1")
     with pytest.raises(
         ConfigError, match="parallel.sp=False: megatron's MoE layers train at parallel.tp=2"
     ) as err:
