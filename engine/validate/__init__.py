@@ -6,7 +6,7 @@ per concern: placement (which ranks train and which generate), model (layout, ar
 files), built (the model the run builds, which the architecture checks read: model.path's config.json when
 set), algorithm, rollout, batches, run (optimizer, trainer, reward, optional packages), ignored (keys a
 combination ignores), checkpoint (model keys whose values model.path's checkpoint replaces with others),
-rules (the raising helpers).
+side_models (the critic's and the reward model's checkpoints at the actor's layout), rules (the raising helpers).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from engine.validate.model import validate_model, validate_parallel
 from engine.validate.placement import training_world_size, validate_placement
 from engine.validate.rollout import validate_rollout
 from engine.validate.run import validate_optim, validate_optional_packages, validate_reward, validate_trainer
+from engine.validate.side_models import validate_side_models
 from parallel.dims import ParallelDims
 
 
@@ -33,5 +34,6 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     validate_optim(cfg)
     validate_trainer(cfg)
     validate_reward(cfg)
+    validate_side_models(cfg, dims)
     validate_optional_packages(cfg)
     return dims

@@ -32,7 +32,9 @@ def model_key(cfg: TrainConfig, field: str) -> str:
     key of model.path's config.json that sets it."""
     if not cfg.model.path or field.removeprefix("moe.") in MOE_TRAINING_KEYS:
         return f"model.{field}"
-    if field == "moe.aux_loss_coef" and cfg.model.moe.aux_loss_coef is not None:  # set: it overrides the file's
+    if (
+        field == "moe.aux_loss_coef" and cfg.model.moe.aux_loss_coef is not None
+    ):  # set: it overrides the file's
         return f"model.{field}"
     name = _HF_NAMES.get(field, field.removeprefix("moe."))
     return f"model.path's {os.path.join(cfg.model.path, HF_CONFIG_FILE)}: {name}"

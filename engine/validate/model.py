@@ -313,25 +313,32 @@ def tokenizer_size(path: str, key: str) -> int | None:
     return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
 
 
+def run_tokenizer_size(cfg: TrainConfig) -> tuple[int | None, str]:
+    """(`tokenizer_size` of the run's tokenizer, how messages name it): model.tokenizer_path, else model.path's,
+    else the embedded character one; None where it does not load or data.train_files has no tokenizer (both
+    refused when setup loads the data)."""
+    from engine.tasks.embedded import EMBEDDED_VOCAB
+
+    m = cfg.model
+    tok_dir = m.tokenizer_path or m.path
+    if tok_dir:
+        tok_key = "model.tokenizer_path" if m.tokenizer_path else "model.path"
+        return tokenizer_size(tok_dir, tok_key), f"{tok_key}={tok_dir!r}"
+    if not cfg.data.train_files:
+        return len(EMBEDDED_VOCAB), "the embedded character tokenizer (no model.tokenizer_path)"
+    return None, "data.train_files without a tokenizer"
+
+
 def validate_vocab_holds_tokenizer(cfg: TrainConfig, built: ModelConfig) -> None:
     """The actor's vocabulary (model.vocab_size for a random init, 0 = the tokenizer's size; model.path's
     config.json vocab_size) holds every id of the tokenizer (model.tokenizer_path, else model.path's, else the
     embedded character one); otherwise the first rollout's prompts index past the embedding. The tokenizer's
     size is counted on the loaded tokenizer (`tokenizer_size`)."""
-    from engine.tasks.embedded import EMBEDDED_VOCAB
-
     m = cfg.model
     if not m.path and m.vocab_size <= 0:
         return
     key, vocab = model_key(cfg, "vocab_size"), built.vocab_size
-    tok_dir = m.tokenizer_path or m.path
-    if tok_dir:
-        tok_key = "model.tokenizer_path" if m.tokenizer_path else "model.path"
-        size, source = tokenizer_size(tok_dir, tok_key), f"{tok_key}={tok_dir!r}"
-    elif not cfg.data.train_files:
-        size, source = len(EMBEDDED_VOCAB), "the embedded character tokenizer (no model.tokenizer_path)"
-    else:
-        return  # data.train_files without a tokenizer: refused when the data is loaded
+    size, source = run_tokenizer_size(cfg)
     if size is None or vocab >= size:
         return
     if not m.path:

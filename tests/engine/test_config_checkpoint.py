@@ -206,3 +206,44 @@ def test_a_half_precision_checkpoint_trained_in_float32_on_cuda_is_warned(key, t
     assert _warned(path) == []  # the CPU cluster
     (tmp_path / "config.json").write_text(json.dumps({**config, key: "float32"}))
     assert _warned(path, "cluster=single_gpu") == []
+
+
+def test_critic_and_reward_checkpoints_are_checked_at_the_actors_layout(tmp_path):
+    """critic.path and reward.model_path are built at the actor's layout with their own architecture: heads
+    that parallel.tp does not divide, or a vocabulary smaller than the run's tokenizer (the embedded one: 50
+    ids), are refused at validation naming the checkpoint's config.json key (they failed inside megatron, or at
+    setup, after the process groups existed). A checkpoint that fits passes; the actor is the tiny preset."""
+    from engine.validate import validate
+
+    def config_dir(name: str, **overrides) -> str:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(hf_tiny.config_json(**overrides)))
+        return str(path)
+
+    three_heads = config_dir("three_heads", hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
+    small_vocab = config_dir("small_vocab", vocab_size=40)
+    fits = config_dir("fits")
+    tp2 = ("parallel.tp=2", "parallel.sp=true")
+    validate(composed("algorithm=ppo", f"critic.path={fits}", *tp2), world_size=2)
+    with pytest.raises(ConfigError) as err:
+        validate(composed("algorithm=ppo", f"critic.path={three_heads}", *tp2), world_size=2)
+    assert (
+        f"critic.path's {three_heads}/config.json: num_attention_heads=3: must be divisible by parallel.tp=2"
+        in str(err.value)
+    )
+    with pytest.raises(
+        ConfigError, match=r"small_vocab/config.json: vocab_size=40: is smaller than the vocabulary"
+    ):
+        validate(composed("algorithm=ppo", f"critic.path={small_vocab}"), world_size=1)
+    validate(composed(f"critic.path={three_heads}", *tp2), world_size=2)  # GRPO builds no critic
+    reward = hf_tiny.save_tiny(
+        "qwen2",
+        str(tmp_path / "reward"),
+        head="sequence",
+        hidden_size=48,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+    )
+    with pytest.raises(ConfigError, match=r"reward.model_path's .*reward/config.json: num_attention_heads=3"):
+        validate(composed(f"reward.model_path={reward}", *tp2), world_size=2)
