@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -161,14 +162,24 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def interpreted(device: torch.device) -> bool:
+    """Triton's interpreter runs the kernels on CPU tensors (TRITON_INTERPRET=1, read when the kernels are
+    defined): the CPU tests' way to run them (tests/engine/test_triton_cpu.py), float16 only (the interpreter
+    has no bfloat16)."""
+    return triton is not None and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def supported(device: torch.device, dtype: torch.dtype, head_dim: int, per_group: int) -> bool:
     """CUDA sm80+ (bf16 tensor-core dots), half precision (float32 would run `tl.dot` in TF32), a power-of-two
-    head dim, <= 64 query heads per KV group."""
-    return (
-        triton is not None
-        and device.type == "cuda"
+    head dim, <= 64 query heads per KV group; or float16 under Triton's interpreter (`interpreted`)."""
+    on_device = (
+        device.type == "cuda"
         and torch.cuda.get_device_capability(device) >= (8, 0)
         and dtype in (torch.bfloat16, torch.float16)
+    )
+    return (
+        triton is not None
+        and (on_device or (interpreted(device) and dtype == torch.float16))
         and head_dim >= 16
         and head_dim & (head_dim - 1) == 0
         and head_dim <= 256
@@ -182,7 +193,10 @@ MAX_SPLITS = 64  # the merge holds a head's states as one (splits, dim) float32 
 def num_splits(rows_x_groups: int, cache_len: int, block_n: int, device: torch.device) -> int:
     """Key ranges per (row, group): enough programs for ~4 waves on the GPU's SMs, at most `MAX_SPLITS`, and
     no more than spans of 4 key blocks (the kernel's shortest) would need to cover the cache's capacity."""
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if device.type != "cuda":  # the interpreter: a few "SMs", so that small tests split keys too
+        sms = 4
+    else:
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     want = max(1, math.ceil(4 * sms / rows_x_groups))
     return max(1, min(want, MAX_SPLITS, cache_len // (4 * block_n)))
 

@@ -1,6 +1,8 @@
 """The rollout's Triton kernels under Triton's interpreter (TRITON_INTERPRET=1) on the CPU, in float16, against
 independent references: decode attention against SDPA in float32, the paged cache against the contiguous one,
-the Triton split merge against `merge_splits`, the fused RoPE/K-V write against `_rope` and indexed writes.
+the Triton split merge against `merge_splits`, the fused RoPE/K-V write against `_rope` and indexed writes, and
+the native engine's decode forward with them (engine/rollout/model.py picks them under the interpreter) against
+its SDPA path and a float32 forward, on tiny Hugging Face checkpoints.
 
 Not collected by the test run itself (the name does not start with test_): tests/engine/test_triton_cpu.py
 runs this file in a subprocess with the interpreter switched on, which Triton reads when the kernels are
@@ -18,8 +20,13 @@ import torch.nn.functional as F
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/engine/test_triton_cpu.py"
 
+import hf_tiny  # noqa: E402
+from test_rollout_native import rollout_weights_from_hf  # noqa: E402
+
 from engine.rollout import triton_decode, triton_rope_kv  # noqa: E402
-from engine.rollout.model import _rope, signed_sin  # noqa: E402
+from engine.rollout.kv_cache import KVCachePool  # noqa: E402
+from engine.rollout.model import DecodeKernels, RolloutModel, _rope, rope_tables, signed_sin  # noqa: E402
+from parallel.rollout_weights import RolloutWeights  # noqa: E402
 
 DT = torch.float16
 ROWS, GROUPS, PER_GROUP, DIM = 5, 2, 7, 64  # Qwen2.5-7B's 7 query heads per KV group, a smaller head dim
@@ -104,3 +111,46 @@ def test_rope_write_kv_matches_rope_and_indexed_writes(paged):
     torch.testing.assert_close(q.float(), qk[:, :, :PER_GROUP].float(), atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(cache_k.float(), ref_k.float(), atol=2e-3, rtol=2e-3)
     assert torch.equal(cache_v, ref_v)
+
+
+def _teacher_forced(shape, weights, dtype, kernels: DecodeKernels, ids, pad, steps: int):
+    """Prefill left-padded `ids`, then `steps` decode steps fed tokens (t * 7 + row) % vocab: every step's
+    logits, float32, and which attention kernel the model picked."""
+    params = {k: v.to(dtype) for k, v in weights.params.items()}
+    cpu = torch.device("cpu")
+    model = RolloutModel(
+        shape, RolloutWeights(params, 1, 0, None, None, 0, 1), rope_tables(shape, cpu, dtype), kernels
+    )
+    rows, plen = ids.shape
+    pool = KVCachePool(shape.num_layers, model.groups, model.head_dim, dtype, cpu, budget_bytes=1 << 24)
+    k, v = pool.views(rows, plen + steps)
+    out = [model.prefill(ids, pad, k, v, torch.arange(rows))]
+    for t in range(steps):
+        tokens = (t * 7 + torch.arange(rows)) % shape.vocab_size
+        out.append(model.decode(tokens, pad, torch.tensor([plen + t]), k, v, plen + t + 1))
+    return torch.stack(out).float(), model
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_decode_forward_with_the_triton_kernels(family, tmp_path):
+    """Teacher-forced decode logits of a tiny checkpoint (QKV bias and tied embeddings, or Llama-3 RoPE
+    scaling) with the Triton attention, fused RoPE/K-V write and Triton merge (the GPU's default kernels), and
+    with the Triton attention alone: within 1.5x the float16 SDPA path's distance to a float32 forward, and the
+    same argmax nearly everywhere."""
+    path = hf_tiny.save_tiny(family, str(tmp_path / family), seed=3, max_position_embeddings=512)
+    shape, weights = rollout_weights_from_hf(path)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, shape.vocab_size, (6, 11), generator=g)
+    pad = torch.tensor([0, 4, 10, 1, 0, 7])
+    plain = DecodeKernels(attention="sdpa", compiled=False)
+    ref, _ = _teacher_forced(shape, weights, torch.float32, plain, ids, pad, 12)
+    slow, _ = _teacher_forced(shape, weights, DT, plain, ids, pad, 12)
+    fused, model = _teacher_forced(shape, weights, DT, DecodeKernels("triton", compiled=False), ids, pad, 12)
+    assert model.attention == "triton" and model.fused_rope_kv
+    unfused, _ = _teacher_forced(shape, weights, DT, DecodeKernels("triton", False, False), ids, pad, 12)
+    err_slow = (slow - ref).abs()
+    for fast in (fused, unfused):
+        err = (fast - ref).abs()
+        assert err.max() <= 1.5 * err_slow.max() + 1e-3, (float(err.max()), float(err_slow.max()))
+        assert err.mean() <= 1.5 * err_slow.mean() + 1e-4, (float(err.mean()), float(err_slow.mean()))
+        assert (fast.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95
