@@ -29,12 +29,9 @@ def built_model(cfg: TrainConfig) -> ModelConfig:
 
 def model_key(cfg: TrainConfig, field: str) -> str:
     """How messages name the built model's `field` ("num_layers", "moe.num_experts"): model.<field>, or the
-    key of model.path's config.json that sets it."""
-    if not cfg.model.path or field.removeprefix("moe.") in MOE_TRAINING_KEYS:
-        return f"model.{field}"
-    if (
-        field == "moe.aux_loss_coef" and cfg.model.moe.aux_loss_coef is not None
-    ):  # set: it overrides the file's
+    key of model.path's config.json that sets it (model.moe.aux_loss_coef, once set, overrides the file's)."""
+    overridden = field == "moe.aux_loss_coef" and cfg.model.moe.aux_loss_coef is not None
+    if not cfg.model.path or field.removeprefix("moe.") in MOE_TRAINING_KEYS or overridden:
         return f"model.{field}"
     name = _HF_NAMES.get(field, field.removeprefix("moe."))
     return f"model.path's {os.path.join(cfg.model.path, HF_CONFIG_FILE)}: {name}"
