@@ -2,7 +2,7 @@
 native engine runs it, against an earlier version of the kernel and vLLM's FlashAttention-3; prints JSON.
 
     git show ec9f686:engine/rollout/triton_decode.py > scripts/bench/.before_triton_decode.py
-    python scripts/bench/decode_attention_widths.py --preset qwen2_5_1_5b --before scripts/bench/.before_triton_decode.py
+    bash scripts/bench/run.sh attention_widths -- --before scripts/bench/.before_triton_decode.py   # GPU
 
 Each case is one layer's decode attention for `rows` rows of a cache sized for the workload's longest row
 (`--capacity`, as the engine sizes it), row r at cur_r = ctx - 1 - U[0, 200) over [pad_r, cur_r] (pads in

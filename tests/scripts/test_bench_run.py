@@ -16,6 +16,7 @@ PURPOSES = (
     "update",
     "logprobs",
     "decode_attention",
+    "attention_widths",
     "baselines",
     "verl",
     "compare",
