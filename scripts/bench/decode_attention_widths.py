@@ -7,7 +7,9 @@ native engine runs it, against an earlier version of the kernel and vLLM's Flash
 Each case is one layer's decode attention for `rows` rows of a cache sized for the workload's longest row
 (`--capacity`, as the engine sizes it), row r at cur_r = ctx - 1 - U[0, 200) over [pad_r, cur_r] (pads in
 [0, 32)). Reported: median microseconds per call (20 calls captured in one CUDA graph, 15 replays), the K/V
-bytes read, TB/s, the split count, and the largest difference between `--before` and the current kernel.
+bytes read, TB/s, the split count, and the largest difference between `--before` and the current kernel;
+`--sweep-splits`: the time at each split count of SPLIT_COUNTS and the fastest (`best_splits`), against the
+count `num_splits` picks (4 waves of programs on the GPU's SMs).
 `vllm_fa3_us` (when vLLM imports): `flash_attn_varlen_func(fa_version=3)` over the same cache viewed as
 16-position pages, eager (its launch does not capture without vLLM's scheduler metadata), reading [0, cur_r].
 """
@@ -30,6 +32,7 @@ from engine.rollout import triton_decode  # noqa: E402
 
 # the 1.5B long tail to 16,384 (README "Rollout"): the widths the engine decodes at and their contexts
 CASES = "256:400,128:1400,96:3600,64:5000,48:6500,32:8000,24:9000,16:10000,8:12000,6:14000,8:2000"
+SPLIT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def graph_us(fn, reps: int = 20) -> float:
@@ -83,7 +86,7 @@ def fa3_call(q, k, v, cur):
     )  # fmt: skip
 
 
-def measure(rows: int, ctx: int, capacity: int, cfg: dict, before, gen: torch.Generator) -> dict:
+def measure(rows: int, ctx: int, capacity: int, cfg: dict, before, gen: torch.Generator, sweep: bool) -> dict:
     groups, dim = cfg["num_key_value_heads"], cfg["head_dim"]
     per_group = cfg["num_attention_heads"] // groups
     dev, dt = gen.device, torch.bfloat16
@@ -101,6 +104,13 @@ def measure(rows: int, ctx: int, capacity: int, cfg: dict, before, gen: torch.Ge
             q, k, v, pad, cur
         )
         r["max_abs_diff"] = float(diff.abs().max())
+    if sweep:  # the split count the heuristic would not pick: which one each (width, context) wants
+        counts = sorted({c for c in SPLIT_COUNTS if c <= triton_decode.MAX_SPLITS} | {r["splits"]})
+        r["splits_us"] = {
+            c: round(graph_us(lambda c=c: triton_decode.decode_attention(q, k, v, pad, cur, splits=c)), 2)
+            for c in counts
+        }
+        r["best_splits"] = min(r["splits_us"], key=r["splits_us"].get)
     fa3 = fa3_call(q, k, v, cur)
     if fa3 is not None:
         r["vllm_fa3_us"] = 1e3 * statistics.median(timed(fa3) for _ in range(30))
@@ -116,12 +126,13 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=16640, help="cache positions per row (16,384 + 256)")
     ap.add_argument("--cases", default=CASES, help="rows:context pairs")
     ap.add_argument("--before", help="an earlier engine/rollout/triton_decode.py to time next to this one")
+    ap.add_argument("--sweep-splits", action="store_true", help="also time every split count of SPLIT_COUNTS")
     args = ap.parse_args()
     cfg = hf_config_for(args.preset)
     before = load_module(args.before) if args.before else None
     gen = torch.Generator(device="cuda").manual_seed(0)
     pairs = [tuple(int(x) for x in case.split(":")) for case in args.cases.split(",")]
-    cases = [measure(rows, ctx, args.capacity, cfg, before, gen) for rows, ctx in pairs]
+    cases = [measure(rows, ctx, args.capacity, cfg, before, gen, args.sweep_splits) for rows, ctx in pairs]
     print(json.dumps({"preset": args.preset, "capacity": args.capacity, "device": torch.cuda.get_device_name(),
                       "cases": cases}, indent=1))  # fmt: skip
 
