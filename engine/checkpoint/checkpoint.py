@@ -173,8 +173,23 @@ def config_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str
     ]
 
 
+# MoEShape fields a resumed run may change: the router losses' coefficients and how tokens reach the experts
+# of other ranks. The weights, their shapes and their layout do not depend on them (the resume message lists
+# the changed model.moe.* keys as it lists every changed key).
+_MOE_TRAINING_FIELDS = ("aux_loss_coef", "z_loss_coef", "token_dispatcher")
+
+
+def _architecture(fields: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(fields)
+    if isinstance(out.get("moe"), dict):
+        out["moe"] = {k: v for k, v in out["moe"].items() if k not in _MOE_TRAINING_FIELDS}
+    return out
+
+
 def check_shape(saved: Mapping[str, Any], shape: ModelShape, path: str) -> None:
-    now = shape_fields(shape)
+    """The checkpoint's model (`saved`: its `shape_fields`) is the one this run builds, up to the MoE
+    training settings (`_MOE_TRAINING_FIELDS`)."""
+    saved, now = _architecture(saved), _architecture(shape_fields(shape))
     differ = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
     if differ:
         raise CheckpointError(

@@ -18,7 +18,7 @@ import pytest
 import torch
 from distributed import run_torchrun
 
-from engine.checkpoint.checkpoint import check_layout
+from engine.checkpoint.checkpoint import check_layout, check_shape, shape_fields
 from engine.checkpoint.store import (
     complete_checkpoints,
     find_checkpoint,
@@ -228,6 +228,26 @@ def test_layout_mismatch_names_both_layouts_and_the_way_out():
         "model.path=",
     ):
         assert needle in text, (needle, text)
+
+
+def test_resume_may_change_the_moe_training_settings_not_the_architecture():
+    """check_shape refuses a checkpoint of another model, but not one whose MoE run differed only in the
+    router losses' coefficients or the token dispatcher (the weights do not depend on them)."""
+    moe = MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=32, aux_loss_coef=0.001)
+    m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, moe=moe)
+    saved = json.loads(json.dumps(shape_fields(resolve_shape(m, 101, tp=1))))  # as meta.json reads back
+    training = MoEConfig(
+        num_experts=4,
+        top_k=2,
+        ffn_hidden_size=32,
+        aux_loss_coef=0.0,
+        z_loss_coef=0.01,
+        token_dispatcher="allgather",
+    )
+    check_shape(saved, resolve_shape(ModelConfig(**{**m.__dict__, "moe": training}), 101, tp=1), "/ckpt")
+    other = MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=32, aux_loss_coef=0.001)
+    with pytest.raises(CheckpointError, match="the model differs from the checkpoint's"):
+        check_shape(saved, resolve_shape(ModelConfig(**{**m.__dict__, "moe": other}), 101, tp=1), "/ckpt")
 
 
 @pytest.mark.parametrize(
