@@ -8,7 +8,7 @@ import os
 from algorithms.advantages import advantage_estimator_names, advantage_traits
 from algorithms.kl import KL_CONTROLLERS, KL_CONTROLLERS_WITH_TARGET, kl_estimator_names
 from algorithms.losses import LOSS_AGG_MODES, TIS_MODES, policy_loss_names, policy_loss_traits
-from engine.config import ModelConfig, TrainConfig, max_response_tokens
+from engine.config import ModelConfig, TrainConfig, max_response_tokens, overlong_buffer_tokens
 from engine.validate.built import model_key
 from engine.validate.model import validate_checkpoint_positions
 from engine.validate.rules import fail, one_of, positive
@@ -94,6 +94,7 @@ def validate_algorithm(cfg: TrainConfig, built: ModelConfig) -> None:
         )
     if a.overlong_penalty < 0:
         fail("algorithm.overlong_penalty", a.overlong_penalty, "must be >= 0", "use 1.0 (DAPO)")
+    validate_overlong_on_the_embedded_task(cfg, max_len, len_key)
     if cfg.critic.lr <= 0 or cfg.critic.lr_warmup_steps < 0:
         fail(
             "critic.lr/critic.lr_warmup_steps",
@@ -110,6 +111,34 @@ def validate_algorithm(cfg: TrainConfig, built: ModelConfig) -> None:
         )
     if cfg.critic.path and advantage_traits(a.adv_estimator).needs_critic:  # else no critic is built
         validate_checkpoint_positions(cfg, "critic.path", cfg.critic.path)
+
+
+def validate_overlong_on_the_embedded_task(cfg: TrainConfig, max_len: int, len_key: str) -> None:
+    """The embedded copy and target tasks' complete answer is data.embedded_digits tokens and the stop token;
+    an overlong buffer that reaches into that length penalizes every complete answer (DAPO's preset on the
+    default job: 5-token answers, rollout.max_new_tokens=5, a 1-token buffer: score 1, penalty -1), so the
+    model learns to stop early instead of answering. (Datasets' answer lengths are not known: not checked.)"""
+    a, d = cfg.algorithm, cfg.data
+    buffer = overlong_buffer_tokens(a, max_len)
+    answer = d.embedded_digits + 1
+    if d.train_files or d.embedded_task == "calculator" or buffer == 0 or a.overlong_penalty == 0:
+        return
+    if max_len - buffer < answer:
+        key = "algorithm.overlong_buffer_len" if a.overlong_buffer_len else "algorithm.overlong_buffer_frac"
+        # the shortest response budget whose buffer (a fraction of it, or a fixed length) starts after the answer
+        room = next(
+            (n for n in range(answer, 64 * answer) if n - overlong_buffer_tokens(a, n) >= answer), None
+        )
+        raise_it = f"raise {len_key} to at least {room}, or " if room else ""
+        fail(
+            key,
+            a.overlong_buffer_len or a.overlong_buffer_frac,
+            f"makes the overlong penalty start after {max_len - buffer} of {len_key}={max_len} tokens, but the "
+            f"embedded {d.embedded_task} task's complete answer is {answer} tokens (data.embedded_digits="
+            f"{d.embedded_digits} and the stop token): every complete answer would be penalized",
+            f"{raise_it}set algorithm.overlong_buffer_frac=0 algorithm.overlong_buffer_len=0 (no overlong "
+            "shaping)",
+        )
 
 
 def validate_kl_in_reward(cfg: TrainConfig) -> None:

@@ -218,11 +218,18 @@ PRESETS = ["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "remax", "g
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_validates_on_the_default_job(preset):
-    extra = ["algorithm.overlong_buffer_len=2"] if preset == "dapo" else []
+    extra = ["rollout.max_new_tokens=6"] if preset == "dapo" else []  # the buffer after the 5-token answer
     validate(composed(f"algorithm={preset}", *extra), world_size=1)
 
 
 BAD = [
+    # DAPO's 20% buffer of the default job's 5 tokens: the penalty starts inside the 5-token embedded answer
+    (["algorithm=dapo"], "algorithm.overlong_buffer_frac=0.2", "raise rollout.max_new_tokens to at least 6"),
+    (
+        ["algorithm=dapo", "algorithm.overlong_buffer_len=3", "rollout.max_new_tokens=7"],
+        "algorithm.overlong_buffer_len=3",
+        "every complete answer would be penalized. Fix: raise rollout.max_new_tokens to at least 8",
+    ),
     # a 4096-token overlong buffer against the default job's 5-token responses
     (
         ["algorithm=dapo", "algorithm.overlong_buffer_len=4096"],

@@ -106,9 +106,7 @@ def test_rollout_log_probs_off_runs_the_old_forward_for_a_kl_in_the_reward_and_r
     from engine.config import needs_old_log_prob_forward
 
     validate(composed("rollout.log_probs=false"), world_size=1)  # grpo: a KL loss, no TIS
-    validate(
-        composed("rollout.log_probs=false", "algorithm=dapo", "algorithm.overlong_buffer_len=2"), world_size=1
-    )
+    validate(composed("rollout.log_probs=false", "algorithm=dapo", "rollout.max_new_tokens=6"), world_size=1)
     for extra in ([], ["algorithm.ppo_epochs=2"], ["algorithm.num_mini_batches=2"]):
         cfg = composed("rollout.log_probs=false", "algorithm=ppo", *extra)
         assert needs_old_log_prob_forward(cfg.algorithm, rollout_log_probs=False)

@@ -34,7 +34,8 @@ JOBS = {
     "grpo": (["algorithm=grpo"], 2, (*BASE, "actor/kl_loss", "timing/ref")),
     "dr_grpo": (["algorithm=dr_grpo"], 2, BASE),
     "dapo": (
-        ["algorithm=dapo"],  # as is: its overlong buffer is a fraction of rollout.max_new_tokens
+        # its overlong buffer (a fraction of rollout.max_new_tokens) after the 5-token answer: one more token
+        ["algorithm=dapo", "rollout.max_new_tokens=6"],
         2,
         (*BASE, "dynamic_sampling/dropped_groups", "dynamic_sampling/rounds", "reward/overlong_penalty_mean"),
     ),

@@ -41,6 +41,7 @@ def main(out_root: str) -> None:
             [
                 "algorithm=dapo",
                 "algorithm.overlong_buffer_len=2",
+                "rollout.max_new_tokens=7",  # the buffer after the embedded task's 5-token answer
                 "parallel.tp=2",
                 "rollout.tp=2",
                 "trainer.max_tokens_per_micro_batch=80",
