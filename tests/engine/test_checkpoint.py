@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -236,18 +237,10 @@ def test_resume_may_change_the_moe_training_settings_not_the_architecture():
     moe = MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=32, aux_loss_coef=0.001)
     m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, moe=moe)
     saved = json.loads(json.dumps(shape_fields(resolve_shape(m, 101, tp=1))))  # as meta.json reads back
-    training = MoEConfig(
-        num_experts=4,
-        top_k=2,
-        ffn_hidden_size=32,
-        aux_loss_coef=0.0,
-        z_loss_coef=0.01,
-        token_dispatcher="allgather",
-    )
-    check_shape(saved, resolve_shape(ModelConfig(**{**m.__dict__, "moe": training}), 101, tp=1), "/ckpt")
-    other = MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=32, aux_loss_coef=0.001)
+    training = replace(moe, aux_loss_coef=0.0, z_loss_coef=0.01, token_dispatcher="allgather")
+    check_shape(saved, resolve_shape(replace(m, moe=training), 101, tp=1), "/ckpt")
     with pytest.raises(CheckpointError, match="the model differs from the checkpoint's"):
-        check_shape(saved, resolve_shape(ModelConfig(**{**m.__dict__, "moe": other}), 101, tp=1), "/ckpt")
+        check_shape(saved, resolve_shape(replace(m, moe=replace(moe, num_experts=8)), 101, tp=1), "/ckpt")
 
 
 @pytest.mark.parametrize(
