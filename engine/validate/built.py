@@ -10,7 +10,7 @@ from engine.config import ModelConfig, TrainConfig
 from engine.models.hf_config import HF_CONFIG_FILE, MOE_TRAINING_KEYS, checkpoint_model_config
 
 # config.json's names for the model.* fields whose names differ there; the rest are spelt alike.
-_HF_NAMES = {
+HF_NAMES = {
     "num_layers": "num_hidden_layers",
     "num_query_groups": "num_key_value_heads",
     "ffn_hidden_size": "intermediate_size",
@@ -33,5 +33,5 @@ def model_key(cfg: TrainConfig, field: str) -> str:
     overridden = field == "moe.aux_loss_coef" and cfg.model.moe.aux_loss_coef is not None
     if not cfg.model.path or field.removeprefix("moe.") in MOE_TRAINING_KEYS or overridden:
         return f"model.{field}"
-    name = _HF_NAMES.get(field, field.removeprefix("moe."))
+    name = HF_NAMES.get(field, field.removeprefix("moe."))
     return f"model.path's {os.path.join(cfg.model.path, HF_CONFIG_FILE)}: {name}"

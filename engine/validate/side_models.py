@@ -16,16 +16,12 @@ from dataclasses import replace
 from algorithms.advantages import advantage_traits
 from engine.config import TrainConfig
 from engine.models.hf_config import HF_CONFIG_FILE, HFCheckpointError, checkpoint_model_config
+from engine.validate.built import HF_NAMES
 from engine.validate.model import run_tokenizer_size
 from engine.validate.rules import fail
 from parallel.dims import ParallelDims
 
-# model.* field -> config.json's name
-_SPLIT_BY_TP = (
-    ("num_attention_heads", "num_attention_heads"),
-    ("num_query_groups", "num_key_value_heads"),
-    ("ffn_hidden_size", "intermediate_size"),
-)
+_SPLIT_BY_TP = ("num_attention_heads", "num_query_groups", "ffn_hidden_size")  # model.* fields
 
 
 def side_checkpoints(cfg: TrainConfig) -> list[tuple[str, str, str]]:
@@ -57,8 +53,8 @@ def validate_side_models(cfg: TrainConfig, dims: ParallelDims) -> None:
                 f"cannot be loaded: {err}",
                 f"point {key} at a checkpoint saved with save_pretrained",
             )
-        for field, name in _SPLIT_BY_TP:
-            value = getattr(built, field)
+        for field in _SPLIT_BY_TP:
+            value, name = getattr(built, field), HF_NAMES.get(field, field)
             if value % dims.tp:
                 fail(
                     f"{key}'s {file}: {name}",
