@@ -20,6 +20,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from engine.config import ModelConfig, MoEConfig
 from engine.models.spec import Fusions, install_moe_without_te, install_rope_fusion, layer_spec, norm_spec
+from engine.models.triton_swiglu import install_swiglu_kernels
+from engine.models.wgrad import install_wgrad_fusion
 from parallel.dims import ParallelDims
 from parallel.rollout_weights import global_param_names, is_expert_param
 from parallel.state import ProcessGroups
@@ -180,9 +182,14 @@ def transformer_config(
     """megatron's TransformerConfig for this architecture and layout (CPU-safe fusions when on_cpu; RoPE
     fusion per `fusions`, on CPU too: there it runs the reference op chain through the same hook)."""
     half = shape.dtype != torch.float32
-    rope_fusion = (fusions or Fusions()).rope
+    fusions = fusions or Fusions()
+    rope_fusion, wgrad_fusion = fusions.rope, fusions.wgrad and not on_cpu
     if rope_fusion:
         install_rope_fusion()  # before TransformerConfig: its checks look for the kernel
+    if wgrad_fusion:
+        install_wgrad_fusion()  # before the layers: they check for the kernel when built
+    if not on_cpu:  # megatron's fused SwiGLU (bias_activation_fusion) runs there: through our kernels
+        install_swiglu_kernels()
     counts = dims.stage_layer_counts(shape.num_layers)
     uneven = len(set(counts)) > 1  # else megatron's own even split
     return TransformerConfig(
@@ -220,7 +227,7 @@ def transformer_config(
         persist_layer_norm=False,
         bias_dropout_fusion=not on_cpu,
         apply_rope_fusion=rope_fusion,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=wgrad_fusion,
         batch_p2p_comm=not on_cpu,  # gloo pairs batched p2p wrongly under interleaved PP
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,

@@ -18,15 +18,21 @@ group; rows of W padded for TP get z = -1e30), m = max z, S = sum exp(z - m), A 
 Per chunk the forward needs two small all-reduces over the TP group (max; then S, A and the target logit),
 the backward none: the partial gradient of h (this rank's vocabulary slice) is summed by the TP mapping the
 caller applies to h (engine/models/output_head.py), as megatron's ColumnParallelLinear does for its input.
+The weight's gradient is summed over the chunks in float32 by the GEMMs themselves (engine/models/wgrad.py),
+straight into megatron DDP's `main_grad` when the weight has one (then no bf16 gradient is returned at all).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
+from engine.models import triton_logprobs
 from engine.models.compiled import LOGPROBS, cuda_kernel
 from engine.models.logprobs import MASKED_LOGIT
+from engine.models.wgrad import accumulate_matmul
 
 # transient bytes per chunk: fp32 logits + fp32 probabilities + the low-precision gradient (backward)
 CHUNK_BYTES = 2 << 30
@@ -119,6 +125,9 @@ class _LinearLogProbs(torch.autograd.Function):
             logp_all[rows] = zt - log_s
             ent_all[rows] = log_s - a / s
         ctx.save_for_backward(hidden, weight, local_t, in_shard, m_all + log_s_all, ent_all)
+        ctx.main_grad = getattr(
+            weight, "main_grad", None
+        )  # megatron DDP's buffer, kept as its linear layers do
         ctx.inv_t, ctx.pad_from, ctx.rows_per_chunk = inv_t, pad_from, rows_per_chunk
         ctx.set_materialize_grads(False)
         return logp_all, ent_all
@@ -131,11 +140,17 @@ class _LinearLogProbs(torch.autograd.Function):
             return None, None, None, None, None, None, None
         g_logp = grad_logp * ctx.inv_t if grad_logp is not None else torch.zeros_like(shift)
         g_ent = grad_ent * ctx.inv_t if grad_ent is not None else torch.zeros_like(shift)
-        grad_logits = _kernel(_grad_logits, hidden.device)
+        grad_logits = _grad_logits_fn(hidden.device, hidden.dtype)
         n = hidden.shape[0]
+        chunks = chunk_slices(n, ctx.rows_per_chunk)
         grad_h = torch.empty_like(hidden) if need_h else None
+        # the weight's gradient: straight into megatron DDP's float32 `main_grad` (its hook then adds only what
+        # other uses of the weight left in .grad, e.g. a tied embedding's lookup); else summed in float32
+        sum_w = ctx.main_grad if need_w else None
+        if need_w and sum_w is None and len(chunks) > 1:
+            sum_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_w = None
-        for rows in chunk_slices(n, ctx.rows_per_chunk):
+        for rows in chunks:
             g = grad_logits(
                 hidden[rows] @ weight.t(),
                 shift[rows],
@@ -149,16 +164,22 @@ class _LinearLogProbs(torch.autograd.Function):
             )
             if need_h:
                 grad_h[rows] = g @ weight
-            if need_w:
-                gw = g.t() @ hidden[rows]
-                if grad_w is None:
-                    grad_w = gw if rows.stop == n else gw.float()
-                else:
-                    grad_w.add_(gw)
+            if sum_w is not None:
+                accumulate_matmul(sum_w, g.t(), hidden[rows])
+            elif need_w:
+                grad_w = g.t() @ hidden[rows]
             del g
-        if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
+        if need_w and ctx.main_grad is None and grad_w is None:
+            grad_w = sum_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None
+
+
+def _grad_logits_fn(device: torch.device, dtype: torch.dtype):
+    """`_grad_logits` as one pass over a chunk: the Triton kernel (engine/models/triton_logprobs.py) where it
+    runs, else compiled on CUDA; eager with ENGINE_COMPILE_LOGPROBS=0 and on CPU."""
+    if os.environ.get(LOGPROBS, "1") != "0" and triton_logprobs.supported(device, dtype):
+        return triton_logprobs.grad_logits
+    return _kernel(_grad_logits, device)
 
 
 def linear_log_probs(

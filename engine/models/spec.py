@@ -41,6 +41,10 @@ class Fusions:
     rope: bool = True
     """RoPE of q and k as one torch.compile'd kernel each on CUDA (eager elsewhere), plugged into megatron's
     `apply_rope_fusion`; off = megatron's unfused RoPE (about five elementwise passes each way)."""
+    wgrad: bool = True
+    """On CUDA, the linear layers' weight gradients summed into the float32 `main_grad` by their GEMM
+    (megatron's `gradient_accumulation_fusion`, engine/models/wgrad.py); off = a bf16 gradient, then a
+    separate add (megatron's path without apex)."""
 
 
 class SDPAAttention(MegatronModule):

@@ -36,6 +36,7 @@ Run from the repository root with it on PYTHONPATH (`PYTHONPATH=. python scripts
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -47,6 +48,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from megatron.core import tensor_parallel  # noqa: E402
 from presets import model_config  # noqa: E402
 from profiling import kernel_table  # noqa: E402
 
@@ -67,9 +69,11 @@ TINY_VOCAB = 512  # conf/model/tiny.yaml takes the tokenizer's vocabulary; the b
 KEYS = ("advantages", "rollout_log_probs")  # what the actor loss reads besides the tokens
 # name -> (fused kernels of the layer spec, AdamW kernel: None = whatever MegatronRole picks, or forced)
 VARIANTS = {
-    "none": (Fusions(rms_norm=False, rope=False), None),
-    "rms_norm": (Fusions(rms_norm=True, rope=False), None),
-    "rope": (Fusions(rms_norm=False, rope=True), None),
+    "none": (Fusions(rms_norm=False, rope=False, wgrad=False), None),
+    "rms_norm": (Fusions(rms_norm=True, rope=False, wgrad=False), None),
+    "rope": (Fusions(rms_norm=False, rope=True, wgrad=False), None),
+    "wgrad": (Fusions(rms_norm=False, rope=False, wgrad=True), None),
+    "all-wgrad": (Fusions(wgrad=False), None),
     "all": (Fusions(), None),
     "all+fused_adam": (Fusions(), "fused"),
     "all+foreach_adam": (Fusions(), "foreach"),
@@ -168,7 +172,8 @@ def profile_update(role, mbs, loss_fn, device: torch.device, path: str) -> dict:
 def measure_variant(name: str, shape: ModelShape, groups: ProcessGroups, mbs, loss_fn, args) -> dict:
     fusions, adam = VARIANTS[name]
     device = groups.device
-    torch.manual_seed(args.seed)  # same weights in every variant
+    torch.manual_seed(args.seed)  # same weights in every variant: torch's generators and megatron's CUDA
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)  # RNG tracker (GPU init draws from it)
     chunks = build_gpt_chunks(shape, groups, init_std=0.02, recompute=args.recompute, fusions=fusions)
     role = MegatronRole(chunks, groups, shape, OptimConfig(lr=args.lr), total_optimizer_steps=1000)
     if adam is not None:
@@ -182,7 +187,7 @@ def measure_variant(name: str, shape: ModelShape, groups: ProcessGroups, mbs, lo
     tokens = args.rows * args.seq
     flops = 6.0 * params * tokens
     out = {
-        "fusions": {"rms_norm": fusions.rms_norm, "rope": fusions.rope},
+        "fusions": dataclasses.asdict(fusions),
         "adam": adam_kernel(role.optimizer),
         "params": params,
         "update_s": med["update_s"],
@@ -311,12 +316,13 @@ def main() -> None:
         }
         if not args.no_check:  # first: quick, and its numbers matter even if a variant runs out of time
             result["fusion_check"] = fusion_check(shape, groups.device)
-        for name in args.variants.split(","):
+        for i, name in enumerate(args.variants.split(",")):
+            key = name if name not in result["variants"] else f"{name}#{i + 1}"  # a variant again: run order
             try:
-                result["variants"][name] = measure_variant(name, shape, groups, mbs, loss_fn, args)
+                result["variants"][key] = measure_variant(name, shape, groups, mbs, loss_fn, args)
             except Exception as e:  # one failing variant (OOM, compile error) must not lose the others
                 trace = traceback.format_exc()[-3000:]
-                result["variants"][name] = {"error": f"{type(e).__name__}: {e}", "trace": trace}
+                result["variants"][key] = {"error": f"{type(e).__name__}: {e}", "trace": trace}
                 gc.collect()
             with open(path, "w") as f:
                 json.dump(result, f, indent=1)

@@ -2,7 +2,9 @@
 independent references: decode attention against SDPA in float32, the paged cache against the contiguous one,
 the Triton split merge against `merge_splits`, the fused RoPE/K-V write against `_rope` and indexed writes, and
 the native engine's decode forward with them (engine/rollout/model.py picks them under the interpreter) against
-its SDPA path and a float32 forward, on tiny Hugging Face checkpoints.
+its SDPA path and a float32 forward, on tiny Hugging Face checkpoints; and the update's kernels: the fused
+output head's backward (engine/models/triton_logprobs.py) and the MLP's SwiGLU (engine/models/triton_swiglu.py)
+against their float32 op chains.
 
 Not collected by the test run itself (the name does not start with test_): tests/engine/test_triton_cpu.py
 runs this file in a subprocess with the interpreter switched on, which Triton reads when the kernels are
@@ -179,3 +181,77 @@ def test_paged_generation_equals_the_contiguous_layout(tmp_path):
         assert e.model.attention == "triton" and bool(e.last_stats.get("paged")) == paged, e.last_stats
     assert torch.equal(outs[0].response_ids, outs[1].response_ids)
     assert torch.equal(outs[0].log_probs, outs[1].log_probs)
+
+
+def test_head_gradient_kernel_matches_the_op_chain():
+    """The fused output head's backward kernel (engine/models/triton_logprobs.py) against `_grad_logits` run
+    eagerly on the same float16 chunk: columns past a block boundary, TP-padding columns, targets on and off
+    this rank's slice."""
+    from engine.models import triton_logprobs
+    from engine.models.fused_logprobs import _grad_logits
+
+    g = torch.Generator().manual_seed(5)
+    rows, vocab, pad_from, inv_t = 6, 2 * triton_logprobs.BLOCK + 37, 2 * triton_logprobs.BLOCK + 30, 1 / 0.7
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(DT)
+    z = logits.float() * inv_t
+    shift = z[:, :pad_from].logsumexp(-1)
+    ent, g_logp, g_ent = (torch.randn(rows, generator=g) for _ in range(3))
+    local_t = torch.randint(0, pad_from, (rows,), generator=g)
+    in_shard = torch.tensor([True, False, True, True, False, True])
+    args = (logits, shift, ent, g_logp, g_ent, local_t, in_shard, inv_t, pad_from)
+    out = triton_logprobs.grad_logits(*args)
+    ref = _grad_logits(*args)
+    assert out.dtype == DT and out.shape == logits.shape
+    assert out[:, pad_from:].abs().max() == 0
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-4, rtol=1e-3)
+
+
+def test_output_head_backward_through_the_triton_kernel():
+    """linear_log_probs in float16 under the interpreter takes the Triton backward kernel; its gradients match
+    the float64 log-softmax's within float16 rounding (1e-2 of the largest entry)."""
+    from engine.models import fused_logprobs, triton_logprobs
+
+    assert fused_logprobs._grad_logits_fn(torch.device("cpu"), DT) is triton_logprobs.grad_logits
+    g = torch.Generator().manual_seed(6)
+    rows, hidden, vocab = 40, 32, 3000
+    h = (torch.randn(rows, hidden, generator=g) * 0.5).to(DT).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * 0.2).to(DT).requires_grad_()
+    t = torch.randint(0, vocab, (rows,), generator=g)
+    g_logp, g_ent = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
+    logp, ent = fused_logprobs.linear_log_probs(h, w, t, vocab_size=vocab, rows_per_chunk=16)
+    gh, gw = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), (h, w))
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ls = (h64 @ w64.t()).log_softmax(-1)
+    ref = (ls.gather(1, t[:, None])[:, 0] * g_logp.double()).sum() - (
+        (ls.exp() * ls).sum(-1) * g_ent.double()
+    ).sum()
+    rgh, rgw = torch.autograd.grad(ref, (h64, w64))
+    for a, b in ((gh, rgh), (gw, rgw)):
+        assert (a.double() - b).abs().max() < 1e-2 * b.abs().max()
+
+
+def test_swiglu_kernels_match_the_float32_chain():
+    """The MLP's SwiGLU forward and backward kernels (engine/models/triton_swiglu.py) against silu(y1) * y2 and
+    its autograd in float32 on the same float16 input, columns past a block boundary; and megatron's MLP hook
+    routes a bias-free input through them."""
+    from megatron.core.transformer import mlp
+
+    from engine.models import triton_swiglu
+
+    g = torch.Generator().manual_seed(7)
+    half = triton_swiglu.BLOCK + 37
+    y = (torch.randn(2, 3, 2 * half, generator=g) * 2).to(DT).requires_grad_()
+    grad = torch.randn(2, 3, half, generator=g).to(DT)
+    out = triton_swiglu.swiglu(y)
+    (dy,) = torch.autograd.grad(out, (y,), grad)
+    y32 = y.detach().float().requires_grad_()
+    y1, y2 = y32.chunk(2, -1)
+    ref = F.silu(y1) * y2
+    (ref_dy,) = torch.autograd.grad(ref, (y32,), grad.float())
+    assert out.dtype == DT and out.shape == (2, 3, half) and dy.dtype == DT
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(dy.float(), ref_dy, atol=2e-3, rtol=2e-3)
+    triton_swiglu.install_swiglu_kernels()
+    triton_swiglu.install_swiglu_kernels()  # idempotent: one wrapper
+    assert mlp.bias_swiglu_impl.engine_swiglu
+    assert torch.equal(mlp.bias_swiglu_impl(y.detach(), None), out.detach())

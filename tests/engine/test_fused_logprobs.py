@@ -53,6 +53,37 @@ def test_values_and_gradients_match_full_logits(rows_per_chunk, temperature, ent
         assert torch.allclose(a.double(), b, atol=1e-5, rtol=1e-5), f"{name}: {(a - b).abs().max()}"
 
 
+@pytest.mark.parametrize("rows_per_chunk", [4, 64])
+def test_weight_gradient_goes_into_main_grad(rows_per_chunk):
+    """A weight with megatron DDP's `main_grad` (float32) gets its gradient added there, over every chunk, and
+    none in .grad; a second use of the same weight (a tied embedding's lookup) still reaches .grad."""
+    h, w, t, g_logp, _ = (x.float() if x.is_floating_point() else x for x in inputs(3))
+    ww = w.clone().requires_grad_()
+    ww.main_grad = torch.full_like(ww, 0.25)  # what earlier micro-batches left
+    logp, _ = linear_log_probs(h, ww, t, vocab_size=VOCAB, rows_per_chunk=rows_per_chunk)
+    lookup = ww[t].sum()  # the embedding's use of the tied weight
+    ((logp * g_logp).sum() + lookup).backward()
+    ref_w = w.double().requires_grad_()
+    ref_logp, _ = reference(h.double(), ref_w, t, 1.0)
+    (ref_grad,) = torch.autograd.grad((ref_logp * g_logp.double()).sum(), (ref_w,))
+    assert torch.allclose(ww.main_grad.double(), 0.25 + ref_grad, atol=1e-5)
+    assert torch.equal(ww.grad, torch.zeros_like(w).index_put_((t,), torch.ones(N, H), accumulate=True))
+
+
+def test_half_precision_weight_gradient_over_chunks_matches_one_chunk():
+    """bfloat16 without `main_grad`: the chunks' weight gradients, summed in a float32 buffer and rounded once,
+    match the one-chunk product within bfloat16 rounding of the chunks' logits gradients."""
+    h, w, t, g_logp, _ = inputs(4)
+    hb, wb = h.bfloat16(), w.bfloat16().requires_grad_()
+    logp, _ = linear_log_probs(hb, wb, t, vocab_size=VOCAB, rows_per_chunk=4)
+    (gw,) = torch.autograd.grad((logp * g_logp.float()).sum(), (wb,))
+    assert gw.dtype == torch.bfloat16
+    one = wb.detach().clone().requires_grad_()
+    logp1, _ = linear_log_probs(hb, one, t, vocab_size=VOCAB, rows_per_chunk=64)  # one chunk: no sum
+    (gw1,) = torch.autograd.grad((logp1 * g_logp.float()).sum(), (one,))
+    assert (gw.float() - gw1.float()).abs().max() <= 2e-2 * gw1.float().abs().max()
+
+
 def test_padded_vocabulary_rows_get_no_probability_and_no_gradient():
     h, w, t, g_logp, _ = inputs(1)
     w = w.clone().requires_grad_()

@@ -1,6 +1,7 @@
-"""The rollout's Triton kernels on the CPU: tests/engine/interpreted_triton.py run under Triton's interpreter in
-a subprocess (TRITON_INTERPRET=1 must be set before the kernels are defined, and this process has defined them
-already), so CI, which has no GPU, checks the kernels the GPU decodes with against independent references.
+"""The Triton kernels (rollout and update) on the CPU: tests/engine/interpreted_triton.py run under Triton's
+interpreter in a subprocess (TRITON_INTERPRET=1 must be set before the kernels are defined, and this process has
+defined them already), so CI, which has no GPU, checks the kernels the GPU decodes and trains with against
+independent references.
 
 Needs the `triton` package (the [test] extra installs it on Linux x86_64; a CUDA build of torch brings its own).
 Triton releases before 3.9 cannot interpret with numpy >= 2.4 (their interpreter turns one-element arrays into

@@ -76,8 +76,8 @@ def test_update_bench_tiny_cpu(tmp_path):
         assert v["update_s"] >= v["fwd_bwd_s"] > 0 and len(v["update_s_all"]) == 2
         assert v["mfu"] is None and v["skipped_steps"] == 0  # no MFU on CPU
         assert Path(v["profile"]).read_text().startswith("top 30 CPU ops")
-    assert none["fusions"] == {"rms_norm": False, "rope": False}
-    assert fused["fusions"] == {"rms_norm": True, "rope": True}
+    assert none["fusions"] == {"rms_norm": False, "rope": False, "wgrad": False}
+    assert fused["fusions"] == {"rms_norm": True, "rope": True, "wgrad": True}
     assert (fused["adam"], foreach["adam"]) == ("fused", "foreach")
     for v in (fused, foreach):  # same weights and batch: the first update's figures match bit for bit
         assert (v["loss"], v["grad_norm"]) == (none["loss"], none["grad_norm"])
