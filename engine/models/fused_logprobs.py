@@ -125,9 +125,8 @@ class _LinearLogProbs(torch.autograd.Function):
             logp_all[rows] = zt - log_s
             ent_all[rows] = log_s - a / s
         ctx.save_for_backward(hidden, weight, local_t, in_shard, m_all + log_s_all, ent_all)
-        ctx.main_grad = getattr(
-            weight, "main_grad", None
-        )  # megatron DDP's buffer, kept as its linear layers do
+        # megatron DDP's float32 gradient buffer of the weight, kept on ctx as its linear layers keep it
+        ctx.main_grad = getattr(weight, "main_grad", None)
         ctx.inv_t, ctx.pad_from, ctx.rows_per_chunk = inv_t, pad_from, rows_per_chunk
         ctx.set_materialize_grads(False)
         return logp_all, ent_all
