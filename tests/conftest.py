@@ -29,3 +29,20 @@ def gloo_world():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def groups():
+    """The engine's process groups (`parallel.state.init_distributed`) for a world of one on gloo, shared by a
+    test module; torn down after it, with the environment put back: init_distributed exports MASTER_PORT & co,
+    and later `engine.train` subprocesses of the test run must not inherit them (test_train_e2e then failed
+    with EADDRINUSE). A module that needs more set-up defines its own `groups`."""
+    from parallel.dims import ParallelDims
+    from parallel.state import destroy_distributed, init_distributed
+
+    saved = dict(os.environ)
+    groups = init_distributed(ParallelDims(world_size=1), "cpu", seed=3)
+    yield groups
+    destroy_distributed()
+    os.environ.clear()
+    os.environ.update(saved)

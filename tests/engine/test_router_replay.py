@@ -11,8 +11,6 @@ logits) use rows that both sides share: log-probs equal the rollout's. Tolerance
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -27,25 +25,12 @@ from engine.rollout.native import NativeRollout
 from engine.step.batch import ROUTES, Responses, experience_from
 from engine.step.losses import log_prob_fn
 from engine.step.update import forward_rows
-from parallel.dims import ParallelDims
 from parallel.rollout_weights import RolloutWeights
 
 CPU = torch.device("cpu")
 VOCAB, HIDDEN, EXPERTS, TOP_K = 40, 32, 6, 2
 PROMPTS = ([3, 9, 4], [7, 1, 5, 2, 8, 6, 11], [12, 2, 30, 5, 17])
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def groups():
-    from parallel.state import destroy_distributed, init_distributed
-
-    saved = dict(os.environ)  # init_distributed exports MASTER_PORT & co: put the environment back
-    g = init_distributed(ParallelDims(world_size=1), "cpu", seed=3)
-    yield g
-    destroy_distributed()
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def moe_actor(groups):

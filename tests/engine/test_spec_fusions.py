@@ -16,7 +16,6 @@ Tolerances, on CPU:
 
 from __future__ import annotations
 
-import os
 import shutil
 from types import SimpleNamespace
 
@@ -34,7 +33,6 @@ from engine.models.spec import (
     packed_attention,
     rope_reference,
 )
-from parallel.dims import ParallelDims
 
 
 def _freqs(seq: int, rot_dim: int, theta: float = 1e6) -> torch.Tensor:
@@ -190,20 +188,6 @@ def test_compiled_rope_matches_eager_within_rounding(dtype):
         assert ((g_fused.double() - g_eager.double()).abs() <= 3 * 2**-8 * g_scale).all()
         assert (fused.double() - exact).abs().max() <= (eager.double() - exact).abs().max()
         assert (g_fused.double() - exact_grad).abs().max() <= (g_eager.double() - exact_grad).abs().max()
-
-
-@pytest.fixture(scope="module")
-def groups():
-    from parallel.state import destroy_distributed, init_distributed
-
-    # init_distributed exports MASTER_PORT & co: put the environment back, or later `engine.train`
-    # subprocesses of the test run inherit them (test_train_e2e then failed with EADDRINUSE)
-    saved = dict(os.environ)
-    g = init_distributed(ParallelDims(world_size=1), "cpu", seed=7)
-    yield g
-    destroy_distributed()
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -26,23 +26,6 @@ def test_accumulate_matmul_adds_the_product(dtype):
     torch.testing.assert_close(out.double(), expected, atol=1e-6, rtol=1e-6)
 
 
-@pytest.fixture(scope="module")
-def groups():
-    import os
-
-    from parallel.dims import ParallelDims
-    from parallel.state import destroy_distributed, init_distributed
-
-    saved = dict(
-        os.environ
-    )  # init_distributed exports MASTER_PORT & co: later subprocesses must not inherit them
-    g = init_distributed(ParallelDims(world_size=1), "cpu", seed=3)
-    yield g
-    destroy_distributed()
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 def test_megatron_linear_layers_sum_weight_gradients_into_main_grad(groups):
     """ColumnParallelLinear and RowParallelLinear built with gradient_accumulation_fusion=True (refused by
     megatron without apex unless install_wgrad_fusion ran): the weight gradient lands in `main_grad`, on top
