@@ -11,7 +11,7 @@ stay one pair. Math in float32, one rounding to the input dtype per output, as i
 `install_swiglu_kernels` swaps megatron MLP's `bias_swiglu_impl` for one that takes this path for
 bias-free CUDA inputs (the Qwen/Llama MLPs) and hands everything else (a bias, fp8 input store, CPU offload)
 to megatron's. engine/models/builder.py installs it where megatron's fused activation runs (CUDA). Parity:
-tests/engine/interpreted_triton.py (CPU, Triton's interpreter, float16) and tests/engine/test_spec_fusions.py
+tests/engine/interpreted_triton.py (CPU, Triton's interpreter, float16) and tests/engine/test_training_kernels.py
 (GPU, bfloat16, against megatron's compiled kernels).
 """
 
