@@ -22,13 +22,18 @@ ROLLOUT = "ENGINE_COMPILE_ROLLOUT"
 _compiled: dict[tuple[str, str], Callable] = {}
 
 
+def switched_on(switch: str) -> bool:
+    """The use site's kernels are on: its environment variable `switch` is not "0"."""
+    return os.environ.get(switch, "1") != "0"
+
+
 def cuda_kernel(fn: Callable, device: torch.device, switch: str, dynamic: bool | None = True) -> Callable:
     """`fn` compiled (built once per function) when `device` is CUDA and the environment variable `switch` is
     not "0"; `fn` itself otherwise. `dynamic`: torch.compile's; True treats every size as symbolic (one
     compile), None specialises first and makes only the sizes seen to change symbolic on a recompile
     (sizes that never change, like a head dim or a hidden size, stay constants: no integer division by a
     runtime value in index math, e.g. of a roll or a chunk)."""
-    if device.type != "cuda" or os.environ.get(switch, "1") == "0":
+    if device.type != "cuda" or not switched_on(switch):
         return fn
     key = (fn.__module__, fn.__qualname__)
     if key not in _compiled:

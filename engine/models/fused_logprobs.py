@@ -24,13 +24,11 @@ straight into megatron DDP's `main_grad` when the weight has one (then no bf16 g
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
 from engine.models import triton_logprobs
-from engine.models.compiled import LOGPROBS, cuda_kernel
+from engine.models.compiled import LOGPROBS, cuda_kernel, switched_on
 from engine.models.logprobs import MASKED_LOGIT
 from engine.models.wgrad import accumulate_matmul
 
@@ -144,9 +142,11 @@ class _LinearLogProbs(torch.autograd.Function):
         chunks = chunk_slices(n, ctx.rows_per_chunk)
         grad_h = torch.empty_like(hidden) if need_h else None
         # the weight's gradient: straight into megatron DDP's float32 `main_grad` (its hook then adds only what
-        # other uses of the weight left in .grad, e.g. a tied embedding's lookup); else summed in float32
-        sum_w = ctx.main_grad if need_w else None
-        if need_w and sum_w is None and len(chunks) > 1:
+        # other uses of the weight left in .grad, e.g. a tied embedding's lookup); else, over several chunks,
+        # summed in float32 and rounded once
+        into_main = need_w and ctx.main_grad is not None
+        sum_w = ctx.main_grad if into_main else None
+        if need_w and not into_main and len(chunks) > 1:
             sum_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_w = None
         for rows in chunks:
@@ -168,7 +168,7 @@ class _LinearLogProbs(torch.autograd.Function):
             elif need_w:
                 grad_w = g.t() @ hidden[rows]
             del g
-        if need_w and ctx.main_grad is None and grad_w is None:
+        if sum_w is not None and not into_main:
             grad_w = sum_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None
 
@@ -176,7 +176,7 @@ class _LinearLogProbs(torch.autograd.Function):
 def _grad_logits_fn(device: torch.device, dtype: torch.dtype):
     """`_grad_logits` as one pass over a chunk: the Triton kernel (engine/models/triton_logprobs.py) where it
     runs, else compiled on CUDA; eager with ENGINE_COMPILE_LOGPROBS=0 and on CPU."""
-    if os.environ.get(LOGPROBS, "1") != "0" and triton_logprobs.supported(device, dtype):
+    if switched_on(LOGPROBS) and triton_logprobs.supported(device, dtype):
         return triton_logprobs.grad_logits
     return _kernel(_grad_logits, device)
 

@@ -15,17 +15,10 @@ float32; parity: tests/engine/interpreted_triton.py (CPU) and tests/engine/test_
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from engine.models.logprobs import MASKED_LOGIT
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only torch builds ship no Triton
-    triton = None
+from engine.models.triton_support import elementwise_supported, tl, triton
 
 BLOCK = 2048
 """Columns per program."""
@@ -61,12 +54,8 @@ if triton is not None:
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """CUDA with Triton, or float16 under Triton's interpreter on CPU (TRITON_INTERPRET=1)."""
-    if triton is None:
-        return False
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and dtype == torch.float16
+    """Where `grad_logits` runs (engine/models/triton_support.py `elementwise_supported`)."""
+    return elementwise_supported(device, dtype)
 
 
 def grad_logits(logits, shift, ent, g_logp, g_ent, local_t, in_shard, inv_t: float, pad_from: int):

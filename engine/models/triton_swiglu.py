@@ -17,15 +17,9 @@ tests/engine/interpreted_triton.py (CPU, Triton's interpreter, float16) and test
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only torch builds ship no Triton
-    triton = None
+from engine.models.triton_support import elementwise_supported, tl, triton
 
 BLOCK = 1024
 """Columns of one half per program."""
@@ -58,12 +52,8 @@ if triton is not None:
 
 
 def supported(y: torch.Tensor) -> bool:
-    """CUDA with Triton, or float16 under Triton's interpreter on CPU (TRITON_INTERPRET=1)."""
-    if triton is None:
-        return False
-    if y.is_cuda:
-        return True
-    return os.environ.get("TRITON_INTERPRET") == "1" and y.dtype == torch.float16
+    """Where `swiglu` runs (engine/models/triton_support.py `elementwise_supported`)."""
+    return elementwise_supported(y.device, y.dtype)
 
 
 def _grid(rows: int, half: int) -> tuple[int, int]:

@@ -24,18 +24,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
 from engine.models.compiled import ROLLOUT, cuda_kernel
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only torch builds ship no Triton
-    triton = None
-
+from engine.models.triton_support import interpreted, tl, triton
 
 if triton is not None:
 
@@ -160,13 +153,6 @@ if triton is not None:
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def interpreted(device: torch.device) -> bool:
-    """Triton's interpreter runs the kernels on CPU tensors (TRITON_INTERPRET=1, read when the kernels are
-    defined): the CPU tests' way to run them (tests/engine/test_triton_cpu.py), float16 only (the interpreter
-    has no bfloat16)."""
-    return triton is not None and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def supported(device: torch.device, dtype: torch.dtype, head_dim: int, per_group: int) -> bool:

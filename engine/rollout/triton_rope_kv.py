@@ -18,12 +18,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only torch builds ship no Triton
-    triton = None
-
+from engine.models.triton_support import tl, triton
 
 if triton is not None:
 
