@@ -85,12 +85,13 @@ class CallOutputs:
 
 
 def record_tokens(
-    logits, sampling, gen, stops, out: CallOutputs, st: SlotState, lo: int, pad_id: int, new: int
+    logits, sampling, gen, stops, out: CallOutputs, st: SlotState, lo: int, pad_id: int, fused: bool = False
 ) -> None:
     """Sample one token per slot from `logits` (the rows of slots [lo, lo + len(logits))), store the tokens
     of live slots at their own response step, retire the slots that stop (a stop token, their row's limit,
-    or `new` tokens); a retired slot reads one key from then on."""
-    tokens, logp = sample_tokens(logits, sampling, gen)
+    or `sampling.max_new_tokens` tokens); a retired slot reads one key from then on. `fused`:
+    sampler.sample_tokens's."""
+    tokens, logp = sample_tokens(logits, sampling, gen, fused)
     hi = lo + logits.shape[0]
     alive, step = st.alive[lo:hi], st.step[lo:hi]
     scratch = out.stopped.numel() - 1
@@ -103,7 +104,7 @@ def record_tokens(
         hit = alive & torch.isin(tokens, stops)
         out.stopped.index_put_((row,), out.stopped[row] | hit)
         alive &= ~hit
-    limit = out.limit[row] if out.limit is not None else new
+    limit = out.limit[row] if out.limit is not None else sampling.max_new_tokens
     alive &= limit > step + 1  # the row's last token by its limit: "length"
     st.step[lo:hi] += 1
     st.tokens[lo:hi] = torch.where(alive, tokens, pad_id)

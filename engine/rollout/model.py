@@ -27,7 +27,9 @@ Kernels (`DecodeKernels`; CUDA only, the attention kernels in half precision; CP
   query heads folded the same way (memory-efficient or cuDNN kernel on GPU);
 - the elementwise chains compiled into one kernel each (torch.compile): residual add + RMSNorm, SwiGLU, RoPE;
 - with the Triton or flash attention (`DecodeKernels.fused`): a decode step's RoPE and K/V cache writes as one
-  Triton kernel (engine/rollout/triton_rope_kv.py; models without QK-norm), the split merge as another.
+  Triton kernel (engine/rollout/triton_rope_kv.py; models without QK-norm), the split merge as another;
+- with `DecodeKernels.sampler` where Triton runs, decode's logits stay in the model's dtype (`upcast=False`,
+  as the engine asks) for the Triton draw (engine/rollout/triton_sample.py), which reads them once.
 Prefill always uses SDPA with a mask (left padding): prefill is a small share of a long rollout.
 Measured on one H200 (scripts/bench/README.md, "Rollout").
 """
@@ -44,6 +46,7 @@ import torch.nn.functional as F
 from engine.models import moe
 from engine.models.builder import ModelShape
 from engine.models.compiled import ROLLOUT, cuda_kernel
+from engine.models.triton_support import elementwise_supported
 from engine.rollout import triton_decode, triton_rope_kv
 from engine.rollout.attention_kernels import DecodeKernels, decode_attention_kernel, flash_varlen_decode
 from engine.rollout.moe_experts import MoEWeights, moe_layer
@@ -191,6 +194,8 @@ class RolloutModel:
         self._add_norm, self._norm = kernel(add_rms_norm), kernel(rms_norm)
         self._swiglu, self._rope = kernel(swiglu), kernel(_rope)
         self.fused = kernels.fused and self.attention in ("triton", "flash")
+        self.fused_sampler = kernels.sampler and elementwise_supported(dev, self.dtype)
+        """The engine draws with engine/rollout/triton_sample.py: decode returns logits in the model's dtype."""
         self.fused_rope_kv = (
             self.fused and triton_rope_kv.triton is not None and all(la.q_norm is None for la in self.layers)
         )
@@ -257,15 +262,17 @@ class RolloutModel:
         x = F.embedding(local.clamp(0, self.vocab_shard - 1), self.embed_w)
         return self._all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
 
-    def logits(self, h_bh: torch.Tensor) -> torch.Tensor:
-        """(b, hidden) final-normed hidden states -> (b, vocab_size) float32 logits over the real vocabulary."""
+    def logits(self, h_bh: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """(b, hidden) final-normed hidden states -> (b, vocab_size) logits over the real vocabulary: float32, or
+        with `upcast=False` in the model's dtype (a view of the head's output where TP is 1)."""
         local = F.linear(h_bh, self.out_w)  # (b, vocab/tp)
         if self.tp_size > 1:
             b = local.shape[0]
             parts = local.new_empty(self.tp_size * b, self.vocab_shard)  # gloo wants rank-major rows
             dist.all_gather_into_tensor(parts, local.contiguous(), group=self.tp_group)
             local = parts.view(self.tp_size, b, self.vocab_shard).permute(1, 0, 2).reshape(b, -1)
-        return local[:, : self.shape.vocab_size].float()
+        local = local[:, : self.shape.vocab_size]
+        return local.float() if upcast else local
 
     def _projected(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         """h (b, s, hidden) -> the fused QKV projection (b, s, groups, heads per group + 2, dim): each group's
@@ -401,13 +408,15 @@ class RolloutModel:
         num_keys: int,
         table: torch.Tensor | None = None,
         page: int = 0,
+        upcast: bool = True,
     ) -> torch.Tensor:
         """One decode step: token `tokens_b[r]` sits at cache position `cur[r]` ((b,) int64, or (1,): the same
         for every row) of row r, whose first `pad_b[r]` positions are padding; K/V are written there and the
         row attends over cache positions [pad_b[r], cur[r]] (the plain path masks the first `num_keys`; the
         Triton and flash kernels read exactly those). Paged (`table` (b, pages per row) and `page` given; not
         with the flash kernel): the caches are flat (positions, groups, dim) buffers and row r's position n
-        sits at `table[r, n // page] * page + n % page`. Returns (b, vocab_size) float32 logits. No host
+        sits at `table[r, n // page] * page + n % page`. Returns (b, vocab_size) logits, float32 (`upcast`) or
+        in the model's dtype. No host
         synchronisation and static shapes: capturable in a CUDA graph."""
         b = tokens_b.shape[0]
         pg, hd = self.per_group, self.head_dim
@@ -460,4 +469,4 @@ class RolloutModel:
             return out.reshape(b, 1, self.heads * hd)
 
         h = self._layers(self.embed(tokens_b[:, None]), cos, sin, attend, raw=self.fused_rope_kv)
-        return self.logits(h[:, 0])
+        return self.logits(h[:, 0], upcast)

@@ -143,6 +143,7 @@ class NativeRollout(RolloutEngine):
             self._rope = rope_tables(self.shape, self.device, embed.dtype)
         self.weights = weights
         self.model = RolloutModel(self.shape, weights, self._rope, self.kernels)
+        self.fused_draw = self.model.fused_sampler  # the Triton draw, on decode logits in the model's dtype
         m = self.model
         use_cuda_graphs(self.shape, self.device, self.graphs is not None or None, m.dtype)
         if self.pool is None or self.pool.dtype != m.dtype or self.pool.groups != m.groups:
@@ -382,7 +383,7 @@ class NativeRollout(RolloutEngine):
             t, top, since_steps = t + 1, top + 1, since_steps + 1
             self.last_stats["decode_steps"] += 1
             self.last_stats["slot_steps"] += width
-            record_tokens(logits, sampling, gen, stops, out, st, 0, self.pad_id, sampling.max_new_tokens)
+            record_tokens(logits, sampling, gen, stops, out, st, 0, self.pad_id, self.fused_draw)
             if rows_finish and t < end and t % self.check_every == 0:
                 if sched is None:
                     alive_t = st.alive[:width]  # live slots, their bound, and how many lead the batch
@@ -438,7 +439,7 @@ class NativeRollout(RolloutEngine):
         st.pad[lo:hi], st.cur[lo:hi], st.alive[lo:hi] = pad_r, plen, True
         st.step[lo:hi] = torch.tensor([e.start for e in entries], device=self.device)
         st.row_of[lo:hi] = torch.tensor([r for r, _ in chunk], device=self.device)
-        record_tokens(logits, sampling, gen, stops, out, st, lo, self.pad_id, sampling.max_new_tokens)
+        record_tokens(logits, sampling, gen, stops, out, st, lo, self.pad_id, self.fused_draw)
         return track, plen
 
     def _time_width(self, width: int, steps: int, seconds: float) -> None:
@@ -482,7 +483,8 @@ class NativeRollout(RolloutEngine):
                 rows_k, rows_v, paged = cache_k, cache_v, (st.table[:b], sched.page)
             else:
                 rows_k, rows_v, paged = [k[:b] for k in cache_k], [v[:b] for v in cache_v], ()
-            return self.model.decode(st.tokens[:b], st.pad[:b], st.cur[:b], rows_k, rows_v, num_keys, *paged)
+            args = (st.tokens[:b], st.pad[:b], st.cur[:b], rows_k, rows_v, num_keys, *paged)
+            return self.model.decode(*args, upcast=not self.fused_draw)
 
         if self.graphs is None or self._recorder is not None:  # the recorder reads each step's routes
             return step(width, min(top + 1, seq_len))

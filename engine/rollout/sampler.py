@@ -11,7 +11,10 @@ exponential race) spend ~1 ms per decode step on a (64, 512) batch, more than th
 The CDF is taken in two levels (sums of 256-token blocks, then inside the one block drawn): a cumulative sum
 over a 152k vocabulary is a slow scan on GPU (0.6 ms per decode step at 512 rows on an H200, ~2.5% of a 7B
 rollout), block sums are one reduction. On CUDA the softmax statistics (upcast, temperature, log-sum-exp,
-probabilities) run as compiled kernels (ENGINE_COMPILE_ROLLOUT=0: eager).
+probabilities) run as compiled kernels (ENGINE_COMPILE_ROLLOUT=0: eager). With `fused` (the engine's
+`DecodeKernels.sampler`) and neither top-k nor top-p, the draw is instead Gumbel-max in two Triton kernels that
+read each logit once in the model's dtype (engine/rollout/triton_sample.py): the same distribution, other
+random numbers.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.models.compiled import ROLLOUT, cuda_kernel
+from engine.models.compiled import ROLLOUT, cuda_kernel, switched_on
+from engine.rollout import triton_sample
 from engine.rollout.base import SamplingParams
 
 BLOCK = 256
@@ -66,10 +70,22 @@ def _scaled_lse_probs(logits: torch.Tensor, inv_temperature: float):
     return scaled, lse, (scaled - lse[:, None]).exp()
 
 
+def fused_draw(logits_bv: torch.Tensor, sampling: SamplingParams) -> bool:
+    """The Triton draw applies: temperature sampling without top-k/top-p, on logits its kernels take, and the
+    rollout's kernels switched on (ENGINE_COMPILE_ROLLOUT)."""
+    plain = (
+        sampling.temperature > 0.0 and not 0 < sampling.top_k < logits_bv.shape[-1] and sampling.top_p >= 1.0
+    )
+    return plain and triton_sample.supported(logits_bv) and switched_on(ROLLOUT)
+
+
 def sample_tokens(
-    logits_bv: torch.Tensor, sampling: SamplingParams, gen: torch.Generator
+    logits_bv: torch.Tensor, sampling: SamplingParams, gen: torch.Generator, fused: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of `logits_bv` (b, vocab); return (tokens (b,) int64, log-probs (b,) float32)."""
+    """Draw one token per row of `logits_bv` (b, vocab) (any float dtype); return (tokens (b,) int64, log-probs
+    (b,) float32). `fused`: Gumbel-max in Triton where `fused_draw` says it applies."""
+    if fused and fused_draw(logits_bv, sampling):
+        return triton_sample.sample(logits_bv, 1.0 / sampling.temperature, gen)
     if sampling.temperature == 0.0:
         logits = logits_bv.float()
         tokens = logits.argmax(-1)

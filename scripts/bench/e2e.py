@@ -12,8 +12,10 @@ a step takes all of them, so every step has the same lengths. Steps after the fi
 Prints one JSON object: per-phase seconds, tokens/s/GPU (real prompt + response tokens / step time / GPUs),
 the update's padding fraction, MFU of the actor update (6 x parameters x real tokens; `perf/mfu/actor`, the
 trainer's PaLM-style count over real tokens, as `mfu_update_actor_trainer`), peak memory, the share of the
-step spent on weight sync and vLLM's sleep/wake (`sync_share`), the bound of the issue (generation at the
-vLLM anchor's speed + update at 50% MFU; `bound_s`, `step_over_bound`) and the TRL baseline with
+step spent on weight sync and vLLM's sleep/wake (`sync_share`), the issue's tight limit of the step (roofline.py:
+generation at the decode roofline + update at 70% MFU; `bound_s`, `step_over_bound`, with its two parts), the
+looser limit of the earlier tables (generation at the vLLM anchor's speed + update at 50% MFU;
+`anchor_bound_s`, `step_over_anchor_bound`) and the TRL baseline with
 `--baseline trl` (transformers generate) or `trl_vllm` (TRL's colocated vLLM) (needs trl; one GPU).
 
     python scripts/bench/e2e.py --preset qwen2_5_0_5b --gpus 1 --baseline trl
@@ -32,13 +34,14 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from presets import num_params  # noqa: E402
+from roofline import dense, step_bound  # noqa: E402
 from workload import add_step_args, describe, response_lengths  # noqa: E402
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16 spec (large GEMMs reach ~790e12 in practice)
 # vLLM 0.26 LLM.generate alone on one H200, generated tokens/s for these RL-shaped batches
-# (the team's performance anchors, restated in scripts/bench/README.md): the generation speed of the bound
+# (the team's performance anchors, restated in scripts/bench/README.md): the generation speed of the anchor bound
 VLLM_ANCHOR_TOKENS_PER_S = {"qwen2_5_0_5b": 42_903, "qwen2_5_1_5b": 41_245, "qwen2_5_7b": 21_700}
-BOUND_MFU = 0.5
+ANCHOR_BOUND_MFU = 0.5
 PROMPT_OVERHEAD = 11  # "<bos>u:copy " + "\na:" around the digits in the embedded chat template
 
 
@@ -129,18 +132,27 @@ def run_ours(args, out_dir: str) -> dict:
     response_tokens = args.n * sum(lengths)
     tokens = rows_trained * args.prompt_len + response_tokens  # real tokens: no padding, EOS ignored
     update_flops = 6 * num_params(args.preset) * tokens
-    # the issue's bound: generation at vLLM's speed + the actor update at 50% MFU (+ extra forward passes at
-    # 50% MFU: none for on-policy GRPO without a reference, which is what this benchmark runs)
+    # the issue's tight limit (roofline.py), and the looser one of the earlier tables: generation at the vLLM
+    # anchor's speed + the update at 50% MFU (on-policy GRPO without a reference needs no extra forward pass)
+    tight = {"seconds": None, "generation_s": None, "update_s": None}  # MoE: no roofline (roofline.dense)
+    if dense(args.preset):
+        tight = step_bound(
+            args.preset, args.prompts, args.n, args.prompt_len, lengths, args.gpus, args.rollout_tp
+        )
     gen_rate = args.vllm_tokens_per_s or VLLM_ANCHOR_TOKENS_PER_S.get(args.preset)
-    bound = None
+    anchor = None
     if gen_rate:
-        gen_bound = response_tokens / (gen_rate * args.gpus)
-        bound = gen_bound + update_flops / (BOUND_MFU * PEAK_BF16_FLOPS * args.gpus)
+        anchor = response_tokens / (gen_rate * args.gpus)
+        anchor += update_flops / (ANCHOR_BOUND_MFU * PEAK_BF16_FLOPS * args.gpus)
     return {
         "system": "ours",
         "backend": args.backend,
-        "bound_s": bound,
-        "step_over_bound": med["timing/step"] / bound if bound else None,
+        "bound_s": tight["seconds"],
+        "bound_generation_s": tight["generation_s"],
+        "bound_update_s": tight["update_s"],
+        "step_over_bound": med["timing/step"] / tight["seconds"] if tight["seconds"] else None,
+        "anchor_bound_s": anchor,
+        "step_over_anchor_bound": med["timing/step"] / anchor if anchor else None,
         "step_s": med["timing/step"],
         "step_s_all": [r["timing/step"] for r in rows],
         "tokens_per_s_per_gpu": med["perf/tokens_per_s_per_gpu"],
@@ -211,7 +223,7 @@ def main() -> None:
         "--vllm-tokens-per-s",
         type=float,
         default=0.0,
-        help="generation speed of the bound, per GPU (default: the vLLM anchor of the preset)",
+        help="generation speed of the anchor bound, per GPU (default: the vLLM anchor of the preset)",
     )
     ap.add_argument(
         "--baseline",

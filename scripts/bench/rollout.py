@@ -27,12 +27,17 @@ measured against in the same run; `native_flash`: FlashAttention-2 decode attent
 kernel, compiled elementwise ops (both skipped on CPU, where every variant is the plain path);
 `native_contiguous`: the native engine without paged KV (`paged_kv=False`: every slot holds the longest
 row's positions, so the KV budget bounds the batch by the longest row); `native_unfused`: the compiled RoPE,
-indexed K/V writes and compiled split merge instead of their Triton kernels (`DecodeKernels(fused=False)`).
+indexed K/V writes and compiled split merge instead of their Triton kernels (`DecodeKernels(fused=False)`);
+`native_torch_sampler`: the torch draw on float32 logits instead of the Triton Gumbel-max draw
+(`DecodeKernels(sampler=False)`; `native_plain` has the torch draw too).
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
 `--profile DIR`: one more native `generate` of the same batch under torch.profiler: the top 30 kernels to
 DIR/profile_native_<preset>.txt and GPU time by kernel kind in the JSON (`native.profile`). With CUDA graphs
 the profiler attributes the replayed kernels too (CUPTI); `--no-cuda-graphs` profiles the eager decode.
+`roofline` (GPU, dense presets): the H200 decode roofline of the workload (roofline.py: prefill at 790 TFLOP/s,
+each decode step at max(weights + live rows' K/V at 4.8 TB/s, FLOPs at 790 TFLOP/s)); each timed backend's
+`roofline_fraction` = roofline seconds / its seconds.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ from dataclasses import replace
 
 import torch
 from omegaconf import OmegaConf
-from workload import KINDS, describe, response_lengths  # scripts/bench/ is the script's directory
+from roofline import dense, generation_roofline  # scripts/bench/ is the script's directory
+from workload import KINDS, describe, response_lengths
 
 from engine.config import ModelConfig
 from engine.models.builder import ModelShape, resolve_shape
@@ -68,6 +74,7 @@ BACKENDS = (
     "native_flash",
     "native_plain",
     "native_unfused",
+    "native_torch_sampler",
     "vllm",
     "transformers",
 )
@@ -209,8 +216,9 @@ def first_tokens(engine, prompts) -> torch.Tensor:
 
 VARIANTS = {  # the native engine with other kernels, against `native` (auto) in the same run
     "native_flash": DecodeKernels(attention="flash"),
-    "native_plain": DecodeKernels(attention="sdpa", compiled=False),
+    "native_plain": DecodeKernels(attention="sdpa", compiled=False, sampler=False),
     "native_unfused": DecodeKernels(fused=False),
+    "native_torch_sampler": DecodeKernels(sampler=False),
 }
 
 
@@ -453,6 +461,12 @@ def main() -> None:
         results["transformers"] = {"skipped": "MoE: the bench maps weights to per-expert HF names only"}
     elif "transformers" in wanted:
         results["transformers"] = run_transformers(shape, weights, prompts, sampling, device, reference)
+    if device.type == "cuda" and args.preset not in TINY and dense(args.preset):
+        roof = generation_roofline(args.preset, args.prompt_len, lengths)
+        report["roofline"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in roof.items()}
+        for r in results.values():
+            if "seconds" in r:
+                r["roofline_fraction"] = round(roof["seconds"] / r["seconds"], 3)
     key = "tokens_per_cpu_s" if device.type == "cpu" else "tokens_per_s"  # CPU: steadier on a shared machine
     base = results.get("transformers", {}).get(key)
     for name, r in results.items():

@@ -255,3 +255,52 @@ def test_swiglu_kernels_match_the_float32_chain():
     triton_swiglu.install_swiglu_kernels()  # idempotent: one wrapper
     assert mlp.bias_swiglu_impl.engine_swiglu
     assert torch.equal(mlp.bias_swiglu_impl(y.detach(), None), out.detach())
+
+
+def test_triton_draw_follows_the_distribution_with_full_vocab_log_probs():
+    """The Gumbel-max draw (engine/rollout/triton_sample.py) over 384 rows of one five-token distribution at
+    temperature 0.5, the mass in each quarter of a tile, one at its last column (every other logit far below): frequencies against softmax(logits / T) (chi-square, 4 degrees of freedom, below the 0.1% point),
+    only the five tokens drawn, log-probs equal to log_softmax(logits / T) over the whole vocabulary, the same
+    seed the same tokens (on the first rows alone too), another seed others; `sample_tokens(fused=True)` takes
+    this path."""
+    from engine.rollout import triton_sample
+    from engine.rollout.base import SamplingParams
+    from engine.rollout.sampler import sample_tokens
+
+    rows, vocab, t = 384, 1000, 0.5
+    support = torch.tensor([3, 255, 300, 700, 999])
+    logits = torch.full((rows, vocab), -12.0)
+    logits[:, support] = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625]).log()
+    logits = logits.to(DT)
+    full = (logits.float() / t).log_softmax(-1)
+    tokens, logp = triton_sample.sample(logits, 1 / t, torch.Generator().manual_seed(0))
+    assert tokens.dtype == torch.int64 and logp.dtype == torch.float32
+    assert set(tokens.tolist()) <= set(support.tolist())
+    torch.testing.assert_close(logp, full.gather(1, tokens[:, None]).squeeze(1), atol=1e-5, rtol=0)
+    expected = full[0, support].exp() * rows
+    observed = torch.bincount(tokens, minlength=vocab)[support].float()
+    assert float(((observed - expected) ** 2 / expected).sum()) < 18.47, (observed, expected)
+    first = logits[:48]  # a row's noise depends on the seed, its index and column only
+    again = sample_tokens(first, SamplingParams(temperature=t), torch.Generator().manual_seed(0), fused=True)
+    other, _ = triton_sample.sample(first, 1 / t, torch.Generator().manual_seed(1))
+    assert torch.equal(again[0], tokens[:48]) and not torch.equal(other, tokens[:48])
+
+
+def test_triton_draw_merges_a_row_cut_into_chunks():
+    """Two rows over 5,000 columns (five tiles, so each row is cut into chunks merged by `_combine`): the
+    uniform mass over six tokens at tile, quarter and chunk edges comes out in every one of them over 48 draws,
+    and the log-prob is log(1/6) up to the rest of the vocabulary's mass; rows of a strided view (the head's
+    padded output) read the same."""
+    from engine.rollout import triton_sample
+
+    vocab, support = 5000, [0, 255, 1023, 1024, 2999, 4999]
+    logits = torch.full((2, vocab + 8), -30.0)
+    logits[:, support] = 0.0
+    view = logits.to(DT)[:, :vocab]
+    assert view.stride(0) == vocab + 8
+    drawn = []
+    for seed in range(24):
+        tokens, logp = triton_sample.sample(view, 1.0, torch.Generator().manual_seed(seed))
+        drawn += tokens.tolist()
+        torch.testing.assert_close(logp, view.float().log_softmax(-1).gather(1, tokens[:, None]).squeeze(1))
+    assert set(drawn) == set(support)

@@ -20,7 +20,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_torchrun
-from test_rollout_native import episode_turns, hf_greedy, random_prompts, rollout_weights_from_hf
+from test_rollout_native import (
+    episode_turns,
+    hf_greedy,
+    hf_log_probs,
+    random_prompts,
+    rollout_weights_from_hf,
+)
 
 from engine.rollout.base import SamplingParams
 from engine.rollout.cuda_graphs import DecodeGraphs
@@ -71,6 +77,60 @@ def test_greedy_equals_transformers_with_cuda_graphs(tiny, family):
         tokens, logp = hf_greedy(hf, prompt, 12)
         assert out.response_ids[i].tolist() == tokens, (family, i)
         torch.testing.assert_close(out.log_probs[i], logp, atol=2e-4, rtol=0)
+
+
+def test_sampled_log_probs_with_the_triton_draw_equal_transformers(tiny):
+    """Temperature 0.7 through the engine's default kernels (the Triton Gumbel-max draw on the graphs' logits)
+    in float32: each drawn token's log-prob equals transformers' teacher-forced log_softmax(logits / T) within
+    2e-4; the torch draw (`DecodeKernels(sampler=False)`) on the same engine shape passes the same check."""
+    shape, _, hf = tiny["qwen2"]
+    prompts = random_prompts(shape.vocab_size)
+    sampling = SamplingParams(temperature=0.7, max_new_tokens=12, seed=3)
+    for kernels in (DecodeKernels(), DecodeKernels(sampler=False)):
+        e = engine(tiny, "qwen2", kernels=kernels)
+        assert e.fused_draw == kernels.sampler
+        out = e.generate(prompts, sampling)
+        for i, prompt in enumerate(prompts):
+            ref = hf_log_probs(hf, prompt, out.response_ids[i].tolist(), 0.7)
+            torch.testing.assert_close(out.log_probs[i].cpu(), ref, atol=2e-4, rtol=0)
+
+
+def test_triton_draw_at_a_real_vocabulary():
+    """engine/rollout/triton_sample.py on bf16 logits of Qwen2.5's 151,936 columns (a padded head's strided
+    view), 8,192 rows of one peaked distribution at temperature 0.8: the top 16 tokens' counts and the rest's
+    against softmax(logits / T) (chi-square, 16 degrees of freedom, below the 0.1% point 39.25), log-probs equal
+    log_softmax in float32 within 1e-4, and at 8 rows (each row cut into chunks) the same checks on the draws
+    of 1,024 seeds; a token with all the mass is every row's draw."""
+    from engine.rollout import triton_sample
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    vocab, t = 151_936, 0.8
+    row = (torch.randn(vocab, generator=g, device=DEV) * 2.5).to(torch.bfloat16)
+    full = (row.float() / t).log_softmax(-1)
+    top = full.topk(16).indices
+    probs = torch.cat((full[top].exp(), (1 - full[top].exp().sum())[None]))
+
+    def counts(tokens):
+        hit = tokens[:, None] == top[None]
+        return torch.cat((hit.sum(0), (~hit.any(1)).sum()[None])).double()
+
+    for rows, seeds in ((8192, 1), (8, 1024)):
+        padded = row.expand(rows, -1).contiguous()
+        padded = torch.cat((padded, padded[:, :64]), 1)[:, :vocab]
+        observed = torch.zeros(17, dtype=torch.float64, device=DEV)
+        for seed in range(seeds):
+            tokens, logp = triton_sample.sample(padded, 1 / t, torch.Generator(device=DEV).manual_seed(seed))
+            torch.testing.assert_close(logp, full[tokens], atol=1e-4, rtol=0)
+            observed += counts(tokens)
+        expected = probs.double() * rows * seeds
+        assert float(((observed - expected) ** 2 / expected).sum()) < 39.25, (observed, expected)
+    # a token with all the mass (its logit 40 above the rest: e^-40 for every other) is the draw of every row:
+    # no key of noise alone (at most 16.7 after u's rounding) comes near it
+    peaked = torch.zeros(8192, vocab, dtype=torch.bfloat16, device=DEV)
+    peaked[:, 12345] = 40.0
+    for seed in range(4):
+        tokens, logp = triton_sample.sample(peaked, 1.0, torch.Generator(device=DEV).manual_seed(seed))
+        assert bool((tokens == 12345).all()) and float(logp.abs().max()) < 1e-5
 
 
 def test_graph_replay_equals_eager_decode_bitwise(tiny):

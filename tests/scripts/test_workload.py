@@ -97,3 +97,5 @@ def test_e2e_bench_trains_the_long_tailed_workload_on_cpu():
     real = prompts * n * prompt_len + n * sum(lengths)
     assert ours["tokens"] == real and ours["tokens_trained"] == real, ours
     assert abs(ours["response_length_mean"] - sum(lengths) / prompts) < 1e-6
+    assert ours["bound_s"] == ours["bound_generation_s"] + ours["bound_update_s"] > 0  # roofline.step_bound
+    assert ours["step_over_bound"] == ours["step_s"] / ours["bound_s"]
