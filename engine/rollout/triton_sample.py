@@ -82,56 +82,22 @@ if triton is not None:
         m = tl.full((QUARTER,), -3.0e38, tl.float32)
         s = tl.zeros((QUARTER,), tl.float32)
         best = tl.full((QUARTER,), float("-inf"), tl.float32)
-        best_col = tl.zeros((QUARTER,), tl.int32)
-        best_x = tl.full((QUARTER,), float("-inf"), tl.float32)
+        bc = tl.zeros((QUARTER,), tl.int32)  # each lane's best column and its scaled logit
+        bx = tl.full((QUARTER,), float("-inf"), tl.float32)
+        p, t = logits_ptr + base, inv_temperature
         for off in range(start, end, BLOCK):
             # counter off / 4 + lane gives the four numbers of columns off + j * QUARTER + lane, j = 0..3
             counter = row.to(tl.int64) * counters_per_row + off // 4 + lane
             r0, r1, r2, r3 = tl.randint4x(seed, counter)
-            m, s, best, best_col, best_x = _tile(
-                logits_ptr + base, off + lane, end, inv_temperature, r0, m, s, best, best_col, best_x
-            )
-            m, s, best, best_col, best_x = _tile(
-                logits_ptr + base,
-                off + QUARTER + lane,
-                end,
-                inv_temperature,
-                r1,
-                m,
-                s,
-                best,
-                best_col,
-                best_x,
-            )
-            m, s, best, best_col, best_x = _tile(
-                logits_ptr + base,
-                off + 2 * QUARTER + lane,
-                end,
-                inv_temperature,
-                r2,
-                m,
-                s,
-                best,
-                best_col,
-                best_x,
-            )
-            m, s, best, best_col, best_x = _tile(
-                logits_ptr + base,
-                off + 3 * QUARTER + lane,
-                end,
-                inv_temperature,
-                r3,
-                m,
-                s,
-                best,
-                best_col,
-                best_x,
-            )
+            m, s, best, bc, bx = _tile(p, off + lane, end, t, r0, m, s, best, bc, bx)
+            m, s, best, bc, bx = _tile(p, off + QUARTER + lane, end, t, r1, m, s, best, bc, bx)
+            m, s, best, bc, bx = _tile(p, off + 2 * QUARTER + lane, end, t, r2, m, s, best, bc, bx)
+            m, s, best, bc, bx = _tile(p, off + 3 * QUARTER + lane, end, t, r3, m, s, best, bc, bx)
         row_max = tl.max(m, axis=0)
         row_sum = tl.sum(s * tl.exp(m - row_max), axis=0)
         top = tl.max(best, axis=0)
-        col = tl.min(tl.where(best == top, best_col, 2147483647), axis=0)
-        x_at = tl.max(tl.where(best_col == col, best_x, float("-inf")), axis=0)
+        col = tl.min(tl.where(best == top, bc, 2147483647), axis=0)
+        x_at = tl.max(tl.where(bc == col, bx, float("-inf")), axis=0)
         out = row * chunks + c
         tl.store(max_ptr + out, row_max)
         tl.store(sum_ptr + out, row_sum)

@@ -10,26 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import sys
 
 import torch
 
-from engine.rollout.base import SamplingParams
-from engine.rollout.sampler import sample_tokens
+sys.path.insert(0, os.path.dirname(__file__))
+from decode_attention import time_ms  # noqa: E402
 
-
-def timed_us(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+from engine.rollout.base import SamplingParams  # noqa: E402
+from engine.rollout.sampler import sample_tokens  # noqa: E402
 
 
 def main() -> None:
@@ -44,8 +34,8 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(dev), "vocab": args.vocab, "widths": {}}
     for width in map(int, args.widths.split(",")):
         logits = (torch.randn(width, args.vocab, device=dev) * 2).to(torch.bfloat16)
-        fused = timed_us(lambda x=logits: sample_tokens(x, sampling, gen, fused=True), args.iters)
-        torch_draw = timed_us(lambda x=logits: sample_tokens(x.float(), sampling, gen), args.iters)
+        fused = 1e3 * time_ms(lambda x=logits: sample_tokens(x, sampling, gen, fused=True), args.iters)
+        torch_draw = 1e3 * time_ms(lambda x=logits: sample_tokens(x.float(), sampling, gen), args.iters)
         report["widths"][width] = {
             "triton_us": round(fused, 1),
             "torch_us": round(torch_draw, 1),
