@@ -30,6 +30,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from engine.models import triton_rope
+
 
 @dataclass(frozen=True)
 class Fusions:
@@ -233,13 +235,16 @@ def compiled_rope(dtype: torch.dtype, grad: bool = False) -> Callable:
 def fused_rope(
     t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False, interleaved: bool = False
 ) -> torch.Tensor:
-    """megatron's `fused_apply_rotary_pos_emb` contract (sbhd), without TransformerEngine: compiled on CUDA,
-    where it computes in float32 and rounds once (the eager chain rounds after each product: <= 1 ulp apart);
-    `rope_reference` elsewhere (bit-equal to megatron's unfused path)."""
+    """megatron's `fused_apply_rotary_pos_emb` contract (sbhd), without TransformerEngine: on CUDA the Triton
+    kernel of engine/models/triton_rope.py (full-width rotation), else compiled; both compute in float32 and
+    round once (the eager chain rounds after each product: <= 1 ulp apart); `rope_reference` elsewhere
+    (bit-equal to megatron's unfused path)."""
     if interleaved:
         raise ValueError("fused_rope: interleaved RoPE is not supported (no Llama/Qwen model uses it)")
     if not t.is_cuda:
         return rope_reference(t, freqs)
+    if triton_rope.supported(t, freqs):
+        return triton_rope.rope(t, freqs)
     for x in (t, freqs):  # sequence length (and batch) vary per micro-batch: one dynamic kernel
         torch._dynamo.maybe_mark_dynamic(x, 0)
     return compiled_rope(t.dtype, torch.is_grad_enabled())(t, freqs)
@@ -263,6 +268,8 @@ def fused_rope_thd(
     if cp_size != 1:
         raise ValueError(f"fused_rope_thd: context parallelism is not supported (cp_size={cp_size})")
     positions = packed_positions(cu_seqlens, t.shape[0])
+    if t.is_cuda and triton_rope.supported(t, freqs):  # angles by position in the kernel: no gathered copy
+        return triton_rope.rope(t[:, None], freqs, positions)[:, 0]
     return fused_rope(t[:, None], freqs[positions])[:, 0]
 
 

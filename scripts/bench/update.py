@@ -54,6 +54,7 @@ from profiling import kernel_table  # noqa: E402
 
 from algorithms.losses import loss_normalizer
 from engine.config import AlgorithmConfig, OptimConfig  # noqa: E402
+from engine.models import triton_rope  # noqa: E402
 from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape  # noqa: E402
 from engine.models.spec import Fusions, RMSNorm, fused_rope, rope_reference  # noqa: E402
 from engine.roles.dynamic_batch import MicroBatcher  # noqa: E402
@@ -274,7 +275,8 @@ def fusion_check(shape: ModelShape, device: torch.device, tokens: int = 1024) ->
         "output": _compare(results[0][0], results[1][0], y64),
         "grad": _compare(results[0][1], results[1][1], g64),
     }
-    out["rope"]["path"] = "compiled" if device.type == "cuda" else "eager"
+    cuda_path = "triton" if triton_rope.supported(t, freqs) else "compiled"
+    out["rope"]["path"] = cuda_path if device.type == "cuda" else "eager"
     return out
 
 

@@ -5,7 +5,8 @@ apart and added: on CPU `accumulate_matmul` and megatron's own linear layers run
 `gradient_accumulation_fusion=True` (float32: exact up to summation order, 1e-6); on CUDA (marked `gpu`)
 bfloat16 inputs into a float32 `main_grad` against the float64 product (within 1e-3 of the largest entry,
 and closer than the product rounded to bfloat16 first). engine/models/triton_swiglu.py on CUDA against
-megatron's compiled SwiGLU (its CPU check under Triton's interpreter: tests/engine/interpreted_triton.py)."""
+megatron's compiled SwiGLU, and engine/models/triton_rope.py through megatron's fused-RoPE hooks against the
+compiled RoPE (their CPU checks under Triton's interpreter: tests/engine/interpreted_triton.py)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,34 @@ def test_swiglu_kernels_match_megatrons_compiled_swiglu_on_gpu():
     (ref_dy,) = torch.autograd.grad(ref, (y,), grad)
     torch.testing.assert_close(out, ref, rtol=2**-7, atol=1e-5)
     torch.testing.assert_close(dy, ref_dy, rtol=2**-7, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rope_kernel_matches_the_compiled_rope_on_gpu():
+    """engine/models/triton_rope.py through megatron's hooks (`fused_rope`, `fused_rope_thd`) against the
+    compiled `rope_reference` (float32 math, one rounding) in bf16 at Qwen2.5-1.5B's query shape (12 heads of
+    128; megatron's angles cat(f, f)): forward and gradient within one bf16 rounding; packed rows by position
+    equal the sbhd kernel on the gathered angles bitwise."""
+    from engine.models import triton_rope
+    from engine.models.spec import compiled_rope, fused_rope, fused_rope_thd, packed_positions
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    s, b, heads, dim = 1000, 2, 12, 128
+    inv = 1.0 / (1e6 ** (torch.arange(0, dim, 2, device=dev).float() / dim))
+    f = torch.arange(4096, device=dev).float()[:, None] * inv[None]
+    freqs = torch.cat((f, f), -1)[:, None, None]  # (4096, 1, 1, 128) as megatron's RotaryEmbedding
+    t = torch.randn(s, b, heads, dim, generator=g, device=dev).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(s, b, heads, dim, generator=g, device=dev).to(torch.bfloat16)
+    assert triton_rope.supported(t, freqs)
+    out = fused_rope(t, freqs[:s])
+    (dt,) = torch.autograd.grad(out, (t,), grad)
+    ref = compiled_rope(torch.bfloat16, True)(t, freqs[:s])
+    (ref_dt,) = torch.autograd.grad(ref, (t,), grad)
+    for a, r in ((out, ref), (dt, ref_dt)):
+        assert float((a.float() - r.float()).abs().max()) <= 2**-7 * float(r.float().abs().max())
+    cu = torch.tensor([0, 700, 1500, 2000], device=dev, dtype=torch.int32)
+    packed = t.detach().reshape(2000, heads, dim)
+    positions = packed_positions(cu, 2000)
+    assert torch.equal(fused_rope_thd(packed, cu, freqs), fused_rope(packed[:, None], freqs[positions])[:, 0])
