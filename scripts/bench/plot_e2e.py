@@ -3,7 +3,9 @@
 (e2e_h200_long_tail_1024_0_5b_vllm_rows.json, with TRL `generate` from e2e_h200_long_tail_1024_0_5b.json, and
 verl 0.9.1's steady step by phase from verl_h200_long_tail_1024_0_5b.json next to ours measured the same day,
 e2e_h200_long_tail_1024_0_5b_verlcall.json), and the long-tailed one at 1.5B to 4,096 tokens against TRL with
-colocated vLLM (e2e_h200_long_tail_4096_1_5b.json).
+colocated vLLM (e2e_h200_long_tail_4096_1_5b.json; ours again after the Triton draw,
+e2e_h200_long_tail_4096_1_5b_sampler.json). The long-tail panels mark the issue's tight limit of the step
+(roofline.py: generation at the decode roofline + update at 70% MFU).
 
 pip install matplotlib && python scripts/bench/plot_e2e.py   # writes scripts/bench/results/e2e_h200.png
 """
@@ -12,11 +14,16 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from roofline import step_bound  # noqa: E402
+from workload import response_lengths  # noqa: E402
 
 HERE = os.path.join(os.path.dirname(__file__), "results")
 PHASES = (("gen", "rollout (gen)"), ("update_actor", "actor update"), ("other", "reward, adv, reshard"))
@@ -81,6 +88,16 @@ def verl_bar(ax, x: int, run: dict, legend_done: set) -> None:
     ax.text(x, bottom + 0.5, f"{bottom:.1f}", ha="center", fontsize=8)
 
 
+def tight_limit(ax, run: dict, x0: float, x1: float) -> None:
+    """A dashed segment over bars x0..x1 at the issue's tight limit of `run`'s workload (an e2e.py report)."""
+    lengths = response_lengths(
+        run["lengths"]["kind"], run["prompts"], run["response_len"], run["lengths"]["seed"]
+    )
+    bound = step_bound(run["preset"], run["prompts"], run["n"], run["prompt_len"], lengths, run["gpus"])
+    label = f"the issue's tight limit ({bound['seconds']:.1f} s: roofline.py)"
+    ax.hlines(bound["seconds"], x0 - 0.45, x1 + 0.45, colors="black", linestyles="dashed", label=label)
+
+
 def fixed_panel(ax) -> None:
     """Per preset: ours with the native rollout and with vLLM's (the fastest run of each per GPU), split by
     phase, and TRL's whole step; in GPU-seconds per step (step time x GPUs), so that a 2-GPU run and a 1-GPU
@@ -127,27 +144,33 @@ def long_tail_panel(ax) -> None:
     legend_done: set = set()
     for x, (_, run, draw) in enumerate(bars):
         draw(ax, x, run, legend_done)
+    tight_limit(ax, same_day, 0, len(bars) - 1)
     ax.set_xticks(range(len(bars)), [label for label, _, _ in bars], fontsize=7)
     ax.set_title("long tail, qwen2_5_0_5b: 64 x 8, 256 + up to 1,024 (mean 354)", fontsize=10)
     ax.legend(loc="upper left", fontsize=8)
 
 
 def long_tail_4096_panel(ax) -> None:
-    """The long-tailed workload at 1.5B (responses to 4,096 tokens): ours native by phase (steady step) and TRL
-    with colocated vLLM (its first step: the second did not finish inside the job's limit)."""
+    """The long-tailed workload at 1.5B (responses to 4,096 tokens): ours native by phase (steady step) before
+    and after the Triton draw, and TRL with colocated vLLM (its first step: the second did not finish inside
+    the job's limit)."""
     run = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_4096_1_5b.json")))
+    after = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_4096_1_5b_sampler.json")))
     trl = {"engine": "vllm", "step_s": run["trl_vllm_colocate"]["step_s_all"][0]}
     legend_done: set = set()
     ours_bar(ax, 0, {"gpus": 1, **run}, legend_done)
-    trl_bar(ax, 1, trl, legend_done)
-    ax.set_xticks([0, 1], ["ours, native\n(step 2)", "TRL, vLLM\n(colocated;\nstep 1 only)"], fontsize=7)
+    ours_bar(ax, 1, after, legend_done)
+    trl_bar(ax, 2, trl, legend_done)
+    tight_limit(ax, after, 0, 2)
+    labels = ["ours, native\n(step 2; 9c04e90)", "ours, native\n(step 2; Triton\ndraw, 065f9e3)"]
+    ax.set_xticks([0, 1, 2], [*labels, "TRL, vLLM\n(colocated;\nstep 1 only)"], fontsize=7)
     ax.set_title("long tail, qwen2_5_1_5b:\n64 x 8, 256 + up to 4,096 (mean 1,415)", fontsize=10)
     ax.legend(loc="upper left", fontsize=8)
 
 
 def main() -> None:
     fig, (fixed, tail, tail_4096) = plt.subplots(
-        1, 3, figsize=(21, 5.2), gridspec_kw={"width_ratios": [2.2, 1.4, 0.7]}
+        1, 3, figsize=(22, 5.2), gridspec_kw={"width_ratios": [2.2, 1.4, 0.9]}
     )
     fixed_panel(fixed)
     long_tail_panel(tail)
