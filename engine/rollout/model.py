@@ -416,8 +416,7 @@ class RolloutModel:
         Triton and flash kernels read exactly those). Paged (`table` (b, pages per row) and `page` given; not
         with the flash kernel): the caches are flat (positions, groups, dim) buffers and row r's position n
         sits at `table[r, n // page] * page + n % page`. Returns (b, vocab_size) logits, float32 (`upcast`) or
-        in the model's dtype. No host
-        synchronisation and static shapes: capturable in a CUDA graph."""
+        in the model's dtype. No host synchronisation and static shapes: capturable in a CUDA graph."""
         b = tokens_b.shape[0]
         pg, hd = self.per_group, self.head_dim
         cur = cur.expand(b)
