@@ -17,6 +17,7 @@ PURPOSES = (
     "logprobs",
     "decode_attention",
     "attention_widths",
+    "sampler",
     "baselines",
     "verl",
     "compare",
