@@ -119,6 +119,8 @@ class _RotaryFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         freqs2d, positions = ctx.saved_tensors
+        if grad.stride(-1) != 1:  # the kernel reads features at unit stride (autograd passes contiguous ones)
+            grad = grad.contiguous()
         return _launch(grad, freqs2d, positions, backward=True), None, None
 
 
