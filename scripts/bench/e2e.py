@@ -13,9 +13,9 @@ Prints one JSON object: per-phase seconds, tokens/s/GPU (real prompt + response 
 the update's padding fraction, MFU of the actor update (6 x parameters x real tokens; `perf/mfu/actor`, the
 trainer's PaLM-style count over real tokens, as `mfu_update_actor_trainer`), peak memory, the share of the
 step spent on weight sync and vLLM's sleep/wake (`sync_share`), the issue's tight limit of the step (roofline.py:
-generation at the decode roofline + update at 70% MFU; `bound_s`, `step_over_bound`, with its two parts), the
-looser limit of the earlier tables (generation at the vLLM anchor's speed + update at 50% MFU;
-`anchor_bound_s`, `step_over_anchor_bound`) and the TRL baseline with
+generation at the decode roofline + update at 70% MFU; `bound_s`, `step_over_bound`, with its two parts; the
+rollout phase's `generation_roofline_fraction`), the looser limit of the earlier tables (generation at the
+vLLM anchor's speed + update at 50% MFU; `anchor_bound_s`, `step_over_anchor_bound`) and the TRL baseline with
 `--baseline trl` (transformers generate) or `trl_vllm` (TRL's colocated vLLM) (needs trl; one GPU).
 
     python scripts/bench/e2e.py --preset qwen2_5_0_5b --gpus 1 --baseline trl
@@ -149,6 +149,12 @@ def run_ours(args, out_dir: str) -> dict:
         "backend": args.backend,
         "bound_s": tight["seconds"],
         "bound_generation_s": tight["generation_s"],
+        # the rollout's share of the decode roofline (rollout.py's roofline_fraction, inside a training step)
+        "generation_roofline_fraction": (
+            tight["generation_s"] / med["timing/gen"]
+            if tight["generation_s"] and med.get("timing/gen")
+            else None
+        ),
         "bound_update_s": tight["update_s"],
         "step_over_bound": med["timing/step"] / tight["seconds"] if tight["seconds"] else None,
         "anchor_bound_s": anchor,

@@ -99,3 +99,4 @@ def test_e2e_bench_trains_the_long_tailed_workload_on_cpu():
     assert abs(ours["response_length_mean"] - sum(lengths) / prompts) < 1e-6
     assert ours["bound_s"] == ours["bound_generation_s"] + ours["bound_update_s"] > 0  # roofline.step_bound
     assert ours["step_over_bound"] == ours["step_s"] / ours["bound_s"]
+    assert ours["generation_roofline_fraction"] == ours["bound_generation_s"] / ours["timing"]["gen"]
