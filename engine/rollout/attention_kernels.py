@@ -65,9 +65,9 @@ class DecodeKernels:
     kernel. False: the compiled RoPE, two indexed writes, the compiled merge (the baseline of
     scripts/bench/rollout.py's `native_unfused`)."""
     sampler: bool = True
-    """Temperature sampling without top-k/top-p as Gumbel-max in two Triton kernels, on the decode step's logits
-    in the model's dtype (engine/rollout/triton_sample.py). False: the torch draw on float32 logits
-    (engine/rollout/sampler.py; the baseline of scripts/bench/rollout.py's `native_torch_sampler`)."""
+    """Temperature sampling without top-k/top-p as a two-level inverse CDF in two Triton kernels, on the decode
+    step's logits in the model's dtype (engine/rollout/triton_sample.py). False: the torch draw on float32
+    logits (engine/rollout/sampler.py; the baseline of scripts/bench/rollout.py's `native_torch_sampler`)."""
 
 
 def decode_attention_kernel(

@@ -12,9 +12,9 @@ The CDF is taken in two levels (sums of 256-token blocks, then inside the one bl
 over a 152k vocabulary is a slow scan on GPU (0.6 ms per decode step at 512 rows on an H200, ~2.5% of a 7B
 rollout), block sums are one reduction. On CUDA the softmax statistics (upcast, temperature, log-sum-exp,
 probabilities) run as compiled kernels (ENGINE_COMPILE_ROLLOUT=0: eager). With `fused` (the engine's
-`DecodeKernels.sampler`) and neither top-k nor top-p, the draw is instead Gumbel-max in two Triton kernels that
-read each logit once in the model's dtype (engine/rollout/triton_sample.py): the same distribution, other
-random numbers.
+`DecodeKernels.sampler`) and neither top-k nor top-p, the draw is instead the same two-level inverse CDF in two
+Triton kernels that read each logit once in the model's dtype (engine/rollout/triton_sample.py): the same
+distribution, other random numbers (one per level).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def sample_tokens(
     logits_bv: torch.Tensor, sampling: SamplingParams, gen: torch.Generator, fused: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of `logits_bv` (b, vocab) (any float dtype); return (tokens (b,) int64, log-probs
-    (b,) float32). `fused`: Gumbel-max in Triton where `fused_draw` says it applies."""
+    (b,) float32). `fused`: the Triton draw where `fused_draw` says it applies."""
     if fused and fused_draw(logits_bv, sampling):
         return triton_sample.sample(logits_bv, 1.0 / sampling.temperature, gen)
     if sampling.temperature == 0.0:

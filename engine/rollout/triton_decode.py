@@ -15,6 +15,7 @@ alone would not fill the GPU): the work follows the rows' current lengths, not t
 CUDA graph fixes at capture (cutting the capacity instead left a 3,600-key row in one program of a 16k cache).
 Each program writes its partial softmax state (max, sum, weighted values) in float32, and `decode_attention`
 merges them (`_merge_splits`, one more Triton kernel, all splits of a head as one tile; or `merge_splits` compiled).
+With one split (rows x groups fill the GPU alone: wide batches) the program writes the normalised output itself.
 
 Only on CUDA with Triton installed, in half precision (`supported`); engine/rollout/model.py falls back to
 FlashAttention-2 or SDPA otherwise. Parity with SDPA: tests/engine/test_rollout_gpu.py.
@@ -45,6 +46,10 @@ if triton is not None:
         acc_ptr,
         max_ptr,
         sum_ptr,
+        out_ptr,
+        stride_ob,
+        stride_og,
+        stride_oh,
         stride_qb,
         stride_qg,
         stride_qh,
@@ -63,6 +68,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         MIN_SPAN: tl.constexpr,
         PAGE: tl.constexpr,
+        DIRECT: tl.constexpr,
     ):
         row_group = tl.program_id(0)
         split = tl.program_id(1)
@@ -108,10 +114,14 @@ if triton is not None:
             v = tl.load(v_base + at[:, None] * stride_vl + offs_d[None, :], mask=key_ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        state = (row_group * splits + split) * BLOCK_H + offs_h
-        tl.store(acc_ptr + state[:, None] * HEAD_DIM + offs_d[None, :], acc)
-        tl.store(max_ptr + state, m_i)
-        tl.store(sum_ptr + state, l_i)
+        if DIRECT:  # one split: the output itself (a range is never empty: l_i > 0)
+            dst = out_ptr + row * stride_ob + group * stride_og + offs_h[:, None] * stride_oh + offs_d[None, :]
+            tl.store(dst, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+        else:  # the query heads' states alone (the tile's padding rows are never merged)
+            state = (row_group * splits + split) * BLOCK_H + offs_h
+            tl.store(acc_ptr + state[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=head_ok[:, None])
+            tl.store(max_ptr + state, m_i, mask=head_ok)
+            tl.store(sum_ptr + state, l_i, mask=head_ok)
 
     @triton.jit
     def _merge_splits(
@@ -206,8 +216,9 @@ def decode_attention(
     cur (rows,) or (1,) int -> attention output (rows, groups, heads per group, dim) in q's dtype, softmax
     scale 1/sqrt(dim), row r over cache positions [pad[r], cur[r]]. The keyword arguments are the kernel's tuning
     knobs (scripts/bench/decode_attention.py sweeps them); `splits` None: `num_splits`. `triton_merge`: the
-    splits' states merged by one Triton kernel (`_merge_splits`); False: `merge_splits` compiled (two kernels
-    on an H200), or with one split an eager division and cast.
+    splits' states merged by one Triton kernel (`_merge_splits`), or with one split the output written by the
+    partials' kernel itself; False: `merge_splits` compiled (two kernels on an H200), or with one split an
+    eager division and cast.
 
     Paged (`table` (rows, pages per row) int32 and `page` given): the cache is one flat (positions, groups,
     dim) buffer per layer and row r's position n sits at `table[r, n // page] * page + n % page`."""
@@ -224,7 +235,9 @@ def decode_attention(
     splits = splits or num_splits(rows * groups, cache_len, block_n, q.device)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"decode_attention: splits={splits}, expected 1..{MAX_SPLITS}")
-    states = rows * groups * splits * block_h
+    direct = triton_merge and splits == 1  # the kernel writes the output: no states, no merge
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if triton_merge else None
+    states = 0 if direct else rows * groups * splits * block_h
     acc = torch.empty(states, dim, dtype=torch.float32, device=q.device)
     m = torch.empty(states, dtype=torch.float32, device=q.device)
     s = torch.empty(states, dtype=torch.float32, device=q.device)
@@ -240,6 +253,8 @@ def decode_attention(
         acc,
         m,
         s,
+        out if direct else acc,
+        *(out.stride()[:3] if direct else (0, 0, 0)),
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -258,11 +273,13 @@ def decode_attention(
         BLOCK_N=block_n,
         MIN_SPAN=4 * block_n,
         PAGE=page,
+        DIRECT=direct,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if direct:
+        return out
     if triton_merge:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         _merge_splits[(rows * groups, per_group)](
             acc,
             m,

@@ -28,7 +28,7 @@ kernel, compiled elementwise ops (both skipped on CPU, where every variant is th
 `native_contiguous`: the native engine without paged KV (`paged_kv=False`: every slot holds the longest
 row's positions, so the KV budget bounds the batch by the longest row); `native_unfused`: the compiled RoPE,
 indexed K/V writes and compiled split merge instead of their Triton kernels (`DecodeKernels(fused=False)`);
-`native_torch_sampler`: the torch draw on float32 logits instead of the Triton Gumbel-max draw
+`native_torch_sampler`: the torch draw on float32 logits instead of the Triton draw
 (`DecodeKernels(sampler=False)`; `native_plain` has the torch draw too).
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).

@@ -1,4 +1,4 @@
-"""A decode step's token draw alone: the Triton Gumbel-max draw (engine/rollout/triton_sample.py) on the head's
+"""A decode step's token draw alone: the Triton draw (engine/rollout/triton_sample.py) on the head's
 bf16 logits against the torch draw (engine/rollout/sampler.py) on the float32 logits the decode step used to
 return (the upcast timed with it, as the step paid it), temperature 1, Qwen2.5's 151,936 columns; prints one
 JSON object: microseconds per draw (median of --iters, CUDA events) by batch width, and their ratio.

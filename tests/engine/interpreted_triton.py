@@ -81,7 +81,8 @@ def test_paged_cache_equals_the_contiguous_cache_bitwise():
 
 @pytest.mark.parametrize("splits", [1, 5, 40])
 def test_triton_merge_equals_merge_splits(splits):
-    """The same partial states merged by the Triton kernel and by `merge_splits` (eager on the CPU)."""
+    """The same partial states merged by the Triton kernel and by `merge_splits` (eager on the CPU); one split:
+    the output the partials' kernel writes itself against the eager division."""
     q, k, v = _inputs(400, seed=2)
     pad, cur = torch.tensor([0, 5, 300, 100, 399]), torch.tensor([399, 6, 350, 300, 399])
     args = (q, k, v, pad, cur)
@@ -258,18 +259,21 @@ def test_swiglu_kernels_match_the_float32_chain():
 
 
 def test_triton_draw_follows_the_distribution_with_full_vocab_log_probs():
-    """The Gumbel-max draw (engine/rollout/triton_sample.py) over 384 rows of one five-token distribution at
-    temperature 0.5, the mass in each quarter of a tile, one at its last column (every other logit far below): frequencies against softmax(logits / T) (chi-square, 4 degrees of freedom, below the 0.1% point),
-    only the five tokens drawn, log-probs equal to log_softmax(logits / T) over the whole vocabulary, the same
-    seed the same tokens (on the first rows alone too), another seed others; `sample_tokens(fused=True)` takes
-    this path."""
+    """The two-level inverse-CDF draw (engine/rollout/triton_sample.py) over 384 rows of one five-token
+    distribution at temperature 0.5 across four tiles (a tile's first and last columns, the vocabulary's last,
+    a whole tile of -inf logits and -inf columns beside the tokens; the rest far below): frequencies against
+    softmax(logits / T) (chi-square, 4 degrees of freedom, below the 0.1% point), only the five tokens drawn,
+    log-probs equal to log_softmax(logits / T) over the whole vocabulary, the same seed the same tokens (on the
+    first rows alone too), another seed others; `sample_tokens(fused=True)` takes this path."""
     from engine.rollout import triton_sample
     from engine.rollout.base import SamplingParams
     from engine.rollout.sampler import sample_tokens
 
-    rows, vocab, t = 384, 1000, 0.5
-    support = torch.tensor([3, 255, 300, 700, 999])
+    tile = triton_sample.TILE
+    rows, vocab, t = 384, 3 * tile + 100, 0.5
+    support = torch.tensor([3, tile - 1, tile, 2 * tile - 1, vocab - 1])
     logits = torch.full((rows, vocab), -12.0)
+    logits[:, tile : 3 * tile] = float("-inf")  # tile 1 all -inf but its two tokens, tile 2 all -inf
     logits[:, support] = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625]).log()
     logits = logits.to(DT)
     full = (logits.float() / t).log_softmax(-1)
@@ -280,20 +284,22 @@ def test_triton_draw_follows_the_distribution_with_full_vocab_log_probs():
     expected = full[0, support].exp() * rows
     observed = torch.bincount(tokens, minlength=vocab)[support].float()
     assert float(((observed - expected) ** 2 / expected).sum()) < 18.47, (observed, expected)
-    first = logits[:48]  # a row's noise depends on the seed, its index and column only
+    first = logits[:48]  # a row's numbers depend on the seed and its index only
     again = sample_tokens(first, SamplingParams(temperature=t), torch.Generator().manual_seed(0), fused=True)
     other, _ = triton_sample.sample(first, 1 / t, torch.Generator().manual_seed(1))
     assert torch.equal(again[0], tokens[:48]) and not torch.equal(other, tokens[:48])
 
 
 def test_triton_draw_merges_a_row_cut_into_chunks():
-    """Two rows over 5,000 columns (five tiles, so each row is cut into chunks merged by `_combine`): the
-    uniform mass over six tokens at tile, quarter and chunk edges comes out in every one of them over 48 draws,
-    and the log-prob is log(1/6) up to the rest of the vocabulary's mass; rows of a strided view (the head's
-    padded output) read the same."""
+    """Two rows over five tiles (each row cut into chunks whose tiles' statistics `_draw` merges): the uniform
+    mass over six tokens at tile and chunk edges comes out in every one of them over 48 draws, and the
+    log-prob is log(1/6) up to the rest of the vocabulary's mass; rows of a strided view (the head's padded
+    output) read the same."""
     from engine.rollout import triton_sample
 
-    vocab, support = 5000, [0, 255, 1023, 1024, 2999, 4999]
+    tile = triton_sample.TILE
+    vocab = 4 * tile + 500
+    support = [0, tile - 1, tile, 3 * tile - 1, 3 * tile, vocab - 1]
     logits = torch.full((2, vocab + 8), -30.0)
     logits[:, support] = 0.0
     view = logits.to(DT)[:, :vocab]
@@ -335,3 +341,24 @@ def test_training_rope_kernel_matches_the_reference_both_ways():
     got = triton_rope.rope(packed[:, None], freqs, positions)[:, 0]
     want = rope_reference(packed[:, None].float(), freqs[positions])[:, 0]
     torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize(
+    "rows,out,inp,bias,splits", [(5, 300, 256, True, 1), (16, 200, 1000, True, 0), (3, 130, 700, False, 3)]
+)
+def test_narrow_linear_matches_float32_linear(rows, out, inp, bias, splits):
+    """engine/rollout/triton_linear.py against F.linear in float32 on the same float16 operands: one range of
+    `in` (the bias added in the kernel), the heuristic's two ranges, three ranges with a ragged last one and
+    column tiles past `out`; rows padded to the 16-row tile."""
+    from engine.rollout import triton_linear
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, inp, generator=g).to(DT)
+    w = (torch.randn(out, inp, generator=g) / inp**0.5).to(DT)
+    b = torch.randn(out, generator=g).to(DT) if bias else None
+    cfg = triton_linear.Config(block_n=64, block_k=64, splits=splits)
+    assert triton_linear.splits_for(out, inp, cfg, x.device) == (splits or 2)
+    got = triton_linear.linear(x, w, b, cfg)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.dtype == DT and got.shape == (rows, out)
+    torch.testing.assert_close(got.float(), ref, atol=2e-3, rtol=2e-3)

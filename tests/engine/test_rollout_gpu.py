@@ -80,7 +80,7 @@ def test_greedy_equals_transformers_with_cuda_graphs(tiny, family):
 
 
 def test_sampled_log_probs_with_the_triton_draw_equal_transformers(tiny):
-    """Temperature 0.7 through the engine's default kernels (the Triton Gumbel-max draw on the graphs' logits)
+    """Temperature 0.7 through the engine's default kernels (the Triton draw on the graphs' logits)
     in float32: each drawn token's log-prob equals transformers' teacher-forced log_softmax(logits / T) within
     2e-4; the torch draw (`DecodeKernels(sampler=False)`) on the same engine shape passes the same check."""
     shape, _, hf = tiny["qwen2"]
@@ -125,7 +125,7 @@ def test_triton_draw_at_a_real_vocabulary():
         expected = probs.double() * rows * seeds
         assert float(((observed - expected) ** 2 / expected).sum()) < 39.25, (observed, expected)
     # a token with all the mass (its logit 40 above the rest: e^-40 for every other) is the draw of every row:
-    # no key of noise alone (at most 16.7 after u's rounding) comes near it
+    # the rest's mass (< 1e-12) lies far below the smallest target 1 - u can set (2^-24 of the row's mass)
     peaked = torch.zeros(8192, vocab, dtype=torch.bfloat16, device=DEV)
     peaked[:, 12345] = 40.0
     for seed in range(4):
