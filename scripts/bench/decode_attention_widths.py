@@ -9,7 +9,7 @@ Each case is one layer's decode attention for `rows` rows of a cache sized for t
 [0, 32)). Reported: median microseconds per call (20 calls captured in one CUDA graph, 15 replays), the K/V
 bytes read, TB/s, the split count, and the largest difference between `--before` and the current kernel;
 `--sweep-splits`: the time at each split count of SPLIT_COUNTS and the fastest (`best_splits`), against the
-count `num_splits` picks (4 waves of programs on the GPU's SMs).
+count `num_splits` picks (4 waves of programs on the GPU's SMs, 2 where rows x groups alone fill them).
 `vllm_fa3_us` (when vLLM imports): `flash_attn_varlen_func(fa_version=3)` over the same cache viewed as
 16-position pages, eager (its launch does not capture without vLLM's scheduler metadata), reading [0, cur_r].
 """

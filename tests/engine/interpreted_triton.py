@@ -341,24 +341,3 @@ def test_training_rope_kernel_matches_the_reference_both_ways():
     got = triton_rope.rope(packed[:, None], freqs, positions)[:, 0]
     want = rope_reference(packed[:, None].float(), freqs[positions])[:, 0]
     torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
-
-
-@pytest.mark.parametrize(
-    "rows,out,inp,bias,splits", [(5, 300, 256, True, 1), (16, 200, 1000, True, 0), (3, 130, 700, False, 3)]
-)
-def test_narrow_linear_matches_float32_linear(rows, out, inp, bias, splits):
-    """engine/rollout/triton_linear.py against F.linear in float32 on the same float16 operands: one range of
-    `in` (the bias added in the kernel), the heuristic's two ranges, three ranges with a ragged last one and
-    column tiles past `out`; rows padded to the 16-row tile."""
-    from engine.rollout import triton_linear
-
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(rows, inp, generator=g).to(DT)
-    w = (torch.randn(out, inp, generator=g) / inp**0.5).to(DT)
-    b = torch.randn(out, generator=g).to(DT) if bias else None
-    cfg = triton_linear.Config(block_n=64, block_k=64, splits=splits)
-    assert triton_linear.splits_for(out, inp, cfg, x.device) == (splits or 2)
-    got = triton_linear.linear(x, w, b, cfg)
-    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
-    assert got.dtype == DT and got.shape == (rows, out)
-    torch.testing.assert_close(got.float(), ref, atol=2e-3, rtol=2e-3)
