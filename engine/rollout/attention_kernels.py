@@ -1,5 +1,5 @@
 """Which decode attention kernel the native engine's forward (engine/rollout/model.py) runs, and the
-FlashAttention-2 varlen call: the kernel choice (`DecodeKernels`, `decode_attention_kernel`) lives here so that
+FlashAttention-2 varlen calls (decode, prefill): the kernel choice (`DecodeKernels`, `decode_attention_kernel`) lives here so that
 the forward reads as the model alone.
 """
 
@@ -44,6 +44,37 @@ def flash_varlen_decode(q, cache_k, cache_v, cum_q, cum_k, used_k) -> torch.Tens
         seqused_k=used_k,
     )[0]
     return out.view(b, pg, g, hd).transpose(1, 2)
+
+
+def flash_prefill_offsets(pad_u: torch.Tensor, n: int) -> torch.Tensor:
+    """Sequence offsets for `flash_varlen_prefill` of u left-padded prompts of n positions (`pad_u` (u,) pad
+    tokens each), flattened to u * n tokens: sequence 0 is row 0's pads (empty where it has none), then row
+    i's real tokens followed by row i + 1's pads, the last row's real tokens last. Causal attention keeps every
+    real token on its own row's real tokens; pads attend to the row before them (finite, never read). On the
+    device: (u + 2,) int32, no host sync."""
+    u = pad_u.numel()
+    starts = torch.arange(u, device=pad_u.device) * n + pad_u  # each row's first real token
+    ends = starts.new_tensor([0, u * n])
+    return torch.cat((ends[:1], starts, ends[1:])).to(torch.int32)
+
+
+def flash_varlen_prefill(q, k, v, cum: torch.Tensor) -> torch.Tensor:
+    """FlashAttention-2 varlen causal self-attention of prefill: q (u, n, groups, heads per group, dim), k and v
+    (u, n, groups, dim) (views: unit stride over dim), sequences at offsets `cum` (`flash_prefill_offsets`)
+    of the u * n flattened tokens. Returns (u * n, heads, dim), contiguous."""
+    u, n, g, pg, hd = q.shape
+    return torch.ops.aten._flash_attention_forward(
+        q.reshape(u * n, g * pg, hd),
+        k.reshape(u * n, g, hd),
+        v.reshape(u * n, g, hd),
+        cum,
+        cum,
+        2 * n,  # bounds every sequence: a row's real tokens and the next row's pads
+        2 * n,
+        0.0,
+        True,
+        False,
+    )[0]
 
 
 ATTENTION_KERNELS = ("triton", "flash", "sdpa")

@@ -30,7 +30,9 @@ Kernels (`DecodeKernels`; CUDA only, the attention kernels in half precision; CP
   Triton kernel (engine/rollout/triton_rope_kv.py; models without QK-norm), the split merge as another;
 - with `DecodeKernels.sampler` where Triton runs, decode's logits stay in the model's dtype (`upcast=False`,
   as the engine asks) for the Triton draw (engine/rollout/triton_sample.py), which reads them once.
-Prefill always uses SDPA with a mask (left padding): prefill is a small share of a long rollout.
+Prefill attention: FlashAttention-2 varlen, causal, over each prompt's real tokens (the GQA heads as they are,
+no mask) where the flash kernel runs and the fast kernels are on; SDPA with a mask over the left padding
+otherwise (CPU, float32, `DecodeKernels(attention="sdpa")`).
 Measured on one H200 (scripts/bench/README.md, "Rollout").
 """
 
@@ -48,7 +50,14 @@ from engine.models.builder import ModelShape
 from engine.models.compiled import ROLLOUT, cuda_kernel
 from engine.models.triton_support import elementwise_supported
 from engine.rollout import triton_decode, triton_rope_kv
-from engine.rollout.attention_kernels import DecodeKernels, decode_attention_kernel, flash_varlen_decode
+from engine.rollout.attention_kernels import (
+    DecodeKernels,
+    decode_attention_kernel,
+    flash_decode_supported,
+    flash_prefill_offsets,
+    flash_varlen_decode,
+    flash_varlen_prefill,
+)
 from engine.rollout.moe_experts import MoEWeights, moe_layer
 from engine.rollout.paged_kv import positions_at
 from parallel.rollout_weights import RolloutWeights
@@ -194,6 +203,10 @@ class RolloutModel:
         self._add_norm, self._norm = kernel(add_rms_norm), kernel(rms_norm)
         self._swiglu, self._rope = kernel(swiglu), kernel(_rope)
         self.fused = kernels.fused and self.attention in ("triton", "flash")
+        self.prefill_flash = self.attention != "sdpa" and flash_decode_supported(
+            dev, self.dtype, self.head_dim
+        )
+        """Prefill attention by FlashAttention-2 varlen (`flash_varlen_prefill`), else SDPA with a mask."""
         self.fused_sampler = kernels.sampler and elementwise_supported(dev, self.dtype)
         """The engine draws with engine/rollout/triton_sample.py: decode returns logits in the model's dtype."""
         self.fused_rope_kv = (
@@ -329,22 +342,29 @@ class RolloutModel:
         `row_prompt[r]`; paged: `cache_k[l]` is the flat (positions, groups, dim) buffer and row r's position
         j sits at `at[r, j]`); return the logits of the last position, (u, vocab_size) float32.
 
-        Pad positions attend to themselves only, so their K/V stay finite (a fully masked row would be NaN
-        and poison the real rows through 0 * NaN in the value sum); real tokens never attend to them.
+        Real tokens never attend to pad positions. With SDPA (a mask) pad positions attend to themselves only,
+        so their K/V stay finite (a fully masked row would be NaN and poison the real rows through 0 * NaN in
+        the value sum); with FlashAttention-2 (`prefill_flash`) a row's pads close the previous row's sequence
+        (`flash_prefill_offsets`): finite, and never read.
         """
         u, n = ids_us.shape
         dev = ids_us.device
         ar = torch.arange(n, device=dev)
         pos = (ar - pad_u[:, None]).clamp(min=0)  # (u, s): positions count real tokens only
-        mask = (ar[None, None, :] >= pad_u[:, None, None]) & (ar[None, :, None] >= ar[None, None, :])
-        mask = (mask | torch.eye(n, dtype=torch.bool, device=dev)).unsqueeze(1)  # (u, 1, queries, keys)
         cos, sin = self.cos[pos][:, :, None, None], self.sin[pos][:, :, None, None]  # (u, s, 1, 1, dim)
+        if self.prefill_flash:  # FlashAttention-2 varlen, causal: no mask, no repeated K/V heads
+            cum = flash_prefill_offsets(pad_u, n)
+        else:
+            mask = (ar[None, None, :] >= pad_u[:, None, None]) & (ar[None, :, None] >= ar[None, None, :])
+            mask = (mask | torch.eye(n, dtype=torch.bool, device=dev)).unsqueeze(1)  # (u, 1, queries, keys)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if at is None:
                 cache_k[i][:, :n], cache_v[i][:, :n] = k[row_prompt], v[row_prompt]
             else:
                 cache_k[i][at], cache_v[i][at] = k[row_prompt], v[row_prompt]
+            if self.prefill_flash:
+                return flash_varlen_prefill(q, k, v, cum).view(u, n, self.heads * self.head_dim)
             q = q.reshape(u, n, self.heads, self.head_dim).transpose(1, 2)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (u, groups, s, dim)
             if self.per_group > 1:

@@ -11,9 +11,10 @@ of `--cache-len` positions of which row r uses [pad_r, cur] (left-padded prompts
   out (rows, len, groups, dim): row r's keys start at r * len + pad_r and `seqused_k` = cur + 1 - pad_r of
   them are read (nothing past `cur`, no mask), query heads folded per group as above.
 - `triton`: engine/rollout/triton_decode.py on the flash layout (16-row query tiles, reads [pad_r, cur]),
-  at its default settings, and `--sweep` its tuning knobs (key block, warps, pipeline stages) at the last cur.
-Reported per `cur`: median milliseconds over `--iters` calls (CUDA events), the K/V bytes each variant must
-read, and the largest difference of each output from `sdpa_mask` (bf16).
+  at its default settings, and `--sweep` its tuning knobs (key block, warps, pipeline stages, key splits per
+  (row, group); None: `num_splits`) at the last cur.
+Reported per `cur`: median milliseconds per call over `--iters` replays of a CUDA graph of 20 calls (CUDA
+events), the K/V bytes each variant must read, and the largest difference of each output from `sdpa_mask` (bf16).
 """
 
 from __future__ import annotations
@@ -35,17 +36,28 @@ from engine.rollout import triton_decode  # noqa: E402
 from engine.rollout.attention_kernels import flash_varlen_decode  # noqa: E402
 
 
-def time_ms(fn, iters: int) -> float:
+def time_ms(fn, iters: int, reps: int = 20) -> float:
+    """Median milliseconds of one `fn()` over `iters` replays of a CUDA graph of `reps` calls (CUDA events):
+    the kernels' own time, as inside the engine's decode graphs (eager calls of a Triton kernel are
+    host-bound at these sizes)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
     times = []
-    for _ in range(3):
-        fn()
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / reps)
     return statistics.median(times)
 
 
@@ -112,8 +124,9 @@ def main() -> None:
             r[name + "_max_abs_diff"] = float((fn().float() - ref.float()).abs().max())
     if args.sweep:
         sweep = result["triton_sweep"] = []
-        for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3)):
-            knobs = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+        grid = itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (None, 1, 2, 3, 4))
+        for block_n, warps, stages, splits in grid:
+            knobs = dict(block_n=block_n, num_warps=warps, num_stages=stages, splits=splits)
             try:
                 ms = time_ms(lambda knobs=knobs: triton_kernel(**knobs), args.iters)
             except Exception as err:  # e.g. out of shared memory for the largest tiles

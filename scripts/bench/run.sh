@@ -21,7 +21,11 @@ so ARGS also override the defaults below). Purposes (script, default presets):
   decode_attention  decode attention kernels at RL shapes (decode_attention.py; qwen2_5_0_5b,qwen2_5_1_5b,qwen2_5_7b)
   attention_widths  the Triton decode attention at a long tail's widths in CUDA graphs, vs --before and vLLM's
                     FA3 (decode_attention_widths.py; qwen2_5_1_5b)
-  sampler           the decode step's draw alone, Triton Gumbel-max vs the torch draw, by width (sampler.py)
+  sampler           the decode step's draw alone, the Triton draw vs the torch draw, by width (sampler.py)
+  decode_phases     one native generate's GPU time by phase: prefill, graph capture, replays, draw; the widest
+                    graph alone (decode_phases.py; qwen2_5_1_5b)
+  decode_gemms      the decode step's GEMMs alone in CUDA graphs, cuBLAS vs cuBLASLt (--autotune: Inductor)
+                    (decode_gemms.py; qwen2_5_1_5b)
   baselines         TRL's GRPOTrainer on e2e's step (trl_grpo.py; qwen2_5_0_5b,qwen2_5_1_5b; TRL from .whl/trl)
   verl              verl 0.9.1's GRPO, FSDP + colocated vLLM, on e2e's step (verl_grpo.py; qwen2_5_0_5b; verl from
                     .whl/verl, vLLM from .whl/vllm)
@@ -103,6 +107,8 @@ logprobs) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=90 ;;
 decode_attention) d_presets=qwen2_5_0_5b,qwen2_5_1_5b,qwen2_5_7b d_gpus=1 d_timeout=120 ;;
 attention_widths) d_presets=qwen2_5_1_5b d_gpus=1 d_timeout=240 ;;
 sampler) d_presets=none d_gpus=1 d_timeout=120 ;;
+decode_phases) d_presets=qwen2_5_1_5b d_gpus=1 d_timeout=180 ;;
+decode_gemms) d_presets=qwen2_5_1_5b d_gpus=1 d_timeout=240 ;;
 baselines) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=300 ;;
 verl) d_presets=qwen2_5_0_5b d_gpus=1 d_timeout=540 ;;
 compare) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=420 ;;
@@ -111,7 +117,7 @@ vllm_cost) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=240 ;;
 multi_turn) d_presets=qwen2_5_1_5b d_gpus=1 d_timeout=420 ;;
 gpu_tests) d_presets=none d_gpus=1 d_timeout=420 ;;
 two_nodes) d_presets=none d_gpus=1 d_timeout=150 ;;
-*) die "unknown purpose '$purpose': one of e2e rollout reshard update logprobs decode_attention attention_widths sampler baselines verl compare vllm vllm_cost multi_turn gpu_tests two_nodes" ;;
+*) die "unknown purpose '$purpose': one of e2e rollout reshard update logprobs decode_attention attention_widths sampler decode_phases decode_gemms baselines verl compare vllm vllm_cost multi_turn gpu_tests two_nodes" ;;
 esac
 case $purpose in vllm | gpu_tests | two_nodes | sampler)
   [ -z "$presets" ] || die "$purpose takes no --presets"
@@ -187,6 +193,8 @@ for p in "${preset_list[@]}"; do
   attention_widths)
     add_job "attention_widths_$s$tag" "$py" $bench/decode_attention_widths.py "${pa[@]}" "${args[@]}" ;;
   sampler) add_job "sampler$tag" "$py" $bench/sampler.py "${args[@]}" ;;
+  decode_phases) add_job "decode_phases_$s$tag" "$py" $bench/decode_phases.py "${pa[@]}" "${args[@]}" ;;
+  decode_gemms) add_job "decode_gemms_$s$tag" "$py" $bench/decode_gemms.py "${pa[@]}" "${args[@]}" ;;
   verl) add_job "verl_$s$lt$tag" "$py" $bench/verl_grpo.py "${pa[@]}" --gpus "$gpus" "${lengths_arg[@]}" "${args[@]}" ;;
   baselines) add_job "trl_$s$lt$tag" "$py" $bench/trl_grpo.py "${pa[@]}" "${lengths_arg[@]}" "${args[@]}" ;;
   vllm) add_job "vllm_check$tag" env OUT="$out/vllm_check$tag" BUDGET_S=$((timeout_s - 20)) \

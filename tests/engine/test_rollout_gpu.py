@@ -5,7 +5,7 @@ GPUs, NCCL, tests/engine/rollout_tp_script.py with `cuda` (rollout.tp 2 and 1 on
 
 Tolerances: float32 log-probs within 2e-4 of transformers; in bfloat16 the fast kernels (Triton or flash
 decode attention, compiled elementwise chains) stay within 1.5x the plain path's distance to a float32
-forward; the Triton decode kernel alone within 2e-2 of float32 SDPA on the same bf16 inputs; graph replay equals eager decode bitwise (same
+forward (the flash prefill the same against the masked one); the Triton decode kernel alone within 2e-2 of float32 SDPA on the same bf16 inputs; graph replay equals eager decode bitwise (same
 kernels, same inputs); graphs vs eager generation (which attends over cur + 1 keys instead of the whole
 cache) within 1e-4 in float32; episode turns continued from the kept KV cache equal a full prefill in
 float32 (tokens exact, log-probs within 1e-4).
@@ -198,6 +198,43 @@ def test_fast_kernels_match_the_plain_path_in_bf16(tiny, family, attention):
     assert err_fast.max() <= 1.5 * err_slow.max() + 1e-3, (float(err_fast.max()), float(err_slow.max()))
     assert err_fast.mean() <= 1.5 * err_slow.mean() + 1e-4, (float(err_fast.mean()), float(err_slow.mean()))
     assert (fast.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("pad", [[0, 4, 10, 1, 0, 7], [3, 0, 9, 0, 5, 10]])
+def test_flash_prefill_matches_the_masked_prefill_in_bf16(tiny, pad):
+    """FlashAttention-2 varlen prefill (the fast kernels' default) against the masked SDPA prefill, both bf16,
+    distance to a float32 masked prefill: logits and every layer's K/V at the real positions."""
+    shape, weights, _ = tiny["qwen2"]
+    rows, plen = len(pad), 11
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, shape.vocab_size, (rows, plen), generator=g).to(DEV)
+    pad_t = torch.tensor(pad, device=DEV)
+    out = {}
+    for name, dtype, kernels in (
+        ("ref", torch.float32, DecodeKernels(attention="sdpa", compiled=False)),
+        ("sdpa", torch.bfloat16, DecodeKernels(attention="sdpa", compiled=False)),
+        ("flash", torch.bfloat16, DecodeKernels(compiled=False)),  # (no compiles: other tests count them)
+    ):
+        model = RolloutModel(shape, on_gpu(weights, dtype), rope_tables(shape, DEV, dtype), kernels)
+        assert model.prefill_flash == (name == "flash")
+        pool = KVCachePool(shape.num_layers, model.groups, model.head_dim, dtype, DEV, budget_bytes=1 << 24)
+        k, v = pool.views(rows, plen)
+        logits = model.prefill(ids, pad_t, k, v, torch.arange(rows, device=DEV))
+        real = [torch.cat([t[r, p:].float().flatten() for r, p in enumerate(pad)]) for t in k + v]
+        out[name] = (logits.float(), torch.stack(real))
+    for i in range(2):
+        err_sdpa = (out["sdpa"][i] - out["ref"][i]).abs()
+        err_flash = (out["flash"][i] - out["ref"][i]).abs()
+        assert err_flash.max() <= 1.5 * err_sdpa.max() + 1e-3, (
+            i,
+            float(err_flash.max()),
+            float(err_sdpa.max()),
+        )
+        assert err_flash.mean() <= 1.5 * err_sdpa.mean() + 1e-4, (
+            i,
+            float(err_flash.mean()),
+            float(err_sdpa.mean()),
+        )
 
 
 @pytest.mark.parametrize("per_row", [False, True])

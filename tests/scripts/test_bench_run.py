@@ -18,6 +18,8 @@ PURPOSES = (
     "decode_attention",
     "attention_widths",
     "sampler",
+    "decode_phases",
+    "decode_gemms",
     "baselines",
     "verl",
     "compare",
