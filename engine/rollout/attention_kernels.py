@@ -1,6 +1,6 @@
 """Which decode attention kernel the native engine's forward (engine/rollout/model.py) runs, and the
-FlashAttention-2 varlen calls (decode, prefill): the kernel choice (`DecodeKernels`, `decode_attention_kernel`) lives here so that
-the forward reads as the model alone.
+FlashAttention-2 varlen calls (decode, prefill): the kernel choice (`DecodeKernels`, `decode_attention_kernel`)
+lives here so that the forward reads as the model alone.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@
     python scripts/bench/decode_phases.py --preset qwen2_5_1_5b --prompts 24 --prompt-len 3840
 
 The timed call follows a warm-up call of the same batch; it allocates its KV cache and captures its CUDA
-graphs, as every rollout does (the engine frees both after each call on CUDA). CUDA events on the engine's stream bracket each phase, so each span is GPU time from the phase's
-first enqueued work to its last, idle gaps inside included:
+graphs, as every rollout does (the engine frees both after each call on CUDA). CUDA events on the engine's
+stream bracket each phase, so each span is GPU time from the phase's first enqueued work to its last, idle
+gaps inside included:
 - `prefill_ms`: the prompts' forwards (engine/rollout/prefill.py `prefill_rows`);
 - `capture_ms`: the CUDA-graph warm-up and capture of each batch bucket (engine/rollout/cuda_graphs.py);
 - `replay_ms`: the decode steps' graph replays; `sample_ms`: the draw and the per-step bookkeeping after each
@@ -13,8 +14,9 @@ first enqueued work to its last, idle gaps inside included:
 - `other_ms`: the rest of the call's span (compaction, host checks, outputs, waits for the host).
 Then the decode graph of the call's widest bucket alone, replayed `--replays` times back to back
 (`graph_step_ms`, so the gaps between the graph's kernels count) and under torch.profiler
-(`graph_kernels_ms`: the sum of its kernels' own times), at the call's final positions: their difference is
-the time the GPU spends between a step's kernels.
+(`graph_kernels_ms`: the sum of its kernels' own times), at the call's final state: every row has finished,
+so each reads one key and the figure is a decode step without its attention. Their difference is the time the
+GPU spends between a step's kernels.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ GPUs, NCCL, tests/engine/rollout_tp_script.py with `cuda` (rollout.tp 2 and 1 on
 
 Tolerances: float32 log-probs within 2e-4 of transformers; in bfloat16 the fast kernels (Triton or flash
 decode attention, compiled elementwise chains) stay within 1.5x the plain path's distance to a float32
-forward (the flash prefill the same against the masked one); the Triton decode kernel alone within 2e-2 of float32 SDPA on the same bf16 inputs; graph replay equals eager decode bitwise (same
-kernels, same inputs); graphs vs eager generation (which attends over cur + 1 keys instead of the whole
+forward (the flash prefill the same against the masked one); the Triton decode kernel alone within 2e-2 of
+float32 SDPA on the same bf16 inputs; graph replay equals eager decode bitwise (same kernels, same inputs); graphs vs eager generation (which attends over cur + 1 keys instead of the whole
 cache) within 1e-4 in float32; episode turns continued from the kept KV cache equal a full prefill in
 float32 (tokens exact, log-probs within 1e-4).
 """
