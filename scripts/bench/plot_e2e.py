@@ -4,8 +4,9 @@
 verl 0.9.1's steady step by phase from verl_h200_long_tail_1024_0_5b.json next to ours measured the same day,
 e2e_h200_long_tail_1024_0_5b_verlcall.json), and the long-tailed one at 1.5B to 4,096 tokens against TRL with
 colocated vLLM (e2e_h200_long_tail_4096_1_5b.json; ours again after the Triton draw,
-e2e_h200_long_tail_4096_1_5b_sampler.json). The long-tail panels mark the issue's tight limit of the step
-(roofline.py: generation at the decode roofline + update at 70% MFU).
+e2e_h200_long_tail_4096_1_5b_sampler.json, and after the inverse-CDF draw and flash prefill,
+e2e_h200_long_tail_4096_1_5b_flash_prefill.json). The long-tail panels mark the issue's tight limit of the
+step (roofline.py: generation at the decode roofline + update at 70% MFU).
 
 pip install matplotlib && python scripts/bench/plot_e2e.py   # writes scripts/bench/results/e2e_h200.png
 """
@@ -152,25 +153,28 @@ def long_tail_panel(ax) -> None:
 
 def long_tail_4096_panel(ax) -> None:
     """The long-tailed workload at 1.5B (responses to 4,096 tokens): ours native by phase (steady step) before
-    and after the Triton draw, and TRL with colocated vLLM (its first step: the second did not finish inside
-    the job's limit)."""
+    and after the Triton draw and at f8be0ad (inverse-CDF draw, flash prefill), and TRL with colocated vLLM
+    (its first step: the second did not finish inside the job's limit)."""
     run = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_4096_1_5b.json")))
     after = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_4096_1_5b_sampler.json")))
+    latest = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_4096_1_5b_flash_prefill.json")))
     trl = {"engine": "vllm", "step_s": run["trl_vllm_colocate"]["step_s_all"][0]}
     legend_done: set = set()
     ours_bar(ax, 0, {"gpus": 1, **run}, legend_done)
     ours_bar(ax, 1, after, legend_done)
-    trl_bar(ax, 2, trl, legend_done)
-    tight_limit(ax, after, 0, 2)
+    ours_bar(ax, 2, latest, legend_done)
+    trl_bar(ax, 3, trl, legend_done)
+    tight_limit(ax, latest, 0, 3)
     labels = ["ours, native\n(step 2; 9c04e90)", "ours, native\n(step 2; Triton\ndraw, 065f9e3)"]
-    ax.set_xticks([0, 1, 2], [*labels, "TRL, vLLM\n(colocated;\nstep 1 only)"], fontsize=7)
+    labels.append("ours, native\n(step 2; CDF draw,\nflash prefill,\nf8be0ad)")
+    ax.set_xticks([0, 1, 2, 3], [*labels, "TRL, vLLM\n(colocated;\nstep 1 only)"], fontsize=7)
     ax.set_title("long tail, qwen2_5_1_5b:\n64 x 8, 256 + up to 4,096 (mean 1,415)", fontsize=10)
     ax.legend(loc="upper left", fontsize=8)
 
 
 def main() -> None:
     fig, (fixed, tail, tail_4096) = plt.subplots(
-        1, 3, figsize=(22, 5.2), gridspec_kw={"width_ratios": [2.2, 1.4, 0.9]}
+        1, 3, figsize=(23, 5.2), gridspec_kw={"width_ratios": [2.2, 1.4, 1.2]}
     )
     fixed_panel(fixed)
     long_tail_panel(tail)
