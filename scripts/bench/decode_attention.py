@@ -23,42 +23,17 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
+from gpu_timing import graph_ms  # noqa: E402
 from presets import hf_config_for  # noqa: E402
 
 from engine.rollout import triton_decode  # noqa: E402
 from engine.rollout.attention_kernels import flash_varlen_decode  # noqa: E402
-
-
-def time_ms(fn, iters: int, reps: int = 20) -> float:
-    """Median milliseconds of one `fn()` over `iters` replays of a CUDA graph of `reps` calls (CUDA events):
-    the kernels' own time, as inside the engine's decode graphs (eager calls of a Triton kernel are
-    host-bound at these sizes)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -119,7 +94,7 @@ def main() -> None:
             ("flash_varlen", flash_varlen, used_gb),
             ("triton", triton_kernel, used_gb),
         ):
-            r[name + "_ms"] = time_ms(fn, args.iters)
+            r[name + "_ms"] = graph_ms(fn, args.iters)
             r[name + "_tb_per_s"] = gb / r[name + "_ms"]
             r[name + "_max_abs_diff"] = float((fn().float() - ref.float()).abs().max())
     if args.sweep:
@@ -128,7 +103,7 @@ def main() -> None:
         for block_n, warps, stages, splits in grid:
             knobs = dict(block_n=block_n, num_warps=warps, num_stages=stages, splits=splits)
             try:
-                ms = time_ms(lambda knobs=knobs: triton_kernel(**knobs), args.iters)
+                ms = graph_ms(lambda knobs=knobs: triton_kernel(**knobs), args.iters)
             except Exception as err:  # e.g. out of shared memory for the largest tiles
                 sweep.append({**knobs, "error": f"{type(err).__name__}"})
                 continue

@@ -26,6 +26,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from gpu_timing import event_ms, graph_ms  # noqa: E402
 from presets import hf_config_for  # noqa: E402
 
 from engine.rollout import triton_decode  # noqa: E402
@@ -35,27 +36,8 @@ CASES = "256:400,128:1400,96:3600,64:5000,48:6500,32:8000,24:9000,16:10000,8:120
 SPLIT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
-def graph_us(fn, reps: int = 20) -> float:
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return 1e3 * statistics.median(timed(graph.replay) for _ in range(15)) / reps
-
-
-def timed(fn) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b)
+def graph_us(fn) -> float:
+    return 1e3 * graph_ms(fn)
 
 
 def load_module(path: str):
@@ -113,7 +95,7 @@ def measure(rows: int, ctx: int, capacity: int, cfg: dict, before, gen: torch.Ge
         r["best_splits"] = min(r["splits_us"], key=r["splits_us"].get)
     fa3 = fa3_call(q, k, v, cur)
     if fa3 is not None:
-        r["vllm_fa3_us"] = 1e3 * statistics.median(timed(fa3) for _ in range(30))
+        r["vllm_fa3_us"] = 1e3 * statistics.median(event_ms(fa3) for _ in range(30))
     for key in ("after", "before", "vllm_fa3"):
         if key + "_us" in r:
             r[key + "_tb_per_s"] = round(gb / r[key + "_us"] * 1e3, 3)

@@ -17,33 +17,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
-from presets import hf_config_for  # scripts/bench/ is on sys.path
-
-
-def graph_us(fn, iters: int, reps: int = 20) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
+from gpu_timing import graph_ms  # scripts/bench/ is on sys.path
+from presets import hf_config_for
 
 
 def gemm_shapes(cfg: dict) -> dict[str, tuple[int, int, bool]]:
@@ -90,7 +68,7 @@ def main() -> None:
                 if backend == "inductor":
                     linear = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
                 fn = functools.partial(linear, x, w, b)
-                us = graph_us(fn, args.iters)
+                us = 1e3 * graph_ms(fn, args.iters)
                 row[backend + "_us"] = round(us, 2)
                 row[backend + "_tflops"] = round(2 * width * k * n / us / 1e6, 1)
                 row[backend + "_weight_tb_per_s"] = round(2 * k * n / us / 1e6, 2)

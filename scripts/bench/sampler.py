@@ -16,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from decode_attention import time_ms  # noqa: E402
+from gpu_timing import eager_ms  # noqa: E402
 
 from engine.rollout.base import SamplingParams  # noqa: E402
 from engine.rollout.sampler import sample_tokens  # noqa: E402
@@ -34,8 +34,8 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(dev), "vocab": args.vocab, "widths": {}}
     for width in map(int, args.widths.split(",")):
         logits = (torch.randn(width, args.vocab, device=dev) * 2).to(torch.bfloat16)
-        fused = 1e3 * time_ms(lambda x=logits: sample_tokens(x, sampling, gen, fused=True), args.iters)
-        torch_draw = 1e3 * time_ms(lambda x=logits: sample_tokens(x.float(), sampling, gen), args.iters)
+        fused = 1e3 * eager_ms(lambda x=logits: sample_tokens(x, sampling, gen, fused=True), args.iters)
+        torch_draw = 1e3 * eager_ms(lambda x=logits: sample_tokens(x.float(), sampling, gen), args.iters)
         report["widths"][width] = {
             "triton_us": round(fused, 1),
             "torch_us": round(torch_draw, 1),
