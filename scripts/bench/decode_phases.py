@@ -28,7 +28,9 @@ import time
 from contextlib import contextmanager
 
 import torch
-from rollout import model_shape, random_rollout_weights  # scripts/bench/ is on sys.path
+from gpu_timing import event_ms  # scripts/bench/ is on sys.path
+from profiling import device_us
+from rollout import model_shape, random_rollout_weights
 
 from engine.rollout import native
 from engine.rollout.base import SamplingParams
@@ -82,23 +84,17 @@ def graph_alone(engine, replays: int) -> dict:
     graph, _ = engine.graphs._graphs[width]
     for _ in range(3):
         graph.replay()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+
+    def back_to_back():
         for _ in range(replays):
             graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / replays)
+
+    times = [event_ms(back_to_back) / replays for _ in range(5)]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
+        back_to_back()
         torch.cuda.synchronize()
     kernels_us = sum(
-        getattr(e, "self_device_time_total", 0.0)
-        for e in prof.key_averages()
-        if e.device_type == torch.autograd.DeviceType.CUDA
+        device_us(e) for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
     )
     step = statistics.median(times)
     kernels = kernels_us / 1e3 / replays

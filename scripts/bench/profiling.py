@@ -20,6 +20,12 @@ KERNEL_KINDS = (  # first match wins
 )
 
 
+def device_us(event) -> float:
+    """A torch.profiler average's own CUDA time in microseconds (the attribute's name changed across torch
+    versions)."""
+    return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+
+
 def kernel_table(prof, device: torch.device, path: str, wall_s: float, what: str = "one update") -> dict:
     """Top 30 kernels (CUDA) or ops (CPU) of `prof` by total time to `path`, and time by kernel kind; `what`
     names the profiled work in the table's header, `wall_s` its wall time."""
@@ -28,8 +34,8 @@ def kernel_table(prof, device: torch.device, path: str, wall_s: float, what: str
     for e in prof.key_averages():
         if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        if cuda:  # the attribute's name changed across torch versions
-            total = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        if cuda:
+            total = device_us(e)
         else:
             total = e.self_cpu_time_total
         if total > 0:
