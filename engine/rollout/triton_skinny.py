@@ -110,26 +110,13 @@ class SkinnyConfig:
 
 def skinny_config(m: int, n: int, k: int, sms: int = 132) -> SkinnyConfig:
     """The tile for an (m, k) x (k, n) decode GEMM on a GPU of `sms` multiprocessors: column blocks of 16-64
-    so that there are enough programs for every SM, split K where the column blocks alone are too few, and as
-    many pipeline stages (up to 4) as fit in `SMEM_BUDGET` bytes of shared memory."""
+    so that there are enough programs for every SM, and split K where the column blocks alone are too few."""
     block_n = 64 if n >= 64 * sms else (32 if n >= 32 * sms else 16)
-    blocks = -(-n // block_n)
+    blocks = triton.cdiv(n, block_n) if triton is not None else -(-n // block_n)
     split_k = 1
     while blocks * split_k < 2 * sms and k // (split_k * 2) >= 512:
         split_k *= 2
-    block_k = 256 if k >= 256 else 64
-    return SkinnyConfig(block_n, block_k, split_k, num_stages=max_stages(m, block_n, block_k, 4))
-
-
-SMEM_BUDGET = 160 * 1024
-"""Shared memory a launch may use (an H100/H200 SM has 227 KiB; Triton needs some for its own buffers)."""
-
-
-def max_stages(m: int, block_n: int, block_k: int, wanted: int) -> int:
-    """The most pipeline stages, at most `wanted` and at least 2, whose half-precision tiles of the rows (padded
-    to 16) and of the weight fit in `SMEM_BUDGET`."""
-    per_stage = (max(16, 1 << (m - 1).bit_length()) + block_n) * block_k * 2
-    return max(2, min(wanted, SMEM_BUDGET // per_stage))
+    return SkinnyConfig(block_n=block_n, block_k=256 if k >= 256 else 64, split_k=split_k)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

@@ -20,14 +20,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from gpu_timing import graph_ms  # scripts/bench/ is on sys.path
 from presets import hf_config_for
 
-from engine.rollout.triton_skinny import SkinnyConfig, max_stages, skinny_config, skinny_linear
+from engine.rollout.triton_skinny import SkinnyConfig, skinny_config, skinny_linear
 
 SWEEP = [
     SkinnyConfig(block_n, block_k, split_k, warps, stages)
@@ -98,11 +97,7 @@ def main() -> None:
                 row["skinny_config"] = config.__dict__
                 row["skinny_over_cublas"] = round(row["skinny_us"] / row["cublas_us"], 3)
             if width in sweep_widths:
-                tiles = [
-                    replace(c, num_stages=max_stages(width, c.block_n, c.block_k, c.num_stages))
-                    for c in SWEEP
-                ]
-                timed = [(_skinny(x, w, b, ref, c, args.iters, "t")["t_us"], c.__dict__) for c in set(tiles)]
+                timed = [(_skinny(x, w, b, ref, c, args.iters, "t")["t_us"], c.__dict__) for c in SWEEP]
                 timed.sort(key=lambda t: t[0])
                 row["sweep_best"] = [{"us": us, **c} for us, c in timed[:5]]
             rows.append(row)
