@@ -99,10 +99,6 @@ class DecodeKernels:
     """Temperature sampling without top-k/top-p as a two-level inverse CDF in two Triton kernels, on the decode
     step's logits in the model's dtype (engine/rollout/triton_sample.py). False: the torch draw on float32
     logits (engine/rollout/sampler.py; the baseline of scripts/bench/rollout.py's `native_torch_sampler`)."""
-    skinny: bool = True
-    """The linear layers (and the output head) of a step of at most `triton_skinny.SKINNY_MAX_ROWS` tokens by
-    the Triton kernel of engine/rollout/triton_skinny.py, wider ones by cuBLAS. False: cuBLAS throughout (the
-    baseline of scripts/bench/rollout.py's `native_cublas`)."""
 
 
 def decode_attention_kernel(

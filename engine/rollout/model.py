@@ -28,8 +28,6 @@ Kernels (`DecodeKernels`; CUDA only, the attention kernels in half precision; CP
 - the elementwise chains compiled into one kernel each (torch.compile): residual add + RMSNorm, SwiGLU, RoPE;
 - with the Triton or flash attention (`DecodeKernels.fused`): a decode step's RoPE and K/V cache writes as one
   Triton kernel (engine/rollout/triton_rope_kv.py; models without QK-norm), the split merge as another;
-- the linear layers and the output head of a step of at most 64 tokens (a long tail's narrow decode batches) by
-  the Triton kernel of engine/rollout/triton_skinny.py (`DecodeKernels.skinny`), cuBLAS above;
 - with `DecodeKernels.sampler` where Triton runs, decode's logits stay in the model's dtype (`upcast=False`,
   as the engine asks) for the Triton draw (engine/rollout/triton_sample.py), which reads them once.
 Prefill attention: FlashAttention-2 varlen, causal, over each prompt's real tokens (the GQA heads as they are,
@@ -51,7 +49,7 @@ from engine.models import moe
 from engine.models.builder import ModelShape
 from engine.models.compiled import ROLLOUT, cuda_kernel
 from engine.models.triton_support import elementwise_supported
-from engine.rollout import triton_decode, triton_rope_kv, triton_skinny
+from engine.rollout import triton_decode, triton_rope_kv
 from engine.rollout.attention_kernels import (
     DecodeKernels,
     decode_attention_kernel,
@@ -204,7 +202,6 @@ class RolloutModel:
 
         self._add_norm, self._norm = kernel(add_rms_norm), kernel(rms_norm)
         self._swiglu, self._rope = kernel(swiglu), kernel(_rope)
-        self._linear = triton_skinny.linear if kernels.skinny else F.linear
         self.fused = kernels.fused and self.attention in ("triton", "flash")
         self.prefill_flash = self.attention != "sdpa" and flash_decode_supported(
             dev, self.dtype, self.head_dim
@@ -254,7 +251,7 @@ class RolloutModel:
         router and the routed experts run whole on every TP rank (training's numerics and rounding order:
         engine/models/moe.py); only the shared expert's partial sums are reduced."""
         if layer.moe is None:
-            return self._all_reduce(self._linear(self._swiglu(self._linear(h, layer.fc1_w)), layer.fc2_w))
+            return self._all_reduce(F.linear(self._swiglu(F.linear(h, layer.fc1_w)), layer.fc2_w))
         w, h_th = layer.moe, h.reshape(-1, h.shape[-1])
         out, index_tk = w.routed(h_th, self.shape.moe)
         if self.routes is not None:  # recording for routing replay (engine/rollout/routes.py)
@@ -281,7 +278,7 @@ class RolloutModel:
     def logits(self, h_bh: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """(b, hidden) final-normed hidden states -> (b, vocab_size) logits over the real vocabulary: float32, or
         with `upcast=False` in the model's dtype (a view of the head's output where TP is 1)."""
-        local = self._linear(h_bh, self.out_w)  # (b, vocab/tp)
+        local = F.linear(h_bh, self.out_w)  # (b, vocab/tp)
         if self.tp_size > 1:
             b = local.shape[0]
             parts = local.new_empty(self.tp_size * b, self.vocab_shard)  # gloo wants rank-major rows
@@ -293,7 +290,7 @@ class RolloutModel:
     def _projected(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         """h (b, s, hidden) -> the fused QKV projection (b, s, groups, heads per group + 2, dim): each group's
         query heads, then its key and value."""
-        qkv = self._linear(h, layer.qkv_w, layer.qkv_b)
+        qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
         return qkv.view(*h.shape[:2], self.groups, self.per_group + 2, self.head_dim)
 
     def _qkv(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -323,7 +320,7 @@ class RolloutModel:
         h = self._norm(x, layers[0].input_norm, eps)
         for i, layer in enumerate(layers):
             q, k, v = (self._projected(layer, h), None, None) if raw else self._qkv(layer, h, cos, sin)
-            proj = self._all_reduce(self._linear(attend(i, q, k, v), layer.proj_w))
+            proj = self._all_reduce(F.linear(attend(i, q, k, v), layer.proj_w))
             x, h = self._add_norm(x, proj, layer.mlp_norm, eps)
             mlp = self._mlp(layer, h)
             after = layers[i + 1].input_norm if i + 1 < len(layers) else self.final_norm

@@ -29,8 +29,7 @@ kernel, compiled elementwise ops (both skipped on CPU, where every variant is th
 row's positions, so the KV budget bounds the batch by the longest row); `native_unfused`: the compiled RoPE,
 indexed K/V writes and compiled split merge instead of their Triton kernels (`DecodeKernels(fused=False)`);
 `native_torch_sampler`: the torch draw on float32 logits instead of the Triton draw
-(`DecodeKernels(sampler=False)`; `native_plain` has the torch draw too); `native_cublas`: cuBLAS for every
-linear layer instead of the skinny Triton kernel at narrow widths (`DecodeKernels(skinny=False)`).
+(`DecodeKernels(sampler=False)`; `native_plain` has the torch draw too).
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
 `--profile DIR`: one more native `generate` of the same batch under torch.profiler: the top 30 kernels to
@@ -76,7 +75,6 @@ BACKENDS = (
     "native_plain",
     "native_unfused",
     "native_torch_sampler",
-    "native_cublas",
     "vllm",
     "transformers",
 )
@@ -218,10 +216,9 @@ def first_tokens(engine, prompts) -> torch.Tensor:
 
 VARIANTS = {  # the native engine with other kernels, against `native` (auto) in the same run
     "native_flash": DecodeKernels(attention="flash"),
-    "native_plain": DecodeKernels(attention="sdpa", compiled=False, sampler=False, skinny=False),
+    "native_plain": DecodeKernels(attention="sdpa", compiled=False, sampler=False),
     "native_unfused": DecodeKernels(fused=False),
     "native_torch_sampler": DecodeKernels(sampler=False),
-    "native_cublas": DecodeKernels(skinny=False),
 }
 
 

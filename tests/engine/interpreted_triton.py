@@ -25,7 +25,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/engine/test
 import hf_tiny  # noqa: E402
 from test_rollout_native import rollout_weights_from_hf  # noqa: E402
 
-from engine.rollout import triton_decode, triton_rope_kv, triton_skinny  # noqa: E402
+from engine.rollout import triton_decode, triton_rope_kv  # noqa: E402
 from engine.rollout.kv_cache import KVCachePool  # noqa: E402
 from engine.rollout.model import DecodeKernels, RolloutModel, _rope, rope_tables, signed_sin  # noqa: E402
 from parallel.rollout_weights import RolloutWeights  # noqa: E402
@@ -116,35 +116,6 @@ def test_rope_write_kv_matches_rope_and_indexed_writes(paged):
     assert torch.equal(cache_v, ref_v)
 
 
-@pytest.mark.parametrize(
-    "rows,out,inp,bias,config",
-    [
-        (1, 40, 64, False, None),
-        (5, 96, 200, True, None),
-        (16, 70, 1100, True, triton_skinny.SkinnyConfig(16, 64, 4)),  # split K: the last span is short
-        (33, 48, 512, False, triton_skinny.SkinnyConfig(32, 128, 3)),
-        (64, 33, 300, True, triton_skinny.SkinnyConfig(16, 64, 8)),  # 8 asked, 5 spans of 64 features
-    ],
-)
-def test_skinny_linear_matches_a_float32_matmul(rows, out, inp, bias, config):
-    """The skinny decode GEMM (engine/rollout/triton_skinny.py) against the float32 product of the same float16
-    operands, within one float16 rounding of the output; rows read through a stride wider than the features; a
-    second call (split K: the tickets reset by the first) gives the same bits."""
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, inp + 16, generator=g).to(DT)[:, :inp]
-    w = (torch.randn(out, inp, generator=g) / inp**0.5).to(DT)
-    b = torch.randn(out, generator=g).to(DT) if bias else None
-    y = triton_skinny.skinny_linear(x, w, b, config)
-    ref = x.float() @ w.float().T + (b.float() if bias else 0.0)
-    assert y.dtype == DT and y.shape == (rows, out)
-    torch.testing.assert_close(y.float(), ref, atol=1e-3, rtol=2.0**-10)
-    assert torch.equal(triton_skinny.skinny_linear(x, w, b, config), y)
-    assert triton_skinny.skinny_supported(x, w) and not triton_skinny.skinny_supported(x.float(), w.float())
-    assert not triton_skinny.skinny_supported(
-        torch.zeros(triton_skinny.SKINNY_MAX_ROWS + 1, inp, dtype=DT), w
-    )
-
-
 def _teacher_forced(shape, weights, dtype, kernels: DecodeKernels, ids, pad, steps: int):
     """Prefill left-padded `ids`, then `steps` decode steps fed tokens (t * 7 + row) % vocab: every step's
     logits, float32, and which attention kernel the model picked."""
@@ -166,15 +137,15 @@ def _teacher_forced(shape, weights, dtype, kernels: DecodeKernels, ids, pad, ste
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_decode_forward_with_the_triton_kernels(family, tmp_path):
     """Teacher-forced decode logits of a tiny checkpoint (QKV bias and tied embeddings, or Llama-3 RoPE
-    scaling) with the Triton attention, fused RoPE/K-V write, Triton merge and skinny linear layers (the GPU's
-    default kernels), and with the Triton attention and skinny linear layers alone: within 1.5x the float16 SDPA path's distance to a float32 forward, and the
+    scaling) with the Triton attention, fused RoPE/K-V write and Triton merge (the GPU's default kernels), and
+    with the Triton attention alone: within 1.5x the float16 SDPA path's distance to a float32 forward, and the
     same argmax nearly everywhere."""
     path = hf_tiny.save_tiny(family, str(tmp_path / family), seed=3, max_position_embeddings=512)
     shape, weights = rollout_weights_from_hf(path)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, shape.vocab_size, (6, 11), generator=g)
     pad = torch.tensor([0, 4, 10, 1, 0, 7])
-    plain = DecodeKernels(attention="sdpa", compiled=False, skinny=False)
+    plain = DecodeKernels(attention="sdpa", compiled=False)
     ref, _ = _teacher_forced(shape, weights, torch.float32, plain, ids, pad, 12)
     slow, _ = _teacher_forced(shape, weights, DT, plain, ids, pad, 12)
     fused, model = _teacher_forced(shape, weights, DT, DecodeKernels("triton", compiled=False), ids, pad, 12)

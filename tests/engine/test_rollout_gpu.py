@@ -188,7 +188,7 @@ def test_fast_kernels_match_the_plain_path_in_bf16(tiny, family, attention):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, shape.vocab_size, (6, 11), generator=g).to(DEV)
     pad = torch.tensor([0, 4, 10, 1, 0, 7], device=DEV)
-    plain = DecodeKernels(attention="sdpa", compiled=False, skinny=False)
+    plain = DecodeKernels(attention="sdpa", compiled=False)
     auto = RolloutModel(shape, on_gpu(weights, torch.bfloat16), rope_tables(shape, DEV, torch.bfloat16))
     assert auto.attention == "triton", "the Triton decode kernel should run bf16 decode attention here"
     ref = teacher_forced_logits(shape, weights, torch.float32, plain, ids, pad, 20)
@@ -211,8 +211,8 @@ def test_flash_prefill_matches_the_masked_prefill_in_bf16(tiny, pad):
     pad_t = torch.tensor(pad, device=DEV)
     out = {}
     for name, dtype, kernels in (
-        ("ref", torch.float32, DecodeKernels(attention="sdpa", compiled=False, skinny=False)),
-        ("sdpa", torch.bfloat16, DecodeKernels(attention="sdpa", compiled=False, skinny=False)),
+        ("ref", torch.float32, DecodeKernels(attention="sdpa", compiled=False)),
+        ("sdpa", torch.bfloat16, DecodeKernels(attention="sdpa", compiled=False)),
         ("flash", torch.bfloat16, DecodeKernels(compiled=False)),  # (no compiles: other tests count them)
     ):
         model = RolloutModel(shape, on_gpu(weights, dtype), rope_tables(shape, DEV, dtype), kernels)
