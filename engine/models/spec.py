@@ -2,17 +2,18 @@
 modules swapped in, and fused kernels where megatron's own need TransformerEngine or apex.
 
 - `SDPAAttention` replaces megatron's local `DotProductAttention` (unfused softmax): PyTorch's
-  `scaled_dot_product_attention` picks flash/cuDNN kernels on GPU and runs everywhere else too. Causal only: the engine lays every
-  sequence out right-padded from position 0, so a causal mask is exact for the valid tokens and no padding
-  mask is needed. Packed micro-batches (rows back to back, megatron's thd `PackedSeqParams`) attend causally
+  `scaled_dot_product_attention` picks flash/cuDNN kernels on GPU and runs everywhere else too. Causal only:
+  the engine lays every sequence out right-padded from position 0, so a causal mask is exact for the valid
+  tokens and no padding mask is needed. Packed micro-batches (rows back to back, megatron's thd `PackedSeqParams`) attend causally
   within each row: torch's varlen kernel on CUDA in bfloat16/float16, exact row-by-row SDPA elsewhere.
 - `RMSNorm` replaces `WrappedTorchNorm`, which refuses sequence parallelism; ours tags its weight
   `sequence_parallel` so megatron all-reduces its gradient across the TP group when SP is on.
 - `Fusions` selects the fused kernels (all on by default; off = the reference op chains, for benchmarks):
-  RMSNorm through torch's fused kernel, and RoPE as one compiled kernel through megatron's `apply_rope_fusion`
-  hooks (sbhd, and thd for packed rows: angles gathered per token from its position in its row), which
-  megatron otherwise fills from TransformerEngine only. Both compute the same math as the chains
-  they replace (tests/engine/test_spec_fusions.py states the tolerances).
+  RMSNorm with its weight as one Triton kernel each way on CUDA (torch's fused kernel elsewhere), and RoPE
+  as one kernel each way through megatron's `apply_rope_fusion` hooks (sbhd, and thd for packed rows: angles
+  gathered per token from its position in its row), which megatron otherwise fills from TransformerEngine only.
+  Both compute the same math as the chains they replace (tests/engine/test_spec_fusions.py states the
+  tolerances; the Triton kernels' parity: tests/engine/interpreted_triton.py, test_training_kernels.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from engine.models import triton_rope
+from engine.models import triton_rms_norm, triton_rope
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,9 @@ class Fusions:
     """Which fused kernels the layer spec uses; each replaces an op chain with the same math."""
 
     rms_norm: bool = True
-    """RMSNorm as `F.rms_norm` (torch's fused kernel on CUDA: float32 inside, one rounding to the input dtype),
-    then times the weight in the input dtype, as Hugging Face; off = the six-op float32 chain."""
+    """RMSNorm and its weight as one Triton kernel each way on CUDA (engine/models/triton_rms_norm.py), elsewhere
+    `F.rms_norm` then times the weight: float32 inside, the normalised row rounded once to the input dtype, then
+    times the weight in the input dtype, as Hugging Face; off = the six-op float32 chain."""
     rope: bool = True
     """RoPE of q and k as one torch.compile'd kernel each on CUDA (eager elsewhere), plugged into megatron's
     `apply_rope_fusion`; off = megatron's unfused RoPE (about five elementwise passes each way)."""
@@ -184,7 +186,8 @@ def rms_normalize_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
 class RMSNorm(torch.nn.Module):
     """RMSNorm computed in float32 like Hugging Face's Llama/Qwen norms, weight tagged for SP.
 
-    `fused` (Fusions.rms_norm) normalises with torch's fused kernel instead of the float32 op chain; the result
+    `fused` (Fusions.rms_norm) normalises with the Triton kernels of engine/models/triton_rms_norm.py (weight
+    included, both ways) where they run, else torch's fused kernel, instead of the float32 op chain; the forward
     is the same up to the order of the mean's summation (bit-equal on CPU, where torch runs the same chain)."""
 
     def __init__(
@@ -196,6 +199,8 @@ class RMSNorm(torch.nn.Module):
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and triton_rms_norm.supported(x, self.weight):
+            return triton_rms_norm.rms_norm(x, self.weight, self.eps)
         if self.fused:
             return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         return self.weight * rms_normalize_reference(x, self.eps)

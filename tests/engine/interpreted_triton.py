@@ -23,6 +23,7 @@ import torch.nn.functional as F
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/engine/test_triton_cpu.py"
 
 import hf_tiny  # noqa: E402
+from norm_check import norm_errors  # noqa: E402
 from test_rollout_native import rollout_weights_from_hf  # noqa: E402
 
 from engine.rollout import triton_decode, triton_rope_kv  # noqa: E402
@@ -310,6 +311,27 @@ def test_triton_draw_merges_a_row_cut_into_chunks():
         drawn += tokens.tolist()
         torch.testing.assert_close(logp, view.float().log_softmax(-1).gather(1, tokens[:, None]).squeeze(1))
     assert set(drawn) == set(support)
+
+
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_rms_norm_kernels_match_float32_autograd(hidden):
+    """engine/models/triton_rms_norm.py (37 rows, more than the backward's programs: each loops over rows; a
+    width that is not a power of two) against a float32 autograd of the reference norm times the weight: y, dx
+    and the weight's gradient at least as close (within 1.5x, largest and mean error) as torch's path on the
+    same float16 inputs; the forward equals torch's path but for the mean's summation order."""
+    from engine.models import triton_rms_norm
+
+    g = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(37, 1, hidden, generator=g) * 3).to(DT)
+    w = (1 + 0.2 * torch.randn(hidden, generator=g)).to(DT)
+    grad = torch.randn(37, 1, hidden, generator=g).to(DT)
+    assert triton_rms_norm.supported(x, w) and not triton_rms_norm.supported(x, w.float())
+    ours, torch_path = norm_errors(x, w, grad, lambda a, b: triton_rms_norm.rms_norm(a, b, 1e-6))
+    for name, e, e_ref in zip(("y", "dx", "dw"), ours, torch_path):
+        assert e.max() <= 1.5 * e_ref.max() + 1e-3, (name, float(e.max()), float(e_ref.max()))
+        assert e.mean() <= 1.5 * e_ref.mean() + 1e-4, (name, float(e.mean()), float(e_ref.mean()))
+    y = triton_rms_norm.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(y, w * F.rms_norm(x, (hidden,), eps=1e-6), atol=2e-3, rtol=2.0**-9)
 
 
 def test_training_rope_kernel_matches_the_reference_both_ways():

@@ -6,7 +6,8 @@ apart and added: on CPU `accumulate_matmul` and megatron's own linear layers run
 bfloat16 inputs into a float32 `main_grad` against the float64 product (within 1e-3 of the largest entry,
 and closer than the product rounded to bfloat16 first). engine/models/triton_swiglu.py on CUDA against
 megatron's compiled SwiGLU, and engine/models/triton_rope.py through megatron's fused-RoPE hooks against the
-compiled RoPE (their CPU checks under Triton's interpreter: tests/engine/interpreted_triton.py)."""
+compiled RoPE, and engine/models/triton_rms_norm.py against a float32 autograd of the reference norm (their
+CPU checks under Triton's interpreter: tests/engine/interpreted_triton.py)."""
 
 from __future__ import annotations
 
@@ -121,3 +122,32 @@ def test_rope_kernel_matches_the_compiled_rope_on_gpu():
     packed = t.detach().reshape(2000, heads, dim)
     positions = packed_positions(cu, 2000)
     assert torch.equal(fused_rope_thd(packed, cu, freqs), fused_rope(packed[:, None], freqs[positions])[:, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rms_norm_kernels_are_as_close_to_float32_as_torchs_path_on_gpu():
+    """engine/models/triton_rms_norm.py in bfloat16 at Qwen2.5-1.5B's width, 4,099 rows (many per backward
+    program): y, dx and the weight's gradient within 1.5x the distance of torch's path (`F.rms_norm`, then the
+    weight, through autograd) to a float32 autograd of the reference chain; and megatron-built RMSNorm modules
+    run the kernels (the layer spec's default)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from norm_check import norm_errors
+
+    from engine.models import triton_rms_norm
+    from engine.models.spec import RMSNorm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(4099, 1, 1536, device="cuda", generator=g) * 3).bfloat16()
+    w = (1 + 0.2 * torch.randn(1536, device="cuda", generator=g)).bfloat16()
+    grad = torch.randn(4099, 1, 1536, device="cuda", generator=g).bfloat16()
+    ours, torch_path = norm_errors(x, w, grad, lambda a, b: triton_rms_norm.rms_norm(a, b, 1e-6))
+    for name, e, e_ref in zip(("y", "dx", "dw"), ours, torch_path):
+        assert e.max() <= 1.5 * e_ref.max() + 1e-6, (name, float(e.max()), float(e_ref.max()))
+        assert e.mean() <= 1.5 * e_ref.mean() + 1e-7, (name, float(e.mean()), float(e_ref.mean()))
+    config = TransformerConfig(
+        num_layers=1, hidden_size=1536, num_attention_heads=12, params_dtype=torch.bfloat16
+    )
+    norm = RMSNorm(config, 1536).cuda()
+    norm.weight.data.copy_(w)
+    assert torch.equal(norm(x), triton_rms_norm.rms_norm(x, w, norm.eps))
