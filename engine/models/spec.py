@@ -5,7 +5,8 @@ modules swapped in, and fused kernels where megatron's own need TransformerEngin
   `scaled_dot_product_attention` picks flash/cuDNN kernels on GPU and runs everywhere else too. Causal only:
   the engine lays every sequence out right-padded from position 0, so a causal mask is exact for the valid
   tokens and no padding mask is needed. Packed micro-batches (rows back to back, megatron's thd
-  `PackedSeqParams`) attend causally within each row: torch's varlen kernel on CUDA in bfloat16/float16, exact row-by-row SDPA elsewhere.
+  `PackedSeqParams`) attend causally within each row: torch's varlen kernel on CUDA in bfloat16/float16,
+  exact row-by-row SDPA elsewhere.
 - `RMSNorm` replaces `WrappedTorchNorm`, which refuses sequence parallelism; ours tags its weight
   `sequence_parallel` so megatron all-reduces its gradient across the TP group when SP is on.
 - `Fusions` selects the fused kernels (all on by default; off = the reference op chains, for benchmarks):
