@@ -5,7 +5,8 @@ verl 0.9.1's steady step by phase from verl_h200_long_tail_1024_0_5b.json next t
 e2e_h200_long_tail_1024_0_5b_verlcall.json), and the long-tailed one at 1.5B to 4,096 tokens against TRL with
 colocated vLLM (e2e_h200_long_tail_4096_1_5b.json; ours again after the Triton draw,
 e2e_h200_long_tail_4096_1_5b_sampler.json, and after the inverse-CDF draw and flash prefill,
-e2e_h200_long_tail_4096_1_5b_flash_prefill.json). The long-tail panels mark the issue's tight limit of the
+e2e_h200_long_tail_4096_1_5b_flash_prefill.json, and after the RMSNorm kernels,
+e2e_h200_long_tail_4096_1_5b_rmsnorm.json). The long-tail panels mark the issue's tight limit of the
 step (roofline.py: generation at the decode roofline + update at 70% MFU).
 
 pip install matplotlib && python scripts/bench/plot_e2e.py   # writes scripts/bench/results/e2e_h200.png
@@ -153,28 +154,32 @@ def long_tail_panel(ax) -> None:
 
 def long_tail_4096_panel(ax) -> None:
     """The long-tailed workload at 1.5B (responses to 4,096 tokens): ours native by phase (steady step) before
-    and after the Triton draw and at f8be0ad (inverse-CDF draw, flash prefill), and TRL with colocated vLLM
+    and after the Triton draw, at f8be0ad (inverse-CDF draw, flash prefill) and at 4e743c9 (the update's RMSNorm
+    kernels), and TRL with colocated vLLM
     (its first step: the second did not finish inside the job's limit)."""
     run = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_4096_1_5b.json")))
     after = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_4096_1_5b_sampler.json")))
-    latest = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_4096_1_5b_flash_prefill.json")))
+    flash = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_4096_1_5b_flash_prefill.json")))
+    latest = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_4096_1_5b_rmsnorm.json")))
     trl = {"engine": "vllm", "step_s": run["trl_vllm_colocate"]["step_s_all"][0]}
     legend_done: set = set()
     ours_bar(ax, 0, {"gpus": 1, **run}, legend_done)
     ours_bar(ax, 1, after, legend_done)
-    ours_bar(ax, 2, latest, legend_done)
-    trl_bar(ax, 3, trl, legend_done)
-    tight_limit(ax, latest, 0, 3)
+    ours_bar(ax, 2, flash, legend_done)
+    ours_bar(ax, 3, latest, legend_done)
+    trl_bar(ax, 4, trl, legend_done)
+    tight_limit(ax, latest, 0, 4)
     labels = ["ours, native\n(step 2; 9c04e90)", "ours, native\n(step 2; Triton\ndraw, 065f9e3)"]
     labels.append("ours, native\n(step 2; CDF draw,\nflash prefill,\nf8be0ad)")
-    ax.set_xticks([0, 1, 2, 3], [*labels, "TRL, vLLM\n(colocated;\nstep 1 only)"], fontsize=7)
+    labels.append("ours, native\n(step 2; RMSNorm\nkernels, 4e743c9)")
+    ax.set_xticks(range(5), [*labels, "TRL, vLLM\n(colocated;\nstep 1 only)"], fontsize=7)
     ax.set_title("long tail, qwen2_5_1_5b:\n64 x 8, 256 + up to 4,096 (mean 1,415)", fontsize=10)
     ax.legend(loc="upper left", fontsize=8)
 
 
 def main() -> None:
     fig, (fixed, tail, tail_4096) = plt.subplots(
-        1, 3, figsize=(23, 5.2), gridspec_kw={"width_ratios": [2.2, 1.4, 1.2]}
+        1, 3, figsize=(23, 5.2), gridspec_kw={"width_ratios": [2.2, 1.4, 1.5]}
     )
     fixed_panel(fixed)
     long_tail_panel(tail)
