@@ -61,9 +61,14 @@ if triton is not None:
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Where the kernels run: `elementwise_supported` for x's device and dtype, a weight of x's dtype, and a row
-    of at most 16,384 features (one program holds a row)."""
-    return elementwise_supported(x.device, x.dtype) and weight.dtype == x.dtype and 0 < x.shape[-1] <= 16384
+    """Where the kernels run: `elementwise_supported` for x's device and dtype, a contiguous weight of x's dtype,
+    and a row of at most 16,384 features (one program holds a row)."""
+    return (
+        elementwise_supported(x.device, x.dtype)
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+        and 0 < x.shape[-1] <= 16384
+    )
 
 
 def _warps(block: int) -> int:
