@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.triton_support import elementwise_supported, tl, triton
+from engine.models.triton_support import elementwise_supported, sm_count, tl, triton
 
 if triton is not None:
 
@@ -96,8 +96,7 @@ class _RMSNorm(torch.autograd.Function):
         rows, hidden = x2.shape
         dy2 = dy.reshape(-1, hidden).contiguous()
         dx = torch.empty_like(x2)
-        sms = torch.cuda.get_device_properties(x2.device).multi_processor_count if x2.is_cuda else 4
-        programs = max(1, min(rows, 4 * sms))
+        programs = max(1, min(rows, 4 * sm_count(x2.device)))
         part = torch.empty(programs, hidden, dtype=torch.float32, device=x2.device)
         block = triton.next_power_of_2(hidden)
         if rows:

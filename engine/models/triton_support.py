@@ -9,6 +9,7 @@ tests' way to run them (tests/engine/test_triton_cpu.py), in float16 only (the i
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -31,3 +32,20 @@ def elementwise_supported(device: torch.device, dtype: torch.dtype) -> bool:
     if triton is None:
         return False
     return device.type == "cuda" or (interpreted(device) and dtype == torch.float16)
+
+
+INTERPRETED_SMS = 4
+"""The multiprocessors the kernels' launch heuristics assume under the interpreter: a few, so that small CPU tests
+exercise the same splits and loops as the GPU."""
+
+
+def sm_count(device: torch.device) -> int:
+    """The multiprocessors of a CUDA `device` (cached per device), or `INTERPRETED_SMS` elsewhere."""
+    if device.type != "cuda":
+        return INTERPRETED_SMS
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -23,13 +23,12 @@ FlashAttention-2 or SDPA otherwise. Parity with SDPA: tests/engine/test_rollout_
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from engine.models.compiled import ROLLOUT, cuda_kernel
-from engine.models.triton_support import interpreted, tl, triton
+from engine.models.triton_support import interpreted, sm_count, tl, triton
 
 if triton is not None:
 
@@ -162,11 +161,6 @@ if triton is not None:
         tl.store(dst, out.to(out_ptr.dtype.element_ty))
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def supported(device: torch.device, dtype: torch.dtype, head_dim: int, per_group: int) -> bool:
     """CUDA sm80+ (bf16 tensor-core dots), half precision (float32 would run `tl.dot` in TF32), a power-of-two
     head dim, <= 64 query heads per KV group; or float16 under Triton's interpreter (`interpreted`)."""
@@ -194,10 +188,7 @@ def num_splits(rows_x_groups: int, cache_len: int, block_n: int, device: torch.d
     shortest) would need to cover the cache's capacity. The H200 sweep (scripts/bench/README.md, "Rollout")
     found 4 waves best below one program per SM and 2 above (Qwen2.5-1.5B: 128 rows at 1,400 keys 49 us with
     2 splits, 61 us with the 3 that 4 waves gave; 256 rows at 400 keys 30 us unsplit, 32 us with 2)."""
-    if device.type != "cuda":  # the interpreter: a few "SMs", so that small tests split keys too
-        sms = 4
-    else:
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)  # the interpreter: a few "SMs", so that small tests split keys too
     waves = 2 if rows_x_groups >= sms else 4
     want = max(1, math.ceil(waves * sms / rows_x_groups))
     return max(1, min(want, MAX_SPLITS, cache_len // (4 * block_n)))

@@ -29,11 +29,9 @@ log-probs against softmax: tests/engine/test_rollout_gpu.py.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from engine.models.triton_support import elementwise_supported, tl, triton
+from engine.models.triton_support import elementwise_supported, sm_count, tl, triton
 
 TILE = 2048
 """Columns per tile: the unit of `_tile_stats`' statistics and of the column draw's second read."""
@@ -107,11 +105,6 @@ def supported(logits: torch.Tensor) -> bool:
     return elementwise_supported(logits.device, logits.dtype) and logits.stride(-1) == 1
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def sample(
     logits_bv: torch.Tensor, inv_temperature: float, gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +113,7 @@ def sample(
     b, vocab = logits_bv.shape
     dev = logits_bv.device
     tiles = triton.cdiv(vocab, TILE)
-    chunks = max(1, min(tiles, triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(dev), b)))
+    chunks = max(1, min(tiles, triton.cdiv(PROGRAMS_PER_SM * sm_count(dev), b)))
     chunk = triton.cdiv(tiles, chunks) * TILE
     seed = torch.randint(0, 2**62, (1,), generator=gen, device=dev)
     stats = torch.empty(2, b * tiles, dtype=torch.float32, device=dev)

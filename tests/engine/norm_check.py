@@ -22,3 +22,12 @@ def norm_errors(x, w, grad, fused):
         assert all(a.dtype == x.dtype and a.shape == b.shape for a, b in zip(got, refs))
         out.append([(a.float() - b).abs() for a, b in zip(got, refs)])
     return out
+
+
+def assert_no_further_than_torch(x, w, grad, fused, slack_max: float, slack_mean: float) -> None:
+    """`fused`'s y, dx and dw within 1.5x (plus the slack) of torch's path's largest and mean distance to the
+    float32 autograd (`norm_errors`)."""
+    ours, torch_path = norm_errors(x, w, grad, fused)
+    for name, e, e_ref in zip(("y", "dx", "dw"), ours, torch_path):
+        assert e.max() <= 1.5 * e_ref.max() + slack_max, (name, float(e.max()), float(e_ref.max()))
+        assert e.mean() <= 1.5 * e_ref.mean() + slack_mean, (name, float(e.mean()), float(e_ref.mean()))
