@@ -13,6 +13,10 @@ of `--cache-len` positions of which row r uses [pad_r, cur] (left-padded prompts
 - `triton`: engine/rollout/triton_decode.py on the flash layout (16-row query tiles, reads [pad_r, cur]),
   at its default settings, and `--sweep` its tuning knobs (key block, warps, pipeline stages, key splits per
   (row, group); None: `num_splits`) at the last cur.
+With `--share N` (GRPO's samples of one prompt) rows come in groups of N with one prompt: the group's pads are
+equal and its first row's K/V fill every row's positions before pad + `--prefix`; `triton_cascade` is the
+kernel with the group's first row reading the prompt once for the group (engine/rollout/triton_decode.py
+`prefix`), and its bytes count the prompt once per group.
 Reported per `cur`: median milliseconds per call over `--iters` replays of a CUDA graph of 20 calls (CUDA
 events), the K/V bytes each variant must read, and the largest difference of each output from `sdpa_mask` (bf16).
 """
@@ -44,6 +48,10 @@ def main() -> None:
     ap.add_argument("--curs", default="256,512,767")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--sweep", action="store_true", help="also time the Triton kernel's tuning knobs")
+    ap.add_argument("--share", type=int, default=1, help="rows per prompt (> 1: the shared-prefix rows)")
+    ap.add_argument(
+        "--prefix", type=int, default=256, help="with --share: the prompt's positions after the pad"
+    )
     args = ap.parse_args()
     cfg = hf_config_for(args.preset)
     heads, groups = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -57,6 +65,18 @@ def main() -> None:
     q = torch.randn(b, groups, pg, dim, device=dev, dtype=dt, generator=g)
     pad = torch.randint(0, 32, (b,), device=dev, generator=g)
     ar = torch.arange(n, device=dev)
+    first = torch.arange(b, device=dev) // args.share * args.share  # each row's group's first row
+    end = members = None
+    if args.share > 1 and (b % args.share or 32 + args.prefix > min(int(c) for c in args.curs.split(","))):
+        raise SystemExit("--share: --batch must be a multiple of it, every --curs >= 32 + --prefix")
+    if args.share > 1:  # the group's prompt: its first row's pad and K/V before pad + prefix in every row
+        pad = pad[first]
+        end = pad + args.prefix
+        members = torch.full((b, args.share), -1, device=dev)
+        members[:: args.share] = torch.arange(b, device=dev).view(-1, args.share)
+        prompt = (ar[None, :] < end[:, None])[:, :, None, None]
+        k_blgd, v_blgd = (torch.where(prompt, t[first], t) for t in (k_blgd, v_blgd))
+        k_bgld, v_bgld = k_blgd.transpose(1, 2).contiguous(), v_blgd.transpose(1, 2).contiguous()
     result = {
         "preset": args.preset,
         "batch": b,
@@ -64,6 +84,8 @@ def main() -> None:
         "groups": groups,
         "per_group": pg,
         "dim": dim,
+        "share": args.share,
+        "prefix": args.prefix if args.share > 1 else None,
     }
     result["device"] = torch.cuda.get_device_name()
     result["torch"] = torch.__version__
@@ -89,11 +111,19 @@ def main() -> None:
         ref = sdpa_mask()
         used_gb = 2 * int(used_k.sum()) * groups * dim * 2 / 1e9
         r = rows[str(cur)] = {}
-        for name, fn, gb in (
+        variants = [
             ("sdpa_mask", sdpa_mask, 2 * b * n * groups * dim * 2 / 1e9),
             ("flash_varlen", flash_varlen, used_gb),
             ("triton", triton_kernel, used_gb),
-        ):
+        ]
+        if end is not None:
+
+            def cascade(triton_kernel=triton_kernel):
+                return triton_kernel(prefix=(pad, end, members))
+
+            unique = used_gb - 2 * int((end - pad).sum()) * groups * dim * 2 / 1e9 * (1 - 1 / args.share)
+            variants.append(("triton_cascade", cascade, unique))
+        for name, fn, gb in variants:
             r[name + "_ms"] = graph_ms(fn, args.iters)
             r[name + "_tb_per_s"] = gb / r[name + "_ms"]
             r[name + "_max_abs_diff"] = float((fn().float() - ref.float()).abs().max())

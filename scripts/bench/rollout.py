@@ -29,7 +29,10 @@ kernel, compiled elementwise ops (both skipped on CPU, where every variant is th
 row's positions, so the KV budget bounds the batch by the longest row); `native_unfused`: the compiled RoPE,
 indexed K/V writes and compiled split merge instead of their Triton kernels (`DecodeKernels(fused=False)`);
 `native_torch_sampler`: the torch draw on float32 logits instead of the Triton draw
-(`DecodeKernels(sampler=False)`; `native_plain` has the torch draw too).
+(`DecodeKernels(sampler=False)`; `native_plain` has the torch draw too); `native_unshared`: with `--n` > 1,
+every sample reads its own copy of its prompt's K/V (`DecodeKernels(shared_prefix=False)`) instead of its
+group's first live sample's.
+`--n`: samples per prompt (GRPO's group; rows = prompts x n, a prompt's samples share its length limit).
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
 `--profile DIR`: one more native `generate` of the same batch under torch.profiler: the top 30 kernels to
@@ -75,6 +78,7 @@ BACKENDS = (
     "native_plain",
     "native_unfused",
     "native_torch_sampler",
+    "native_unshared",
     "vllm",
     "transformers",
 )
@@ -89,8 +93,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, help="default 512 (64 for the tiny presets)")
     ap.add_argument("--prompt-len", type=int, help="default 256 (32 for the tiny presets)")
     ap.add_argument("--new-tokens", type=int, help="default 512 (64 for the tiny presets)")
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt")
     ap.add_argument(
-        "--max-num-seqs", type=int, help="rollout.max_num_seqs for native and vLLM (default: --prompts)"
+        "--max-num-seqs", type=int, help="rollout.max_num_seqs for native and vLLM (default: all rows)"
     )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.45, help="vLLM")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="native: eager decode on CUDA")
@@ -219,6 +224,7 @@ VARIANTS = {  # the native engine with other kernels, against `native` (auto) in
     "native_plain": DecodeKernels(attention="sdpa", compiled=False, sampler=False),
     "native_unfused": DecodeKernels(fused=False),
     "native_torch_sampler": DecodeKernels(sampler=False),
+    "native_unshared": DecodeKernels(shared_prefix=False),
 }
 
 
@@ -390,7 +396,7 @@ def main() -> None:
     args.prompts = args.prompts or (64 if tiny else 512)
     args.prompt_len = args.prompt_len or (32 if tiny else 256)
     args.new_tokens = args.new_tokens or (64 if tiny else 512)
-    args.max_num_seqs = args.max_num_seqs or args.prompts
+    args.max_num_seqs = args.max_num_seqs or args.prompts * args.n
     wanted = args.backends.split(",")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     groups = init_distributed(ParallelDims(world_size=1), device_type)  # vLLM joins this world
@@ -403,6 +409,7 @@ def main() -> None:
     prompts = torch.randint(0, shape.vocab_size, (args.prompts, args.prompt_len), generator=gen).tolist()
     lengths = response_lengths(args.lengths, args.prompts, args.new_tokens, args.seed)
     sampling = SamplingParams(
+        n=args.n,
         temperature=1.0,
         max_new_tokens=args.new_tokens,
         max_new_tokens_per_prompt=tuple(lengths) if args.lengths != "fixed" else (),
@@ -420,6 +427,7 @@ def main() -> None:
         "prompts": args.prompts,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "n": args.n,
         "lengths": {"kind": args.lengths, **describe(lengths, args.new_tokens)},
         "max_num_seqs": args.max_num_seqs,
         "temperature": 1.0,
@@ -455,14 +463,16 @@ def main() -> None:
         except Exception as err:  # still measure and report the other backends
             traceback.print_exc()
             results["vllm"] = {"error": f"{type(err).__name__}: {err}"[:2000]}
-    if "transformers" in wanted and sampling.max_new_tokens_per_prompt:
+    if "transformers" in wanted and args.n > 1:
+        results["transformers"] = {"skipped": "the bench's generate call draws one sample per prompt"}
+    elif "transformers" in wanted and sampling.max_new_tokens_per_prompt:
         results["transformers"] = {"skipped": "generate has no per-row length limit"}
     elif "transformers" in wanted and shape.moe is not None:
         results["transformers"] = {"skipped": "MoE: the bench maps weights to per-expert HF names only"}
     elif "transformers" in wanted:
         results["transformers"] = run_transformers(shape, weights, prompts, sampling, device, reference)
     if device.type == "cuda" and args.preset not in TINY and dense(args.preset):
-        roof = generation_roofline(args.preset, args.prompt_len, lengths)
+        roof = generation_roofline(args.preset, args.prompt_len, [n for n in lengths for _ in range(args.n)])
         report["roofline"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in roof.items()}
         for r in results.values():
             if "seconds" in r:

@@ -81,6 +81,43 @@ def test_paged_cache_equals_the_contiguous_cache_bitwise():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("splits,prefix_splits", [(1, 1), (3, 2)])
+def test_cascade_reads_each_prompt_once_from_its_lead_row(splits, prefix_splits, paged):
+    """Rows 0-2 share a prompt at positions [5, 42) led by row 1, rows 3-4 one at [0, 20) led by row 4, which
+    has finished (it reads its one key, yet still leads row 3): the other rows' copies of the prompt are
+    poisoned (inf), yet every row's output matches SDPA over clean K/V (float32, 2e-3). Paged: through a
+    shuffled page table, the lead row's page-table row."""
+    page, cache_len = 16, 96
+    q, k, v = _inputs(cache_len, seed=6)
+    start, end = torch.tensor([5, 5, 5, 0, 0]), torch.tensor([42, 42, 42, 20, 20])
+    pad, cur = start.clone(), torch.tensor([60, 41, 90, 19, 70])
+    pad[4] = cur[4]  # finished
+    members = torch.full((ROWS, 3), -1)
+    members[1], members[4, 0] = torch.tensor([0, 1, 2]), 3
+    lead = torch.tensor([1, 1, 1, 4, 4])
+    for r in range(ROWS):  # the group's prompt positions hold the lead row's K/V
+        k[r, : end[r]], v[r, : end[r]] = k[lead[r], : end[r]], v[lead[r], : end[r]]
+    reference = _sdpa(q, k, v, pad, cur)
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    for r in (0, 2, 3):
+        poisoned_k[r, start[r] : end[r]] = poisoned_v[r, start[r] : end[r]] = float("inf")
+    args, kw = (q, poisoned_k, poisoned_v, pad, cur), {"splits": splits, "block_n": 16}
+    if paged:
+        per_row = cache_len // page
+        g = torch.Generator().manual_seed(6)
+        table = (torch.randperm(ROWS * per_row, generator=g) + 1).view(ROWS, per_row).to(torch.int32)
+        flat_k, flat_v = (torch.zeros((ROWS * per_row + 1) * page, GROUPS, DIM, dtype=DT) for _ in "kv")
+        at = (table.long()[:, :, None] * page + torch.arange(page)).view(ROWS, -1)
+        flat_k[at], flat_v[at] = poisoned_k, poisoned_v
+        args, kw = (q, flat_k, flat_v, pad, cur), {**kw, "table": table, "page": page}
+    out = triton_decode.decode_attention(
+        *args, prefix=(start, end, members), prefix_splits=prefix_splits, **kw
+    )
+    torch.testing.assert_close(out.float(), reference, atol=2e-3, rtol=2e-3)
+    assert not triton_decode.decode_attention(*args, **kw).isfinite().all()  # (the poison is read without)
+
+
 @pytest.mark.parametrize("splits", [1, 5, 40])
 def test_triton_merge_equals_merge_splits(splits):
     """The same partial states merged by the Triton kernel and by `merge_splits` (eager on the CPU); one split:
@@ -184,6 +221,92 @@ def test_paged_generation_equals_the_contiguous_layout(tmp_path):
         assert e.model.attention == "triton" and bool(e.last_stats.get("paged")) == paged, e.last_stats
     assert torch.equal(outs[0].response_ids, outs[1].response_ids)
     assert torch.equal(outs[0].log_probs, outs[1].log_probs)
+
+
+def _check_prompt_readers(engine, seen):
+    """Wrap `engine.model.decode`: at every step with a cascade, each live slot is listed by exactly one slot of
+    its own group (itself or another), whose cache holds the same K/V at the same prompt positions; `seen`
+    collects (group, reading slot) pairs."""
+    decode = engine.model.decode
+
+    def checked(tokens, pad, cur, cache_k, cache_v, num_keys, table=None, page=0, **kw):
+        st, prefix = engine._rows, kw["prefix"]
+        if prefix is not None:
+            members = prefix[2]
+            for r in st.alive[: len(tokens)].nonzero().flatten().tolist():
+                (readers,) = (members == r).any(1).nonzero(as_tuple=True)
+                assert readers.numel() == 1, (r, members)
+                p = int(readers[0])
+                assert st.group[p] == st.group[r] and st.prefix_start[p] == st.prefix_start[r] == pad[r], (
+                    r,
+                    p,
+                )
+                assert st.prefix_end[p] == st.prefix_end[r] <= cur[r]
+                at = torch.arange(int(st.prefix_start[r]), int(st.prefix_end[r]))
+                for layer in cache_k + cache_v:
+                    if table is None:
+                        own, other = layer[r, at], layer[p, at]
+                    else:
+                        own, other = (layer[table[x, at // page].long() * page + at % page] for x in (r, p))
+                    assert torch.equal(own, other), (r, p)
+                seen.add((int(st.group[r]), p))
+        return decode(tokens, pad, cur, cache_k, cache_v, num_keys, table, page, **kw)
+
+    engine.model.decode = checked
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_samples_of_a_prompt_read_it_once(paged, tmp_path):
+    """Three samples per prompt, drawn at temperature 1, ending at stop tokens (so a group's first sample often
+    ends before the others) and per-prompt limits, in batches of 9 slots with rows admitted as others finish:
+    with the cascade (a group's prompt read once, by its first live slot, at every width here) the sampled
+    tokens' log-probs are within 1.5x the distance of every row reading its own copy (`shared_prefix=False`) to
+    transformers' float32 teacher-forced ones (float16: the two may draw other tokens where a draw is near a
+    boundary); at every step each live slot's prompt is read by one slot of its group that holds the same K/V,
+    and some groups changed that slot, in later admissions too."""
+    from test_rollout_native import hf_log_probs, random_prompts
+    from transformers import AutoModelForCausalLM
+
+    from engine.rollout.base import SamplingParams
+    from engine.rollout.native import NativeRollout
+
+    path = hf_tiny.save_tiny("qwen2", str(tmp_path / "qwen2"), seed=7, max_position_embeddings=512)
+    shape, weights = rollout_weights_from_hf(path)
+    params = RolloutWeights({k: v.to(DT) for k, v in weights.params.items()}, 1, 0, None, None, 0, 1)
+    prompts = random_prompts(shape.vocab_size, lens=(5, 9, 3, 7), seed=7)
+    sampling = SamplingParams(
+        n=3,
+        temperature=1.0,
+        max_new_tokens=10,
+        max_new_tokens_per_prompt=(10, 4, 10, 7),
+        stop_token_ids=tuple(range(0, shape.vocab_size, 12)),
+        seed=7,
+    )
+    outs, seen = [], set()
+    for shared in (True, False):
+        kernels = DecodeKernels("triton", compiled=False, shared_prefix=shared, shared_prefix_min_rows=1)
+        e = NativeRollout(shape, torch.device("cpu"), max_num_seqs=9, paged_kv=paged, kernels=kernels)
+        e.set_weights(params)
+        assert e.model.shared_prefix == shared
+        if shared:
+            _check_prompt_readers(e, seen)
+        outs.append(e.generate(prompts, sampling))
+        assert bool(e.last_stats["paged"]) == paged and e.last_stats["chunks"] > 1, e.last_stats
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    errors = []
+    for out in outs:
+        err = 0.0
+        for row, prompt in enumerate(p for p in prompts for _ in range(sampling.n)):
+            k = int(out.response_mask[row].sum())
+            ref = hf_log_probs(hf, prompt, out.response_ids[row, :k].tolist(), 1.0)
+            err = max(err, float((out.log_probs[row, :k] - ref).abs().max()))
+        errors.append(err)
+    assert errors[0] <= 1.5 * errors[1] + 1e-3, errors
+    assert "stop" in outs[0].finish_reasons and "length" in outs[0].finish_reasons
+    readers = {}
+    for group, p in seen:
+        readers.setdefault(group, set()).add(p)
+    assert any(len(s) > 1 for g, s in readers.items() if g >> 32 > 1), readers  # (in a later chunk too)
 
 
 def test_head_gradient_kernel_matches_the_op_chain():

@@ -264,6 +264,40 @@ def test_triton_decode_attention_matches_sdpa(splits, block_n, per_row):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)  # bf16 output rounding + P in bf16
 
 
+@pytest.mark.parametrize("group_size,per_group", [(8, 6), (16, 7)])
+def test_triton_cascade_matches_sdpa(group_size, per_group):
+    """The cascade at Qwen2.5-1.5B's and -7B's head shapes, bf16: 64 rows in groups sharing a 300-position prompt
+    after their own left padding (the query tile of a group: 48 or 112 heads), rows at their own positions,
+    a finished row that still leads its group; the rows' other copies of the prompt poisoned: vs SDPA in
+    float32 on clean K/V."""
+    from engine.rollout import triton_decode
+
+    g = torch.Generator(device=DEV).manual_seed(1)
+    rows, groups, dim, cache_len = 64, 2, 128, 900
+    q = torch.randn(rows, groups, per_group, dim, device=DEV, generator=g).bfloat16()
+    k, v = (torch.randn(rows, cache_len, groups, dim, device=DEV, generator=g).bfloat16() for _ in range(2))
+    lead = torch.arange(rows, device=DEV) // group_size * group_size
+    start = torch.randint(0, 40, (rows,), device=DEV, generator=g)[lead]
+    end = start + 300
+    cur = end + torch.randint(0, 560, (rows,), device=DEV, generator=g)
+    pad = start.clone()
+    pad[0] = cur[0]  # row 0 finished: it reads its one key and still leads its group
+    prompt = (torch.arange(cache_len, device=DEV)[None, :] < end[:, None])[:, :, None, None]
+    k, v = (torch.where(prompt, t[lead], t) for t in (k, v))
+    members = torch.full((rows, group_size), -1, device=DEV)
+    members[::group_size] = torch.arange(rows, device=DEV).view(-1, group_size)
+    members[0] = torch.cat((members[0, 1:], members.new_full((1,), -1)))  # (the finished row is no member)
+    ar = torch.arange(cache_len, device=DEV)
+    mask = ((ar >= pad[:, None]) & (ar <= cur[:, None]))[:, None, None]
+    ref = F.scaled_dot_product_attention(
+        q.float(), k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=mask
+    )
+    poisoned = ~(torch.arange(rows, device=DEV) == lead)[:, None, None, None] & prompt
+    k, v = (t.masked_fill(poisoned, float("inf")) for t in (k, v))
+    out = triton_decode.decode_attention(q, k, v, pad, cur, prefix=(start, end, members))
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("splits", [None, 3])
 def test_triton_paged_decode_equals_the_contiguous_cache_bitwise(splits):
     """The Triton kernel reading each row through a shuffled page table (64-position pages, rows at their own
@@ -390,6 +424,39 @@ def test_paged_generation_with_graphs_equals_the_contiguous_layout(tiny):
     assert tight.last_stats["preemptions"] >= 1 and tight.last_stats["graphs"] >= 1, tight.last_stats
     assert torch.equal(out.response_ids, ref.response_ids) and out.finish_reasons == ref.finish_reasons
     torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_cascade_log_probs_match_transformers_as_reading_each_rows_own_prompt(tiny, paged):
+    """Four samples per prompt at temperature 1 with stop tokens and per-prompt limits (rows finish at different
+    steps, compactions, admissions into freed slots), bf16, CUDA graphs: with the cascade (each group's prompt
+    read once, at every width: `shared_prefix_min_rows=1`) the sampled tokens' log-probs stay within 1.5x the
+    distance of every row reading its own copy to transformers' float32 teacher-forced log-probs."""
+    shape, _, hf = tiny["qwen2"]
+    prompts = random_prompts(shape.vocab_size, lens=tuple(range(60, 84)), seed=9)
+    sampling = SamplingParams(
+        n=4,
+        temperature=1.0,
+        max_new_tokens=48,
+        max_new_tokens_per_prompt=tuple([48, 5, 30, 12] * 6),
+        stop_token_ids=tuple(range(0, shape.vocab_size, 40)),
+        seed=11,
+    )
+    errors = []
+    for shared in (True, False):
+        kernels = DecodeKernels(shared_prefix=shared, shared_prefix_min_rows=1)
+        e = engine(tiny, "qwen2", torch.bfloat16, paged_kv=paged, max_num_seqs=32, kernels=kernels)
+        out = e.generate(prompts, sampling)
+        assert e.model.shared_prefix == shared and e.last_stats["graphs"] >= 2, e.last_stats
+        assert e.last_stats["chunks"] > 1 and bool(e.last_stats["paged"]) == paged, e.last_stats
+        assert {"stop", "length"} <= set(out.finish_reasons)
+        err = 0.0
+        for row, prompt in enumerate(p for p in prompts for _ in range(sampling.n)):
+            k = int(out.response_mask[row].sum())
+            ref = hf_log_probs(hf, prompt, out.response_ids[row, :k].tolist(), 1.0)
+            err = max(err, float((out.log_probs[row, :k] - ref).abs().max()))
+        errors.append(err)
+    assert errors[0] <= 1.5 * errors[1] + 1e-3, errors
 
 
 def test_split_merge_compiles_once_for_every_width_and_split_count():
