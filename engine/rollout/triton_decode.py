@@ -17,6 +17,12 @@ Each program writes its partial softmax state (max, sum, weighted values) in flo
 merges them (`_merge_splits`, one more Triton kernel, all splits of a head as one tile; or `merge_splits` compiled).
 With one split (rows x groups fill the GPU alone: wide batches) the program writes the normalised output itself.
 
+The samples of one prompt (GRPO's group) hold the same K/V at the prompt's positions; with `prefix` the
+attention runs as a cascade: `_prefix_partials` streams each group's prompt once from one row, with the query
+heads of every sample of the group in one tile (8 samples x 6 heads: 48 of a 64-row tile, where a row alone
+fills 6 of 16), each row's own program attends over its positions after the prompt, and the merge adds the
+two. A row alone reads its prompt's K/V once per decode step; a group of n reads it once, not n times.
+
 Only on CUDA with Triton installed, in half precision (`supported`); engine/rollout/model.py falls back to
 FlashAttention-2 or SDPA otherwise. Parity with SDPA: tests/engine/test_rollout_gpu.py.
 """
