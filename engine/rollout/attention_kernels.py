@@ -99,11 +99,12 @@ class DecodeKernels:
     """Temperature sampling without top-k/top-p as a two-level inverse CDF in two Triton kernels, on the decode
     step's logits in the model's dtype (engine/rollout/triton_sample.py). False: the torch draw on float32
     logits (engine/rollout/sampler.py; the baseline of scripts/bench/rollout.py's `native_torch_sampler`)."""
-    shared_prefix: bool = True
+    shared_prefix: bool = False
     """With the Triton decode attention (and `fused`), in calls of n > 1 samples per prompt: a group's prompt is
     read once for all its samples (a cascade: engine/rollout/triton_decode.py `_prefix_partials`), in decode
-    batches of `shared_prefix_min_rows` rows or more. False: every row reads its own copy (the baseline of
-    scripts/bench/rollout.py's `native_unshared`)."""
+    batches of `shared_prefix_min_rows` rows or more. Off by default: measured no faster on an H200 (scripts/
+    bench/README.md, "Rollout"); False: every row reads its own copy (scripts/bench/rollout.py's
+    `native_unshared`; True: `native_cascade`)."""
     shared_prefix_min_rows: int = 64
     """Narrower batches read their own copies: there the prompt is a small share of the keys and the cascade's
     two more kernels per layer cost more than it saves (scripts/bench/README.md, "Rollout")."""

@@ -293,16 +293,18 @@ def supported(device: torch.device, dtype: torch.dtype, head_dim: int, per_group
 MAX_SPLITS = 64  # the merge holds a head's states as one (splits, dim) float32 tile
 
 
-def num_splits(rows_x_groups: int, cache_len: int, block_n: int, device: torch.device) -> int:
+def num_splits(
+    rows_x_groups: int, cache_len: int, block_n: int, device: torch.device, min_blocks: int = 4
+) -> int:
     """Key ranges per (row, group): enough programs for ~4 waves on the GPU's SMs, or ~2 where (row, group)
-    pairs alone fill every SM, at most `MAX_SPLITS`, and no more than spans of 4 key blocks (the kernel's
-    shortest) would need to cover the cache's capacity. The H200 sweep (scripts/bench/README.md, "Rollout")
+    pairs alone fill every SM, at most `MAX_SPLITS`, and no more than spans of `min_blocks` key blocks (the
+    kernel's shortest) would need to cover the cache's capacity. The H200 sweep (scripts/bench/README.md, "Rollout")
     found 4 waves best below one program per SM and 2 above (Qwen2.5-1.5B: 128 rows at 1,400 keys 49 us with
     2 splits, 61 us with the 3 that 4 waves gave; 256 rows at 400 keys 30 us unsplit, 32 us with 2)."""
     sms = sm_count(device)  # the interpreter: a few "SMs", so that small tests split keys too
     waves = 2 if rows_x_groups >= sms else 4
     want = max(1, math.ceil(waves * sms / rows_x_groups))
-    return max(1, min(want, MAX_SPLITS, cache_len // (4 * block_n)))
+    return max(1, min(want, MAX_SPLITS, cache_len // (min_blocks * block_n)))
 
 
 def decode_attention(
@@ -337,7 +339,8 @@ def decode_attention(
     prompt (the samples of one prompt, prefilled together: the same K/V at the same positions) read it once.
     Row `l` with members[l] = its rows (-1 padded; every row with pad < end in exactly one list) streams
     positions [start[l], end[l]) of its own cache row once for all of their query heads (`_prefix_partials`,
-    in `prefix_splits` spans, None: as `num_splits` for rows / G leaders); each row attends over
+    in `prefix_splits` spans of at least one key block, None: as `num_splits` for rows / G leaders: a
+    prompt's few blocks spread over many programs, not one per SM); each row attends over
     [max(pad, end), cur] itself, and the merge adds the prompt's states where pad < end. Needs `triton_merge`."""
     rows, groups, per_group, dim = q.shape
     if table is not None:  # the flat cache as one "row" that every row indexes through its page table
@@ -357,7 +360,7 @@ def decode_attention(
         if not triton_merge:
             raise ValueError("decode_attention: prefix (cascade) needs triton_merge=True")
         leaders = max(1, rows // prefix[2].shape[1])
-        psplits = prefix_splits or num_splits(leaders * groups, cache_len, block_n, q.device)
+        psplits = prefix_splits or num_splits(leaders * groups, cache_len, block_n, q.device, min_blocks=1)
     direct = triton_merge and splits == 1 and not psplits  # the kernel writes the output: no states, no merge
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if triton_merge else None
     states = 0 if direct else rows * groups * (splits + psplits) * block_h
@@ -382,7 +385,7 @@ def decode_attention(
             q, cache_k, cache_v, start, end, members, table, stride_tb, acc, m, s, *strides, groups, splits,
             splits + psplits, 1.0 / math.sqrt(dim), GROUP=group_size, PER_GROUP=per_group, BLOCK_H=block_h,
             BLOCK_Q=max(16, triton.next_power_of_2(group_size * per_group)), HEAD_DIM=dim, BLOCK_N=block_n,
-            MIN_SPAN=4 * block_n, PAGE=page, num_warps=num_warps if group_size * per_group <= 64 else 8,
+            MIN_SPAN=block_n, PAGE=page, num_warps=num_warps if group_size * per_group <= 64 else 8,
             num_stages=num_stages,
         )  # fmt: skip
     _decode_partials[(rows * groups, splits)](

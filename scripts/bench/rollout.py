@@ -29,9 +29,9 @@ kernel, compiled elementwise ops (both skipped on CPU, where every variant is th
 row's positions, so the KV budget bounds the batch by the longest row); `native_unfused`: the compiled RoPE,
 indexed K/V writes and compiled split merge instead of their Triton kernels (`DecodeKernels(fused=False)`);
 `native_torch_sampler`: the torch draw on float32 logits instead of the Triton draw
-(`DecodeKernels(sampler=False)`; `native_plain` has the torch draw too); `native_unshared`: with `--n` > 1,
-every sample reads its own copy of its prompt's K/V (`DecodeKernels(shared_prefix=False)`) instead of its
-group's first live sample's.
+(`DecodeKernels(sampler=False)`; `native_plain` has the torch draw too); with `--n` > 1, `native_unshared`:
+every sample reads its own copy of its prompt's K/V (`DecodeKernels(shared_prefix=False)`), `native_cascade`:
+a group's prompt read once for its samples (`DecodeKernels(shared_prefix=True)`), whichever the default is.
 `--n`: samples per prompt (GRPO's group; rows = prompts x n, a prompt's samples share its length limit).
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
@@ -79,6 +79,7 @@ BACKENDS = (
     "native_unfused",
     "native_torch_sampler",
     "native_unshared",
+    "native_cascade",
     "vllm",
     "transformers",
 )
@@ -225,6 +226,7 @@ VARIANTS = {  # the native engine with other kernels, against `native` (auto) in
     "native_unfused": DecodeKernels(fused=False),
     "native_torch_sampler": DecodeKernels(sampler=False),
     "native_unshared": DecodeKernels(shared_prefix=False),
+    "native_cascade": DecodeKernels(shared_prefix=True),
 }
 
 
