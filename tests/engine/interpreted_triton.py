@@ -264,7 +264,7 @@ def test_samples_of_a_prompt_read_it_once(paged, tmp_path):
     transformers' float32 teacher-forced ones (float16: the two may draw other tokens where a draw is near a
     boundary); at every step each live slot's prompt is read by one slot of its group that holds the same K/V,
     and some groups changed that slot, in later admissions too."""
-    from test_rollout_native import hf_log_probs, random_prompts
+    from test_rollout_native import largest_log_prob_error, random_prompts
     from transformers import AutoModelForCausalLM
 
     from engine.rollout.base import SamplingParams
@@ -293,14 +293,7 @@ def test_samples_of_a_prompt_read_it_once(paged, tmp_path):
         outs.append(e.generate(prompts, sampling))
         assert bool(e.last_stats["paged"]) == paged and e.last_stats["chunks"] > 1, e.last_stats
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    errors = []
-    for out in outs:
-        err = 0.0
-        for row, prompt in enumerate(p for p in prompts for _ in range(sampling.n)):
-            k = int(out.response_mask[row].sum())
-            ref = hf_log_probs(hf, prompt, out.response_ids[row, :k].tolist(), 1.0)
-            err = max(err, float((out.log_probs[row, :k] - ref).abs().max()))
-        errors.append(err)
+    errors = [largest_log_prob_error(hf, prompts, sampling.n, out) for out in outs]
     assert errors[0] <= 1.5 * errors[1] + 1e-3, errors
     assert "stop" in outs[0].finish_reasons and "length" in outs[0].finish_reasons
     readers = {}

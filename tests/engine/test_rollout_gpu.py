@@ -24,6 +24,7 @@ from test_rollout_native import (
     episode_turns,
     hf_greedy,
     hf_log_probs,
+    largest_log_prob_error,
     random_prompts,
     rollout_weights_from_hf,
 )
@@ -450,12 +451,7 @@ def test_cascade_log_probs_match_transformers_as_reading_each_rows_own_prompt(ti
         assert e.model.shared_prefix == shared and e.last_stats["graphs"] >= 2, e.last_stats
         assert e.last_stats["chunks"] > 1 and bool(e.last_stats["paged"]) == paged, e.last_stats
         assert {"stop", "length"} <= set(out.finish_reasons)
-        err = 0.0
-        for row, prompt in enumerate(p for p in prompts for _ in range(sampling.n)):
-            k = int(out.response_mask[row].sum())
-            ref = hf_log_probs(hf, prompt, out.response_ids[row, :k].tolist(), 1.0)
-            err = max(err, float((out.log_probs[row, :k] - ref).abs().max()))
-        errors.append(err)
+        errors.append(largest_log_prob_error(hf, prompts, sampling.n, out))
     assert errors[0] <= 1.5 * errors[1] + 1e-3, errors
 
 

@@ -102,6 +102,17 @@ def hf_log_probs(hf, prompt: list[int], response: list[int], temperature: float)
     return logits.log_softmax(-1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
 
 
+def largest_log_prob_error(hf, prompts: list[list[int]], n: int, out) -> float:
+    """Largest distance of a generate call's sampled-token log-probs (temperature 1; rows = prompts x n) to
+    transformers' teacher-forced ones on the same tokens."""
+    err = 0.0
+    for row, prompt in enumerate(p for p in prompts for _ in range(n)):
+        k = int(out.response_mask[row].sum())
+        ref = hf_log_probs(hf, prompt, out.response_ids[row, :k].tolist(), 1.0)
+        err = max(err, float((out.log_probs[row, :k] - ref).abs().max()))
+    return err
+
+
 # ---- parity with transformers ---------------------------------------------------------------------
 
 
