@@ -22,6 +22,9 @@ attention runs as a cascade: `_prefix_partials` streams each group's prompt once
 heads of every sample of the group in one tile (8 samples x 6 heads: 48 of a 64-row tile, where a row alone
 fills 6 of 16), each row's own program attends over its positions after the prompt, and the merge adds the
 two. A row alone reads its prompt's K/V once per decode step; a group of n reads it once, not n times.
+Measured slower than every row reading its own copy on an H200 (the prompt kernel and the merge cost more
+than the traffic saved: scripts/bench/README.md, "Rollout"), so engine/rollout/attention_kernels.py
+`DecodeKernels.shared_prefix` leaves it off by default.
 
 Only on CUDA with Triton installed, in half precision (`supported`); engine/rollout/model.py falls back to
 FlashAttention-2 or SDPA otherwise. Parity with SDPA: tests/engine/test_rollout_gpu.py.
@@ -293,18 +296,16 @@ def supported(device: torch.device, dtype: torch.dtype, head_dim: int, per_group
 MAX_SPLITS = 64  # the merge holds a head's states as one (splits, dim) float32 tile
 
 
-def num_splits(
-    rows_x_groups: int, cache_len: int, block_n: int, device: torch.device, min_blocks: int = 4
-) -> int:
+def num_splits(rows_x_groups: int, cache_len: int, block_n: int, device: torch.device) -> int:
     """Key ranges per (row, group): enough programs for ~4 waves on the GPU's SMs, or ~2 where (row, group)
-    pairs alone fill every SM, at most `MAX_SPLITS`, and no more than spans of `min_blocks` key blocks (the
-    kernel's shortest) would need to cover the cache's capacity. The H200 sweep (scripts/bench/README.md, "Rollout")
+    pairs alone fill every SM, at most `MAX_SPLITS`, and no more than spans of 4 key blocks (the kernel's
+    shortest) would need to cover the cache's capacity. The H200 sweep (scripts/bench/README.md, "Rollout")
     found 4 waves best below one program per SM and 2 above (Qwen2.5-1.5B: 128 rows at 1,400 keys 49 us with
     2 splits, 61 us with the 3 that 4 waves gave; 256 rows at 400 keys 30 us unsplit, 32 us with 2)."""
     sms = sm_count(device)  # the interpreter: a few "SMs", so that small tests split keys too
     waves = 2 if rows_x_groups >= sms else 4
     want = max(1, math.ceil(waves * sms / rows_x_groups))
-    return max(1, min(want, MAX_SPLITS, cache_len // (min_blocks * block_n)))
+    return max(1, min(want, MAX_SPLITS, cache_len // (4 * block_n)))
 
 
 def decode_attention(
@@ -339,8 +340,8 @@ def decode_attention(
     prompt (the samples of one prompt, prefilled together: the same K/V at the same positions) read it once.
     Row `l` with members[l] = its rows (-1 padded; every row with pad < end in exactly one list) streams
     positions [start[l], end[l]) of its own cache row once for all of their query heads (`_prefix_partials`,
-    in `prefix_splits` spans of at least one key block, None: as `num_splits` for rows / G leaders: a
-    prompt's few blocks spread over many programs, not one per SM); each row attends over
+    in `prefix_splits` spans of at least 4 key blocks, None: as `num_splits` for rows / G leaders; spans of one
+    block measured slower: scripts/bench/README.md, "Rollout"); each row attends over
     [max(pad, end), cur] itself, and the merge adds the prompt's states where pad < end. Needs `triton_merge`."""
     rows, groups, per_group, dim = q.shape
     if table is not None:  # the flat cache as one "row" that every row indexes through its page table
@@ -360,7 +361,7 @@ def decode_attention(
         if not triton_merge:
             raise ValueError("decode_attention: prefix (cascade) needs triton_merge=True")
         leaders = max(1, rows // prefix[2].shape[1])
-        psplits = prefix_splits or num_splits(leaders * groups, cache_len, block_n, q.device, min_blocks=1)
+        psplits = prefix_splits or num_splits(leaders * groups, cache_len, block_n, q.device)
     direct = triton_merge and splits == 1 and not psplits  # the kernel writes the output: no states, no merge
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if triton_merge else None
     states = 0 if direct else rows * groups * (splits + psplits) * block_h
@@ -385,7 +386,7 @@ def decode_attention(
             q, cache_k, cache_v, start, end, members, table, stride_tb, acc, m, s, *strides, groups, splits,
             splits + psplits, 1.0 / math.sqrt(dim), GROUP=group_size, PER_GROUP=per_group, BLOCK_H=block_h,
             BLOCK_Q=max(16, triton.next_power_of_2(group_size * per_group)), HEAD_DIM=dim, BLOCK_N=block_n,
-            MIN_SPAN=block_n, PAGE=page, num_warps=num_warps if group_size * per_group <= 64 else 8,
+            MIN_SPAN=4 * block_n, PAGE=page, num_warps=num_warps if group_size * per_group <= 64 else 8,
             num_stages=num_stages,
         )  # fmt: skip
     _decode_partials[(rows * groups, splits)](
