@@ -2,12 +2,13 @@
 graph replay == eager decode, graphs vs eager end to end (stops, compaction, several buckets), the KV cache
 budget from free memory and its release. World size: none (in-process, one GPU), except the last test: 2
 GPUs, NCCL, tests/engine/rollout_tp_script.py with `cuda` (rollout.tp 2 and 1 on real training shards).
+The attention and RoPE/K-V kernels alone: tests/engine/test_decode_kernels_gpu.py.
 
 Tolerances: float32 log-probs within 2e-4 of transformers; in bfloat16 the fast kernels (Triton or flash
 decode attention, compiled elementwise chains) stay within 1.5x the plain path's distance to a float32
-forward (the flash prefill the same against the masked one); the Triton decode kernel alone within 2e-2 of
-float32 SDPA on the same bf16 inputs; graph replay equals eager decode bitwise (same kernels, same inputs); graphs vs eager generation (which attends over cur + 1 keys instead of the whole
-cache) within 1e-4 in float32; episode turns continued from the kept KV cache equal a full prefill in
+forward (the flash prefill the same against the masked one; the cascade over a prompt's samples the same
+against transformers); graph replay equals eager decode bitwise (same kernels, same inputs); graphs vs eager
+generation (which attends over cur + 1 keys instead of the whole cache) within 1e-4 in float32; episode turns continued from the kept KV cache equal a full prefill in
 float32 (tokens exact, log-probs within 1e-4).
 """
 
@@ -18,7 +19,6 @@ from pathlib import Path
 import hf_tiny
 import pytest
 import torch
-import torch.nn.functional as F
 from distributed import run_torchrun
 from test_rollout_native import (
     episode_turns,
@@ -236,152 +236,6 @@ def test_flash_prefill_matches_the_masked_prefill_in_bf16(tiny, pad):
             float(err_flash.mean()),
             float(err_sdpa.mean()),
         )
-
-
-@pytest.mark.parametrize("per_row", [False, True])
-@pytest.mark.parametrize("splits,block_n", [(None, 64), (3, 32), (5, 64), (64, 16)])
-def test_triton_decode_attention_matches_sdpa(splits, block_n, per_row):
-    """Qwen2.5-7B's head shape (7 query heads per KV group, dim 128), rows with different left padding,
-    each row's keys split or not (empty splits included: 64 splits of at least 4 key blocks leave most of a
-    row's splits empty), one position for every row or one per row (rows admitted at different times): vs
-    SDPA in float32 on the same bf16 values."""
-    from engine.rollout import triton_decode
-
-    g = torch.Generator(device=DEV).manual_seed(0)
-    rows, groups, per_group, dim, cache_len, cur = 5, 2, 7, 128, 700, 650
-    q = torch.randn(rows, groups, per_group, dim, device=DEV, generator=g).bfloat16()
-    k, v = (torch.randn(rows, cache_len, groups, dim, device=DEV, generator=g).bfloat16() for _ in range(2))
-    pad = torch.tensor([0, 3, 64, 130, 640], device=DEV)
-    cur_t = torch.tensor([cur], device=DEV)
-    if per_row:
-        cur_t = torch.tensor([cur, 40, 699, 131, 640], device=DEV)
-    out = triton_decode.decode_attention(q, k, v, pad, cur_t, splits=splits, block_n=block_n)
-    ar = torch.arange(cache_len, device=DEV)
-    mask = ((ar >= pad[:, None]) & (ar <= cur_t.expand(rows)[:, None]))[:, None, None]
-    ref = F.scaled_dot_product_attention(
-        q.float(), k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=mask
-    )
-    assert out.dtype == torch.bfloat16 and out.shape == q.shape
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)  # bf16 output rounding + P in bf16
-
-
-@pytest.mark.parametrize("group_size,per_group", [(8, 6), (16, 7)])
-def test_triton_cascade_matches_sdpa(group_size, per_group):
-    """The cascade at Qwen2.5-1.5B's and -7B's head shapes, bf16: 64 rows in groups sharing a 300-position prompt
-    after their own left padding (the query tile of a group: 48 or 112 heads), rows at their own positions,
-    a finished row that still leads its group; the rows' other copies of the prompt poisoned: vs SDPA in
-    float32 on clean K/V."""
-    from engine.rollout import triton_decode
-
-    g = torch.Generator(device=DEV).manual_seed(1)
-    rows, groups, dim, cache_len = 64, 2, 128, 900
-    q = torch.randn(rows, groups, per_group, dim, device=DEV, generator=g).bfloat16()
-    k, v = (torch.randn(rows, cache_len, groups, dim, device=DEV, generator=g).bfloat16() for _ in range(2))
-    lead = torch.arange(rows, device=DEV) // group_size * group_size
-    start = torch.randint(0, 40, (rows,), device=DEV, generator=g)[lead]
-    end = start + 300
-    cur = end + torch.randint(0, 560, (rows,), device=DEV, generator=g)
-    pad = start.clone()
-    pad[0] = cur[0]  # row 0 finished: it reads its one key and still leads its group
-    prompt = (torch.arange(cache_len, device=DEV)[None, :] < end[:, None])[:, :, None, None]
-    k, v = (torch.where(prompt, t[lead], t) for t in (k, v))
-    members = torch.full((rows, group_size), -1, device=DEV)
-    members[::group_size] = torch.arange(rows, device=DEV).view(-1, group_size)
-    members[0] = torch.cat((members[0, 1:], members.new_full((1,), -1)))  # (the finished row is no member)
-    ar = torch.arange(cache_len, device=DEV)
-    mask = ((ar >= pad[:, None]) & (ar <= cur[:, None]))[:, None, None]
-    ref = F.scaled_dot_product_attention(
-        q.float(), k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=mask
-    )
-    poisoned = ~(torch.arange(rows, device=DEV) == lead)[:, None, None, None] & prompt
-    k, v = (t.masked_fill(poisoned, float("inf")) for t in (k, v))
-    out = triton_decode.decode_attention(q, k, v, pad, cur, prefix=(start, end, members))
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.parametrize("splits", [None, 3])
-def test_triton_paged_decode_equals_the_contiguous_cache_bitwise(splits):
-    """The Triton kernel reading each row through a shuffled page table (64-position pages, rows at their own
-    positions, left padding not page-aligned) gives the contiguous cache's output bit for bit."""
-    from engine.rollout import triton_decode
-
-    g = torch.Generator(device=DEV).manual_seed(0)
-    rows, groups, per_group, dim, page, per_row = 5, 2, 7, 128, 64, 11
-    q = torch.randn(rows, groups, per_group, dim, device=DEV, generator=g).bfloat16()
-    k, v = (
-        torch.randn(rows, per_row * page, groups, dim, device=DEV, generator=g).bfloat16() for _ in range(2)
-    )
-    pages = torch.randperm(rows * per_row, device=DEV, generator=g) + 1
-    table = pages.view(rows, per_row).to(torch.int32)
-    flat_k, flat_v = (
-        torch.zeros((rows * per_row + 1) * page, groups, dim, device=DEV).bfloat16() for _ in "kv"
-    )
-    at = (table.long()[:, :, None] * page + torch.arange(page, device=DEV)).view(rows, -1)
-    flat_k[at], flat_v[at] = k, v
-    pad = torch.tensor([0, 3, 64, 130, 640], device=DEV)
-    cur = torch.tensor([650, 40, 703, 131, 640], device=DEV)
-    a = triton_decode.decode_attention(q, k, v, pad, cur, splits=splits)
-    b = triton_decode.decode_attention(q, flat_k, flat_v, pad, cur, table=table, page=page, splits=splits)
-    assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("splits", [1, 3, 5, 40])
-def test_triton_merge_equals_the_compiled_merge(splits):
-    """The split merge as one Triton kernel against the compiled `merge_splits` (and, with one split, the
-    eager division): the same states, bf16 outputs within one rounding step, nearly all equal."""
-    from engine.rollout import triton_decode
-
-    g = torch.Generator(device=DEV).manual_seed(3)
-    rows, groups, per_group, dim = 6, 2, 6, 128
-    q = torch.randn(rows, groups, per_group, dim, device=DEV, generator=g).bfloat16()
-    k, v = (torch.randn(rows, 900, groups, dim, device=DEV, generator=g).bfloat16() for _ in range(2))
-    pad = torch.tensor([0, 5, 300, 640, 0, 899], device=DEV)
-    cur = torch.tensor([899, 6, 800, 700, 64, 899], device=DEV)
-    args = (q, k, v, pad, cur)
-    fused = triton_decode.decode_attention(*args, splits=splits, triton_merge=True)
-    compiled = triton_decode.decode_attention(*args, splits=splits, triton_merge=False)
-    assert fused.shape == q.shape and fused.dtype == torch.bfloat16
-    torch.testing.assert_close(fused.float(), compiled.float(), atol=1e-3, rtol=8e-3)
-    assert (fused == compiled).float().mean() >= 0.99
-
-
-@pytest.mark.parametrize("paged", [False, True])
-def test_fused_rope_kv_write_equals_the_unfused_chain(paged):
-    """RoPE and the K/V writes in one Triton kernel against the compiled RoPE and indexed writes: rotated
-    query heads and key within one bf16 rounding step (nearly all equal), the value written bit for bit, at
-    each row's own position (contiguous rows, or a flat paged buffer), nothing else in the cache touched."""
-    from engine.models.compiled import ROLLOUT, cuda_kernel
-    from engine.rollout.model import _rope, signed_sin
-    from engine.rollout.triton_rope_kv import rope_write_kv
-
-    g = torch.Generator(device=DEV).manual_seed(5)
-    rows, groups, per_group, dim, positions = 5, 2, 7, 128, 96
-    proj = torch.randn(rows, groups * (per_group + 2) * dim, device=DEV, generator=g).bfloat16()
-    qkv = proj.view(rows, groups, per_group + 2, dim)
-    cos_t, sin_t = (t.to(DEV) for t in rope_tables_for(dim, positions))
-    cur = torch.tensor([3, 95, 40, 0, 64], device=DEV)
-    pos = cur - torch.tensor([0, 10, 7, 0, 1], device=DEV)  # left padding
-    cos, sin = cos_t[pos], signed_sin(sin_t)[pos]
-    shape = (rows * positions, groups, dim) if paged else (rows, positions, groups, dim)
-    cache_k, cache_v = (torch.randn(shape, device=DEV, generator=g).bfloat16() for _ in "kv")
-    ref_k, ref_v = cache_k.clone(), cache_v.clone()
-    at = torch.randperm(rows * positions, device=DEV, generator=g)[:rows] if paged else cur
-    q = rope_write_kv(qkv, cos, sin, cache_k, cache_v, at, paged)
-    rope = cuda_kernel(_rope, DEV, ROLLOUT, dynamic=None)
-    qk = rope(qkv[:, :, : per_group + 1], cos[:, None, None], sin[:, None, None])
-    index = (at,) if paged else (torch.arange(rows, device=DEV), cur)
-    ref_k[index], ref_v[index] = qk[:, :, per_group], qkv[:, :, per_group + 1]
-    torch.testing.assert_close(q.float(), qk[:, :, :per_group].float(), atol=1e-2, rtol=8e-3)
-    torch.testing.assert_close(cache_k.float(), ref_k.float(), atol=1e-2, rtol=8e-3)
-    assert torch.equal(cache_v, ref_v)
-    assert (q == qk[:, :, :per_group]).float().mean() >= 0.99 and (cache_k == ref_k).float().mean() >= 0.99
-
-
-def rope_tables_for(dim: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 cos/sin tables as engine/rollout/model.py `rope_tables` builds them (theta 1e6)."""
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    emb = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq).repeat(1, 2)
-    return emb.cos().bfloat16(), emb.sin().bfloat16()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
