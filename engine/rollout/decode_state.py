@@ -10,10 +10,11 @@ only) and has `pad` = `cur`: it reads one key, writes where nothing valid is, an
 scratch row.
 
 The samples of one prompt admitted together (a "group") hold the same K/V at their prompt's positions
-[prefix_start, prefix_end): the first live slot of a group reads them once for all its live slots (`members`,
-kept by `refresh_prefix_from` after every admission, compaction and host check, so that no slot's prompt is
-read from a slot that finished: its positions may be overwritten or its pages freed), and each slot attends
-over its own positions from prefix_end on (engine/rollout/triton_decode.py's cascade).
+[prefix_start, prefix_end): every slot reads them from the first live slot of its group (`prefix_from`;
+or that slot reads them once for all the live slots it lists in `members`: the cascade), kept by
+`refresh_prefix_from` after every admission, compaction and host check, so that no slot's prompt is read from
+a slot that finished (its positions may be overwritten or its pages freed); each slot attends over its own
+positions from prefix_end on (engine/rollout/triton_decode.py `sourced` and `cascade`).
 """
 
 from __future__ import annotations
@@ -85,6 +86,14 @@ class SlotState:
             if pages_per_row
             else None,
         )
+
+    def prompt_readers(self, width: int, way: str) -> dict[str, tuple[torch.Tensor, ...]] | None:
+        """How slots [0, width) read their prompts' shared K/V (`DecodeKernels.shared_prefix`): the keyword
+        argument of engine/rollout/triton_decode.py `decode_attention` for `way` ("cascade": each group's
+        prompt once for its `members`; "sourced": each slot's prompt from `prefix_from`), None for "off"."""
+        if way == "cascade":
+            return {"cascade": (self.prefix_start[:width], self.prefix_end[:width], self.members[:width])}
+        return {"sourced": (self.prefix_from[:width], self.prefix_end[:width])} if way == "sourced" else None
 
     def moved_with_the_slot(self) -> tuple[torch.Tensor, ...]:
         """The per-slot tensors a compaction permutes (`alive` is rebuilt; `prefix_from`, `members` refreshed)."""

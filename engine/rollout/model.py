@@ -207,8 +207,9 @@ class RolloutModel:
             dev, self.dtype, self.head_dim
         )
         """Prefill attention by FlashAttention-2 varlen (`flash_varlen_prefill`), else SDPA with a mask."""
-        self.shared_prefix = kernels.shared_prefix and self.attention == "triton" and self.fused
-        """`decode` takes a `prefix` (rows sharing a prompt read it once: the Triton attention's cascade)."""
+        way = kernels.shared_prefix if self.attention == "triton" else "off"
+        self.shared_prefix = "off" if way == "cascade" and not self.fused else way
+        """How `decode` reads a `prefix` (the samples of a prompt): `DecodeKernels.shared_prefix`, or "off"."""
         self.fused_sampler = kernels.sampler and elementwise_supported(dev, self.dtype)
         """The engine draws with engine/rollout/triton_sample.py: decode returns logits in the model's dtype."""
         self.fused_rope_kv = (
@@ -431,7 +432,7 @@ class RolloutModel:
         table: torch.Tensor | None = None,
         page: int = 0,
         upcast: bool = True,
-        prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        prefix: dict[str, tuple[torch.Tensor, ...]] | None = None,
     ) -> torch.Tensor:
         """One decode step: token `tokens_b[r]` sits at cache position `cur[r]` ((b,) int64, or (1,): the same
         for every row) of row r, whose first `pad_b[r]` positions are padding; K/V are written there and the
@@ -440,9 +441,9 @@ class RolloutModel:
         with the flash kernel): the caches are flat (positions, groups, dim) buffers and row r's position n
         sits at `table[r, n // page] * page + n % page`. Returns (b, vocab_size) logits, float32 (`upcast`) or
         in the model's dtype. No host synchronisation and static shapes: capturable in a CUDA graph.
-        `prefix` = (start, end, members): rows listed in members[l] hold row l's K/V at positions [start[l],
-        end[l]), which the Triton attention reads once for all of them (triton_decode.decode_attention's
-        cascade, with `shared_prefix`); other kernels read every row's own copy."""
+        `prefix`: how rows that hold one prompt's K/V (samples of a prompt) read it, as a keyword argument of
+        triton_decode.decode_attention (`cascade` or `sourced`: decode_state.SlotState.prompt_readers), with
+        `shared_prefix` (not "off"); other kernels read every row's own copy."""
         b = tokens_b.shape[0]
         pg, hd = self.per_group, self.head_dim
         cur = cur.expand(b)
@@ -479,10 +480,8 @@ class RolloutModel:
                 q = q[:, 0]  # (b, groups, per group, dim)
             if self.attention == "triton":
                 paged = {} if table is None else {"table": table, "page": page}
-                if self.shared_prefix and prefix is not None:
-                    paged["prefix"] = prefix
                 out = triton_decode.decode_attention(
-                    q, cache_k[i], cache_v[i], pad_b, cur, triton_merge=self.fused, **paged
+                    q, cache_k[i], cache_v[i], pad_b, cur, triton_merge=self.fused, **paged, **(prefix or {})
                 )
             elif self.attention == "flash":
                 out = flash_varlen_decode(q, cache_k[i], cache_v[i], cum_q, cum_k, used_k)

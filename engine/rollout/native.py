@@ -6,8 +6,8 @@ How a `generate` call runs (the forward itself is engine/rollout/model.py):
   `max_num_seqs`, and as many as the KV cache budget holds: engine/rollout/kv_cache.py);
 - prefill: each distinct prompt of an admitted batch once (left-padded, at most `prefill_tokens` tokens per
   forward: engine/rollout/prefill.py), its K/V written to the cache rows of its n samples; with n > 1 the
-  decode attention of batches of `DecodeKernels.shared_prefix_min_rows` rows or more reads a group's prompt
-  once for all its samples (a cascade: engine/rollout/triton_decode.py, engine/rollout/decode_state.py);
+  decode attention of batches of `DecodeKernels.shared_prefix_min_rows` rows or more may read a group's
+  prompt from one copy (`DecodeKernels.shared_prefix`: engine/rollout/triton_decode.py, decode_state.py);
 - decode: one token for every slot per step, each slot at its own cache position (engine/rollout/
   decode_state.py); a finished row is masked at once, and the batch is compacted (live rows moved to the
   front) only when enough rows finished: a quarter of the batch in eager mode, one batch bucket down with
@@ -129,7 +129,7 @@ class NativeRollout(RolloutEngine):
         self._rows: SlotState | None = None
         self._rows_version = 0
         self._recorder: RouteRecorder | None = None
-        self._cascade, self._group_size = False, 1  # this call's: its samples read their prompt once
+        self._shared, self._group_size = False, 1  # this call's: its samples read their prompt's one copy
         self.last_stats: dict[str, int] = {}
         self.last_stats_by_width: dict[int, list] = {}
         """Decode steps and host seconds per batch width of the last call, {width: [steps, seconds]}
@@ -172,7 +172,7 @@ class NativeRollout(RolloutEngine):
         self._kept = None
 
     def _rows_state(self, slots: int, pages_per_row: int = 0) -> SlotState:
-        group = self._group_size if self._cascade else 1
+        group = self._group_size if self._shared else 1
         rows = SlotState.reuse(self._rows, slots, pages_per_row, self.pad_id, self.device, group)
         if rows is not self._rows:
             self._rows, self._rows_version = rows, self._rows_version + 1
@@ -326,7 +326,7 @@ class NativeRollout(RolloutEngine):
         compacted to the front, the new rows prefilled behind them; with pages, `sched`: as many as the free
         KV pages hold, engine/rollout/paged_kv.py); otherwise when the batch is empty. With `keep`, return
         (chunk row of each slot or -1, left padding of each slot) as they end up."""
-        self._cascade, self._group_size = self.model.shared_prefix and sampling.n > 1, sampling.n
+        self._shared, self._group_size = self.model.shared_prefix != "off" and sampling.n > 1, sampling.n
         if sched is not None:
             caches = self.pool.flat_views(sched.num_pages * sched.page)
             st = self._rows_state(slots, sched.pages_per_row)
@@ -368,7 +368,7 @@ class NativeRollout(RolloutEngine):
                 width = bucket_for(n, buckets) if buckets else n
                 st.cur[n:width] = 0  # nothing of this call's rows is there
                 st.set_idle(n, width, scratch, self.pad_id)
-                if self._cascade:
+                if self._shared:
                     st.refresh_prefix_from(width)
                 end = max(end, t + max(sampling.limit_of(e.row // sampling.n) - e.start for e in entries) - 1)
                 top, live, admitted_at, alive = max(top, plen), n, t, [True] * n + [False] * (width - n)
@@ -400,7 +400,7 @@ class NativeRollout(RolloutEngine):
                 width, lead = self._maybe_compact(
                     live, width, top, caches, st, buckets, scratch, track, lead, sched, alive
                 )
-                if self._cascade:  # rows finished, were preempted or moved
+                if self._shared:  # rows finished, were preempted or moved
                     st.refresh_prefix_from(width)
         if sched is not None:
             self.last_stats.update(sched.stats())
@@ -484,9 +484,8 @@ class NativeRollout(RolloutEngine):
             else:
                 rows_k, rows_v, paged = [k[:b] for k in cache_k], [v[:b] for v in cache_v], ()
             args = (st.tokens[:b], st.pad[:b], st.cur[:b], rows_k, rows_v, num_keys, *paged)
-            cascade = self._cascade and b >= self.kernels.shared_prefix_min_rows
-            prefix = (st.prefix_start[:b], st.prefix_end[:b], st.members[:b]) if cascade else None
-            return self.model.decode(*args, upcast=not self.fused_draw, prefix=prefix)
+            way = self.model.shared_prefix if b >= self.kernels.shared_prefix_min_rows else "off"
+            return self.model.decode(*args, upcast=not self.fused_draw, prefix=st.prompt_readers(b, way))
 
         if self.graphs is None or self._recorder is not None:  # the recorder reads each step's routes
             return step(width, min(top + 1, seq_len))

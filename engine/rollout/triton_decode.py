@@ -17,14 +17,17 @@ Each program writes its partial softmax state (max, sum, weighted values) in flo
 merges them (`_merge_splits`, one more Triton kernel, all splits of a head as one tile; or `merge_splits` compiled).
 With one split (rows x groups fill the GPU alone: wide batches) the program writes the normalised output itself.
 
-The samples of one prompt (GRPO's group) hold the same K/V at the prompt's positions; with `prefix` the
+The samples of one prompt (GRPO's group) hold the same K/V at the prompt's positions; with `cascade` the
 attention runs as a cascade: `_prefix_partials` streams each group's prompt once from one row, with the query
 heads of every sample of the group in one tile (8 samples x 6 heads: 48 of a 64-row tile, where a row alone
 fills 6 of 16), each row's own program attends over its positions after the prompt, and the merge adds the
 two. A row alone reads its prompt's K/V once per decode step; a group of n reads it once, not n times.
 Measured slower than every row reading its own copy on an H200 (the prompt kernel and the merge cost more
-than the traffic saved: scripts/bench/README.md, "Rollout"), so engine/rollout/attention_kernels.py
-`DecodeKernels.shared_prefix` leaves it off by default.
+than the traffic saved: scripts/bench/README.md, "Rollout"). What the engine runs by default
+(engine/rollout/attention_kernels.py `DecodeKernels.shared_prefix`) is `sourced`: every row's own program
+reads its prompt's positions from its group's first row (and the rest from its own), so that the group's
+programs, which run side by side, read one copy, most of it from L2 (1.5B, 512 rows x 512 keys: 54 us per
+layer against 66 us).
 
 Only on CUDA with Triton installed, in half precision (`supported`); engine/rollout/model.py falls back to
 FlashAttention-2 or SDPA otherwise. Parity with SDPA: tests/engine/test_rollout_gpu.py.
@@ -80,6 +83,7 @@ if triton is not None:
         cur_ptr,
         stride_cur,
         end_ptr,
+        source_ptr,
         table_ptr,
         stride_tb,
         acc_ptr,
@@ -110,6 +114,7 @@ if triton is not None:
         PAGE: tl.constexpr,
         DIRECT: tl.constexpr,
         CASCADE: tl.constexpr,
+        SOURCED: tl.constexpr,
     ):
         row_group = tl.program_id(0)
         split = tl.program_id(1)
@@ -138,8 +143,19 @@ if triton is not None:
         acc = tl.zeros((BLOCK_H, HEAD_DIM), dtype=tl.float32)
         k_row = k_ptr + row.to(tl.int64) * stride_kb + group * stride_kg  # paged: stride_kb = 0
         v_row = v_ptr + row.to(tl.int64) * stride_vb + group * stride_vg
+        own_lo = lo
+        if (
+            SOURCED
+        ):  # the prompt's positions [lo, prompt end) from the row `source` names (the same K/V there)
+            src = tl.load(source_ptr + row)
+            own_lo = tl.maximum(lo, tl.load(end_ptr + row))
+            m_i, l_i, acc = _attend(
+                q, k_ptr + src.to(tl.int64) * stride_kb + group * stride_kg,
+                v_ptr + src.to(tl.int64) * stride_vb + group * stride_vg, table_ptr + src * stride_tb, lo,
+                tl.minimum(hi, own_lo), stride_kl, stride_vl, m_i, l_i, acc, scale, HEAD_DIM, BLOCK_N, PAGE,
+            )  # fmt: skip
         m_i, l_i, acc = _attend(
-            q, k_row, v_row, table_ptr + row * stride_tb, lo, hi, stride_kl, stride_vl, m_i, l_i, acc, scale,
+            q, k_row, v_row, table_ptr + row * stride_tb, own_lo, hi, stride_kl, stride_vl, m_i, l_i, acc, scale,
             HEAD_DIM, BLOCK_N, PAGE,
         )  # fmt: skip
         if DIRECT:  # one split: the output itself (a range is never empty: l_i > 0)
@@ -322,8 +338,9 @@ def decode_attention(
     num_stages: int = 2,
     splits: int | None = None,
     triton_merge: bool = True,
-    prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    cascade: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     prefix_splits: int | None = None,
+    sourced: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q (rows, groups, heads per group, dim), cache (rows, positions, groups, dim), pad (rows,) int,
     cur (rows,) or (1,) int -> attention output (rows, groups, heads per group, dim) in q's dtype, softmax
@@ -336,13 +353,18 @@ def decode_attention(
     Paged (`table` (rows, pages per row) int32 and `page` given): the cache is one flat (positions, groups,
     dim) buffer per layer and row r's position n sits at `table[r, n // page] * page + n % page`.
 
-    Cascade (`prefix` = (start, end, members): (rows,) int, (rows,) int, (rows, G) int): rows that share a
+    Cascade (`cascade` = (start, end, members): (rows,) int, (rows,) int, (rows, G) int): rows that share a
     prompt (the samples of one prompt, prefilled together: the same K/V at the same positions) read it once.
     Row `l` with members[l] = its rows (-1 padded; every row with pad < end in exactly one list) streams
     positions [start[l], end[l]) of its own cache row once for all of their query heads (`_prefix_partials`,
     in `prefix_splits` spans of at least 4 key blocks, None: as `num_splits` for rows / G leaders; spans of one
     block measured slower: scripts/bench/README.md, "Rollout"); each row attends over
-    [max(pad, end), cur] itself, and the merge adds the prompt's states where pad < end. Needs `triton_merge`."""
+    [max(pad, end), cur] itself, and the merge adds the prompt's states where pad < end. Needs `triton_merge`.
+
+    Sourced (`sourced` = (source, end): (rows,) int each; not with `cascade`): row r reads its positions before
+    end[r] from row source[r], which holds the same K/V there (a sample of the same prompt, prefilled with
+    it), and its positions from end[r] on from its own row: the samples of a prompt that all read one copy
+    find it in the GPU's L2 cache more often than n copies."""
     rows, groups, per_group, dim = q.shape
     if table is not None:  # the flat cache as one "row" that every row indexes through its page table
         cache_k, cache_v = cache_k.unsqueeze(0), cache_v.unsqueeze(0)
@@ -357,10 +379,12 @@ def decode_attention(
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"decode_attention: splits={splits}, expected 1..{MAX_SPLITS}")
     psplits = 0
-    if prefix is not None:
+    if cascade is not None and sourced is not None:
+        raise ValueError("decode_attention: pass cascade or sourced, not both")
+    if cascade is not None:
         if not triton_merge:
-            raise ValueError("decode_attention: prefix (cascade) needs triton_merge=True")
-        leaders = max(1, rows // prefix[2].shape[1])
+            raise ValueError("decode_attention: cascade needs triton_merge=True")
+        leaders = max(1, rows // cascade[2].shape[1])
         psplits = prefix_splits or num_splits(leaders * groups, cache_len, block_n, q.device)
     direct = triton_merge and splits == 1 and not psplits  # the kernel writes the output: no states, no merge
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if triton_merge else None
@@ -380,7 +404,7 @@ def decode_attention(
         cache_v.stride(2),
     )
     if psplits:
-        start, end, members = prefix
+        start, end, members = cascade
         group_size = members.shape[1]
         _prefix_partials[(rows, groups, psplits)](
             q, cache_k, cache_v, start, end, members, table, stride_tb, acc, m, s, *strides, groups, splits,
@@ -396,7 +420,8 @@ def decode_attention(
         pad,
         cur,
         cur.stride(0),
-        pad if prefix is None else prefix[1],
+        pad if cascade is None and sourced is None else (cascade or sourced)[1],
+        pad if sourced is None else sourced[0],
         table,
         stride_tb,
         acc,
@@ -417,6 +442,7 @@ def decode_attention(
         PAGE=page,
         DIRECT=direct,
         CASCADE=bool(psplits),
+        SOURCED=sourced is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -430,7 +456,7 @@ def decode_attention(
             out,
             *out.stride()[:3],
             pad,
-            pad if prefix is None else prefix[1],
+            pad if cascade is None else cascade[1],
             groups,
             splits,
             splits + psplits,

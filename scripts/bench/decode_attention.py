@@ -16,7 +16,10 @@ of `--cache-len` positions of which row r uses [pad_r, cur] (left-padded prompts
 With `--share N` (GRPO's samples of one prompt) rows come in groups of N with one prompt: the group's pads are
 equal and its first row's K/V fill every row's positions before pad + `--prefix`; `triton_cascade` is the
 kernel with the group's first row reading the prompt once for the group (engine/rollout/triton_decode.py
-`prefix`), and its bytes count the prompt once per group.
+`cascade`), and its bytes count the prompt once per group; `triton_sourced` is the kernel with every row
+reading its prompt's positions from the group's first row (`sourced`: one copy, which L2 may serve to the
+group's other rows; bytes counted as the cascade's), `triton_sourced_own_row` the same path reading each row's
+own copy (the path's cost alone).
 Reported per `cur`: median milliseconds per call over `--iters` replays of a CUDA graph of 20 calls (CUDA
 events), the K/V bytes each variant must read, and the largest difference of each output from `sdpa_mask` (bf16).
 """
@@ -65,7 +68,8 @@ def main() -> None:
     q = torch.randn(b, groups, pg, dim, device=dev, dtype=dt, generator=g)
     pad = torch.randint(0, 32, (b,), device=dev, generator=g)
     ar = torch.arange(n, device=dev)
-    first = torch.arange(b, device=dev) // args.share * args.share  # each row's group's first row
+    own = torch.arange(b, device=dev)
+    first = own // args.share * args.share  # each row's group's first row
     end = members = None
     if args.share > 1 and (b % args.share or 32 + args.prefix > min(int(c) for c in args.curs.split(","))):
         raise SystemExit("--share: --batch must be a multiple of it, every --curs >= 32 + --prefix")
@@ -119,10 +123,17 @@ def main() -> None:
         if end is not None:
 
             def cascade(triton_kernel=triton_kernel):
-                return triton_kernel(prefix=(pad, end, members))
+                return triton_kernel(cascade=(pad, end, members))
+
+            def sourced(triton_kernel=triton_kernel, source=first):
+                return triton_kernel(sourced=(source, end))
+
+            def own_row(triton_kernel=triton_kernel, source=own):
+                return triton_kernel(sourced=(source, end))
 
             unique = used_gb - 2 * int((end - pad).sum()) * groups * dim * 2 / 1e9 * (1 - 1 / args.share)
-            variants.append(("triton_cascade", cascade, unique))
+            variants += [("triton_cascade", cascade, unique), ("triton_sourced", sourced, unique)]
+            variants.append(("triton_sourced_own_row", own_row, used_gb))
         for name, fn, gb in variants:
             r[name + "_ms"] = graph_ms(fn, args.iters)
             r[name + "_tb_per_s"] = gb / r[name + "_ms"]

@@ -73,7 +73,7 @@ def test_triton_cascade_matches_sdpa(group_size, per_group):
     )
     poisoned = ~(torch.arange(rows, device=DEV) == lead)[:, None, None, None] & prompt
     k, v = (t.masked_fill(poisoned, float("inf")) for t in (k, v))
-    out = triton_decode.decode_attention(q, k, v, pad, cur, prefix=(start, end, members))
+    out = triton_decode.decode_attention(q, k, v, pad, cur, cascade=(start, end, members))
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 

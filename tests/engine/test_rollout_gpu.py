@@ -281,12 +281,14 @@ def test_paged_generation_with_graphs_equals_the_contiguous_layout(tiny):
     torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("way", ["cascade", "sourced"])
 @pytest.mark.parametrize("paged", [False, True])
-def test_cascade_log_probs_match_transformers_as_reading_each_rows_own_prompt(tiny, paged):
+def test_shared_prompt_log_probs_match_transformers_as_reading_each_rows_own_prompt(tiny, paged, way):
     """Four samples per prompt at temperature 1 with stop tokens and per-prompt limits (rows finish at different
-    steps, compactions, admissions into freed slots), bf16, CUDA graphs: with the cascade (each group's prompt
-    read once, at every width: `shared_prefix_min_rows=1`) the sampled tokens' log-probs stay within 1.5x the
-    distance of every row reading its own copy to transformers' float32 teacher-forced log-probs."""
+    steps, compactions, admissions into freed slots), bf16, CUDA graphs: with each group's prompt read from one
+    copy (the cascade, or each row from its group's first live row; at every width: `shared_prefix_min_rows=1`)
+    the sampled tokens' log-probs stay within 1.5x the distance of every row reading its own copy to
+    transformers' float32 teacher-forced log-probs."""
     shape, _, hf = tiny["qwen2"]
     prompts = random_prompts(shape.vocab_size, lens=tuple(range(60, 84)), seed=9)
     sampling = SamplingParams(
@@ -298,7 +300,7 @@ def test_cascade_log_probs_match_transformers_as_reading_each_rows_own_prompt(ti
         seed=11,
     )
     errors = []
-    for shared in (True, False):
+    for shared in (way, "off"):
         kernels = DecodeKernels(shared_prefix=shared, shared_prefix_min_rows=1)
         e = engine(tiny, "qwen2", torch.bfloat16, paged_kv=paged, max_num_seqs=32, kernels=kernels)
         out = e.generate(prompts, sampling)
