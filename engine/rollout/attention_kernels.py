@@ -78,7 +78,6 @@ def flash_varlen_prefill(q, k, v, cum: torch.Tensor) -> torch.Tensor:
 
 
 ATTENTION_KERNELS = ("triton", "flash", "sdpa")
-SHARED_PREFIX_WAYS = ("off", "sourced", "cascade")
 
 
 @dataclass
@@ -100,24 +99,17 @@ class DecodeKernels:
     """Temperature sampling without top-k/top-p as a two-level inverse CDF in two Triton kernels, on the decode
     step's logits in the model's dtype (engine/rollout/triton_sample.py). False: the torch draw on float32
     logits (engine/rollout/sampler.py; the baseline of scripts/bench/rollout.py's `native_torch_sampler`)."""
-    shared_prefix: str = "sourced"
-    """With the Triton decode attention, in calls of n > 1 samples per prompt, how the samples of a prompt read
-    its K/V, which each holds a copy of, in decode batches of `shared_prefix_min_rows` rows or more: "sourced"
-    (each from the copy of its group's first live sample, which the GPU's L2 cache then serves to the others:
-    the default, 7% faster rollouts at 1.5B with n = 8 on an H200), "off" (each its own copy:
-    scripts/bench/rollout.py's `native_unshared`) or "cascade" (one program reads it once for all of the
-    group's query heads, with `fused`: engine/rollout/triton_decode.py `_prefix_partials`; measured slower than
-    "off"). Figures: scripts/bench/README.md, "Rollout"."""
+    shared_prefix: bool = True
+    """With the Triton decode attention, in calls of n > 1 samples per prompt: each sample reads its prompt's
+    K/V (which every sample holds a copy of) from the copy of its group's first live sample, which the GPU's L2
+    cache then serves to the others (engine/rollout/triton_decode.py `sourced`), in decode batches of
+    `shared_prefix_min_rows` rows or more: 7% faster rollouts at 1.5B with n = 8 on an H200. False: each
+    reads its own copy (scripts/bench/rollout.py's `native_unshared`). Figures: scripts/bench/README.md,
+    "Rollout"."""
     shared_prefix_min_rows: int = 64
     """Narrower batches read their own copies: there the prompt is a small share of the keys (the long tail's
-    last rows), the cascade's two more kernels per layer cost more than it saves, and "sourced" was measured
-    at 64 rows and more only (scripts/bench/README.md, "Rollout")."""
-
-    def __post_init__(self):
-        if self.shared_prefix not in SHARED_PREFIX_WAYS:
-            raise ValueError(
-                f"DecodeKernels.shared_prefix={self.shared_prefix!r}: pick one of {', '.join(SHARED_PREFIX_WAYS)}"
-            )
+    last rows), and the shared read was measured at 64 rows and more only (scripts/bench/README.md,
+    "Rollout")."""
 
 
 def decode_attention_kernel(

@@ -10,11 +10,10 @@ only) and has `pad` = `cur`: it reads one key, writes where nothing valid is, an
 scratch row.
 
 The samples of one prompt admitted together (a "group") hold the same K/V at their prompt's positions
-[prefix_start, prefix_end): every slot reads them from the first live slot of its group (`prefix_from`;
-or that slot reads them once for all the live slots it lists in `members`: the cascade), kept by
+[pad, prefix_end): every slot reads them from the first live slot of its group (`prefix_from`, kept by
 `refresh_prefix_from` after every admission, compaction and host check, so that no slot's prompt is read from
-a slot that finished (its positions may be overwritten or its pages freed); each slot attends over its own
-positions from prefix_end on (engine/rollout/triton_decode.py `sourced` and `cascade`).
+a slot that finished: its positions may be overwritten or its pages freed), and its own positions from
+prefix_end on (engine/rollout/triton_decode.py's `sourced`).
 """
 
 from __future__ import annotations
@@ -45,28 +44,19 @@ class SlotState:
     """(slots,) int64: response index of the token the slot samples next."""
     group: torch.Tensor
     """(slots,) int64: the slot's prompt group (rows of one prompt admitted together share one), -1: filler."""
-    prefix_start: torch.Tensor
-    """(slots,) int64: where the slot's prompt starts (its padding at admission; finishing moves `pad`, not this)."""
     prefix_end: torch.Tensor
     """(slots,) int64: end of the slot's prompt positions (the padded prompt length; 0: filler)."""
     prefix_from: torch.Tensor
-    """(slots,) int64: the slot that reads this slot's prompt: the first live slot of its group, or itself."""
-    members_flat: torch.Tensor
-    """(slots x group size + 1,) int64: `members` and one slot that absorbs the writes of finished slots."""
+    """(slots,) int64: the slot whose copy of this slot's prompt it reads: the first live slot of its group, or
+    itself."""
     table: torch.Tensor | None = None
     """(slots, pages per row) int32: the page table of a paged call (engine/rollout/paged_kv.py), else None."""
 
-    @property
-    def members(self) -> torch.Tensor:
-        """(slots, group size) int64: the live slots each slot reads the prompt for (-1 padded; none: -1s)."""
-        return self.members_flat[:-1].view(self.tokens.numel(), -1)
-
     @staticmethod
-    def reuse(state, slots: int, pages_per_row: int, pad_id: int, device, group_size: int = 1) -> SlotState:
-        """`state` where it has `slots` slots (and a page table of `pages_per_row` where that is not 0) for
-        groups of at most `group_size` slots, else a new state of that size (CUDA graphs captured on the old one
-        are then invalid)."""
-        if state is not None and state.tokens.numel() == slots and state.members.shape[1] == group_size:
+    def reuse(state, slots: int, pages_per_row: int, pad_id: int, device) -> SlotState:
+        """`state` where it has `slots` slots (and a page table of `pages_per_row` where that is not 0), else a
+        new state of that size (CUDA graphs captured on the old one are then invalid)."""
+        if state is not None and state.tokens.numel() == slots:
             if not pages_per_row or (state.table is not None and state.table.shape[1] == pages_per_row):
                 return state
         long = torch.long
@@ -78,25 +68,19 @@ class SlotState:
             cur=torch.zeros(slots, dtype=long, device=device),
             step=torch.zeros(slots, dtype=long, device=device),
             group=torch.full((slots,), -1, dtype=long, device=device),
-            prefix_start=torch.zeros(slots, dtype=long, device=device),
             prefix_end=torch.zeros(slots, dtype=long, device=device),
             prefix_from=torch.arange(slots, device=device),
-            members_flat=torch.full((slots * group_size + 1,), -1, dtype=long, device=device),
             table=torch.zeros(slots, pages_per_row, dtype=torch.int32, device=device)
             if pages_per_row
             else None,
         )
 
-    def prompt_readers(self, width: int, way: str) -> dict[str, tuple[torch.Tensor, ...]] | None:
-        """How slots [0, width) read their prompts' shared K/V (`DecodeKernels.shared_prefix`): the keyword
-        argument of engine/rollout/triton_decode.py `decode_attention` for `way` ("cascade": each group's
-        prompt once for its `members`; "sourced": each slot's prompt from `prefix_from`), None for "off"."""
-        if way == "cascade":
-            return {"cascade": (self.prefix_start[:width], self.prefix_end[:width], self.members[:width])}
-        return {"sourced": (self.prefix_from[:width], self.prefix_end[:width])} if way == "sourced" else None
+    def prompt_sources(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prefix_from, prefix_end) of slots [0, width): engine/rollout/triton_decode.py's `sourced`."""
+        return self.prefix_from[:width], self.prefix_end[:width]
 
     def moved_with_the_slot(self) -> tuple[torch.Tensor, ...]:
-        """The per-slot tensors a compaction permutes (`alive` is rebuilt; `prefix_from`, `members` refreshed)."""
+        """The per-slot tensors a compaction permutes (`alive` is rebuilt, `prefix_from` refreshed)."""
         return (
             self.tokens,
             self.pad,
@@ -104,7 +88,6 @@ class SlotState:
             self.cur,
             self.step,
             self.group,
-            self.prefix_start,
             self.prefix_end,
         )
 
@@ -112,7 +95,7 @@ class SlotState:
         """Slots [lo, hi) become fillers: not alive, outputs to the scratch row, reading one key."""
         self.alive[lo:hi], self.row_of[lo:hi], self.tokens[lo:hi] = False, scratch, pad_id
         self.pad[lo:hi] = self.cur[lo:hi]
-        self.group[lo:hi], self.prefix_start[lo:hi], self.prefix_end[lo:hi] = -1, 0, 0
+        self.group[lo:hi], self.prefix_end[lo:hi] = -1, 0
         self.prefix_from[lo:hi] = torch.arange(lo, hi, device=self.group.device)
         if self.table is not None:
             self.table[lo:hi] = 0  # the scratch page
@@ -123,24 +106,19 @@ class SlotState:
         number `chunk_id` form one group."""
         hi, dev = lo + len(chunk), self.tokens.device
         self.pad[lo:hi], self.cur[lo:hi], self.alive[lo:hi] = pad, plen, True
-        self.prefix_start[lo:hi], self.prefix_end[lo:hi] = pad, plen
+        self.prefix_end[lo:hi] = plen
         self.step[lo:hi] = torch.tensor(starts, device=dev)
         self.row_of[lo:hi] = torch.tensor([r for r, _ in chunk], device=dev)
         self.group[lo:hi] = torch.tensor([(chunk_id << 32) + p for _, p in chunk], device=dev)
 
     def refresh_prefix_from(self, width: int) -> None:
-        """Point each of slots [0, width) at the first live slot of its group (itself where there is none) and
-        list each live slot, in slot order, in the `members` row of that slot (no host synchronisation)."""
+        """Point each of slots [0, width) at the first live slot of its group, itself where there is none (no
+        host synchronisation)."""
         group, alive = self.group[:width], self.alive[:width]
         index = torch.arange(width, device=group.device)
         same = (group[:, None] == group[None, :]) & alive[None, :]
         first = torch.where(same, index[None, :], width).amin(1)
-        lead = self.prefix_from[:width] = torch.where(first < width, first, index)
-        rank = (same & (index[None, :] < index[:, None])).sum(1)  # live slots of the group before it
-        size = self.members.shape[1]
-        at = torch.where(alive & (rank < size), lead * size + rank, self.members_flat.numel() - 1)
-        self.members_flat.fill_(-1)
-        self.members_flat.scatter_(0, at, index)
+        self.prefix_from[:width] = torch.where(first < width, first, index)
 
 
 @dataclass

@@ -207,9 +207,8 @@ class RolloutModel:
             dev, self.dtype, self.head_dim
         )
         """Prefill attention by FlashAttention-2 varlen (`flash_varlen_prefill`), else SDPA with a mask."""
-        way = kernels.shared_prefix if self.attention == "triton" else "off"
-        self.shared_prefix = "off" if way == "cascade" and not self.fused else way
-        """How `decode` reads a `prefix` (the samples of a prompt): `DecodeKernels.shared_prefix`, or "off"."""
+        self.shared_prefix = kernels.shared_prefix and self.attention == "triton"
+        """`decode` takes a `prefix`: rows that hold a prompt's K/V read it from one row's copy."""
         self.fused_sampler = kernels.sampler and elementwise_supported(dev, self.dtype)
         """The engine draws with engine/rollout/triton_sample.py: decode returns logits in the model's dtype."""
         self.fused_rope_kv = (
@@ -432,7 +431,7 @@ class RolloutModel:
         table: torch.Tensor | None = None,
         page: int = 0,
         upcast: bool = True,
-        prefix: dict[str, tuple[torch.Tensor, ...]] | None = None,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One decode step: token `tokens_b[r]` sits at cache position `cur[r]` ((b,) int64, or (1,): the same
         for every row) of row r, whose first `pad_b[r]` positions are padding; K/V are written there and the
@@ -441,9 +440,9 @@ class RolloutModel:
         with the flash kernel): the caches are flat (positions, groups, dim) buffers and row r's position n
         sits at `table[r, n // page] * page + n % page`. Returns (b, vocab_size) logits, float32 (`upcast`) or
         in the model's dtype. No host synchronisation and static shapes: capturable in a CUDA graph.
-        `prefix`: how rows that hold one prompt's K/V (samples of a prompt) read it, as a keyword argument of
-        triton_decode.decode_attention (`cascade` or `sourced`: decode_state.SlotState.prompt_readers), with
-        `shared_prefix` (not "off"); other kernels read every row's own copy."""
+        `prefix` = (source, end): row r holds row source[r]'s K/V at its positions before end[r] (samples of
+        one prompt), which the Triton attention reads from row source[r] (triton_decode.decode_attention's
+        `sourced`, with `shared_prefix`); other kernels read every row's own copy."""
         b = tokens_b.shape[0]
         pg, hd = self.per_group, self.head_dim
         cur = cur.expand(b)
@@ -481,7 +480,7 @@ class RolloutModel:
             if self.attention == "triton":
                 paged = {} if table is None else {"table": table, "page": page}
                 out = triton_decode.decode_attention(
-                    q, cache_k[i], cache_v[i], pad_b, cur, triton_merge=self.fused, **paged, **(prefix or {})
+                    q, cache_k[i], cache_v[i], pad_b, cur, triton_merge=self.fused, sourced=prefix, **paged
                 )
             elif self.attention == "flash":
                 out = flash_varlen_decode(q, cache_k[i], cache_v[i], cum_q, cum_k, used_k)

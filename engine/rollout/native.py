@@ -129,7 +129,7 @@ class NativeRollout(RolloutEngine):
         self._rows: SlotState | None = None
         self._rows_version = 0
         self._recorder: RouteRecorder | None = None
-        self._shared, self._group_size = False, 1  # this call's: its samples read their prompt's one copy
+        self._shared = False  # this call's: its samples read their prompt from one copy
         self.last_stats: dict[str, int] = {}
         self.last_stats_by_width: dict[int, list] = {}
         """Decode steps and host seconds per batch width of the last call, {width: [steps, seconds]}
@@ -172,8 +172,7 @@ class NativeRollout(RolloutEngine):
         self._kept = None
 
     def _rows_state(self, slots: int, pages_per_row: int = 0) -> SlotState:
-        group = self._group_size if self._shared else 1
-        rows = SlotState.reuse(self._rows, slots, pages_per_row, self.pad_id, self.device, group)
+        rows = SlotState.reuse(self._rows, slots, pages_per_row, self.pad_id, self.device)
         if rows is not self._rows:
             self._rows, self._rows_version = rows, self._rows_version + 1
         return rows
@@ -326,7 +325,7 @@ class NativeRollout(RolloutEngine):
         compacted to the front, the new rows prefilled behind them; with pages, `sched`: as many as the free
         KV pages hold, engine/rollout/paged_kv.py); otherwise when the batch is empty. With `keep`, return
         (chunk row of each slot or -1, left padding of each slot) as they end up."""
-        self._shared, self._group_size = self.model.shared_prefix != "off" and sampling.n > 1, sampling.n
+        self._shared = self.model.shared_prefix and sampling.n > 1
         if sched is not None:
             caches = self.pool.flat_views(sched.num_pages * sched.page)
             st = self._rows_state(slots, sched.pages_per_row)
@@ -484,8 +483,10 @@ class NativeRollout(RolloutEngine):
             else:
                 rows_k, rows_v, paged = [k[:b] for k in cache_k], [v[:b] for v in cache_v], ()
             args = (st.tokens[:b], st.pad[:b], st.cur[:b], rows_k, rows_v, num_keys, *paged)
-            way = self.model.shared_prefix if b >= self.kernels.shared_prefix_min_rows else "off"
-            return self.model.decode(*args, upcast=not self.fused_draw, prefix=st.prompt_readers(b, way))
+            prefix = st.prompt_sources(b) if b >= self.kernels.shared_prefix_min_rows else None
+            return self.model.decode(
+                *args, upcast=not self.fused_draw, prefix=prefix if self._shared else None
+            )
 
         if self.graphs is None or self._recorder is not None:  # the recorder reads each step's routes
             return step(width, min(top + 1, seq_len))

@@ -17,17 +17,12 @@ Each program writes its partial softmax state (max, sum, weighted values) in flo
 merges them (`_merge_splits`, one more Triton kernel, all splits of a head as one tile; or `merge_splits` compiled).
 With one split (rows x groups fill the GPU alone: wide batches) the program writes the normalised output itself.
 
-The samples of one prompt (GRPO's group) hold the same K/V at the prompt's positions; with `cascade` the
-attention runs as a cascade: `_prefix_partials` streams each group's prompt once from one row, with the query
-heads of every sample of the group in one tile (8 samples x 6 heads: 48 of a 64-row tile, where a row alone
-fills 6 of 16), each row's own program attends over its positions after the prompt, and the merge adds the
-two. A row alone reads its prompt's K/V once per decode step; a group of n reads it once, not n times.
-Measured slower than every row reading its own copy on an H200 (the prompt kernel and the merge cost more
-than the traffic saved: scripts/bench/README.md, "Rollout"). What the engine runs by default
-(engine/rollout/attention_kernels.py `DecodeKernels.shared_prefix`) is `sourced`: every row's own program
-reads its prompt's positions from its group's first row (and the rest from its own), so that the group's
-programs, which run side by side, read one copy, most of it from L2 (1.5B, 512 rows x 512 keys: 54 us per
-layer against 66 us).
+The samples of one prompt (GRPO's group) hold the same K/V at the prompt's positions, each in its own row; with
+`sourced` every row's program reads the prompt's positions from its group's first row and the rest from its
+own, so that the group's programs, which run side by side, read one copy, most of it from L2 (1.5B, 512 rows
+x 512 keys: 54 us per layer against 66 us; engine/rollout/attention_kernels.py `DecodeKernels.shared_prefix`).
+A cascade (one program per group streaming the prompt once for all its samples' query heads, then a merge)
+was built and measured slower (scripts/bench/README.md, "Rollout"), and removed.
 
 Only on CUDA with Triton installed, in half precision (`supported`); engine/rollout/model.py falls back to
 FlashAttention-2 or SDPA otherwise. Parity with SDPA: tests/engine/test_rollout_gpu.py.
@@ -104,7 +99,6 @@ if triton is not None:
         stride_vg,
         groups,
         splits,
-        states,
         scale,
         PER_GROUP: tl.constexpr,
         BLOCK_H: tl.constexpr,
@@ -113,7 +107,6 @@ if triton is not None:
         MIN_SPAN: tl.constexpr,
         PAGE: tl.constexpr,
         DIRECT: tl.constexpr,
-        CASCADE: tl.constexpr,
         SOURCED: tl.constexpr,
     ):
         row_group = tl.program_id(0)
@@ -123,8 +116,6 @@ if triton is not None:
         # the row's own keys [pad, cur] cut into `splits` spans of whole key blocks (>= MIN_SPAN positions):
         # every split of a row does the same work whatever the cache's capacity (trailing splits may be empty)
         first = tl.load(pad_ptr + row)
-        if CASCADE:  # the shared prompt's positions [pad, prefix end) are `_prefix_partials`' part
-            first = tl.maximum(first, tl.load(end_ptr + row))
         end = tl.load(cur_ptr + row * stride_cur) + 1
         span = tl.maximum(tl.cdiv(tl.cdiv(end - first, splits), BLOCK_N) * BLOCK_N, MIN_SPAN)
         lo = first + split * span
@@ -144,9 +135,7 @@ if triton is not None:
         k_row = k_ptr + row.to(tl.int64) * stride_kb + group * stride_kg  # paged: stride_kb = 0
         v_row = v_ptr + row.to(tl.int64) * stride_vb + group * stride_vg
         own_lo = lo
-        if (
-            SOURCED
-        ):  # the prompt's positions [lo, prompt end) from the row `source` names (the same K/V there)
+        if SOURCED:  # positions [lo, prompt end) from the row `source` names: the same K/V as this row's
             src = tl.load(source_ptr + row)
             own_lo = tl.maximum(lo, tl.load(end_ptr + row))
             m_i, l_i, acc = _attend(
@@ -164,88 +153,10 @@ if triton is not None:
             )
             tl.store(dst, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
         else:  # the query heads' states alone (the tile's padding rows are never merged)
-            state = (row_group * states + split) * BLOCK_H + offs_h
+            state = (row_group * splits + split) * BLOCK_H + offs_h
             tl.store(acc_ptr + state[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=head_ok[:, None])
             tl.store(max_ptr + state, m_i, mask=head_ok)
             tl.store(sum_ptr + state, l_i, mask=head_ok)
-
-    @triton.jit
-    def _prefix_partials(
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        start_ptr,
-        end_ptr,
-        members_ptr,
-        table_ptr,
-        stride_tb,
-        acc_ptr,
-        max_ptr,
-        sum_ptr,
-        stride_qb,
-        stride_qg,
-        stride_qh,
-        stride_kb,
-        stride_kl,
-        stride_kg,
-        stride_vb,
-        stride_vl,
-        stride_vg,
-        groups,
-        splits,
-        states,
-        scale,
-        GROUP: tl.constexpr,
-        PER_GROUP: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        BLOCK_Q: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        MIN_SPAN: tl.constexpr,
-        PAGE: tl.constexpr,
-    ):
-        """Cascade attention's shared part: the program of (row `lead`, KV group, prefix split) holds the query
-        heads of every row in `members[lead]` (at most GROUP rows, -1 padded) as one tile and streams its split
-        of the lead row's positions [start, end) once for all of them, writing each member's state after its
-        own splits (state `splits + prefix split`). Rows that lead nothing exit at once."""
-        lead = tl.program_id(0)
-        group = tl.program_id(1)
-        split = tl.program_id(2)
-        if tl.load(members_ptr + lead * GROUP) >= 0:
-            first = tl.load(start_ptr + lead)
-            end = tl.load(end_ptr + lead)
-            span = tl.maximum(tl.cdiv(tl.cdiv(end - first, tl.num_programs(2)), BLOCK_N) * BLOCK_N, MIN_SPAN)
-            lo = first + split * span
-            hi = tl.minimum(end, lo + span)
-            offs_q = tl.arange(0, BLOCK_Q)
-            offs_d = tl.arange(0, HEAD_DIM)
-            member = tl.load(
-                members_ptr + lead * GROUP + offs_q // PER_GROUP, mask=offs_q < GROUP * PER_GROUP, other=-1
-            )
-            head = offs_q % PER_GROUP
-            q_ok = member >= 0
-            q = tl.load(
-                q_ptr
-                + member[:, None] * stride_qb
-                + group * stride_qg
-                + head[:, None] * stride_qh
-                + offs_d[None, :],
-                mask=q_ok[:, None],
-                other=0.0,
-            )
-            m_i = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros((BLOCK_Q,), dtype=tl.float32)
-            acc = tl.zeros((BLOCK_Q, HEAD_DIM), dtype=tl.float32)
-            k_row = k_ptr + lead.to(tl.int64) * stride_kb + group * stride_kg
-            v_row = v_ptr + lead.to(tl.int64) * stride_vb + group * stride_vg
-            m_i, l_i, acc = _attend(
-                q, k_row, v_row, table_ptr + lead * stride_tb, lo, hi, stride_kl, stride_vl, m_i, l_i, acc,
-                scale, HEAD_DIM, BLOCK_N, PAGE,
-            )  # fmt: skip
-            state = ((member * groups + group) * states + splits + split) * BLOCK_H + head
-            tl.store(acc_ptr + state[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_ok[:, None])
-            tl.store(max_ptr + state, m_i, mask=q_ok)
-            tl.store(sum_ptr + state, l_i, mask=q_ok)
 
     @triton.jit
     def _merge_splits(
@@ -256,15 +167,11 @@ if triton is not None:
         stride_ob,
         stride_og,
         stride_oh,
-        pad_ptr,
-        end_ptr,
         groups,
         splits,
-        states,
         BLOCK_H: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_S: tl.constexpr,
-        CASCADE: tl.constexpr,
     ):
         """`merge_splits` as one kernel, one program per (row, group, query head) holding all of its splits'
         states as one tile: the states weighted by exp2(their max - the largest), summed, divided, cast to the
@@ -275,11 +182,8 @@ if triton is not None:
         group = row_group % groups
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, HEAD_DIM)
-        used = splits
-        if CASCADE:  # and the prompt's states (after the row's own) where it has one: not finished, no filler
-            used = tl.where(tl.load(pad_ptr + row) < tl.load(end_ptr + row), states, splits)
-        split_ok = offs_s < used
-        state = (row_group * states + offs_s) * BLOCK_H + head
+        split_ok = offs_s < splits
+        state = (row_group * splits + offs_s) * BLOCK_H + head
         m = tl.load(max_ptr + state, mask=split_ok, other=float("-inf"))
         weight = tl.exp2(m - tl.max(m, 0))  # an empty range has max -inf: weight 0
         den = tl.sum(tl.load(sum_ptr + state, mask=split_ok, other=0.0) * weight, 0)
@@ -338,8 +242,6 @@ def decode_attention(
     num_stages: int = 2,
     splits: int | None = None,
     triton_merge: bool = True,
-    cascade: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    prefix_splits: int | None = None,
     sourced: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q (rows, groups, heads per group, dim), cache (rows, positions, groups, dim), pad (rows,) int,
@@ -353,18 +255,10 @@ def decode_attention(
     Paged (`table` (rows, pages per row) int32 and `page` given): the cache is one flat (positions, groups,
     dim) buffer per layer and row r's position n sits at `table[r, n // page] * page + n % page`.
 
-    Cascade (`cascade` = (start, end, members): (rows,) int, (rows,) int, (rows, G) int): rows that share a
-    prompt (the samples of one prompt, prefilled together: the same K/V at the same positions) read it once.
-    Row `l` with members[l] = its rows (-1 padded; every row with pad < end in exactly one list) streams
-    positions [start[l], end[l]) of its own cache row once for all of their query heads (`_prefix_partials`,
-    in `prefix_splits` spans of at least 4 key blocks, None: as `num_splits` for rows / G leaders; spans of one
-    block measured slower: scripts/bench/README.md, "Rollout"); each row attends over
-    [max(pad, end), cur] itself, and the merge adds the prompt's states where pad < end. Needs `triton_merge`.
-
-    Sourced (`sourced` = (source, end): (rows,) int each; not with `cascade`): row r reads its positions before
-    end[r] from row source[r], which holds the same K/V there (a sample of the same prompt, prefilled with
-    it), and its positions from end[r] on from its own row: the samples of a prompt that all read one copy
-    find it in the GPU's L2 cache more often than n copies."""
+    Sourced (`sourced` = (source, end): (rows,) int each): row r reads its positions before end[r] from row
+    source[r], which holds the same K/V there (a sample of the same prompt, prefilled with it), and its
+    positions from end[r] on from its own row: the samples of a prompt that all read one copy find it in the
+    GPU's L2 cache more often than n copies."""
     rows, groups, per_group, dim = q.shape
     if table is not None:  # the flat cache as one "row" that every row indexes through its page table
         cache_k, cache_v = cache_k.unsqueeze(0), cache_v.unsqueeze(0)
@@ -378,21 +272,28 @@ def decode_attention(
     splits = splits or num_splits(rows * groups, cache_len, block_n, q.device)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"decode_attention: splits={splits}, expected 1..{MAX_SPLITS}")
-    psplits = 0
-    if cascade is not None and sourced is not None:
-        raise ValueError("decode_attention: pass cascade or sourced, not both")
-    if cascade is not None:
-        if not triton_merge:
-            raise ValueError("decode_attention: cascade needs triton_merge=True")
-        leaders = max(1, rows // cascade[2].shape[1])
-        psplits = prefix_splits or num_splits(leaders * groups, cache_len, block_n, q.device)
-    direct = triton_merge and splits == 1 and not psplits  # the kernel writes the output: no states, no merge
+    direct = triton_merge and splits == 1  # the kernel writes the output: no states, no merge
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if triton_merge else None
-    states = 0 if direct else rows * groups * (splits + psplits) * block_h
+    states = 0 if direct else rows * groups * splits * block_h
     acc = torch.empty(states, dim, dtype=torch.float32, device=q.device)
     m = torch.empty(states, dtype=torch.float32, device=q.device)
     s = torch.empty(states, dtype=torch.float32, device=q.device)
-    strides = (
+    _decode_partials[(rows * groups, splits)](
+        q,
+        cache_k,
+        cache_v,
+        pad,
+        cur,
+        cur.stride(0),
+        pad if sourced is None else sourced[1],
+        pad if sourced is None else sourced[0],
+        table,
+        stride_tb,
+        acc,
+        m,
+        s,
+        out if direct else acc,
+        *(out.stride()[:3] if direct else (0, 0, 0)),
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -402,37 +303,8 @@ def decode_attention(
         cache_v.stride(0) if stride_vb is None else stride_vb,
         cache_v.stride(1),
         cache_v.stride(2),
-    )
-    if psplits:
-        start, end, members = cascade
-        group_size = members.shape[1]
-        _prefix_partials[(rows, groups, psplits)](
-            q, cache_k, cache_v, start, end, members, table, stride_tb, acc, m, s, *strides, groups, splits,
-            splits + psplits, 1.0 / math.sqrt(dim), GROUP=group_size, PER_GROUP=per_group, BLOCK_H=block_h,
-            BLOCK_Q=max(16, triton.next_power_of_2(group_size * per_group)), HEAD_DIM=dim, BLOCK_N=block_n,
-            MIN_SPAN=4 * block_n, PAGE=page, num_warps=num_warps if group_size * per_group <= 64 else 8,
-            num_stages=num_stages,
-        )  # fmt: skip
-    _decode_partials[(rows * groups, splits)](
-        q,
-        cache_k,
-        cache_v,
-        pad,
-        cur,
-        cur.stride(0),
-        pad if cascade is None and sourced is None else (cascade or sourced)[1],
-        pad if sourced is None else sourced[0],
-        table,
-        stride_tb,
-        acc,
-        m,
-        s,
-        out if direct else acc,
-        *(out.stride()[:3] if direct else (0, 0, 0)),
-        *strides,
         groups,
         splits,
-        splits + psplits,
         1.0 / math.sqrt(dim),
         PER_GROUP=per_group,
         BLOCK_H=block_h,
@@ -441,7 +313,6 @@ def decode_attention(
         MIN_SPAN=4 * block_n,
         PAGE=page,
         DIRECT=direct,
-        CASCADE=bool(psplits),
         SOURCED=sourced is not None,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -455,15 +326,11 @@ def decode_attention(
             s,
             out,
             *out.stride()[:3],
-            pad,
-            pad if cascade is None else cascade[1],
             groups,
             splits,
-            splits + psplits,
             BLOCK_H=block_h,
             HEAD_DIM=dim,
-            BLOCK_S=max(2, triton.next_power_of_2(splits + psplits)),
-            CASCADE=bool(psplits),
+            BLOCK_S=max(2, triton.next_power_of_2(splits)),
             num_warps=num_warps,
         )
         return out

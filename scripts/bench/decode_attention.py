@@ -14,12 +14,10 @@ of `--cache-len` positions of which row r uses [pad_r, cur] (left-padded prompts
   at its default settings, and `--sweep` its tuning knobs (key block, warps, pipeline stages, key splits per
   (row, group); None: `num_splits`) at the last cur.
 With `--share N` (GRPO's samples of one prompt) rows come in groups of N with one prompt: the group's pads are
-equal and its first row's K/V fill every row's positions before pad + `--prefix`; `triton_cascade` is the
-kernel with the group's first row reading the prompt once for the group (engine/rollout/triton_decode.py
-`cascade`), and its bytes count the prompt once per group; `triton_sourced` is the kernel with every row
-reading its prompt's positions from the group's first row (`sourced`: one copy, which L2 may serve to the
-group's other rows; bytes counted as the cascade's), `triton_sourced_own_row` the same path reading each row's
-own copy (the path's cost alone).
+equal and its first row's K/V fill every row's positions before pad + `--prefix`; `triton_sourced` is the
+kernel with every row reading its prompt's positions from the group's first row (engine/rollout/
+triton_decode.py `sourced`: one copy, which L2 may serve to the group's other rows; its bytes count the prompt
+once per group), `triton_sourced_own_row` the same path reading each row's own copy (the path's cost alone).
 Reported per `cur`: median milliseconds per call over `--iters` replays of a CUDA graph of 20 calls (CUDA
 events), the K/V bytes each variant must read, and the largest difference of each output from `sdpa_mask` (bf16).
 """
@@ -70,14 +68,12 @@ def main() -> None:
     ar = torch.arange(n, device=dev)
     own = torch.arange(b, device=dev)
     first = own // args.share * args.share  # each row's group's first row
-    end = members = None
+    end = None
     if args.share > 1 and (b % args.share or 32 + args.prefix > min(int(c) for c in args.curs.split(","))):
         raise SystemExit("--share: --batch must be a multiple of it, every --curs >= 32 + --prefix")
     if args.share > 1:  # the group's prompt: its first row's pad and K/V before pad + prefix in every row
         pad = pad[first]
         end = pad + args.prefix
-        members = torch.full((b, args.share), -1, device=dev)
-        members[:: args.share] = torch.arange(b, device=dev).view(-1, args.share)
         prompt = (ar[None, :] < end[:, None])[:, :, None, None]
         k_blgd, v_blgd = (torch.where(prompt, t[first], t) for t in (k_blgd, v_blgd))
         k_bgld, v_bgld = k_blgd.transpose(1, 2).contiguous(), v_blgd.transpose(1, 2).contiguous()
@@ -122,9 +118,6 @@ def main() -> None:
         ]
         if end is not None:
 
-            def cascade(triton_kernel=triton_kernel):
-                return triton_kernel(cascade=(pad, end, members))
-
             def sourced(triton_kernel=triton_kernel, source=first):
                 return triton_kernel(sourced=(source, end))
 
@@ -132,7 +125,7 @@ def main() -> None:
                 return triton_kernel(sourced=(source, end))
 
             unique = used_gb - 2 * int((end - pad).sum()) * groups * dim * 2 / 1e9 * (1 - 1 / args.share)
-            variants += [("triton_cascade", cascade, unique), ("triton_sourced", sourced, unique)]
+            variants.append(("triton_sourced", sourced, unique))
             variants.append(("triton_sourced_own_row", own_row, used_gb))
         for name, fn, gb in variants:
             r[name + "_ms"] = graph_ms(fn, args.iters)

@@ -30,9 +30,8 @@ row's positions, so the KV budget bounds the batch by the longest row); `native_
 indexed K/V writes and compiled split merge instead of their Triton kernels (`DecodeKernels(fused=False)`);
 `native_torch_sampler`: the torch draw on float32 logits instead of the Triton draw
 (`DecodeKernels(sampler=False)`; `native_plain` has the torch draw too); with `--n` > 1, `native_unshared`:
-every sample reads its own copy of its prompt's K/V (`DecodeKernels(shared_prefix="off")`), `native_sourced`:
-each from its group's first live sample's copy (`"sourced"`), `native_cascade`: a group's prompt read once for
-its samples (`"cascade"`), whichever the default is.
+every sample reads its own copy of its prompt's K/V (`DecodeKernels(shared_prefix=False)`; the default reads
+it from the group's first live sample's copy).
 `--n`: samples per prompt (GRPO's group; rows = prompts x n, a prompt's samples share its length limit).
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
@@ -80,8 +79,6 @@ BACKENDS = (
     "native_unfused",
     "native_torch_sampler",
     "native_unshared",
-    "native_sourced",
-    "native_cascade",
     "vllm",
     "transformers",
 )
@@ -227,9 +224,7 @@ VARIANTS = {  # the native engine with other kernels, against `native` (auto) in
     "native_plain": DecodeKernels(attention="sdpa", compiled=False, sampler=False),
     "native_unfused": DecodeKernels(fused=False),
     "native_torch_sampler": DecodeKernels(sampler=False),
-    "native_unshared": DecodeKernels(shared_prefix="off"),
-    "native_sourced": DecodeKernels(shared_prefix="sourced"),
-    "native_cascade": DecodeKernels(shared_prefix="cascade"),
+    "native_unshared": DecodeKernels(shared_prefix=False),
 }
 
 

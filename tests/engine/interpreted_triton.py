@@ -81,22 +81,19 @@ def test_paged_cache_equals_the_contiguous_cache_bitwise():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("way", ["cascade", "sourced"])
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("splits,prefix_splits", [(1, 1), (3, 2)])
-def test_a_shared_prompt_is_read_from_its_lead_row(splits, prefix_splits, paged, way):
-    """Rows 0-2 share a prompt at positions [5, 42) led by row 1, rows 3-4 one at [0, 20) led by row 4, which
-    has finished (it reads its one key, yet still leads row 3): the other rows' copies of the prompt are
-    poisoned (inf), yet every row's output matches SDPA over clean K/V (float32, 2e-3), read as a cascade (the
-    lead row's program for the group) or sourced (each row's program from the lead row's positions). Paged:
-    through a shuffled page table, the lead row's page-table row."""
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_shared_prompt_is_read_from_its_lead_row(splits, paged):
+    """`sourced`: rows 0-2 share a prompt at positions [5, 42) led by row 1, rows 3-4 one at [0, 20) led by
+    row 4, which has finished (it reads its one key, yet is still row 3's source): the other rows' copies of
+    the prompt are poisoned (inf), yet every row's output matches SDPA over clean K/V (float32, 2e-3), with
+    the row's keys in one span or three (spans that start inside the prompt, end inside it, or straddle its
+    end). Paged: through a shuffled page table, the lead row's page-table row."""
     page, cache_len = 16, 96
     q, k, v = _inputs(cache_len, seed=6)
     start, end = torch.tensor([5, 5, 5, 0, 0]), torch.tensor([42, 42, 42, 20, 20])
     pad, cur = start.clone(), torch.tensor([60, 41, 90, 19, 70])
     pad[4] = cur[4]  # finished
-    members = torch.full((ROWS, 3), -1)
-    members[1], members[4, 0] = torch.tensor([0, 1, 2]), 3
     lead = torch.tensor([1, 1, 1, 4, 4])
     for r in range(ROWS):  # the group's prompt positions hold the lead row's K/V
         k[r, : end[r]], v[r, : end[r]] = k[lead[r], : end[r]], v[lead[r], : end[r]]
@@ -113,11 +110,7 @@ def test_a_shared_prompt_is_read_from_its_lead_row(splits, prefix_splits, paged,
         at = (table.long()[:, :, None] * page + torch.arange(page)).view(ROWS, -1)
         flat_k[at], flat_v[at] = poisoned_k, poisoned_v
         args, kw = (q, flat_k, flat_v, pad, cur), {**kw, "table": table, "page": page}
-    if way == "cascade":
-        shared = {"cascade": (start, end, members), "prefix_splits": prefix_splits}
-    else:
-        shared = {"sourced": (lead, end)}
-    out = triton_decode.decode_attention(*args, **shared, **kw)
+    out = triton_decode.decode_attention(*args, sourced=(lead, end), **kw)
     torch.testing.assert_close(out.float(), reference, atol=2e-3, rtol=2e-3)
     assert not triton_decode.decode_attention(*args, **kw).isfinite().all()  # (the poison is read without)
 
@@ -228,28 +221,18 @@ def test_paged_generation_equals_the_contiguous_layout(tmp_path):
 
 
 def _check_prompt_readers(engine, seen):
-    """Wrap `engine.model.decode`: at every step with a shared prompt, each live slot's prompt is read from one
-    slot of its own group (itself or another: the cascade's `members` list it exactly once, or its `sourced`
-    source), whose cache holds the same K/V at the same prompt positions; `seen` collects (group, reading
-    slot) pairs."""
+    """Wrap `engine.model.decode`: at every step with a shared prompt, each live slot's prompt is read from a
+    slot of its own group (itself or another), whose cache holds the same K/V at the same prompt positions;
+    `seen` collects (group, source slot) pairs."""
     decode = engine.model.decode
 
     def checked(tokens, pad, cur, cache_k, cache_v, num_keys, table=None, page=0, **kw):
         st, prefix = engine._rows, kw["prefix"]
         if prefix is not None:
             for r in st.alive[: len(tokens)].nonzero().flatten().tolist():
-                if "cascade" in prefix:
-                    (readers,) = (prefix["cascade"][2] == r).any(1).nonzero(as_tuple=True)
-                    assert readers.numel() == 1, (r, prefix)
-                    p = int(readers[0])
-                else:
-                    p = int(prefix["sourced"][0][r])
-                assert st.group[p] == st.group[r] and st.prefix_start[p] == st.prefix_start[r] == pad[r], (
-                    r,
-                    p,
-                )
-                assert st.prefix_end[p] == st.prefix_end[r] <= cur[r]
-                at = torch.arange(int(st.prefix_start[r]), int(st.prefix_end[r]))
+                p = int(prefix[0][r])
+                assert st.group[p] == st.group[r] and st.prefix_end[p] == st.prefix_end[r] <= cur[r], (r, p)
+                at = torch.arange(int(pad[r]), int(st.prefix_end[r]))
                 for layer in cache_k + cache_v:
                     if table is None:
                         own, other = layer[r, at], layer[p, at]
@@ -262,16 +245,14 @@ def _check_prompt_readers(engine, seen):
     engine.model.decode = checked
 
 
-@pytest.mark.parametrize("way", ["cascade", "sourced"])
 @pytest.mark.parametrize("paged", [False, True])
-def test_samples_of_a_prompt_read_it_once(paged, way, tmp_path):
+def test_samples_of_a_prompt_read_it_from_one_copy(paged, tmp_path):
     """Three samples per prompt, drawn at temperature 1, ending at stop tokens (so a group's first sample often
     ends before the others) and per-prompt limits, in batches of 9 slots with rows admitted as others finish:
-    with a group's prompt read from its first live slot (the cascade: once for the group; sourced: by each
-    slot's own program; at every width here) the sampled tokens' log-probs are within 1.5x the distance of
-    every row reading its own copy (`shared_prefix="off"`) to
+    with each slot reading its prompt from its group's first live slot (at every width here) the sampled
+    tokens' log-probs are within 1.5x the distance of every row reading its own copy (`shared_prefix=False`) to
     transformers' float32 teacher-forced ones (float16: the two may draw other tokens where a draw is near a
-    boundary); at every step each live slot's prompt is read by one slot of its group that holds the same K/V,
+    boundary); at every step each live slot's prompt is read from a slot of its group that holds the same K/V,
     and some groups changed that slot, in later admissions too."""
     from test_rollout_native import largest_log_prob_error, random_prompts
     from transformers import AutoModelForCausalLM
@@ -292,12 +273,12 @@ def test_samples_of_a_prompt_read_it_once(paged, way, tmp_path):
         seed=7,
     )
     outs, seen = [], set()
-    for shared in (way, "off"):
+    for shared in (True, False):
         kernels = DecodeKernels("triton", compiled=False, shared_prefix=shared, shared_prefix_min_rows=1)
         e = NativeRollout(shape, torch.device("cpu"), max_num_seqs=9, paged_kv=paged, kernels=kernels)
         e.set_weights(params)
         assert e.model.shared_prefix == shared
-        if shared != "off":
+        if shared:
             _check_prompt_readers(e, seen)
         outs.append(e.generate(prompts, sampling))
         assert bool(e.last_stats["paged"]) == paged and e.last_stats["chunks"] > 1, e.last_stats

@@ -1,6 +1,6 @@
 """The native rollout's decode-attention and RoPE/K-V kernels alone on CUDA (marked `gpu`, skipped on CPU), in
 bfloat16 at Qwen2.5 head shapes: the Triton decode attention against float32 SDPA (split key ranges, rows at
-their own positions; the cascade over groups sharing a prompt, with the other rows' copies poisoned), the
+their own positions; rows reading a shared prompt from their group's first row, other copies poisoned), the
 paged cache against the contiguous one bit for bit, the Triton split merge against the compiled one, and the
 fused RoPE/K-V write against the compiled RoPE and indexed writes. The engine around them:
 tests/engine/test_rollout_gpu.py; the same kernels under Triton's interpreter: tests/engine/interpreted_triton.py.
@@ -44,11 +44,11 @@ def test_triton_decode_attention_matches_sdpa(splits, block_n, per_row):
 
 
 @pytest.mark.parametrize("group_size,per_group", [(8, 6), (16, 7)])
-def test_triton_cascade_matches_sdpa(group_size, per_group):
-    """The cascade at Qwen2.5-1.5B's and -7B's head shapes, bf16: 64 rows in groups sharing a 300-position prompt
-    after their own left padding (the query tile of a group: 48 or 112 heads), rows at their own positions,
-    a finished row that still leads its group; the rows' other copies of the prompt poisoned: vs SDPA in
-    float32 on clean K/V."""
+def test_triton_sourced_prompt_matches_sdpa(group_size, per_group):
+    """Each row reading its prompt from its group's first row (`sourced`) at Qwen2.5-1.5B's and -7B's head
+    shapes, bf16: 64 rows in groups of 8 or 16 sharing a 300-position prompt after their own left padding, rows
+    at their own positions, a finished row that still is its group's source; the rows' other copies of the
+    prompt poisoned: vs SDPA in float32 on clean K/V."""
     from engine.rollout import triton_decode
 
     g = torch.Generator(device=DEV).manual_seed(1)
@@ -63,9 +63,6 @@ def test_triton_cascade_matches_sdpa(group_size, per_group):
     pad[0] = cur[0]  # row 0 finished: it reads its one key and still leads its group
     prompt = (torch.arange(cache_len, device=DEV)[None, :] < end[:, None])[:, :, None, None]
     k, v = (torch.where(prompt, t[lead], t) for t in (k, v))
-    members = torch.full((rows, group_size), -1, device=DEV)
-    members[::group_size] = torch.arange(rows, device=DEV).view(-1, group_size)
-    members[0] = torch.cat((members[0, 1:], members.new_full((1,), -1)))  # (the finished row is no member)
     ar = torch.arange(cache_len, device=DEV)
     mask = ((ar >= pad[:, None]) & (ar <= cur[:, None]))[:, None, None]
     ref = F.scaled_dot_product_attention(
@@ -73,7 +70,7 @@ def test_triton_cascade_matches_sdpa(group_size, per_group):
     )
     poisoned = ~(torch.arange(rows, device=DEV) == lead)[:, None, None, None] & prompt
     k, v = (t.masked_fill(poisoned, float("inf")) for t in (k, v))
-    out = triton_decode.decode_attention(q, k, v, pad, cur, cascade=(start, end, members))
+    out = triton_decode.decode_attention(q, k, v, pad, cur, sourced=(lead, end))
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
