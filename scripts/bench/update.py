@@ -7,7 +7,9 @@ on a random-init conf/model preset and one fixed random batch, in one process; p
 
 The batch: `--rows` sequences of `--seq` tokens (`--prompt-len` prompt + the rest response, no padding,
 random token ids, random advantages), cut into micro-batches by the engine's MicroBatcher under
-`--max-tokens` per micro-batch (0: `--micro-batch` rows each); the loss sees log-probs of the response
+`--max-tokens` per micro-batch (0: `--micro-batch` rows each), packed (rows back to back, varlen attention:
+what the trainer runs with a token budget) unless `--padded` (each micro-batch (rows, longest + 1), as
+`trainer.pack_sequences=false`; the only layout before 2026-12-03); the loss sees log-probs of the response
 positions only. The process is a world of one (NCCL on GPU, gloo on CPU), parameters in `--dtype`.
 
 Each `--variants` entry (VARIANTS below) builds a fresh model (same seed, same weights) with a set of the
@@ -89,6 +91,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=16384, help="token budget per micro-batch (0: off)")
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch when --max-tokens 0")
+    ap.add_argument(
+        "--padded",
+        action="store_true",
+        help="micro-batches padded to (rows, longest + 1) as trainer.pack_sequences=false; default: packed "
+        "(rows back to back, varlen attention: the trainer's default with a token budget)",
+    )
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--variants", default="all", help="comma-separated subset of " + ",".join(VARIANTS))
     ap.add_argument("--warmup", type=int, default=2)
@@ -124,7 +132,8 @@ def micro_batches(shape: ModelShape, args, device: torch.device) -> list[dict]:
     exp.tensors.update(
         advantages=torch.randn(args.rows, response, generator=gen) * mask, rollout_log_probs=rollout_logp
     )
-    batcher = MicroBatcher(args.micro_batch, args.max_tokens, seq_multiple=1, device=device)
+    pack = bool(args.max_tokens) and not args.padded  # the trainer's default with a token budget
+    batcher = MicroBatcher(args.micro_batch, args.max_tokens, seq_multiple=1, device=device, pack=pack)
     return batcher(exp, torch.arange(args.rows), KEYS)
 
 
@@ -310,6 +319,7 @@ def main() -> None:
             "seq": args.seq,
             "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens,
+            "packed": "packed_seq_params" in mbs[0],
             "micro_batches": [list(mb["tokens"].shape) for mb in mbs],
             "tokens": args.rows * args.seq,
             "mfu_formula": "6 * params * tokens / seconds / 989e12; params: each parameter once (tied "

@@ -67,8 +67,9 @@ def test_update_bench_tiny_cpu(tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == json.loads((tmp_path / "update.json").read_text())
     assert result["tokens"] == 6 * 24 and result["device"] == "cpu"
-    assert sum(b * (s - 1) for b, s in result["micro_batches"]) == 6 * 24  # one target slot per row
-    assert all(b * s <= 80 for b, s in result["micro_batches"])
+    assert result["packed"] and len(result["micro_batches"]) > 1  # the trainer's layout: rows back to back
+    assert all(b == 1 and s <= 80 for b, s in result["micro_batches"])
+    assert sum(s for _, s in result["micro_batches"]) == 6 * 24
     variants = result["variants"]
     none, fused, foreach = variants["none"], variants["all+fused_adam"], variants["all+foreach_adam"]
     for v in (none, fused, foreach):
