@@ -6,8 +6,9 @@ e2e_h200_long_tail_1024_0_5b_verlcall.json), and the long-tailed one at 1.5B to 
 colocated vLLM (e2e_h200_long_tail_4096_1_5b.json; ours again after the Triton draw,
 e2e_h200_long_tail_4096_1_5b_sampler.json, and after the inverse-CDF draw and flash prefill,
 e2e_h200_long_tail_4096_1_5b_flash_prefill.json, and after the RMSNorm kernels,
-e2e_h200_long_tail_4096_1_5b_rmsnorm.json). The long-tail panels mark the issue's tight limit of the
-step (roofline.py: generation at the decode roofline + update at 70% MFU).
+e2e_h200_long_tail_4096_1_5b_rmsnorm.json, and at 613a159, e2e_h200_long_tail_4096_1_5b_sourced.json); the
+fixed panel adds the 613a159 call's runs (e2e_h200_fixed_{0_5b,1_5b}_sourced.json). The long-tail panels mark
+the issue's tight limit of the step (roofline.py: generation at the decode roofline + update at 70% MFU).
 
 pip install matplotlib && python scripts/bench/plot_e2e.py   # writes scripts/bench/results/e2e_h200.png
 """
@@ -100,6 +101,18 @@ def tight_limit(ax, run: dict, x0: float, x1: float) -> None:
     ax.hlines(bound["seconds"], x0 - 0.45, x1 + 0.45, colors="black", linestyles="dashed", label=label)
 
 
+def later_fixed_runs(preset: str) -> list[tuple[str, dict]]:
+    """The latest tree's fixed-workload runs (e2e_h200_fixed_<size>_sourced.json: commit 613a159, each run of
+    that call, not only the fastest), as (label, e2e.py report)."""
+    path = os.path.join(HERE, f"e2e_h200_fixed_{preset.removeprefix('qwen2_5_')}_sourced.json")
+    if not os.path.exists(path):
+        return []
+    runs = json.load(open(path))
+    return [
+        (k.replace("sourced_", "").replace("_", ", "), r) for k, r in runs.items() if k.startswith("sourced")
+    ]
+
+
 def fixed_panel(ax) -> None:
     """Per preset: ours with the native rollout and with vLLM's (the fastest run of each per GPU), split by
     phase, and TRL's whole step; in GPU-seconds per step (step time x GPUs), so that a 2-GPU run and a 1-GPU
@@ -116,13 +129,18 @@ def fixed_panel(ax) -> None:
                 continue
             ours_bar(ax, x, run, legend_done)
             ticks.append(x)
-            labels.append(f"ours, {backend}\n{preset}\n({run['gpus']} GPU)")
+            labels.append(f"ours, {backend}\n{preset.removeprefix('qwen2_5_')}\n({run['gpus']} GPU)")
+            x += 1
+        for key, run in later_fixed_runs(preset):
+            ours_bar(ax, x, run, legend_done)
+            ticks.append(x)
+            labels.append(f"ours, native\n{preset.removeprefix('qwen2_5_')}\n({key})")
             x += 1
         trl_bar(ax, x, trl[preset], legend_done)
         ticks.append(x)
-        labels.append(f"TRL\n{preset}\n(1 GPU)")
+        labels.append(f"TRL\n{preset.removeprefix('qwen2_5_')}\n(1 GPU)")
         x += 2
-    ax.set_xticks(ticks, labels, fontsize=7)
+    ax.set_xticks(ticks, labels, fontsize=6)
     ax.set_ylabel("GPU-seconds per GRPO step (H200)")
     ax.set_title("fixed: 64 prompts x 8 responses, 256 + 512 tokens, bf16")
     ax.legend(loc="upper left", fontsize=8)
@@ -154,32 +172,35 @@ def long_tail_panel(ax) -> None:
 
 def long_tail_4096_panel(ax) -> None:
     """The long-tailed workload at 1.5B (responses to 4,096 tokens): ours native by phase (steady step) before
-    and after the Triton draw, at f8be0ad (inverse-CDF draw, flash prefill) and at 4e743c9 (the update's RMSNorm
-    kernels), and TRL with colocated vLLM
+    and after the Triton draw, at f8be0ad (inverse-CDF draw, flash prefill), at 4e743c9 (the update's RMSNorm
+    kernels) and at 613a159, and TRL with colocated vLLM
     (its first step: the second did not finish inside the job's limit)."""
     run = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_4096_1_5b.json")))
     after = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_4096_1_5b_sampler.json")))
     flash = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_4096_1_5b_flash_prefill.json")))
-    latest = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_4096_1_5b_rmsnorm.json")))
+    rmsnorm = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_4096_1_5b_rmsnorm.json")))
+    latest = json.load(open(os.path.join(HERE, "e2e_h200_long_tail_4096_1_5b_sourced.json")))
     trl = {"engine": "vllm", "step_s": run["trl_vllm_colocate"]["step_s_all"][0]}
     legend_done: set = set()
     ours_bar(ax, 0, {"gpus": 1, **run}, legend_done)
     ours_bar(ax, 1, after, legend_done)
     ours_bar(ax, 2, flash, legend_done)
-    ours_bar(ax, 3, latest, legend_done)
-    trl_bar(ax, 4, trl, legend_done)
-    tight_limit(ax, latest, 0, 4)
+    ours_bar(ax, 3, rmsnorm, legend_done)
+    ours_bar(ax, 4, latest, legend_done)
+    trl_bar(ax, 5, trl, legend_done)
+    tight_limit(ax, latest, 0, 5)
     labels = ["ours, native\n(step 2; 9c04e90)", "ours, native\n(step 2; Triton\ndraw, 065f9e3)"]
     labels.append("ours, native\n(step 2; CDF draw,\nflash prefill,\nf8be0ad)")
     labels.append("ours, native\n(step 2; RMSNorm\nkernels, 4e743c9)")
-    ax.set_xticks(range(5), [*labels, "TRL, vLLM\n(colocated;\nstep 1 only)"], fontsize=7)
+    labels.append("ours, native\n(step 2; 613a159)")
+    ax.set_xticks(range(6), [*labels, "TRL, vLLM\n(colocated;\nstep 1 only)"], fontsize=7)
     ax.set_title("long tail, qwen2_5_1_5b:\n64 x 8, 256 + up to 4,096 (mean 1,415)", fontsize=10)
     ax.legend(loc="upper left", fontsize=8)
 
 
 def main() -> None:
     fig, (fixed, tail, tail_4096) = plt.subplots(
-        1, 3, figsize=(23, 5.2), gridspec_kw={"width_ratios": [2.2, 1.4, 1.5]}
+        1, 3, figsize=(26, 5.2), gridspec_kw={"width_ratios": [2.8, 1.4, 1.7]}
     )
     fixed_panel(fixed)
     long_tail_panel(tail)
