@@ -6,8 +6,8 @@ How a `generate` call runs (the forward itself is engine/rollout/model.py):
   `max_num_seqs`, and as many as the KV cache budget holds: engine/rollout/kv_cache.py);
 - prefill: each distinct prompt of an admitted batch once (left-padded, at most `prefill_tokens` tokens per
   forward: engine/rollout/prefill.py), its K/V written to the cache rows of its n samples; with n > 1 the
-  decode attention of batches of `DecodeKernels.shared_prefix_min_rows` rows or more may read a group's
-  prompt from one copy (`DecodeKernels.shared_prefix`: engine/rollout/triton_decode.py, decode_state.py);
+  decode attention of batches of `DecodeKernels.shared_prefix_min_rows` rows or more reads a group's prompt
+  from its first live sample's copy (`DecodeKernels.shared_prefix`: triton_decode.py, decode_state.py);
 - decode: one token for every slot per step, each slot at its own cache position (engine/rollout/
   decode_state.py); a finished row is masked at once, and the batch is compacted (live rows moved to the
   front) only when enough rows finished: a quarter of the batch in eager mode, one batch bucket down with
