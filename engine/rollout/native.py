@@ -483,10 +483,9 @@ class NativeRollout(RolloutEngine):
             else:
                 rows_k, rows_v, paged = [k[:b] for k in cache_k], [v[:b] for v in cache_v], ()
             args = (st.tokens[:b], st.pad[:b], st.cur[:b], rows_k, rows_v, num_keys, *paged)
-            prefix = st.prompt_sources(b) if b >= self.kernels.shared_prefix_min_rows else None
-            return self.model.decode(
-                *args, upcast=not self.fused_draw, prefix=prefix if self._shared else None
-            )
+            shared = self._shared and b >= self.kernels.shared_prefix_min_rows
+            prefix = st.prompt_sources(b) if shared else None
+            return self.model.decode(*args, upcast=not self.fused_draw, prefix=prefix)
 
         if self.graphs is None or self._recorder is not None:  # the recorder reads each step's routes
             return step(width, min(top + 1, seq_len))
