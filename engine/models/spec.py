@@ -5,8 +5,8 @@ modules swapped in, and fused kernels where megatron's own need TransformerEngin
   `scaled_dot_product_attention` picks flash/cuDNN kernels on GPU and runs everywhere else too. Causal only:
   the engine lays every sequence out right-padded from position 0, so a causal mask is exact for the valid
   tokens and no padding mask is needed. Packed micro-batches (rows back to back, megatron's thd
-  `PackedSeqParams`) attend causally within each row: torch's varlen kernel on CUDA in bfloat16/float16,
-  exact row-by-row SDPA elsewhere.
+  `PackedSeqParams`) attend causally within each row (engine/models/packed_attention.py: SDPA on views where
+  every row is as long as the longest, FlashAttention-2 varlen on CUDA in half precision, else row by row).
 - `RMSNorm` replaces `WrappedTorchNorm`, which refuses sequence parallelism; ours tags its weight
   `sequence_parallel` so megatron all-reduces its gradient across the TP group when SP is on.
 - `Fusions` selects the fused kernels (all on by default; off = the reference op chains, for benchmarks):
@@ -19,20 +19,19 @@ modules swapped in, and fused kernels where megatron's own need TransformerEngin
 
 from __future__ import annotations
 
-import inspect
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from engine.models import triton_rms_norm, triton_rope
+from engine.models.packed_attention import packed_attention
 
 
 @dataclass(frozen=True)
@@ -108,73 +107,6 @@ class SDPAAttention(MegatronModule):
         )  # (b, heads, sq, dim)
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
-
-
-def packed_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    params: PackedSeqParams,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-) -> torch.Tensor:
-    """Causal attention within each packed row: q (t, heads, dim), k/v (t, groups, dim) -> (t, heads, dim),
-    rows bounded by `params.cu_seqlens_q` (the same for keys). On CUDA in bfloat16/float16 without dropout,
-    torch's varlen kernel (`varlen_attn`, with autograd); elsewhere SDPA row by row (exact, one host sync)."""
-    varlen = _varlen_attn()
-    if varlen is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0:
-        return varlen(q, k, v, params.cu_seqlens_q, params.max_seqlen_q, scale)
-    lengths = params.cu_seqlens_q.diff().tolist()
-    rows = []
-    for qr, kr, vr in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
-        out = F.scaled_dot_product_attention(
-            qr.transpose(0, 1)[None],  # (1, heads, len, dim)
-            kr.transpose(0, 1)[None],
-            vr.transpose(0, 1)[None],
-            is_causal=True,
-            dropout_p=dropout_p,
-            scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
-        rows.append(out[0].transpose(0, 1))
-    return torch.cat(rows)
-
-
-_VARLEN: list = []
-
-
-def _varlen_attn() -> Callable | None:
-    """torch's `varlen_attn` (torch >= 2.9) behind one call signature, (q, k, v, cu_seqlens, max_seqlen,
-    scale) -> causal output, or None where torch has none. Its keywords moved between releases: causal is
-    `is_causal=True` (2.9, 2.10) or `window_size=(-1, 0)` (later); without `enable_gqa` the key/value groups
-    are repeated per query head, and without `scale` the queries are pre-scaled (the kernel's default scale
-    is dim ** -0.5)."""
-    if _VARLEN:
-        return _VARLEN[0]
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        _VARLEN.append(None)
-        return None
-    names = inspect.signature(varlen_attn).parameters
-
-    def attend(q, k, v, cu_seqlens, max_seqlen, scale):
-        kwargs = {"window_size": (-1, 0)} if "window_size" in names else {"is_causal": True}
-        if q.shape[1] != k.shape[1]:
-            if "enable_gqa" in names:
-                kwargs["enable_gqa"] = True
-            else:
-                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-                v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        if scale is not None:
-            if "scale" in names:
-                kwargs["scale"] = scale
-            else:
-                q = q * (scale * q.shape[-1] ** 0.5)
-        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
-
-    _VARLEN.append(attend)
-    return attend
 
 
 def rms_normalize_reference(x: torch.Tensor, eps: float) -> torch.Tensor:

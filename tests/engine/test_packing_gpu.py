@@ -1,18 +1,25 @@
-"""Packed micro-batches on CUDA (marked `gpu`, skipped on CPU): torch's varlen attention kernel in bfloat16 against
-padded micro-batches (SDPA) of the same rows. World size 1 (in-process, one GPU, NCCL).
+"""Packed micro-batches on CUDA (marked `gpu`, skipped on CPU).
 
-Tolerance, bfloat16 (2 layers, hidden 256, 8 heads in 2 query groups, head dim 32): the two layouts run
-different attention kernels and round activations at different points, so log-probs and entropies differ by
-bfloat16 rounding, not by masking: within 5e-2 absolute (a masking error, e.g. a row attending to its
-neighbour, moves them by O(1)), parameter gradients and losses within 5e-2 of their scale.
+- The trainer's packed micro-batches (FlashAttention-2 varlen for rows of different lengths) against padded
+  micro-batches (SDPA) of the same rows, world size 1 (in-process, one GPU, NCCL). Tolerance, bfloat16 (2
+  layers, hidden 256, 8 heads in 2 query groups, head dim 32): the two layouts run different attention kernels
+  and round activations at different points, so log-probs and entropies differ by bfloat16 rounding, not by
+  masking: within 5e-2 absolute (a masking error, e.g. a row attending to its neighbour, moves them by O(1)),
+  parameter gradients and losses within 5e-2 of their scale.
+- `packed_attention`'s CUDA paths alone (engine/models/packed_attention.py: FlashAttention-2 varlen with the
+  key/value groups as they are; SDPA on views for rows of equal length), bf16, at Qwen2.5-1.5B's heads (12
+  query heads in 2 groups, dim 128): output and q/k/v gradients against float32 attention row by row, each
+  within 1.5x the largest error of torch's `varlen_attn` with the groups repeated per head (the path before)
+  plus one bf16 ulp of the reference's scale.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 from trainer_parity import packing_parity
 
-from engine.models import spec
+from engine.models import packed_attention as packed_module
 
 pytestmark = pytest.mark.gpu
 
@@ -27,15 +34,14 @@ MODEL = [
 
 
 def test_varlen_packed_equals_padded_in_bfloat16(tmp_path, monkeypatch):
-    attend = spec._varlen_attn()
-    assert attend is not None, "torch has no torch.nn.attention.varlen"
     calls = []
+    flash = packed_module.FlashVarlen.apply
 
     def spy(*args):
         calls.append(args[0].shape)
-        return attend(*args)
+        return flash(*args)
 
-    monkeypatch.setattr(spec, "_VARLEN", [spy])
+    monkeypatch.setattr(packed_module.FlashVarlen, "apply", spy)
     parity = packing_parity(MODEL, str(tmp_path), 64)
     assert calls, "the packed forward did not reach the varlen kernel"
     for key in ("log_probs", "entropy"):
@@ -43,3 +49,49 @@ def test_varlen_packed_equals_padded_in_bfloat16(tmp_path, monkeypatch):
     for key in ("actor_grad_rel", "actor_loss_rel", "critic_grad_rel", "critic_loss_rel"):
         assert parity[key] <= 5e-2, parity
     assert parity["tokens_packed"] == parity["tokens_real"] < parity["tokens_padded"], parity
+
+
+def _errors(fn, q, k, v, grad, want) -> list[float]:
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = fn(q, k, v)
+    got = (out, *torch.autograd.grad(out, (q, k, v), grad))
+    return [float((a.float() - b).abs().max()) for a, b in zip(got, want)]
+
+
+@pytest.mark.parametrize("lengths", [[700, 13, 1, 256, 64], [512] * 6])
+def test_packed_attention_kernels_match_float32(lengths, monkeypatch):
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from torch.nn.attention.varlen import varlen_attn
+
+    torch.manual_seed(0)
+    t, heads, groups, dim, scale = sum(lengths), 12, 2, 128, 128**-0.5
+    q, k, v, grad = (
+        torch.randn(t, h, dim, device="cuda", dtype=torch.bfloat16) for h in (heads, groups, groups, heads)
+    )
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    longest = max(lengths)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
+    qf, kf, vf = (x.float().requires_grad_() for x in (q, k, v))
+    ref = packed_module.rowwise_attention(qf, kf, vf, cu, scale, 0.0)
+    want = (ref, *torch.autograd.grad(ref, (qf, kf, vf), grad.float()))
+
+    def before(q, k, v):  # torch >= 2.11's signature: causal as a window
+        rk, rv = (x.repeat_interleave(heads // groups, dim=1) for x in (k, v))
+        return varlen_attn(q, rk, rv, cu, cu, longest, longest, scale=scale, window_size=(-1, 0))
+
+    calls = []
+    flash = packed_module.FlashVarlen.apply
+
+    def spy(*args):
+        calls.append(1)
+        return flash(*args)
+
+    monkeypatch.setattr(packed_module.FlashVarlen, "apply", spy)
+    got = _errors(lambda q, k, v: packed_module.packed_attention(q, k, v, params, scale), q, k, v, grad, want)
+    assert bool(calls) == (len(set(lengths)) > 1), "rows of equal length take the SDPA path, others flash"
+    old = _errors(before, q, k, v, grad, want)
+    for name, g, o, w in zip(("out", "dq", "dk", "dv"), got, old, want):
+        ulp = float(w.abs().max()) * 2**-8
+        assert g <= 1.5 * o + ulp, (name, g, o, lengths)

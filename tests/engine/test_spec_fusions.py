@@ -23,6 +23,8 @@ import pytest
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
+from engine.models import packed_attention as packed_module
+from engine.models.packed_attention import packed_attention
 from engine.models.spec import (
     Fusions,
     RMSNorm,
@@ -30,7 +32,6 @@ from engine.models.spec import (
     fused_rope,
     fused_rope_thd,
     install_rope_fusion,
-    packed_attention,
     rope_reference,
 )
 
@@ -125,17 +126,23 @@ def test_thd_rope_equals_per_row_rope(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("groups_kv", [4, 2])  # 2: grouped-query attention
-def test_packed_attention_equals_each_row_alone(groups_kv):
+@pytest.mark.parametrize(
+    "lengths", [[5, 17, 1, 9], [6, 6, 6]]
+)  # the second: every row as long as the longest
+def test_packed_attention_equals_each_row_alone(groups_kv, lengths, monkeypatch):
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    uniform = len(set(lengths)) == 1
+    if uniform:  # the equal-length path must be the one that runs: the row-by-row one would fail here
+        monkeypatch.setattr(packed_module, "rowwise_attention", None)
     torch.manual_seed(0)
-    lengths = [5, 17, 1, 9]
     q, cu = _packed(lengths, 4, 16)
     k, _ = _packed(lengths, groups_kv, 16)
     v, _ = _packed(lengths, groups_kv, 16)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
+    longest = max(lengths)
     params = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=17, max_seqlen_kv=17
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
     )
     out = packed_attention(q, k, v, params, scale=0.3)
     grad = torch.randn_like(out)

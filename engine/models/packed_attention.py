@@ -1,0 +1,109 @@
+"""Causal attention within each row of a packed micro-batch (rows back to back, megatron's thd
+`PackedSeqParams`): q (t, heads, dim), k/v (t, groups, dim) -> (t, heads, dim).
+
+Three paths, each exact causal attention within a row; the first that applies runs:
+- Every row as long as the longest (`rows x max_seqlen == t`, read from the host-side shapes, no sync): the
+  packed tokens are already a (rows, longest) batch, so SDPA runs on views of it (cuDNN's attention on an
+  H200 in bf16, faster than FlashAttention-2 there: `scripts/bench/packed_attention.py`). A fixed-length
+  batch packs this way.
+- On CUDA in bfloat16/float16 without dropout: FlashAttention-2 varlen through torch's aten ops, the key/value
+  groups as they are (the kernel maps each query head to its group; the backward sums a group's key/value
+  gradients inside the kernel). torch's `varlen_attn` before 2.13 has no `enable_gqa`, and repeating the
+  groups per query head cost a copy of k and v each way plus a reduction of their gradients.
+- Elsewhere: SDPA row by row (one host sync for the row lengths).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    params: PackedSeqParams,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention within each packed row (module docstring); rows bounded by `params.cu_seqlens_q`
+    (the same for keys), none longer than `params.max_seqlen_q`."""
+    rows, longest = params.cu_seqlens_q.numel() - 1, params.max_seqlen_q
+    if rows * longest == q.shape[0]:  # lengths <= longest summing to rows x longest: all equal
+        return uniform_rows_attention(q, k, v, rows, scale, dropout_p)
+    if flash_applies(q, dropout_p):
+        return FlashVarlen.apply(q, k, v, params.cu_seqlens_q, longest, scale)
+    return rowwise_attention(q, k, v, params.cu_seqlens_q, scale, dropout_p)
+
+
+def flash_applies(q: torch.Tensor, dropout_p: float) -> bool:
+    """Where torch's FlashAttention-2 kernels run: CUDA, half precision, no dropout."""
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0
+
+
+def uniform_rows_attention(q, k, v, rows: int, scale: float | None, dropout_p: float) -> torch.Tensor:
+    """Causal SDPA over `rows` rows of equal length lying back to back: (rows, heads, length, dim) views."""
+    q4, k4, v4 = (x.unflatten(0, (rows, -1)).transpose(1, 2) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(
+        q4, k4, v4, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out.transpose(1, 2).flatten(0, 1)
+
+
+def rowwise_attention(
+    q, k, v, cu_seqlens: torch.Tensor, scale: float | None, dropout_p: float
+) -> torch.Tensor:
+    """Causal SDPA one row at a time (exact on any device; one host sync for the lengths)."""
+    lengths = cu_seqlens.diff().tolist()
+    out = []
+    for qr, kr, vr in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
+        o = F.scaled_dot_product_attention(
+            qr.transpose(0, 1)[None],  # (1, heads, len, dim)
+            kr.transpose(0, 1)[None],
+            vr.transpose(0, 1)[None],
+            is_causal=True,
+            dropout_p=dropout_p,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        out.append(o[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+class FlashVarlen(torch.autograd.Function):
+    """FlashAttention-2 varlen, causal, q (t, heads, dim) over k/v (t, groups, dim) with groups dividing heads
+    (torch's `_flash_attention_forward` / `_flash_attention_backward`, the ops under `varlen_attn`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, longest: int, scale: float | None):
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, longest, longest, 0.0, True, False, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused)
+        ctx.longest, ctx.scale = longest, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu,
+            cu,
+            ctx.longest,
+            ctx.longest,
+            0.0,
+            True,
+            rng_state,
+            unused,
+            scale=ctx.scale,
+        )
+        return dq, dk, dv, None, None, None

@@ -1,0 +1,227 @@
+"""Benchmark the packed update's attention alone: one layer's causal attention over a GRPO step's rows, cut
+into micro-batches by the trainer's token budget and laid back to back (thd, `engine/roles/dynamic_batch.py`),
+forward and backward, per kernel; prints one JSON object.
+
+Kernels (`--kernels`):
+- `engine`: what the trainer runs (`engine.models.packed_attention.packed_attention`: SDPA on views where every
+  row of a micro-batch is as long as the longest, else FlashAttention-2 varlen with the key/value groups as
+  they are);
+- `flash_gqa`: that FlashAttention-2 varlen path alone (`FlashVarlen`), for every micro-batch;
+- `varlen_repeat`: torch's `varlen_attn` (FlashAttention-2 varlen) with the key/value groups repeated per query
+  head, as torch 2.11's has no `enable_gqa`: the engine's path before;
+- `uniform_sdpa`: SDPA on (rows, heads, length, dim) views (cuDNN's attention on an H200), micro-batches whose
+  rows are all equally long only (else skipped).
+
+Per kernel: forward and forward + backward milliseconds for the whole step (all micro-batches, one layer;
+median of `--iters` after a warm-up), times the preset's layer count, and the causal FLOP rate (forward
+2 x 2 x heads x dim x sum L(L+1)/2, backward 2.5x that); parity on the first micro-batch: the largest
+absolute error of the output and of dq, dk, dv against a float32 row-by-row SDPA, next to the flash
+kernel's own (bf16). On CPU only `engine` runs (SDPA there), for the plumbing.
+
+    python scripts/bench/packed_attention.py --preset qwen2_5_1_5b                       # fixed 512
+    python scripts/bench/packed_attention.py --preset qwen2_5_1_5b --lengths long_tail --response-len 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from presets import model_preset  # noqa: E402
+from workload import add_step_args, response_lengths  # noqa: E402
+
+from engine.roles.dynamic_batch import pack_by_token_budget  # noqa: E402
+
+KERNELS = ("engine", "flash_gqa", "varlen_repeat", "uniform_sdpa")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="qwen2_5_1_5b")
+    add_step_args(ap)
+    ap.add_argument("--max-tokens", type=int, default=32768, help="token budget per micro-batch")
+    ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument("--iters", type=int, default=5)
+    return ap.parse_args(argv)
+
+
+def micro_batch_lengths(args) -> list[list[int]]:
+    """Row lengths (prompt + response) per micro-batch, as the trainer packs the step."""
+    per_prompt = response_lengths(args.lengths, args.prompts, args.response_len, args.seed)
+    lengths = [args.prompt_len + r for r in per_prompt for _ in range(args.n)]
+    groups = pack_by_token_budget(lengths, args.max_tokens, packed=True)
+    return [[lengths[i] for i in g] for g in groups]
+
+
+def offsets(lengths: list[int], device) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def engine(q, k, v, cu, longest, scale):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from engine.models.packed_attention import packed_attention
+
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
+    return packed_attention(q, k, v, params, scale)
+
+
+def flash_gqa(q, k, v, cu, longest, scale):
+    from engine.models.packed_attention import FlashVarlen
+
+    return FlashVarlen.apply(q, k, v, cu, longest, scale)
+
+
+def varlen_repeat(q, k, v, cu, longest, scale):
+    from torch.nn.attention.varlen import varlen_attn
+
+    rep = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(rep, dim=1) for x in (k, v))
+    return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0))
+
+
+def uniform_sdpa(q, k, v, cu, longest, scale):
+    from engine.models.packed_attention import uniform_rows_attention
+
+    rows = cu.numel() - 1
+    if rows * longest != q.shape[0]:
+        raise ValueError("rows of different lengths")
+    return uniform_rows_attention(q, k, v, rows, scale, 0.0)
+
+
+def reference(q, k, v, cu, scale) -> torch.Tensor:
+    """float32 causal attention row by row."""
+    outs = []
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qr, kr, vr = (x[start:end].float().transpose(0, 1)[None] for x in (q, k, v))
+        outs.append(
+            F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale, enable_gqa=True)[
+                0
+            ].transpose(0, 1)
+        )
+    return torch.cat(outs)
+
+
+def inputs(lengths, heads, groups, dim, device, dtype, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    t = sum(lengths)
+    q, k, v = (
+        torch.randn(t, h, dim, device=device, dtype=dtype, generator=gen) for h in (heads, groups, groups)
+    )
+    return q, k, v, torch.randn(t, heads, dim, device=device, dtype=dtype, generator=gen)
+
+
+def run(fn, q, k, v, g, cu, longest, scale, backward: bool):
+    q, k, v = (x.detach().requires_grad_(backward) for x in (q, k, v))
+    out = fn(q, k, v, cu, longest, scale)
+    if backward:
+        out.backward(g)
+        return out, q.grad, k.grad, v.grad
+    return (out,)
+
+
+def timed_ms(fn, batches, scale, backward, iters, device) -> float | None:
+    def once():
+        for q, k, v, g, cu, longest in batches:
+            run(fn, q, k, v, g, cu, longest, scale, backward)
+
+    once()
+    if device.type != "cuda":
+        return None
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        once()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def parity(fn, batch, scale) -> dict:
+    q, k, v, g, cu, longest = batch
+    got = run(fn, q, k, v, g, cu, longest, scale, backward=True)
+    qf, kf, vf = (x.detach().float().requires_grad_(True) for x in (q, k, v))
+    ref_out = reference(qf, kf, vf, cu, scale)
+    ref_out.backward(g.float())
+    ref = (ref_out, qf.grad, kf.grad, vf.grad)
+    return {
+        name: float((a.float() - b).abs().max()) for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref)
+    }
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    m = model_preset(args.preset)
+    heads, groups = m["num_attention_heads"], m["num_query_groups"]
+    dim = m.get("head_dim") or m["hidden_size"] // heads
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    scale = dim**-0.5
+    mbs = micro_batch_lengths(args)
+    batches = []
+    for i, lengths in enumerate(mbs):
+        q, k, v, g = inputs(lengths, heads, groups, dim, device, dtype, args.seed + i)
+        batches.append((q, k, v, g, offsets(lengths, device), max(lengths)))
+    sum_sq = sum(n * (n + 1) // 2 for lengths in mbs for n in lengths)
+    fwd_flops = 2 * 2 * heads * dim * sum_sq
+    layers = m["num_layers"]
+    result = {
+        "preset": args.preset,
+        "lengths": args.lengths,
+        "response_len": args.response_len,
+        "rows": sum(len(x) for x in mbs),
+        "tokens": sum(map(sum, mbs)),
+        "micro_batches": len(mbs),
+        "max_tokens": args.max_tokens,
+        "heads": heads,
+        "groups": groups,
+        "dim": dim,
+        "layers": layers,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "kernels": {},
+    }
+    for name in args.kernels.split(","):
+        if device.type != "cuda" and name != "engine":
+            continue
+        fn = {
+            "engine": engine,
+            "flash_gqa": flash_gqa,
+            "varlen_repeat": varlen_repeat,
+            "uniform_sdpa": uniform_sdpa,
+        }[name]
+        try:
+            err = parity(fn, batches[0], scale)
+            fwd = timed_ms(fn, batches, scale, False, args.iters, device)
+            both = timed_ms(fn, batches, scale, True, args.iters, device)
+        except Exception as e:  # noqa: BLE001 - a kernel the build refuses is a result, not a crash
+            result["kernels"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            continue
+        row = {"max_abs_error": err}
+        if both is not None:
+            row.update(
+                forward_ms=fwd,
+                forward_backward_ms=both,
+                update_ms_all_layers=both * layers,
+                forward_tflops=fwd_flops / fwd / 1e9,
+                forward_backward_tflops=3.5 * fwd_flops / both / 1e9,
+            )
+        result["kernels"][name] = row
+    print(json.dumps(result, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""scripts/bench/packed_attention.py on CPU (in-process, ~2 s): the step's rows cut by the trainer's token
+budget, and the engine's packed attention (SDPA on CPU) against float32 row-by-row attention on the first
+micro-batch, for a fixed and a long-tailed step. Speed is for the GPU; this checks the plumbing."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
+
+import packed_attention as bench  # noqa: E402
+
+ARGS = ["--preset", "tiny", "--prompts", "4", "--n", "3", "--prompt-len", "16", "--response-len", "40"]
+
+
+@pytest.mark.parametrize("lengths", ["fixed", "long_tail"])
+def test_the_step_is_packed_by_the_budget_and_the_engine_path_is_exact(lengths, capsys):
+    bench.main([*ARGS, "--lengths", lengths, "--max-tokens", "120"])
+    out = json.loads(capsys.readouterr().out)
+    args = bench.parse_args([*ARGS, "--lengths", lengths, "--max-tokens", "120"])
+    mbs = bench.micro_batch_lengths(args)
+    assert out["rows"] == 12 and out["micro_batches"] == len(mbs)
+    assert all(sum(mb) <= 120 or len(mb) == 1 for mb in mbs)
+    if lengths == "fixed":
+        assert mbs == [[56, 56]] * 6
+    assert out["tokens"] == sum(map(sum, mbs))
+    assert set(out["kernels"]) == {"engine"}  # the CUDA kernels are skipped on CPU
+    assert max(out["kernels"]["engine"]["max_abs_error"].values()) < 1e-5
