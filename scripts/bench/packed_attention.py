@@ -10,13 +10,19 @@ Kernels (`--kernels`):
 - `varlen_repeat`: torch's `varlen_attn` (FlashAttention-2 varlen) with the key/value groups repeated per query
   head, as torch 2.11's has no `enable_gqa`: the engine's path before;
 - `uniform_sdpa`: SDPA on (rows, heads, length, dim) views (cuDNN's attention on an H200), micro-batches whose
-  rows are all equally long only (else skipped).
+  rows are all equally long only (else skipped);
+- `padded_sdpa`: every micro-batch copied into a zero-padded (rows, longest) layout (one index copy per tensor
+  each way), SDPA there, the rows' tokens copied back: cuDNN's rate on the padding's extra work.
+
+`--per-micro-batch`: first (before any other kernel, so shape-keyed plan builds count) each micro-batch alone
+through `flash_gqa` and `padded_sdpa`: its first call and the median of later ones (forward + backward), with
+its token fill (tokens / (rows x longest)) and score fill (sum L^2 / (rows x longest^2)).
 
 Per kernel: forward and forward + backward milliseconds for the whole step (all micro-batches, one layer;
 median of `--iters` after a warm-up), times the preset's layer count, and the causal FLOP rate (forward
 2 x 2 x heads x dim x sum L(L+1)/2, backward 2.5x that); parity on the first micro-batch: the largest
 absolute error of the output and of dq, dk, dv against a float32 row-by-row SDPA, next to the flash
-kernel's own (bf16). On CPU only `engine` runs (SDPA there), for the plumbing.
+kernel's own (bf16). On CPU only `engine` and `padded_sdpa` run (SDPA there), for the plumbing.
 
     python scripts/bench/packed_attention.py --preset qwen2_5_1_5b                       # fixed 512
     python scripts/bench/packed_attention.py --preset qwen2_5_1_5b --lengths long_tail --response-len 4096
@@ -41,7 +47,7 @@ from workload import add_step_args, response_lengths  # noqa: E402
 
 from engine.roles.dynamic_batch import pack_by_token_budget  # noqa: E402
 
-KERNELS = ("engine", "flash_gqa", "varlen_repeat", "uniform_sdpa")
+KERNELS = ("engine", "flash_gqa", "varlen_repeat", "uniform_sdpa", "padded_sdpa")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,6 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=32768, help="token budget per micro-batch")
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--per-micro-batch", action="store_true")
     return ap.parse_args(argv)
 
 
@@ -98,6 +105,21 @@ def uniform_sdpa(q, k, v, cu, longest, scale):
     if rows * longest != q.shape[0]:
         raise ValueError("rows of different lengths")
     return uniform_rows_attention(q, k, v, rows, scale, 0.0)
+
+
+def padded_sdpa(q, k, v, cu, longest, scale):
+    from engine.models.packed_attention import uniform_rows_attention
+
+    rows, t = cu.numel() - 1, q.shape[0]
+    token = torch.arange(t, device=q.device)
+    row = torch.searchsorted(cu[1:], token.to(cu.dtype), right=True)
+    slot = row * longest + token - cu[row]  # each packed token's place in the (rows * longest) layout
+
+    def pad(x):
+        return x.new_zeros(rows * longest, *x.shape[1:]).index_copy(0, slot, x)
+
+    out = uniform_rows_attention(pad(q), pad(k), pad(v), rows, scale, 0.0)
+    return out.index_select(0, slot)
 
 
 def reference(q, k, v, cu, scale) -> torch.Tensor:
@@ -150,6 +172,34 @@ def timed_ms(fn, batches, scale, backward, iters, device) -> float | None:
     return statistics.median(times)
 
 
+def one_ms(fn, batch, scale) -> float:
+    q, k, v, g, cu, longest = batch
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    run(fn, q, k, v, g, cu, longest, scale, backward=True)
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def per_micro_batch(batches, mbs, scale, iters) -> list[dict]:
+    out = []
+    for batch, lengths in zip(batches, mbs):
+        longest = max(lengths)
+        row = {
+            "rows": len(lengths),
+            "tokens": sum(lengths),
+            "longest": longest,
+            "token_fill": sum(lengths) / (len(lengths) * longest),
+            "score_fill": sum(n * n for n in lengths) / (len(lengths) * longest**2),
+        }
+        for name, fn in (("padded_sdpa", padded_sdpa), ("flash_gqa", flash_gqa)):
+            row[f"{name}_first_ms"] = one_ms(fn, batch, scale)
+            row[f"{name}_ms"] = statistics.median(one_ms(fn, batch, scale) for _ in range(iters))
+        out.append(row)
+    return out
+
+
 def parity(fn, batch, scale) -> dict:
     q, k, v, g, cu, longest = batch
     got = run(fn, q, k, v, g, cu, longest, scale, backward=True)
@@ -194,14 +244,17 @@ def main(argv=None) -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "kernels": {},
     }
+    if args.per_micro_batch and device.type == "cuda":
+        result["per_micro_batch"] = per_micro_batch(batches, mbs, scale, args.iters)
     for name in args.kernels.split(","):
-        if device.type != "cuda" and name != "engine":
+        if device.type != "cuda" and name not in ("engine", "padded_sdpa"):
             continue
         fn = {
             "engine": engine,
             "flash_gqa": flash_gqa,
             "varlen_repeat": varlen_repeat,
             "uniform_sdpa": uniform_sdpa,
+            "padded_sdpa": padded_sdpa,
         }[name]
         try:
             err = parity(fn, batches[0], scale)

@@ -1,5 +1,5 @@
 """scripts/bench/packed_attention.py on CPU (in-process, ~2 s): the step's rows cut by the trainer's token
-budget, and the engine's packed attention (SDPA on CPU) against float32 row-by-row attention on the first
+budget, and the engine's packed attention and the padded copy (SDPA on CPU) against float32 row-by-row attention on the first
 micro-batch, for a fixed and a long-tailed step. Speed is for the GPU; this checks the plumbing."""
 
 from __future__ import annotations
@@ -28,5 +28,16 @@ def test_the_step_is_packed_by_the_budget_and_the_engine_path_is_exact(lengths, 
     if lengths == "fixed":
         assert mbs == [[56, 56]] * 6
     assert out["tokens"] == sum(map(sum, mbs))
-    assert set(out["kernels"]) == {"engine"}  # the CUDA kernels are skipped on CPU
-    assert max(out["kernels"]["engine"]["max_abs_error"].values()) < 1e-5
+    assert set(out["kernels"]) == {"engine", "padded_sdpa"}  # the CUDA-only kernels are skipped on CPU
+    for kernel in out["kernels"].values():
+        assert max(kernel["max_abs_error"].values()) < 1e-5
+
+
+def test_the_padded_copy_is_exact_for_rows_of_different_lengths():
+    import torch
+
+    lengths = [5, 17, 1, 9]
+    q, k, v, g = bench.inputs(lengths, 4, 2, 8, torch.device("cpu"), torch.float32, 0)
+    batch = (q, k, v, g, bench.offsets(lengths, "cpu"), max(lengths))
+    for fn in (bench.padded_sdpa, bench.engine):
+        assert max(bench.parity(fn, batch, 0.3).values()) < 1e-5
