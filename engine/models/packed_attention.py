@@ -3,9 +3,15 @@
 
 Three paths, each exact causal attention within a row; the first that applies runs:
 - Every row as long as the longest (`rows x max_seqlen == t`, read from the host-side shapes, no sync): the
-  packed tokens are already a (rows, longest) batch, so SDPA runs on views of it (cuDNN's attention on an
-  H200 in bf16, faster than FlashAttention-2 there: `scripts/bench/packed_attention.py`). A fixed-length
-  batch packs this way.
+  packed tokens are already a (rows, longest) batch, so SDPA runs on views of it. A fixed-length batch packs
+  this way. On CUDA in half precision SDPA runs cuDNN's attention, which on an H200 takes 0.57-0.65x
+  FlashAttention-2's time forward and backward at 768-token rows, but builds a plan for each new shape on its
+  first call (127-293 ms measured, some over a second; `scripts/bench/packed_attention.py`): the gain of
+  ~220-800 layer calls (0.37 ms per layer and micro-batch at 0.5B, 0.59 ms at 1.5B). So a shape goes to cuDNN
+  from its `CUDNN_FROM_CALL`-th call in the process on (each layer's call counts; `RecurringShapes`),
+  FlashAttention-2 before (the ski-rental rule: rent until the rent paid would have bought): a fixed-length
+  run switches in its second step, a micro-batch whose equal rows are a rare shape (two
+  samples of one prompt both cut at the limit) never pays a build.
 - On CUDA in bfloat16/float16 without dropout: FlashAttention-2 varlen through torch's aten ops, the key/value
   groups as they are (the kernel maps each query head to its group; the backward sums a group's key/value
   gradients inside the kernel). torch's `varlen_attn` before 2.13 has no `enable_gqa`, and repeating the
@@ -31,11 +37,33 @@ def packed_attention(
     """Causal attention within each packed row (module docstring); rows bounded by `params.cu_seqlens_q`
     (the same for keys), none longer than `params.max_seqlen_q`."""
     rows, longest = params.cu_seqlens_q.numel() - 1, params.max_seqlen_q
+    flash = flash_applies(q, dropout_p)
     if rows * longest == q.shape[0]:  # lengths <= longest summing to rows x longest: all equal
-        return uniform_rows_attention(q, k, v, rows, scale, dropout_p)
-    if flash_applies(q, dropout_p):
+        shape = (rows, longest, *q.shape[1:], k.shape[1], q.dtype, torch.is_grad_enabled())
+        if not flash or RECURRING(shape):
+            return uniform_rows_attention(q, k, v, rows, scale, dropout_p)
+    if flash:
         return FlashVarlen.apply(q, k, v, params.cu_seqlens_q, longest, scale)
     return rowwise_attention(q, k, v, params.cu_seqlens_q, scale, dropout_p)
+
+
+CUDNN_FROM_CALL = 512
+"""The call of a (rows, longest, heads, ...) shape, counting every layer's, from which equal rows go to cuDNN
+(module docstring)."""
+
+
+class RecurringShapes:
+    """Counts the calls per shape in this process; True from a shape's `CUDNN_FROM_CALL`-th call on."""
+
+    def __init__(self):
+        self.calls: dict[tuple, int] = {}
+
+    def __call__(self, shape: tuple) -> bool:
+        self.calls[shape] = self.calls.get(shape, 0) + 1
+        return self.calls[shape] >= CUDNN_FROM_CALL
+
+
+RECURRING = RecurringShapes()
 
 
 def flash_applies(q: torch.Tensor, dropout_p: float) -> bool:

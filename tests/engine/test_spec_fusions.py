@@ -102,6 +102,39 @@ def _packed(lengths: list[int], *shape: int) -> tuple[torch.Tensor, torch.Tensor
     return torch.randn(sum(lengths), *shape), cu
 
 
+def test_equal_rows_go_to_cudnn_from_a_shapes_nth_call_where_flash_runs(monkeypatch):
+    """Where FlashAttention-2 runs (stood in for here by row-by-row SDPA), rows of equal length take the SDPA
+    views (cuDNN on a GPU) only from their shape's CUDNN_FROM_CALL-th call; other shapes count apart."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    routes = []
+
+    def flash(q, k, v, cu, longest, scale):
+        routes.append("flash")
+        return packed_module.rowwise_attention(q, k, v, cu, scale, 0.0)
+
+    def views(*args):
+        routes.append("views")
+        return uniform(*args)
+
+    uniform = packed_module.uniform_rows_attention
+    monkeypatch.setattr(packed_module, "flash_applies", lambda q, dropout_p: True)
+    monkeypatch.setattr(packed_module.FlashVarlen, "apply", flash)
+    monkeypatch.setattr(packed_module, "uniform_rows_attention", views)
+    monkeypatch.setattr(packed_module, "RECURRING", packed_module.RecurringShapes())
+    monkeypatch.setattr(packed_module, "CUDNN_FROM_CALL", 3)
+    for lengths in ([4, 4], [4, 4], [4, 4], [4, 4], [3, 5], [3, 3, 3]):
+        q, cu = _packed(lengths, 2, 8)
+        m = max(lengths)
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m, max_seqlen_kv=m
+        )
+        out = packed_attention(q, q[:, :1], q[:, :1], params, scale=0.5)
+        want = packed_module.rowwise_attention(q, q[:, :1], q[:, :1], cu, 0.5, 0.0)
+        torch.testing.assert_close(out, want, atol=1e-6, rtol=0)
+    assert routes == ["flash", "flash", "views", "views", "flash", "flash"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_thd_rope_equals_per_row_rope(dtype, monkeypatch):
     torch.manual_seed(0)
