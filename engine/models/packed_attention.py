@@ -4,7 +4,7 @@
 Three paths, each exact causal attention within a row; the first that applies runs:
 - Every row as long as the longest (`rows x max_seqlen == t`, read from the host-side shapes, no sync): the
   packed tokens are already a (rows, longest) batch, so SDPA runs on views of it. A fixed-length batch packs
-  this way. On CUDA in half precision SDPA runs cuDNN's attention, which on an H200 takes 0.57-0.65x
+  this way. On CUDA in half precision SDPA runs cuDNN's attention, which on an H200 takes 0.60-0.65x
   FlashAttention-2's time forward and backward at 768-token rows, but builds a plan for each new shape on its
   first call (127-293 ms measured, some over a second; `scripts/bench/packed_attention.py`): the gain of
   ~220-800 layer calls (0.37 ms per layer and micro-batch at 0.5B, 0.59 ms at 1.5B). So a shape goes to cuDNN

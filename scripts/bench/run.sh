@@ -28,6 +28,8 @@ so ARGS also override the defaults below). Purposes (script, default presets):
                     (decode_gemms.py; qwen2_5_1_5b)
   decode_overlap    a wide decode step as two half-batches on two CUDA streams against one forward
                     (decode_overlap.py; qwen2_5_1_5b)
+  packed_attention  the update's attention alone over a step's packed micro-batches, per kernel
+                    (packed_attention.py; qwen2_5_0_5b,qwen2_5_1_5b)
   baselines         TRL's GRPOTrainer on e2e's step (trl_grpo.py; qwen2_5_0_5b,qwen2_5_1_5b; TRL from .whl/trl)
   verl              verl 0.9.1's GRPO, FSDP + colocated vLLM, on e2e's step (verl_grpo.py; qwen2_5_0_5b; verl from
                     .whl/verl, vLLM from .whl/vllm)
@@ -43,7 +45,7 @@ so ARGS also override the defaults below). Purposes (script, default presets):
 Options:
   --presets LIST    comma-separated conf/model presets: one job each
   --backends LIST   rollout: passed to rollout.py as --backends; e2e, compare: one job per backend (native, vllm)
-  --lengths KIND    e2e, rollout, baselines, compare: response lengths fixed or long_tail (workload.py); the
+  --lengths KIND    e2e, rollout, baselines, compare, packed_attention: response lengths fixed or long_tail (workload.py); the
                     job names get _KIND
   --gpus N          GPUs per job (default 1; reshard 4)
   --devices LIST    GPU ids to use (default: $CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists, else 0)
@@ -112,6 +114,7 @@ sampler) d_presets=none d_gpus=1 d_timeout=120 ;;
 decode_phases) d_presets=qwen2_5_1_5b d_gpus=1 d_timeout=180 ;;
 decode_gemms) d_presets=qwen2_5_1_5b d_gpus=1 d_timeout=240 ;;
 decode_overlap) d_presets=qwen2_5_1_5b d_gpus=1 d_timeout=240 ;;
+packed_attention) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=180 ;;
 baselines) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=300 ;;
 verl) d_presets=qwen2_5_0_5b d_gpus=1 d_timeout=540 ;;
 compare) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=420 ;;
@@ -120,7 +123,7 @@ vllm_cost) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=240 ;;
 multi_turn) d_presets=qwen2_5_1_5b d_gpus=1 d_timeout=420 ;;
 gpu_tests) d_presets=none d_gpus=1 d_timeout=420 ;;
 two_nodes) d_presets=none d_gpus=1 d_timeout=150 ;;
-*) die "unknown purpose '$purpose': one of e2e rollout reshard update logprobs decode_attention attention_widths sampler decode_phases decode_gemms decode_overlap baselines verl compare vllm vllm_cost multi_turn gpu_tests two_nodes" ;;
+*) die "unknown purpose '$purpose': one of e2e rollout reshard update logprobs decode_attention attention_widths sampler decode_phases decode_gemms decode_overlap packed_attention baselines verl compare vllm vllm_cost multi_turn gpu_tests two_nodes" ;;
 esac
 case $purpose in vllm | gpu_tests | two_nodes | sampler)
   [ -z "$presets" ] || die "$purpose takes no --presets"
@@ -128,7 +131,7 @@ case $purpose in vllm | gpu_tests | two_nodes | sampler)
 esac
 lengths_arg=() lt=""
 if [ -n "$lengths" ]; then
-  case $purpose in e2e | rollout | baselines | compare | verl) ;; *) die "$purpose takes no --lengths" ;; esac
+  case $purpose in e2e | rollout | baselines | compare | verl | packed_attention) ;; *) die "$purpose takes no --lengths" ;; esac
   case $lengths in fixed | long_tail) ;; *) die "--lengths must be fixed or long_tail, got '$lengths'" ;; esac
   lengths_arg=(--lengths "$lengths") lt=_$lengths
 fi
@@ -199,6 +202,8 @@ for p in "${preset_list[@]}"; do
   decode_phases) add_job "decode_phases_$s$tag" "$py" $bench/decode_phases.py "${pa[@]}" "${args[@]}" ;;
   decode_gemms) add_job "decode_gemms_$s$tag" "$py" $bench/decode_gemms.py "${pa[@]}" "${args[@]}" ;;
   decode_overlap) add_job "decode_overlap_$s$tag" "$py" $bench/decode_overlap.py "${pa[@]}" "${args[@]}" ;;
+  packed_attention)
+    add_job "packed_attention_$s$lt$tag" "$py" $bench/packed_attention.py "${pa[@]}" "${lengths_arg[@]}" "${args[@]}" ;;
   verl) add_job "verl_$s$lt$tag" "$py" $bench/verl_grpo.py "${pa[@]}" --gpus "$gpus" "${lengths_arg[@]}" "${args[@]}" ;;
   baselines) add_job "trl_$s$lt$tag" "$py" $bench/trl_grpo.py "${pa[@]}" "${lengths_arg[@]}" "${args[@]}" ;;
   vllm) add_job "vllm_check$tag" env OUT="$out/vllm_check$tag" BUDGET_S=$((timeout_s - 20)) \
