@@ -6,7 +6,11 @@ on a random-init conf/model preset and one fixed random batch, in one process; p
     python scripts/bench/update.py --preset tiny --rows 8 --seq 32 --prompt-len 8 --max-tokens 128  # CPU
 
 The batch: `--rows` sequences of `--seq` tokens (`--prompt-len` prompt + the rest response, no padding,
-random token ids, random advantages), cut into micro-batches by the engine's MicroBatcher under
+random token ids, random advantages); with `--lengths long_tail` each row's response is as long as
+`workload.response_lengths` draws (one length per row, at most `--seq` - `--prompt-len`), the same draw for
+every update, or with `--fresh-lengths` a new one per update (seed + the update's index: shapes change from
+update to update as in a run, so costs paid per new shape, e.g. cuDNN's plan builds, show in the timed
+updates); cut into micro-batches by the engine's MicroBatcher under
 `--max-tokens` per micro-batch (0: `--micro-batch` rows each), packed (rows back to back, varlen attention:
 what the trainer runs with a token budget) unless `--padded` (each micro-batch (rows, longest + 1), as
 `trainer.pack_sequences=false`; the only layout before 2026-12-03); the loss sees log-probs of the response
@@ -17,10 +21,12 @@ layer spec's fused kernels (engine/models/spec.py `Fusions`) and the AdamW kerne
 forced one (`adam` in the JSON says which ran), runs `--warmup` updates (torch.compile'd kernels compile
 there), then times `--iters` updates, CUDA-synchronised around the schedule and around the optimizer step,
 so every update gives both figures. Reported per variant (medians):
-- `update_s`, `tokens_per_s`, `mfu`: forward + backward + optimizer step;
+- `update_s`, `tokens_per_s`, `mfu`: forward + backward + optimizer step (the rates: medians of each
+  update's own; `update_s_all`, `tokens_all` per timed update, `first_update_s` the first warm-up update);
 - `fwd_bwd_s`, `fwd_bwd_tokens_per_s`, `fwd_bwd_mfu`: the schedule alone; `optimizer_s`: the difference;
 - MFU = 6 x params x tokens / seconds / 989e12 (H100/H200 dense bf16 peak), params = every parameter of the
-  model once (a tied embedding is the lm_head and counts once; untied, both count), tokens = rows x seq;
+  model once (a tied embedding is the lm_head and counts once; untied, both count), tokens = the update's
+  real tokens (rows x seq at fixed lengths);
   attention score FLOPs not counted. `mfu_palm` adds them (not causal) and counts the output layer at the
   response positions only (engine/step/perf.py, the trainer's perf/mfu/actor);
 - `peak_memory_gb` (max allocated during the timed updates), `grad_norm` and `loss` of the first update
@@ -46,6 +52,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 import torch
 
@@ -53,6 +60,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from megatron.core import tensor_parallel  # noqa: E402
 from presets import model_config  # noqa: E402
 from profiling import kernel_table  # noqa: E402
+from workload import KINDS, response_lengths  # noqa: E402
 
 from algorithms.losses import loss_normalizer
 from engine.config import AlgorithmConfig, OptimConfig  # noqa: E402
@@ -97,6 +105,8 @@ def parse_args() -> argparse.Namespace:
         help="micro-batches padded to (rows, longest + 1) as trainer.pack_sequences=false; default: packed "
         "(rows back to back, varlen attention: the trainer's default with a token budget)",
     )
+    ap.add_argument("--lengths", choices=KINDS, default="fixed", help="response lengths (workload.py)")
+    ap.add_argument("--fresh-lengths", action="store_true", help="long_tail: a new draw for every update")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--variants", default="all", help="comma-separated subset of " + ",".join(VARIANTS))
     ap.add_argument("--warmup", type=int, default=2)
@@ -120,21 +130,56 @@ def sync(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def micro_batches(shape: ModelShape, args, device: torch.device) -> list[dict]:
-    """The fixed batch, cut by the engine's MicroBatcher: random prompts and full-length responses."""
-    gen = torch.Generator().manual_seed(args.seed)
+@dataclasses.dataclass
+class Batch:
+    """One update's micro-batches, its actor loss and its rows' response lengths."""
+
+    mbs: list[dict]
+    loss_fn: Callable
+    lengths: torch.Tensor
+
+
+def batch_lengths(args, update: int) -> list[int]:
+    """Each row's response length for update number `update` (module docstring)."""
     response = args.seq - args.prompt_len
+    seed = args.seed + (update if args.fresh_lengths else 0)
+    return response_lengths(args.lengths, args.rows, response, seed)
+
+
+def make_batch(shape: ModelShape, args, device: torch.device, update: int) -> Batch:
+    """Random prompts and responses of `batch_lengths`, cut by the engine's MicroBatcher."""
+    gen = torch.Generator().manual_seed(args.seed + (update if args.fresh_lengths else 0))
+    response = args.seq - args.prompt_len
+    lengths = torch.tensor(batch_lengths(args, update))
     prompts = torch.randint(0, shape.vocab_size, (args.rows, args.prompt_len), generator=gen)
     response_ids = torch.randint(0, shape.vocab_size, (args.rows, response), generator=gen)
-    mask = torch.ones(args.rows, response)
-    rollout_logp = -torch.rand(args.rows, response, generator=gen)
+    mask = (torch.arange(response) < lengths[:, None]).float()
+    rollout_logp = -torch.rand(args.rows, response, generator=gen) * mask
     exp = build_experience(prompts.tolist(), response_ids, mask, list(range(args.rows)), 1, 0)
     exp.tensors.update(
         advantages=torch.randn(args.rows, response, generator=gen) * mask, rollout_log_probs=rollout_logp
     )
     pack = bool(args.max_tokens) and not args.padded  # the trainer's default with a token budget
     batcher = MicroBatcher(args.micro_batch, args.max_tokens, seq_multiple=1, device=device, pack=pack)
-    return batcher(exp, torch.arange(args.rows), KEYS)
+    alg = AlgorithmConfig()
+    norm = loss_normalizer(mask, alg.loss_agg_mode, max_len=response)
+    return Batch(
+        batcher(exp, torch.arange(args.rows), KEYS), make_actor_loss(alg, norm, kl_ref=False), lengths
+    )
+
+
+def batches(shape: ModelShape, args, device: torch.device) -> Callable[[int], Batch]:
+    """Update number -> its batch: one batch for all, or with --fresh-lengths one per update (cached, so every
+    variant sees the same sequence)."""
+    made: dict[int, Batch] = {}
+
+    def batch_for(update: int) -> Batch:
+        key = update if args.fresh_lengths else 0
+        if key not in made:
+            made[key] = make_batch(shape, args, device, key)
+        return made[key]
+
+    return batch_for
 
 
 def set_adam_kernel(optimizer, kernel: str) -> None:
@@ -170,6 +215,14 @@ def one_update(role: MegatronRole, mbs: list[dict], loss_fn, device: torch.devic
     }
 
 
+def batch_update(role: MegatronRole, b: Batch, device: torch.device, args) -> dict:
+    """One update on batch `b`: `one_update`'s figures with the batch's response lengths and real tokens."""
+    out = one_update(role, b.mbs, b.loss_fn, device)
+    out["lengths"] = b.lengths
+    out["tokens"] = args.rows * args.prompt_len + int(b.lengths.sum())
+    return out
+
+
 def profile_update(role, mbs, loss_fn, device: torch.device, path: str) -> dict:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -179,7 +232,7 @@ def profile_update(role, mbs, loss_fn, device: torch.device, path: str) -> dict:
     return kernel_table(prof, device, path, wall)
 
 
-def measure_variant(name: str, shape: ModelShape, groups: ProcessGroups, mbs, loss_fn, args) -> dict:
+def measure_variant(name: str, shape: ModelShape, groups: ProcessGroups, batch_for, args) -> dict:
     fusions, adam = VARIANTS[name]
     device = groups.device
     torch.manual_seed(args.seed)  # same weights in every variant: torch's generators and megatron's CUDA
@@ -189,38 +242,53 @@ def measure_variant(name: str, shape: ModelShape, groups: ProcessGroups, mbs, lo
     if adam is not None:
         set_adam_kernel(role.optimizer, adam)
     params = sum(p.numel() for p in {id(p): p for c in role.chunks for p in c.parameters()}.values())
-    warm = [one_update(role, mbs, loss_fn, device) for _ in range(args.warmup)]
+
+    warm = [batch_update(role, batch_for(i), device, args) for i in range(args.warmup)]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    runs = [one_update(role, mbs, loss_fn, device) for _ in range(args.iters)]
-    med = {k: statistics.median(r[k] for r in runs) for k in ("fwd_bwd_s", "update_s")}
-    tokens = args.rows * args.seq
-    flops = 6.0 * params * tokens
+    runs = [batch_update(role, batch_for(args.warmup + i), device, args) for i in range(args.iters)]
+    cuda = device.type == "cuda"
+
+    def median_rate(per_run) -> float:
+        return statistics.median(per_run(r) for r in runs)
+
     out = {
         "fusions": dataclasses.asdict(fusions),
         "adam": adam_kernel(role.optimizer),
         "params": params,
-        "update_s": med["update_s"],
+        "update_s": statistics.median(r["update_s"] for r in runs),
         "update_s_all": [round(r["update_s"], 4) for r in runs],
-        "tokens_per_s": tokens / med["update_s"],
-        "mfu": flops / med["update_s"] / PEAK_BF16_FLOPS if device.type == "cuda" else None,
-        "fwd_bwd_s": med["fwd_bwd_s"],
-        "fwd_bwd_tokens_per_s": tokens / med["fwd_bwd_s"],
-        "fwd_bwd_mfu": flops / med["fwd_bwd_s"] / PEAK_BF16_FLOPS if device.type == "cuda" else None,
+        "tokens_all": [r["tokens"] for r in runs],
+        "first_update_s": warm[0]["update_s"] if warm else None,
+        "tokens_per_s": median_rate(lambda r: r["tokens"] / r["update_s"]),
+        "mfu": median_rate(lambda r: 6.0 * params * r["tokens"] / r["update_s"] / PEAK_BF16_FLOPS)
+        if cuda
+        else None,
+        "fwd_bwd_s": statistics.median(r["fwd_bwd_s"] for r in runs),
+        "fwd_bwd_tokens_per_s": median_rate(lambda r: r["tokens"] / r["fwd_bwd_s"]),
+        "fwd_bwd_mfu": (
+            median_rate(lambda r: 6.0 * params * r["tokens"] / r["fwd_bwd_s"] / PEAK_BF16_FLOPS)
+            if cuda
+            else None
+        ),
         "optimizer_s": statistics.median(r["update_s"] - r["fwd_bwd_s"] for r in runs),
         "mfu_palm": None,
-        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None,
         "grad_norm": (warm or runs)[0]["grad_norm"],
         "loss": (warm or runs)[0]["loss"],
         "skipped_steps": sum(r["skipped"] for r in warm + runs),
     }
-    if device.type == "cuda":
-        rows = (args.rows,)  # the output layer at the response positions only, as the fused head computes
-        palm = train_flops(shape, torch.full(rows, args.seq), torch.full(rows, args.seq - args.prompt_len))
-        out["mfu_palm"] = palm / med["update_s"] / PEAK_BF16_FLOPS
+    if cuda:  # the output layer at the response positions only, as the fused head computes
+
+        def palm(r) -> float:
+            flops = train_flops(shape, args.prompt_len + r["lengths"], r["lengths"])
+            return flops / r["update_s"] / PEAK_BF16_FLOPS
+
+        out["mfu_palm"] = median_rate(palm)
     if args.profile:
         path = os.path.join(args.out, f"profile_{name.replace('+', '_')}.txt")
-        out.update(profile_update(role, mbs, loss_fn, device, path))
+        b = batch_for(args.warmup + args.iters)
+        out.update(profile_update(role, b.mbs, b.loss_fn, device, path))
     del role, chunks
     gc.collect()
     if device.type == "cuda":
@@ -305,11 +373,8 @@ def main() -> None:
     groups = init_distributed(ParallelDims(world_size=1), device_type, seed=args.seed)
     try:
         shape = model_shape(args)
-        mbs = micro_batches(shape, args, groups.device)
-        alg = AlgorithmConfig()
-        response = args.seq - args.prompt_len
-        norm = loss_normalizer(torch.ones(args.rows, response), alg.loss_agg_mode, max_len=response)
-        loss_fn = make_actor_loss(alg, norm, kl_ref=False)
+        batch_for = batches(shape, args, groups.device)
+        first = batch_for(0)
         result = {
             "preset": args.preset,
             "device": torch.cuda.get_device_name(groups.device) if device_type == "cuda" else "cpu",
@@ -319,11 +384,14 @@ def main() -> None:
             "seq": args.seq,
             "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens,
-            "packed": "packed_seq_params" in mbs[0],
-            "micro_batches": [list(mb["tokens"].shape) for mb in mbs],
-            "tokens": args.rows * args.seq,
+            "lengths": args.lengths,
+            "fresh_lengths": args.fresh_lengths,
+            "packed": "packed_seq_params" in first.mbs[0],
+            "micro_batches": [list(mb["tokens"].shape) for mb in first.mbs],
+            "tokens": args.rows * args.prompt_len + int(first.lengths.sum()),
             "mfu_formula": "6 * params * tokens / seconds / 989e12; params: each parameter once (tied "
-            "embedding = lm_head, once); tokens: rows * seq; attention score FLOPs not counted",
+            "embedding = lm_head, once); tokens: the update's real tokens (rows * seq at fixed lengths); "
+            "attention score FLOPs not counted",
             "variants": {},
         }
         if not args.no_check:  # first: quick, and its numbers matter even if a variant runs out of time
@@ -331,7 +399,7 @@ def main() -> None:
         for i, name in enumerate(args.variants.split(",")):
             key = name if name not in result["variants"] else f"{name}#{i + 1}"  # a variant again: run order
             try:
-                result["variants"][key] = measure_variant(name, shape, groups, mbs, loss_fn, args)
+                result["variants"][key] = measure_variant(name, shape, groups, batch_for, args)
             except Exception as e:  # one failing variant (OOM, compile error) must not lose the others
                 trace = traceback.format_exc()[-3000:]
                 result["variants"][key] = {"error": f"{type(e).__name__}: {e}", "trace": trace}

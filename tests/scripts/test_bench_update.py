@@ -21,6 +21,8 @@ VARIANT_KEYS = {
     "params",
     "update_s",
     "update_s_all",
+    "tokens_all",
+    "first_update_s",
     "tokens_per_s",
     "mfu",
     "fwd_bwd_s",
@@ -75,6 +77,7 @@ def test_update_bench_tiny_cpu(tmp_path):
     for v in (none, fused, foreach):
         assert set(v) == VARIANT_KEYS, set(v) ^ VARIANT_KEYS
         assert v["update_s"] >= v["fwd_bwd_s"] > 0 and len(v["update_s_all"]) == 2
+        assert v["tokens_all"] == [6 * 24] * 2 and v["first_update_s"] > 0
         assert v["mfu"] is None and v["skipped_steps"] == 0  # no MFU on CPU
         assert Path(v["profile"]).read_text().startswith("top 30 CPU ops")
     assert none["fusions"] == {"rms_norm": False, "rope": False, "wgrad": False}
@@ -86,3 +89,29 @@ def test_update_bench_tiny_cpu(tmp_path):
     for kernel in ("rms_norm", "rope"):
         for part in ("output", "grad"):
             assert check[kernel][part]["max_abs_diff"] == 0.0  # CPU: same math, same order
+
+
+def test_update_bench_long_tail_draws_new_lengths_per_update(tmp_path):
+    """--lengths long_tail --fresh-lengths: each update has its own response lengths (the first batch's are the
+    draw of seed 0, the timed ones of seeds 1 and 2), packed by the budget; the figures count real tokens."""
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    from workload import response_lengths
+
+    args = ["--preset", "tiny", "--rows", "6", "--seq", "40", "--prompt-len", "8", "--max-tokens", "80"]
+    args += ["--lengths", "long_tail", "--fresh-lengths", "--warmup", "1", "--iters", "2", "--no-check"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--out", str(tmp_path)], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    want = [6 * 8 + sum(response_lengths("long_tail", 6, 32, seed)) for seed in (0, 1, 2)]
+    assert len(set(want)) == 3  # the three draws differ, so the check below can fail
+    assert result["tokens"] == want[0] == sum(s for _, s in result["micro_batches"])
+    assert result["lengths"] == "long_tail" and result["fresh_lengths"] and result["packed"]
+    (variant,) = result["variants"].values()
+    assert variant["tokens_all"] == want[1:]
+    assert variant["update_s"] > 0 and variant["skipped_steps"] == 0
