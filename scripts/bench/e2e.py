@@ -7,7 +7,11 @@ response `--response-len` tokens) or `long_tail` (prompt i's responses stop at
 `workload.response_lengths(long_tail, --prompts, --response-len, --seed)[i]` tokens, the draw rollout.py and
 trl_grpo.py make with the same arguments; written into the dataset's `max_new_tokens` column, which the
 engine passes to either rollout backend as per-prompt limits). The dataset holds exactly `--prompts` rows and
-a step takes all of them, so every step has the same lengths. Steps after the first are timed (median).
+a step takes all of them, so every step has the same lengths. With `--fresh-lengths` (ours only) step s has
+its own prompts and draw (seed + s; `--steps` x `--prompts` rows, taken in order: data.shuffle=false), as a
+run's steps do, so costs paid once per new shape (plan builds, compiles) land in the timed steps; the step's
+figures (tokens, tight limit, MFU) are then each step's own, medians reported. Steps after the first are
+timed (median).
 
 Prints one JSON object: per-phase seconds, tokens/s/GPU (real prompt + response tokens / step time / GPUs),
 the update's padding fraction, MFU of the actor update (6 x parameters x real tokens; `perf/mfu/actor`, the
@@ -45,6 +49,15 @@ ANCHOR_BOUND_MFU = 0.5
 PROMPT_OVERHEAD = 11  # "<bos>u:copy " + "\na:" around the digits in the embedded chat template
 
 
+def step_lengths(args) -> list[list[int]]:
+    """Each step's response length per prompt: one draw for all steps, or with --fresh-lengths one per step."""
+    draws = args.steps if args.fresh_lengths else 1
+    per_step = [
+        response_lengths(args.lengths, args.prompts, args.response_len, args.seed + s) for s in range(draws)
+    ]
+    return per_step * (args.steps // draws)
+
+
 def write_workload(out_dir: str, num_prompts: int, prompt_len: int, caps: list[int] | None, seed: int):
     """The embedded tokenizer and a parquet of `num_prompts` copy prompts of exactly `prompt_len` tokens,
     row i with `max_new_tokens` caps[i] (None: no column values, rollout.max_new_tokens for all).
@@ -77,9 +90,10 @@ def write_workload(out_dir: str, num_prompts: int, prompt_len: int, caps: list[i
 
 
 def run_ours(args, out_dir: str) -> dict:
-    lengths = response_lengths(args.lengths, args.prompts, args.response_len, args.seed)
-    caps = None if args.lengths == "fixed" else lengths
-    tok, data = write_workload(out_dir, args.prompts, args.prompt_len, caps, args.seed)
+    per_step = step_lengths(args)
+    rows_written = per_step if args.fresh_lengths else per_step[:1]
+    caps = None if args.lengths == "fixed" else [c for step in rows_written for c in step]
+    tok, data = write_workload(out_dir, args.prompts * len(rows_written), args.prompt_len, caps, args.seed)
     overrides = [
         f"model={args.preset}",
         f"cluster={args.cluster}",
@@ -104,6 +118,7 @@ def run_ours(args, out_dir: str) -> dict:
         "trainer.loggers=[jsonl]",
         "trainer.progress_bar=false",
         f"trainer.output_dir={out_dir}",
+        *(["data.shuffle=false"] if args.fresh_lengths else []),
         *args.extra,
     ]
     cmd = [
@@ -121,24 +136,47 @@ def run_ours(args, out_dir: str) -> dict:
         return {"system": "ours", "error": (proc.stdout + proc.stderr)[-4000:]}
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    steady = rows[1:] or rows
+    steady = list(zip(rows, per_step))[1:] or list(zip(rows, per_step))
     med = {
-        k: statistics.median(r[k] for r in steady)
-        for k in steady[0]
-        if isinstance(steady[0][k], (int, float))
+        k: statistics.median(r[k] for r, _ in steady)
+        for k in steady[0][0]
+        if isinstance(steady[0][0][k], (int, float))
     }
     engine = {k.removeprefix("rollout_engine/"): v for k, v in med.items() if k.startswith("rollout_engine/")}
     rows_trained = args.prompts * args.n
-    response_tokens = args.n * sum(lengths)
-    tokens = rows_trained * args.prompt_len + response_tokens  # real tokens: no padding, EOS ignored
+
+    def step_tokens(lengths: list[int]) -> int:  # real tokens: no padding, EOS ignored
+        return rows_trained * args.prompt_len + args.n * sum(lengths)
+
+    tokens = statistics.median(step_tokens(lengths) for _, lengths in steady)
+    response_tokens = tokens - rows_trained * args.prompt_len
     update_flops = 6 * num_params(args.preset) * tokens
     # the issue's tight limit (roofline.py), and the looser one of the earlier tables: generation at the vLLM
     # anchor's speed + the update at 50% MFU (on-policy GRPO without a reference needs no extra forward pass)
     tight = {"seconds": None, "generation_s": None, "update_s": None}  # MoE: no roofline (roofline.dense)
+    over_bound = None
     if dense(args.preset):
-        tight = step_bound(
-            args.preset, args.prompts, args.n, args.prompt_len, lengths, args.gpus, args.rollout_tp
-        )
+        bounds = [
+            (
+                r,
+                step_bound(
+                    args.preset, args.prompts, args.n, args.prompt_len, lengths, args.gpus, args.rollout_tp
+                ),
+            )
+            for r, lengths in steady
+        ]
+        tight = {
+            k: statistics.median(b[k] for _, b in bounds) for k in ("seconds", "generation_s", "update_s")
+        }
+        over_bound = statistics.median(r["timing/step"] / b["seconds"] for r, b in bounds)
+    mfu_update = statistics.median(
+        6
+        * num_params(args.preset)
+        * step_tokens(lengths)
+        / r["timing/update_actor"]
+        / (PEAK_BF16_FLOPS * args.gpus)
+        for r, lengths in steady
+    )
     gen_rate = args.vllm_tokens_per_s or VLLM_ANCHOR_TOKENS_PER_S.get(args.preset)
     anchor = None
     if gen_rate:
@@ -156,17 +194,19 @@ def run_ours(args, out_dir: str) -> dict:
             else None
         ),
         "bound_update_s": tight["update_s"],
-        "step_over_bound": med["timing/step"] / tight["seconds"] if tight["seconds"] else None,
+        "step_over_bound": over_bound,
         "anchor_bound_s": anchor,
         "step_over_anchor_bound": med["timing/step"] / anchor if anchor else None,
         "step_s": med["timing/step"],
         "step_s_all": [r["timing/step"] for r in rows],
+        "fresh_lengths": args.fresh_lengths,
+        "tokens_all": [step_tokens(lengths) for lengths in per_step],
         "tokens_per_s_per_gpu": med["perf/tokens_per_s_per_gpu"],
         "tokens": tokens,
         "tokens_trained": med.get("perf/total_tokens"),  # what the trainer counted: equals tokens
         "response_length_mean": med.get("response_length/mean"),
         "timing": {k.removeprefix("timing/"): v for k, v in med.items() if k.startswith("timing/")},
-        "mfu_update_actor": update_flops / med["timing/update_actor"] / (PEAK_BF16_FLOPS * args.gpus),
+        "mfu_update_actor": mfu_update,
         "mfu_update_actor_trainer": med.get("perf/mfu/actor"),
         "peak_memory_gb": med.get("perf/max_memory_allocated_gb"),
         "padding_fraction": med.get("perf/padding_fraction"),  # of the update's forwards
@@ -225,6 +265,9 @@ def main() -> None:
     )
     ap.add_argument("--max-num-seqs", type=int, default=512, help="rollout.max_num_seqs")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument(
+        "--fresh-lengths", action="store_true", help="long_tail: each step its own prompts and length draw"
+    )
     ap.add_argument(
         "--vllm-tokens-per-s",
         type=float,
