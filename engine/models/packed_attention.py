@@ -10,8 +10,8 @@ Three paths, each exact causal attention within a row; the first that applies ru
   ~220-800 layer calls (0.37 ms per layer and micro-batch at 0.5B, 0.59 ms at 1.5B). So a shape goes to cuDNN
   from its `CUDNN_FROM_CALL`-th call in the process on (each layer's call counts; `RecurringShapes`),
   FlashAttention-2 before (the ski-rental rule: rent until the rent paid would have bought): a fixed-length
-  run switches in its second step, a micro-batch whose equal rows are a rare shape (two
-  samples of one prompt both cut at the limit) never pays a build.
+  run switches in its second step, a micro-batch whose equal rows are a rare shape (two samples of one prompt
+  both cut at the limit) never pays a build.
 - On CUDA in bfloat16/float16 without dropout: FlashAttention-2 varlen through torch's aten ops, the key/value
   groups as they are (the kernel maps each query head to its group; the backward sums a group's key/value
   gradients inside the kernel). torch's `varlen_attn` before 2.13 has no `enable_gqa`, and repeating the
