@@ -150,7 +150,8 @@ def run_ours(args, out_dir: str) -> dict:
 
     tokens = statistics.median(step_tokens(lengths) for _, lengths in steady)
     response_tokens = tokens - rows_trained * args.prompt_len
-    update_flops = 6 * num_params(args.preset) * tokens
+    params = num_params(args.preset)
+    update_flops = 6 * params * tokens
     # the tight limit (roofline.py), and the looser one of the earlier tables: generation at the vLLM
     # anchor's speed + the update at 50% MFU (on-policy GRPO without a reference needs no extra forward pass)
     tight = {"seconds": None, "generation_s": None, "update_s": None}  # MoE: no roofline (roofline.dense)
@@ -170,11 +171,7 @@ def run_ours(args, out_dir: str) -> dict:
         }
         over_bound = statistics.median(r["timing/step"] / b["seconds"] for r, b in bounds)
     mfu_update = statistics.median(
-        6
-        * num_params(args.preset)
-        * step_tokens(lengths)
-        / r["timing/update_actor"]
-        / (PEAK_BF16_FLOPS * args.gpus)
+        6 * params * step_tokens(lengths) / r["timing/update_actor"] / (PEAK_BF16_FLOPS * args.gpus)
         for r, lengths in steady
     )
     gen_rate = args.vllm_tokens_per_s or VLLM_ANCHOR_TOKENS_PER_S.get(args.preset)

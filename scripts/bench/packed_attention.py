@@ -21,8 +21,9 @@ its token fill (tokens / (rows x longest)) and score fill (sum L^2 / (rows x lon
 Per kernel: forward and forward + backward milliseconds for the whole step (all micro-batches, one layer;
 median of `--iters` after a warm-up), times the preset's layer count, and the causal FLOP rate (forward
 2 x 2 x heads x dim x sum L(L+1)/2, backward 2.5x that); parity on the first micro-batch: the largest
-absolute error of the output and of dq, dk, dv against a float32 row-by-row SDPA, next to the flash
-kernel's own (bf16). On CPU only `engine` and `padded_sdpa` run (SDPA there), for the plumbing.
+absolute error of the output and of dq, dk, dv against float32 row-by-row SDPA (`rowwise_attention` on
+float32 copies), next to the flash kernel's own (bf16). On CPU only `engine` and `padded_sdpa` run (SDPA
+there), for the plumbing.
 
     python scripts/bench/packed_attention.py --preset qwen2_5_1_5b                       # fixed 512
     python scripts/bench/packed_attention.py --preset qwen2_5_1_5b --lengths long_tail --response-len 4096
@@ -37,14 +38,15 @@ import statistics
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
+from gpu_timing import event_ms  # noqa: E402
 from presets import model_preset  # noqa: E402
 from workload import add_step_args, response_lengths  # noqa: E402
 
+from engine.models.packed_attention import rowwise_attention  # noqa: E402
 from engine.roles.dynamic_batch import pack_by_token_budget  # noqa: E402
 
 KERNELS = ("engine", "flash_gqa", "varlen_repeat", "uniform_sdpa", "padded_sdpa")
@@ -122,19 +124,6 @@ def padded_sdpa(q, k, v, cu, longest, scale):
     return out.index_select(0, slot)
 
 
-def reference(q, k, v, cu, scale) -> torch.Tensor:
-    """float32 causal attention row by row."""
-    outs = []
-    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        qr, kr, vr = (x[start:end].float().transpose(0, 1)[None] for x in (q, k, v))
-        outs.append(
-            F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale, enable_gqa=True)[
-                0
-            ].transpose(0, 1)
-        )
-    return torch.cat(outs)
-
-
 def inputs(lengths, heads, groups, dim, device, dtype, seed):
     gen = torch.Generator(device=device).manual_seed(seed)
     t = sum(lengths)
@@ -161,25 +150,12 @@ def timed_ms(fn, batches, scale, backward, iters, device) -> float | None:
     once()
     if device.type != "cuda":
         return None
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        once()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(event_ms(once) for _ in range(iters))
 
 
 def one_ms(fn, batch, scale) -> float:
     q, k, v, g, cu, longest = batch
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    run(fn, q, k, v, g, cu, longest, scale, backward=True)
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b)
+    return event_ms(lambda: run(fn, q, k, v, g, cu, longest, scale, backward=True))
 
 
 def per_micro_batch(batches, mbs, scale, iters) -> list[dict]:
@@ -204,7 +180,7 @@ def parity(fn, batch, scale) -> dict:
     q, k, v, g, cu, longest = batch
     got = run(fn, q, k, v, g, cu, longest, scale, backward=True)
     qf, kf, vf = (x.detach().float().requires_grad_(True) for x in (q, k, v))
-    ref_out = reference(qf, kf, vf, cu, scale)
+    ref_out = rowwise_attention(qf, kf, vf, cu, scale, 0.0)
     ref_out.backward(g.float())
     ref = (ref_out, qf.grad, kf.grad, vf.grad)
     return {

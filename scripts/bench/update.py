@@ -139,18 +139,12 @@ class Batch:
     lengths: torch.Tensor
 
 
-def batch_lengths(args, update: int) -> list[int]:
-    """Each row's response length for update number `update` (module docstring)."""
+def make_batch(shape: ModelShape, args, device: torch.device, seed: int) -> Batch:
+    """Random prompts and responses of `--lengths` drawn with `seed` (module docstring), cut by the engine's
+    MicroBatcher."""
+    gen = torch.Generator().manual_seed(seed)
     response = args.seq - args.prompt_len
-    seed = args.seed + (update if args.fresh_lengths else 0)
-    return response_lengths(args.lengths, args.rows, response, seed)
-
-
-def make_batch(shape: ModelShape, args, device: torch.device, update: int) -> Batch:
-    """Random prompts and responses of `batch_lengths`, cut by the engine's MicroBatcher."""
-    gen = torch.Generator().manual_seed(args.seed + (update if args.fresh_lengths else 0))
-    response = args.seq - args.prompt_len
-    lengths = torch.tensor(batch_lengths(args, update))
+    lengths = torch.tensor(response_lengths(args.lengths, args.rows, response, seed))
     prompts = torch.randint(0, shape.vocab_size, (args.rows, args.prompt_len), generator=gen)
     response_ids = torch.randint(0, shape.vocab_size, (args.rows, response), generator=gen)
     mask = (torch.arange(response) < lengths[:, None]).float()
@@ -176,7 +170,7 @@ def batches(shape: ModelShape, args, device: torch.device) -> Callable[[int], Ba
     def batch_for(update: int) -> Batch:
         key = update if args.fresh_lengths else 0
         if key not in made:
-            made[key] = make_batch(shape, args, device, key)
+            made[key] = make_batch(shape, args, device, args.seed + key)
         return made[key]
 
     return batch_for
