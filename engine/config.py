@@ -61,9 +61,10 @@ class TrainerConfig:
     packed (pack_sequences) or padded only to its own longest row; replaces micro_batch_size. Must fit the
     longest sequence."""
     pack_sequences: bool | None = None
-    """Lay each token-budget micro-batch's rows back to back in one sequence (no padding; the budget counts
-    real tokens) instead of padding rows to the longest; empty (null) = on exactly when
-    max_tokens_per_micro_batch > 0, which packing needs."""
+    """Lay each micro-batch's rows back to back in one sequence (no padding; a token budget counts real
+    tokens) instead of padding them: to the batch's longest row with micro_batch_size rows, to the
+    micro-batch's own longest with a token budget. Empty (null) = on (the padded layout computes the padding:
+    at long-tailed lengths most of the update)."""
     progress_bar: bool = True
     """Show a progress bar on the logging rank."""
     plot: bool = True
@@ -493,5 +494,11 @@ class ConfigError(UserError, ValueError):
 
 
 def packs_sequences(t: TrainerConfig) -> bool:
-    """Whether micro-batches are packed (trainer.pack_sequences, by default on with a token budget)."""
-    return t.max_tokens_per_micro_batch > 0 if t.pack_sequences is None else t.pack_sequences
+    """Whether micro-batches are packed (trainer.pack_sequences, by default on)."""
+    return t.pack_sequences is not False
+
+
+def micro_batch_shapes_vary(t: TrainerConfig) -> bool:
+    """Whether one call's micro-batches may differ in shape (packed, or cut under a token budget): with
+    pipeline parallelism the stages must then exchange each activation's shape (`variable_seq_lengths`)."""
+    return packs_sequences(t) or t.max_tokens_per_micro_batch > 0

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from algorithms.advantages import advantage_traits
-from engine.config import ConfigError, ModelConfig, TrainConfig, needs_reference
+from engine.config import ConfigError, ModelConfig, TrainConfig, micro_batch_shapes_vary, needs_reference
 from engine.data import PromptRecord, load_prompt_dataset, load_tokenizer, refuse_row_caps
 from engine.metrics import MetricsLogger
 from engine.models.builder import (
@@ -231,8 +231,8 @@ def build_reward_model(cfg: TrainConfig, vocab_size: int, groups: ProcessGroups,
 
 
 def _variable_shapes(roles: list[MegatronRole | None], cfg: TrainConfig, pp: int) -> None:
-    """Token-budget micro-batches differ in shape: with PP, let the stages exchange shapes first."""
-    if cfg.trainer.max_tokens_per_micro_batch and pp > 1:
+    """Packed or token-budget micro-batches differ in shape: with PP, let the stages exchange shapes first."""
+    if micro_batch_shapes_vary(cfg.trainer) and pp > 1:
         for role in roles:
             if role is not None:
                 role.config.variable_seq_lengths = True

@@ -1,5 +1,6 @@
-"""Causal attention within each row of a packed micro-batch (rows back to back, megatron's thd
-`PackedSeqParams`): q (t, heads, dim), k/v (t, groups, dim) -> (t, heads, dim).
+"""The update's causal attention kernels: within each row of a packed micro-batch (rows back to back,
+megatron's thd `PackedSeqParams`: q (t, heads, dim), k/v (t, groups, dim) -> (t, heads, dim), `packed_attention`)
+and over a padded micro-batch (q (b, heads, s, dim), k/v (b, groups, s, dim), `padded_attention`).
 
 Three paths, each exact causal attention within a row; the first that applies runs:
 - Every row as long as the longest (`rows x max_seqlen == t`, read from the host-side shapes, no sync): the
@@ -17,6 +18,11 @@ Three paths, each exact causal attention within a row; the first that applies ru
   gradients inside the kernel). torch's `varlen_attn` before 2.13 has no `enable_gqa`, and repeating the
   groups per query head cost a copy of k and v each way plus a reduction of their gradients.
 - Elsewhere: SDPA row by row (one host sync for the row lengths).
+
+A padded micro-batch (trainer.pack_sequences=false) under a token budget is cut to its own longest row, so its
+(b, s) changes with nearly every micro-batch of a long-tailed step (without a budget every micro-batch is as
+long as the batch's longest row). It takes the same rule: SDPA without its cuDNN backend (FlashAttention-2 on
+CUDA in half precision) until the shape recurs, cuDNN from its `CUDNN_FROM_CALL`-th call.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""SDPA's backends for a shape not yet recurring: its priority order with cuDNN left out."""
 
 
 def packed_attention(
@@ -66,6 +76,24 @@ class RecurringShapes:
 RECURRING = RecurringShapes()
 
 
+def padded_attention(q, k, v, scale: float | None, dropout_p: float) -> torch.Tensor:
+    """Causal SDPA over a padded batch, q (b, heads, s, dim) and k/v (b, groups, s, dim): on CUDA without
+    cuDNN until the shape recurs (`RecurringShapes`), with SDPA's own choice from then on (module docstring)."""
+    if q.is_cuda:
+        shape = ("padded", *q.shape, k.shape[1], q.dtype, torch.is_grad_enabled())
+        if not RECURRING(shape):
+            with sdpa_kernel(WITHOUT_CUDNN):
+                return causal_sdpa(q, k, v, scale, dropout_p)
+    return causal_sdpa(q, k, v, scale, dropout_p)
+
+
+def causal_sdpa(q, k, v, scale: float | None, dropout_p: float) -> torch.Tensor:
+    """SDPA, causal, over (b, heads, s, dim) with key/value groups dividing the heads."""
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
 def flash_applies(q: torch.Tensor, dropout_p: float) -> bool:
     """Where torch's FlashAttention-2 kernels run: CUDA, half precision, no dropout."""
     return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0
@@ -74,9 +102,7 @@ def flash_applies(q: torch.Tensor, dropout_p: float) -> bool:
 def uniform_rows_attention(q, k, v, rows: int, scale: float | None, dropout_p: float) -> torch.Tensor:
     """Causal SDPA over `rows` rows of equal length lying back to back: (rows, heads, length, dim) views."""
     q4, k4, v4 = (x.unflatten(0, (rows, -1)).transpose(1, 2) for x in (q, k, v))
-    out = F.scaled_dot_product_attention(
-        q4, k4, v4, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    out = causal_sdpa(q4, k4, v4, scale, dropout_p)
     return out.transpose(1, 2).flatten(0, 1)
 
 
@@ -87,14 +113,8 @@ def rowwise_attention(
     lengths = cu_seqlens.diff().tolist()
     out = []
     for qr, kr, vr in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
-        o = F.scaled_dot_product_attention(
-            qr.transpose(0, 1)[None],  # (1, heads, len, dim)
-            kr.transpose(0, 1)[None],
-            vr.transpose(0, 1)[None],
-            is_causal=True,
-            dropout_p=dropout_p,
-            scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
+        o = causal_sdpa(  # (1, heads, len, dim)
+            qr.transpose(0, 1)[None], kr.transpose(0, 1)[None], vr.transpose(0, 1)[None], scale, dropout_p
         )
         out.append(o[0].transpose(0, 1))
     return torch.cat(out)

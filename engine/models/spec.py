@@ -2,7 +2,9 @@
 modules swapped in, and fused kernels where megatron's own need TransformerEngine or apex.
 
 - `SDPAAttention` replaces megatron's local `DotProductAttention` (unfused softmax): PyTorch's
-  `scaled_dot_product_attention` picks flash/cuDNN kernels on GPU and runs everywhere else too. Causal only:
+  `scaled_dot_product_attention` runs flash/cuDNN kernels on GPU (cuDNN only for shapes that recur, as its
+  plan build per new shape costs more than it saves otherwise: engine/models/packed_attention.py) and runs
+  everywhere else too. Causal only:
   the engine lays every sequence out right-padded from position 0, so a causal mask is exact for the valid
   tokens and no padding mask is needed. Packed micro-batches (rows back to back, megatron's thd
   `PackedSeqParams`) attend causally within each row (engine/models/packed_attention.py: SDPA on views where
@@ -31,7 +33,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from engine.models import triton_rms_norm, triton_rope
-from engine.models.packed_attention import packed_attention
+from engine.models.packed_attention import packed_attention, padded_attention
 
 
 @dataclass(frozen=True)
@@ -96,15 +98,7 @@ class SDPAAttention(MegatronModule):
         q = query.permute(1, 2, 0, 3)  # (b, heads, sq, dim)
         k = key.permute(1, 2, 0, 3)  # (b, groups, sk, dim)
         v = value.permute(1, 2, 0, 3)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            is_causal=True,
-            dropout_p=dropout_p,
-            scale=self.softmax_scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )  # (b, heads, sq, dim)
+        out = padded_attention(q, k, v, self.softmax_scale, dropout_p)  # (b, heads, sq, dim)
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 

@@ -1,12 +1,17 @@
 """Cutting a mini-batch into micro-batches: a fixed number of rows each, or grouped under a token budget,
-each micro-batch either padded (b, s) or packed (rows back to back in one sequence).
+each micro-batch either packed (rows back to back in one sequence; the default) or padded (b, s).
+
+Fixed rows (`trainer.micro_batch_size`, no budget): the rows in order, `micro_batch_size` at a time. Padded,
+every micro-batch is as long as the batch's longest row (one shape per call); packed, each holds its rows'
+real tokens only (at long-tailed lengths the padded layout's tokens are mostly padding: 1.5B, 512 rows to
+4,096 response tokens, one H200, 36.7 s padded vs 16.1 s packed per update, scripts/bench/README.md).
 
 Token budget (`trainer.max_tokens_per_micro_batch` > 0): rows are sorted by length (prompt + response),
 longest first, and grouped greedily while the micro-batch's tokens stay within the budget.
 - Padded (`trainer.pack_sequences=false`): the tokens counted are rows x (the group's longest row + 1
   target slot); each micro-batch (b, s) is cut to its longest row and right-padded from position 0 with
   causal attention, so dropping pad columns changes no valid logit.
-- Packed (the default with a budget): the tokens counted are the rows' real lengths; the rows of a group
+- Packed: the tokens counted are the rows' real lengths; the rows of a group (budget or fixed rows)
   lie back to back in one (1, t) sequence, t = their summed lengths rounded up to what sequence parallelism
   needs (the rounding is one extra pseudo-row of padding), positions restart at 0 per row, and megatron's
   `PackedSeqParams(qkv_format="thd")` carries the row boundaries (`cu_seqlens`) to attention and RoPE
@@ -14,13 +19,14 @@ longest first, and grouped greedily while the micro-batch's tokens stay within t
   (clamped inside the row), so the heads gather the same (rows, T) positions as from padded rows
   (engine/models/output_head.py `gather_rows`). Results equal the padded layout up to float summation order.
 
-Micro-batches of one `MegatronRole.run` call then differ in rows and length. Without pipeline parallelism
-megatron's schedule never looks at the shapes; with PP the stages exchange each activation's shape first
-(`variable_seq_lengths`, set on the role's config by engine/setup.py), one small message per transfer.
-The alternatives lose: one `run` per shape would zero and DP-reduce the gradients once per call (policy.py
-accumulates within one call only), and padding a call's micro-batches to one shape gives back the padding
-this exists to remove. The interleaved schedule (vpp > 1) is refused by engine/validate/: it needs a
-micro-batch count that fits its groups of PP micro-batches, which a token budget does not guarantee.
+Packed or budgeted micro-batches of one `MegatronRole.run` call then differ in length (and with a budget in
+rows). Without pipeline parallelism megatron's schedule never looks at the shapes; with PP the stages exchange
+each activation's shape first (`variable_seq_lengths`, set on the role's config by engine/setup.py), one small
+message per transfer. The alternatives lose: one `run` per shape would zero and DP-reduce the gradients once
+per call (policy.py accumulates within one call only), and padding a call's micro-batches to one shape gives
+back the padding this exists to remove. The interleaved schedule (vpp > 1) takes fixed rows (packed or not)
+but refuses a token budget (engine/validate/): it needs a micro-batch count that fits its groups of PP
+micro-batches, which a budget does not guarantee.
 The loss normaliser contract of engine/roles/policy.py makes the update independent of how rows are split.
 `MicroBatcher.token_counts` adds up real and processed (padded) tokens for `perf/padding_fraction`.
 """
@@ -140,7 +146,7 @@ def _packed_micro_batch(
 class MicroBatcher:
     """Cuts rows of an Experience into micro-batch dicts (`tokens`, `positions` (b, s), `response_index`,
     `response_mask` (b, T), `response_valid` (the mask's True entries, flat), the named tensors, and `rows`:
-    the Experience rows, in order); with `pack` (needs `max_tokens`) `tokens`, `positions` are (1, t) and
+    the Experience rows, in order); with `pack` `tokens`, `positions` are (1, t) and
     `packed_seq_params`, `row_starts`, `row_lengths` are added (the module docstring)."""
 
     def __init__(
@@ -151,8 +157,6 @@ class MicroBatcher:
         device: torch.device,
         pack: bool = False,
     ):
-        if pack and not max_tokens:
-            raise ValueError("MicroBatcher: packed micro-batches need a token budget (max_tokens > 0)")
         self.micro_batch_size, self.max_tokens = micro_batch_size, max_tokens
         self.seq_multiple, self.device, self.pack = seq_multiple, device, pack
         self.token_counts = [0, 0]
@@ -165,7 +169,11 @@ class MicroBatcher:
         if not self.max_tokens:
             size = self.micro_batch_size
             out = [
-                _micro_batch(exp, rows[i : i + size], full, keys, self.device)
+                _packed_micro_batch(
+                    exp, rows[i : i + size], lengths[i : i + size], self.seq_multiple, keys, self.device
+                )
+                if self.pack
+                else _micro_batch(exp, rows[i : i + size], full, keys, self.device)
                 for i in range(0, len(rows), size)
             ]
         else:

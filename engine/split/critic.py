@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from engine.checkpoint.critic_ranks import CriticRanksCheckpointer
-from engine.config import TrainConfig, packs_sequences
+from engine.config import TrainConfig, micro_batch_shapes_vary, packs_sequences
 from engine.data import load_tokenizer
 from engine.metrics import PhaseTimer
 from engine.roles.dynamic_batch import MicroBatcher
@@ -117,7 +117,7 @@ def build_critic_worker(
     alg, t = cfg.algorithm, cfg.trainer
     steps = t.total_steps * alg.ppo_epochs * alg.num_mini_batches
     critic = build_critic(cfg, shape, len(tokenizer), groups, steps)
-    if t.max_tokens_per_micro_batch and groups.dims.pp > 1:
+    if micro_batch_shapes_vary(t) and groups.dims.pp > 1:
         critic.config.variable_seq_lengths = True
     batcher = MicroBatcher(
         t.micro_batch_size,

@@ -34,7 +34,6 @@ def validate_batches(cfg: TrainConfig, dims: ParallelDims) -> None:
         )
     seqs_per_mini = prompts_per_rank // mini * cfg.rollout.n
     budget = cfg.trainer.max_tokens_per_micro_batch
-    validate_packing(cfg)
     if budget:
         validate_token_budget(cfg, dims)
         return  # micro_batch_size is not used
@@ -76,18 +75,6 @@ def validate_interleaved_schedule(cfg: TrainConfig, dims: ParallelDims, seqs_per
         f"(parallel.vpp={dims.vpp}) needs a positive multiple of parallel.pp={pp}",
         f"{fix}, or set parallel.vpp=1",
     )
-
-
-def validate_packing(cfg: TrainConfig) -> None:
-    """trainer.pack_sequences=true groups rows by the token budget: it needs one."""
-    if cfg.trainer.pack_sequences and not cfg.trainer.max_tokens_per_micro_batch:
-        fail(
-            "trainer.pack_sequences",
-            True,
-            "packed micro-batches are grouped under a token budget, and trainer.max_tokens_per_micro_batch=0",
-            "set trainer.max_tokens_per_micro_batch (e.g. a few times data.max_prompt_len + "
-            "rollout.max_new_tokens), or trainer.pack_sequences=false",
-        )
 
 
 def validate_token_budget(cfg: TrainConfig, dims: ParallelDims) -> None:

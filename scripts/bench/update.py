@@ -12,8 +12,8 @@ every update, or with `--fresh-lengths` a new one per update (seed + the update'
 update to update as in a run, so costs paid per new shape, e.g. cuDNN's plan builds, show in the timed
 updates); cut into micro-batches by the engine's MicroBatcher under
 `--max-tokens` per micro-batch (0: `--micro-batch` rows each), packed (rows back to back, varlen attention:
-what the trainer runs with a token budget) unless `--padded` (each micro-batch (rows, longest + 1), as
-`trainer.pack_sequences=false`; the only layout before 2026-12-03); the loss sees log-probs of the response
+the trainer's default) unless `--padded` (as `trainer.pack_sequences=false`: each micro-batch (rows, its
+longest + 1) under a budget, (rows, the batch's longest + 1) without; the only layout before 2026-12-03); the loss sees log-probs of the response
 positions only. The process is a world of one (NCCL on GPU, gloo on CPU), parameters in `--dtype`.
 
 Each `--variants` entry (VARIANTS below) builds a fresh model (same seed, same weights) with a set of the
@@ -102,8 +102,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--padded",
         action="store_true",
-        help="micro-batches padded to (rows, longest + 1) as trainer.pack_sequences=false; default: packed "
-        "(rows back to back, varlen attention: the trainer's default with a token budget)",
+        help="micro-batches padded as trainer.pack_sequences=false; default: packed "
+        "(rows back to back, varlen attention: the trainer's default)",
     )
     ap.add_argument("--lengths", choices=KINDS, default="fixed", help="response lengths (workload.py)")
     ap.add_argument("--fresh-lengths", action="store_true", help="long_tail: a new draw for every update")
@@ -153,8 +153,9 @@ def make_batch(shape: ModelShape, args, device: torch.device, seed: int) -> Batc
     exp.tensors.update(
         advantages=torch.randn(args.rows, response, generator=gen) * mask, rollout_log_probs=rollout_logp
     )
-    pack = bool(args.max_tokens) and not args.padded  # the trainer's default with a token budget
-    batcher = MicroBatcher(args.micro_batch, args.max_tokens, seq_multiple=1, device=device, pack=pack)
+    batcher = MicroBatcher(
+        args.micro_batch, args.max_tokens, seq_multiple=1, device=device, pack=not args.padded
+    )
     alg = AlgorithmConfig()
     norm = loss_normalizer(mask, alg.loss_agg_mode, max_len=response)
     return Batch(

@@ -78,15 +78,15 @@ def test_interleaved_pipeline_needs_a_multiple_of_pp_micro_batches_per_update():
         validate(composed(*two, "trainer.max_tokens_per_micro_batch=4096"), world_size=2)
 
 
-def test_pack_sequences_defaults_on_with_a_token_budget_and_needs_one():
-    from engine.config import packs_sequences
+def test_pack_sequences_defaults_on_with_or_without_a_token_budget():
+    from engine.config import micro_batch_shapes_vary, packs_sequences
 
-    assert not packs_sequences(composed().trainer)
-    assert packs_sequences(composed("trainer.max_tokens_per_micro_batch=4096").trainer)
-    padded = composed("trainer.max_tokens_per_micro_batch=4096", "trainer.pack_sequences=false")
-    validate(padded, world_size=1)
-    assert not packs_sequences(padded.trainer)
-    with pytest.raises(
-        ConfigError, match=r"trainer.pack_sequences=True: .*trainer.max_tokens_per_micro_batch=0\. Fix: set"
-    ):
-        validate(composed("trainer.pack_sequences=true"), world_size=1)
+    for overrides in ((), ("trainer.max_tokens_per_micro_batch=4096",), ("trainer.pack_sequences=true",)):
+        cfg = composed(*overrides)
+        validate(cfg, world_size=1)
+        assert packs_sequences(cfg.trainer) and micro_batch_shapes_vary(cfg.trainer), overrides
+    padded = composed("trainer.pack_sequences=false")
+    assert not packs_sequences(padded.trainer) and not micro_batch_shapes_vary(padded.trainer)
+    budget = composed("trainer.max_tokens_per_micro_batch=4096", "trainer.pack_sequences=false")
+    validate(budget, world_size=1)
+    assert not packs_sequences(budget.trainer) and micro_batch_shapes_vary(budget.trainer)

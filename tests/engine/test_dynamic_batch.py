@@ -65,19 +65,24 @@ def test_packed_grouping_counts_real_tokens(multiple):
     assert len(groups) < len(pack_by_token_budget(lengths, 128, multiple))
 
 
-def test_packed_micro_batches_lay_rows_back_to_back():
+@pytest.mark.parametrize("budget", [64, 0])  # 0: micro_batch_size rows each, in order
+def test_packed_micro_batches_lay_rows_back_to_back(budget):
     exp = skewed_experience(0, 16, 12, vocab=50, pad_id=0)
     lengths = exp.prompt_lens + exp.response_mask.sum(-1).long()
     full_index = exp.response_index()
-    mbs = MicroBatcher(4, 64, 2, torch.device("cpu"), pack=True)(exp, torch.arange(16), ("advantages",))
+    mbs = MicroBatcher(4, budget, 2, torch.device("cpu"), pack=True)(exp, torch.arange(16), ("advantages",))
     assert sorted(r for mb in mbs for r in mb["rows"].tolist()) == list(range(16))
+    if not budget:
+        assert [mb["rows"].tolist() for mb in mbs] == [list(range(i, i + 4)) for i in range(0, 16, 4)]
     for mb in mbs:
         rows, lens = mb["rows"], lengths[mb["rows"]]
         params = mb["packed_seq_params"]
         t = mb["tokens"].shape[1]
-        assert mb["tokens"].shape[0] == 1 and t <= 64 and t % 2 == 0 and t - int(lens.sum()) < 2
+        assert mb["tokens"].shape[0] == 1 and t <= (budget or 4 * exp.tokens.shape[1])
+        assert t % 2 == 0 and t - int(lens.sum()) < 2
         cu = params.cu_seqlens_q.tolist()
-        assert params.qkv_format == "thd" and cu[0] == 0 and cu[-1] == t and params.max_seqlen_q <= 64
+        assert params.qkv_format == "thd" and cu[0] == 0 and cu[-1] == t and params.max_seqlen_q <= max(t, 64)
+        assert params.max_seqlen_q == max(int(lens.max()), t - int(lens.sum()))
         assert cu[: len(rows) + 1] == [0, *torch.cumsum(lens, 0).tolist()]
         for r, start, length in zip(rows.tolist(), mb["row_starts"].tolist(), lens.tolist()):
             assert torch.equal(mb["tokens"][0, start : start + length], exp.tokens[r, :length])
@@ -86,11 +91,6 @@ def test_packed_micro_batches_lay_rows_back_to_back():
         assert torch.equal(mb["response_index"][valid], full_index[rows][valid])
         assert (mb["response_index"] < lens[:, None]).all()
         assert torch.equal(mb["advantages"], exp.tensors["advantages"][rows])
-
-
-def test_packing_needs_a_token_budget():
-    with pytest.raises(ValueError, match="token budget"):
-        MicroBatcher(4, 0, 1, torch.device("cpu"), pack=True)
 
 
 def test_packed_equals_padded_forward_and_backward(tmp_path):

@@ -11,6 +11,8 @@
   query heads in 2 groups, dim 128): output and q/k/v gradients against float32 attention row by row, each
   within 1.5x the largest error of torch's `varlen_attn` with the groups repeated per head (the path before)
   plus one bf16 ulp of the reference's scale.
+- `padded_attention` (trainer.pack_sequences=false): no cuDNN kernel until its shape recurs, cuDNN from then
+  on (the profiler's kernel names), both against float32 as above with SDPA's own choice as the path before.
 """
 
 from __future__ import annotations
@@ -103,3 +105,39 @@ def test_packed_attention_kernels_match_float32(lengths, monkeypatch):
         for name, g, o, w in zip(("out", "dq", "dk", "dv"), got, old, want):
             ulp = float(w.abs().max()) * 2**-8
             assert g <= 1.5 * o + ulp, (name, g, o, lengths, call)
+
+
+def _cuda_kernels(fn) -> list[str]:
+    """Names of the CUDA kernels `fn` launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.key.lower() for e in prof.key_averages() if e.device_type.name == "CUDA"]
+
+
+def test_padded_attention_takes_cudnn_only_for_a_recurring_shape(monkeypatch):
+    """A padded micro-batch's attention runs without cuDNN on its shape's first call and with it from the
+    CUDNN_FROM_CALL-th (2 here) on; both within 1.5x SDPA's own choice's error (plus one bf16 ulp) against
+    float32, output and q/k/v gradients, at 1.5B's heads."""
+    torch.manual_seed(0)
+    b, s, heads, groups, dim, scale = 3, 300, 12, 2, 128, 128**-0.5
+    q, k, v, grad = (
+        torch.randn(b, h, s, dim, device="cuda", dtype=torch.bfloat16) for h in (heads, groups, groups, heads)
+    )
+    qf, kf, vf = (x.float().requires_grad_() for x in (q, k, v))
+    ref = packed_module.causal_sdpa(qf, kf, vf, scale, 0.0)
+    want = (ref.detach(), *torch.autograd.grad(ref, (qf, kf, vf), grad.float()))
+    old = _errors(lambda q, k, v: packed_module.causal_sdpa(q, k, v, scale, 0.0), q, k, v, grad, want)
+    monkeypatch.setattr(packed_module, "RECURRING", packed_module.RecurringShapes())
+    monkeypatch.setattr(packed_module, "CUDNN_FROM_CALL", 2)
+    padded = lambda q, k, v: packed_module.padded_attention(q, k, v, scale, 0.0)  # noqa: E731
+    for call, cudnn in enumerate((False, True)):
+        got: list[float] = []
+        kernels = _cuda_kernels(lambda errors=got: errors.extend(_errors(padded, q, k, v, grad, want)))
+        assert any("cudnn" in n for n in kernels) == cudnn, (call, kernels)
+        assert cudnn or any("flash" in n for n in kernels), (call, kernels)
+        for name, g, o, w in zip(("out", "dq", "dk", "dv"), got, old, want):
+            ulp = float(w.abs().max()) * 2**-8
+            assert g <= 1.5 * o + ulp, (name, g, o, call)

@@ -60,7 +60,13 @@ def main(out_root: str) -> None:
     reward_model = os.path.join(out_root, "reward_model")  # saved by the test before the launch
     jobs["grpo_reward_model_tp2_pp2"] = (
         2,
-        ["parallel.tp=2", "parallel.pp=2", "rollout.tp=2", f"reward.model_path={reward_model}"],
+        [
+            "parallel.tp=2",
+            "parallel.pp=2",
+            "rollout.tp=2",
+            f"reward.model_path={reward_model}",
+            "trainer.pack_sequences=false",  # the padded layout through the trainer (ppo: packed)
+        ],
     )
     for name, (steps, overrides) in jobs.items():
         out = os.path.join(out_root, name)
