@@ -30,6 +30,7 @@ from engine.roles.router_replay import RouterReplay
 from engine.rollout import build_rollout_engine
 from engine.rollout.base import RolloutEngine
 from engine.tasks.embedded import build_embedded_tokenizer, write_embedded_dataset
+from parallel.dims import ParallelDims
 from parallel.expert_gather import ExpertGather
 from parallel.hybrid_engine import HybridEngine
 from parallel.naive_gather import NaiveGather
@@ -230,9 +231,9 @@ def build_reward_model(cfg: TrainConfig, vocab_size: int, groups: ProcessGroups,
     return RewardModel(role, pad_id, seq_multiple=groups.dims.seq_multiple)
 
 
-def _variable_shapes(roles: list[MegatronRole | None], cfg: TrainConfig, pp: int) -> None:
+def _variable_shapes(roles: list[MegatronRole | None], cfg: TrainConfig, dims: ParallelDims) -> None:
     """Packed or token-budget micro-batches differ in shape: with PP, let the stages exchange shapes first."""
-    if micro_batch_shapes_vary(cfg.trainer) and pp > 1:
+    if micro_batch_shapes_vary(cfg.trainer, dims.vpp) and dims.pp > 1:
         for role in roles:
             if role is not None:
                 role.config.variable_seq_lengths = True
@@ -323,7 +324,7 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
     reward_model = None
     if cfg.reward.model_path:
         reward_model = build_reward_model(cfg, len(tokenizer), groups, tokenizer.pad_token_id)
-    _variable_shapes([actor, reference, critic, reward_model and reward_model.role], cfg, dims.pp)
+    _variable_shapes([actor, reference, critic, reward_model and reward_model.role], cfg, dims)
     weight_sync, rollout = None, None
     if cfg.placement.mode != "split":  # split: engine/split/run.py connects the rollout ranks
         weight_sync, rollout = build_weight_sync_and_rollout(

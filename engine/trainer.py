@@ -26,9 +26,9 @@ import torch
 
 from algorithms.kl import make_kl_controller
 from engine.checkpoint.checkpoint import Checkpointer
-from engine.config import max_response_tokens, needs_old_log_prob_forward, packs_sequences
+from engine.config import max_response_tokens, needs_old_log_prob_forward
 from engine.metrics import PhaseTimer
-from engine.roles.dynamic_batch import MicroBatcher
+from engine.roles.dynamic_batch import trainer_batcher
 from engine.roles.offload import RoleOffloader
 from engine.setup import Components
 from engine.step.advantages import advantages
@@ -63,13 +63,7 @@ class Trainer:
         self.ref_offload = RoleOffloader(c.reference, ("params",), enabled=t.offload_reference)
         self.actor_optim_offload = RoleOffloader(c.actor, ("optimizer",), enabled=t.offload_optimizer)
         self.critic_optim_offload = RoleOffloader(c.critic, ("optimizer",), enabled=t.offload_optimizer)
-        self.batcher = MicroBatcher(
-            t.micro_batch_size,
-            t.max_tokens_per_micro_batch,
-            seq_multiple=c.groups.dims.seq_multiple,
-            device=c.groups.device,
-            pack=packs_sequences(t),
-        )
+        self.batcher = trainer_batcher(t, c.groups.dims, c.groups.device)
         self.last_experience: Experience | None = None
         """The latest step's experience on this rank (for inspection and tests)."""
         self.engine_stats: dict[str, float] = {}

@@ -24,9 +24,12 @@ rows). Without pipeline parallelism megatron's schedule never looks at the shape
 each activation's shape first (`variable_seq_lengths`, set on the role's config by engine/setup.py), one small
 message per transfer. The alternatives lose: one `run` per shape would zero and DP-reduce the gradients once
 per call (policy.py accumulates within one call only), and padding a call's micro-batches to one shape gives
-back the padding this exists to remove. The interleaved schedule (vpp > 1) takes fixed rows (packed or not)
-but refuses a token budget (engine/validate/): it needs a micro-batch count that fits its groups of PP
-micro-batches, which a budget does not guarantee.
+back the padding this exists to remove. The interleaved schedule (vpp > 1) takes fixed rows but refuses a
+token budget (engine/validate/): it needs a micro-batch count that fits its groups of PP micro-batches, which
+a budget does not guarantee. Nor does its shape exchange work (megatron-core 0.16, gloo: "Received data size
+doesn't match expected size" in the first update), so under it packed micro-batches are padded to the call's
+longest packed micro-batch (`one_shape`: a pseudo-row at the end, as the rounding's): one shape per call,
+still far below rows x the batch's longest row.
 The loss normaliser contract of engine/roles/policy.py makes the update independent of how rows are split.
 `MicroBatcher.token_counts` adds up real and processed (padded) tokens for `perf/padding_fraction`.
 """
@@ -36,8 +39,10 @@ from __future__ import annotations
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from engine.config import TrainerConfig, packs_sequences
 from engine.rollout.routes import NO_ROUTE
 from engine.step.batch import ROUTES, Experience, response_lengths
+from parallel.dims import ParallelDims
 
 
 def padded_length(length: int, multiple: int = 1) -> int:
@@ -56,7 +61,7 @@ def pack_by_token_budget(
     total = 0  # tokens of the last group's rows, packed
     for i in order:
         if packed:
-            fits = groups and -(-(total + lengths[i]) // multiple) * multiple <= max_tokens
+            fits = groups and padded_total(total + lengths[i], multiple) <= max_tokens
         else:
             fits = (
                 groups
@@ -96,15 +101,29 @@ def _micro_batch(exp: Experience, sel: torch.Tensor, seq: int, keys, device: tor
     return mb
 
 
+def padded_total(total: int, multiple: int) -> int:
+    """A packed micro-batch's length for `total` real tokens: rounded up to `multiple`."""
+    return -(-total // multiple) * multiple
+
+
 def _packed_micro_batch(
-    exp: Experience, sel: torch.Tensor, lengths: torch.Tensor, multiple: int, keys, device: torch.device
+    exp: Experience,
+    sel: torch.Tensor,
+    lengths: torch.Tensor,
+    multiple: int,
+    keys,
+    device: torch.device,
+    fill: int = 0,
 ) -> dict:
-    """The rows `sel` ((rows,) real `lengths`) back to back in one (1, t) sequence: see the module docstring."""
+    """The rows `sel` ((rows,) real `lengths`) back to back in one (1, t) sequence, t at least `fill`: see the
+    module docstring."""
     total = int(lengths.sum())
-    t = -(-total // multiple) * multiple
+    t = max(padded_total(total, multiple), fill)
     starts = torch.cumsum(lengths, 0) - lengths  # (rows,)
     cu_seqlens = torch.cat([starts, lengths.sum().reshape(1)])
-    if t > total:  # the padding to the multiple: a pseudo-row of its own, so every row keeps its boundaries
+    if (
+        t > total
+    ):  # the padding (to the multiple, to `fill`): a pseudo-row of its own; every row keeps its bounds
         cu_seqlens = torch.cat([cu_seqlens, torch.tensor([t])])
     tokens = torch.zeros(1, t, dtype=exp.tokens.dtype)
     positions = torch.arange(t) - torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
@@ -147,7 +166,8 @@ class MicroBatcher:
     """Cuts rows of an Experience into micro-batch dicts (`tokens`, `positions` (b, s), `response_index`,
     `response_mask` (b, T), `response_valid` (the mask's True entries, flat), the named tensors, and `rows`:
     the Experience rows, in order); with `pack` `tokens`, `positions` are (1, t) and
-    `packed_seq_params`, `row_starts`, `row_lengths` are added (the module docstring)."""
+    `packed_seq_params`, `row_starts`, `row_lengths` are added, and with `one_shape` too every micro-batch of
+    a call has the same t (the module docstring)."""
 
     def __init__(
         self,
@@ -156,9 +176,12 @@ class MicroBatcher:
         seq_multiple: int,
         device: torch.device,
         pack: bool = False,
+        one_shape: bool = False,
     ):
         self.micro_batch_size, self.max_tokens = micro_batch_size, max_tokens
         self.seq_multiple, self.device, self.pack = seq_multiple, device, pack
+        self.one_shape = one_shape
+        """Packed micro-batches of one call padded to one length (the interleaved pipeline schedule's need)."""
         self.token_counts = [0, 0]
         """Real tokens (prompt + response) and tokens processed (with padding) of the micro-batches cut
         since the caller last reset it."""
@@ -166,29 +189,46 @@ class MicroBatcher:
     def __call__(self, exp: Experience, rows: torch.Tensor, keys: tuple[str, ...] = ()) -> list[dict]:
         full = exp.tokens.shape[1]
         lengths = exp.prompt_lens[rows] + response_lengths(exp.response_mask[rows])
-        if not self.max_tokens:
+        if self.max_tokens:
+            groups = pack_by_token_budget(lengths.tolist(), self.max_tokens, self.seq_multiple, self.pack)
+        else:
             size = self.micro_batch_size
+            groups = [list(range(i, min(i + size, len(rows)))) for i in range(0, len(rows), size)]
+        if self.pack:
+            fill = 0  # one_shape: every micro-batch as long as the longest packed one
+            if self.one_shape and groups:
+                fill = max(padded_total(int(lengths[g].sum()), self.seq_multiple) for g in groups)
             out = [
-                _packed_micro_batch(
-                    exp, rows[i : i + size], lengths[i : i + size], self.seq_multiple, keys, self.device
-                )
-                if self.pack
-                else _micro_batch(exp, rows[i : i + size], full, keys, self.device)
-                for i in range(0, len(rows), size)
+                _packed_micro_batch(exp, rows[g], lengths[g], self.seq_multiple, keys, self.device, fill)
+                for g in groups
             ]
         else:
-            out = []
-            for group in pack_by_token_budget(
-                lengths.tolist(), self.max_tokens, self.seq_multiple, self.pack
-            ):
-                if self.pack:
-                    mb = _packed_micro_batch(
-                        exp, rows[group], lengths[group], self.seq_multiple, keys, self.device
-                    )
-                else:
-                    seq = min(padded_length(int(lengths[group[0]]), self.seq_multiple), full)
-                    mb = _micro_batch(exp, rows[group], seq, keys, self.device)
-                out.append(mb)
+            out = [
+                _micro_batch(
+                    exp,
+                    rows[g],
+                    min(padded_length(int(lengths[g[0]]), self.seq_multiple), full)
+                    if self.max_tokens
+                    else full,
+                    keys,
+                    self.device,
+                )
+                for g in groups
+            ]
         self.token_counts[0] += int(lengths.sum())
         self.token_counts[1] += sum(mb["tokens"].numel() for mb in out)
         return out
+
+
+def trainer_batcher(t: TrainerConfig, dims: ParallelDims, device: torch.device) -> MicroBatcher:
+    """The MicroBatcher of the trainer's config `t` on a rank of layout `dims`: fixed rows or a
+    token budget, packed unless trainer.pack_sequences=false, one shape per call under the interleaved
+    pipeline schedule."""
+    return MicroBatcher(
+        t.micro_batch_size,
+        t.max_tokens_per_micro_batch,
+        seq_multiple=dims.seq_multiple,
+        device=device,
+        pack=packs_sequences(t),
+        one_shape=dims.vpp > 1,
+    )

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from engine.checkpoint.critic_ranks import CriticRanksCheckpointer
-from engine.config import TrainConfig, micro_batch_shapes_vary, packs_sequences
+from engine.config import TrainConfig, micro_batch_shapes_vary
 from engine.data import load_tokenizer
 from engine.metrics import PhaseTimer
-from engine.roles.dynamic_batch import MicroBatcher
+from engine.roles.dynamic_batch import MicroBatcher, trainer_batcher
 from engine.roles.offload import RoleOffloader
 from engine.roles.policy import MegatronRole
 from engine.setup import _data_files, build_critic, model_shape
@@ -117,15 +117,9 @@ def build_critic_worker(
     alg, t = cfg.algorithm, cfg.trainer
     steps = t.total_steps * alg.ppo_epochs * alg.num_mini_batches
     critic = build_critic(cfg, shape, len(tokenizer), groups, steps)
-    if micro_batch_shapes_vary(t) and groups.dims.pp > 1:
+    if micro_batch_shapes_vary(t, groups.dims.vpp) and groups.dims.pp > 1:
         critic.config.variable_seq_lengths = True
-    batcher = MicroBatcher(
-        t.micro_batch_size,
-        t.max_tokens_per_micro_batch,
-        seq_multiple=groups.dims.seq_multiple,
-        device=groups.device,
-        pack=packs_sequences(t),
-    )
+    batcher = trainer_batcher(t, groups.dims, groups.device)
     offload = RoleOffloader(critic, ("optimizer",), enabled=t.offload_optimizer)
     checkpointer = CriticRanksCheckpointer(cfg, groups, critic, output_dir)
     return CriticWorker(CriticSide(cfg, groups, critic), layout, everyone, batcher, offload, checkpointer)

@@ -93,6 +93,29 @@ def test_packed_micro_batches_lay_rows_back_to_back(budget):
         assert torch.equal(mb["advantages"], exp.tensors["advantages"][rows])
 
 
+@pytest.mark.parametrize("multiple", [1, 2])
+def test_one_shape_pads_a_calls_packed_micro_batches_to_its_longest(multiple):
+    """Under the interleaved pipeline schedule (`one_shape`): every packed micro-batch of a call as long as
+    the longest, the rows as without it and the padding one pseudo-row at the end."""
+    exp = skewed_experience(0, 16, 12, vocab=50, pad_id=0)
+    free = MicroBatcher(4, 0, multiple, torch.device("cpu"), pack=True)(exp, torch.arange(16))
+    same = MicroBatcher(4, 0, multiple, torch.device("cpu"), pack=True, one_shape=True)(exp, torch.arange(16))
+    longest = max(mb["tokens"].shape[1] for mb in free)
+    assert len({mb["tokens"].shape[1] for mb in free}) > 1  # the rows' lengths differ: so would the shapes
+    for a, b in zip(free, same):
+        assert b["tokens"].shape == (1, longest) and torch.equal(a["rows"], b["rows"])
+        t = a["tokens"].shape[1]
+        assert torch.equal(b["tokens"][:, :t], a["tokens"]) and not b["tokens"][:, t:].any()
+        cu_a, cu_b = (
+            a["packed_seq_params"].cu_seqlens_q.tolist(),
+            b["packed_seq_params"].cu_seqlens_q.tolist(),
+        )
+        real = len(a["rows"]) + 1  # the rows' bounds, then at most one pseudo-row to the end
+        assert cu_b[:real] == cu_a[:real] and cu_b[-1] == longest and len(cu_b) <= real + 1
+        for key in ("row_starts", "row_lengths", "response_index", "response_valid"):
+            assert torch.equal(a[key], b[key]), key
+
+
 def test_packed_equals_padded_forward_and_backward(tmp_path):
     """Tiny GQA model (4 heads, 2 groups), rows of 3 to 36 tokens: log-probs, entropies, values, last-token
     scores, and the actor's and critic's loss and gradients, packed vs padded."""

@@ -1,15 +1,16 @@
 """The trainer at world size 4, in ONE torchrun launch (tests/engine/trainer_run_script.py): PPO with its
-critic at TP=2 x PP=2 (3 steps, validation on the last; packed micro-batches, the default), DAPO with dynamic sampling across 2 DP replicas
-and token-budget micro-batches, ReMax at PP=2 with 2 mini-batches and token-budget micro-batches, GRPO scored
-by a reward model (reward.model_path) at TP=2 x PP=2 (padded micro-batches) equal to transformers' scores, the forward-only paths
-(old/ref log-probs, values, reward scores) with a short last micro-batch at PP=2 and PP=2 x VPP=2 equal to
-PP=1, then the loss/gradient parity of token-budget vs fixed micro-batches at TP=2 x PP=2 (stages exchange shapes), packed vs
-padded micro-batches (log-probs, entropy, values, scores, actor and critic gradients) at TP=2 x PP=2 with SP off
-and on, then the advantages of the same 16 rows at DP=1 and DP=2 (whitening summed over DP with gloo), then
-two steps of model=tiny_moe at TP=2 (SP) x DP=2 and at PP=2 x DP=2 (rollout.tp=1) with parallel.ep=1 and 2 (same
-init, rollout and first update; at step 2 the TP ranks' replicated weights are equal and rollout_kl is
-small; the EP=2 jobs export the actor to Hugging Face format, checked against the trained experts and
-loaded by transformers).
+critic at TP=2 x PP=2 (3 steps, validation on the last; packed micro-batches, the default), DAPO with dynamic
+sampling across 2 DP replicas and token-budget micro-batches, ReMax at PP=2 with 2 mini-batches and
+token-budget micro-batches, GRPO scored by a reward model (reward.model_path) at TP=2 x PP=2 (padded
+micro-batches) equal to transformers' scores, the forward-only paths (old/ref log-probs, values, reward
+scores) with a short last micro-batch at PP=2 and PP=2 x VPP=2 equal to PP=1, then the loss/gradient parity of
+token-budget vs fixed micro-batches at TP=2 x PP=2 (stages exchange shapes), packed vs padded micro-batches
+(log-probs, entropy, values, scores, actor and critic gradients) at TP=2 x PP=2 with SP off and on and at
+PP=2 x VPP=2, then the advantages of the same 16 rows at DP=1 and DP=2 (whitening summed over DP with gloo),
+then two steps of model=tiny_moe at TP=2 (SP) x DP=2 and at PP=2 x DP=2 (rollout.tp=1) with parallel.ep=1
+and 2 (same init, rollout and first update; at step 2 the TP ranks' replicated weights are equal and
+rollout_kl is small; the EP=2 jobs export the actor to Hugging Face format, checked against the trained
+experts and loaded by transformers).
 """
 
 from __future__ import annotations
@@ -46,19 +47,20 @@ def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp
     assert parity["loss_diff"] <= 1e-5 * abs(parity["loss_fixed"]), parity
     assert parity["grad_diff"] <= 1e-5 * parity["grad_scale"], parity
     assert parity["tokens_budget"] < 0.7 * parity["tokens_fixed"], parity
-    # packed vs padded micro-batches at TP=2 x PP=2, SP off and on: every head and both updates
-    for sp in ("false", "true"):
-        packing = json.loads(out.split(f"packing_sp_{sp} ", 1)[1].splitlines()[0])
+    # packed vs padded micro-batches at TP=2 x PP=2, SP off and on (token budget), and at PP=2 x VPP=2 (4 rows
+    # each; packed ones padded to one length per call): every head and both updates
+    for layout in ("sp_false", "sp_true", "vpp2"):
+        packing = json.loads(out.split(f"packing_{layout} ", 1)[1].splitlines()[0])
         for key in ("log_probs", "entropy", "values", "scores"):
-            assert packing[key] <= 2e-5, (sp, packing)  # float32, summation order
+            assert packing[key] <= 2e-5, (layout, packing)  # float32, summation order
         for key in ("actor_grad_rel", "actor_loss_rel", "critic_grad_rel", "critic_loss_rel"):
-            assert packing[key] <= 1e-5, (sp, packing)
-        # SP rounds each packed micro-batch up to a multiple of tp=2: at most one token each
-        assert packing["tokens_packed"] - packing["tokens_real"] <= 0.05 * packing["tokens_real"], (
-            sp,
-            packing,
-        )
-        assert packing["tokens_packed"] < packing["tokens_padded"], (sp, packing)
+            assert packing[key] <= 1e-5, (layout, packing)
+        assert packing["tokens_packed"] < packing["tokens_padded"], (layout, packing)
+        if layout != "vpp2":  # SP rounds each packed micro-batch up to a multiple of tp=2: at most one token
+            assert packing["tokens_packed"] - packing["tokens_real"] <= 0.05 * packing["tokens_real"], (
+                layout,
+                packing,
+            )
     # gae, reinforce_pp (KL in the reward), reinforce_pp_baseline, grpo: float64 moments, float32 advantages
     dp_invariance = json.loads(out.split("dp_invariance ", 1)[1].splitlines()[0])
     assert max(dp_invariance.values()) <= 1e-6, dp_invariance

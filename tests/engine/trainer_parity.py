@@ -115,7 +115,9 @@ def packing_parity(
     """Padded vs packed token-budget micro-batches of the same rows (a PPO job: actor, critic with a random
     value head): forward-only log-probs, entropies, values and last-token scores (the reward model's head),
     then one update of the actor and of the critic, loss and parameter gradients. Returns the largest
-    differences over all ranks (gradients and losses relative to their scale) and both token counts."""
+    differences over all ranks (gradients and losses relative to their scale) and both token counts.
+    `budget` 0: micro-batches of 4 rows, the packed ones of a call padded to one length under the interleaved
+    schedule (parallel.vpp > 1), as the trainer's `trainer_batcher`."""
     from dataclasses import replace
 
     import torch.distributed as dist
@@ -157,7 +159,8 @@ def packing_parity(
         multiple = groups.dims.seq_multiple
         results = {}
         for name, pack in (("padded", False), ("packed", True)):
-            batcher = MicroBatcher(4, budget, multiple, groups.device, pack=pack)
+            one_shape = pack and groups.dims.vpp > 1
+            batcher = MicroBatcher(4, budget, multiple, groups.device, pack=pack, one_shape=one_shape)
             got = {
                 key: forward_rows(c.actor, exp, _stats_fn, key, batcher, 0.8)
                 for key in ("log_probs", "entropy")
@@ -244,6 +247,7 @@ def pipeline_remainder_parity(out_root: str, keep_process_group: bool = False) -
                 f"critic.path={os.path.join(out_root, 'critic')}",
                 f"reward.model_path={os.path.join(out_root, 'reward_model')}",
                 f"trainer.output_dir={output_dir}",
+                "trainer.pack_sequences=false",  # padded micro-batches: PP stages exchange no shapes
             ]
         )
         with distributed(cfg, keep_process_group) as groups:

@@ -98,6 +98,14 @@ def main(out_root: str) -> None:
         )
         if rank == 0:
             print(f"packing_sp_{sp} " + json.dumps(packing), flush=True)
+    packing = packing_parity(  # 4 rows per micro-batch; packed: one length per call (interleaved schedule)
+        ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"],
+        os.path.join(out_root, "packing_vpp2"),
+        0,
+        True,
+    )
+    if rank == 0:
+        print("packing_vpp2 " + json.dumps(packing), flush=True)
     dp_invariance = dp_advantage_invariance()
     if rank == 0:
         print("dp_invariance " + json.dumps(dp_invariance), flush=True)
