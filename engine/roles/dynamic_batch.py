@@ -121,9 +121,8 @@ def _packed_micro_batch(
     t = max(padded_total(total, multiple), fill)
     starts = torch.cumsum(lengths, 0) - lengths  # (rows,)
     cu_seqlens = torch.cat([starts, lengths.sum().reshape(1)])
-    if (
-        t > total
-    ):  # the padding (to the multiple, to `fill`): a pseudo-row of its own; every row keeps its bounds
+    # the padding (to the multiple, to `fill`): a pseudo-row of its own, so every row keeps its boundaries
+    if t > total:
         cu_seqlens = torch.cat([cu_seqlens, torch.tensor([t])])
     tokens = torch.zeros(1, t, dtype=exp.tokens.dtype)
     positions = torch.arange(t) - torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
@@ -203,18 +202,12 @@ class MicroBatcher:
                 for g in groups
             ]
         else:
-            out = [
-                _micro_batch(
-                    exp,
-                    rows[g],
-                    min(padded_length(int(lengths[g[0]]), self.seq_multiple), full)
-                    if self.max_tokens
-                    else full,
-                    keys,
-                    self.device,
-                )
+            # under a budget each cut to its longest row (sorted first), else all to the batch's longest
+            seqs = [
+                min(padded_length(int(lengths[g[0]]), self.seq_multiple), full) if self.max_tokens else full
                 for g in groups
             ]
+            out = [_micro_batch(exp, rows[g], seq, keys, self.device) for g, seq in zip(groups, seqs)]
         self.token_counts[0] += int(lengths.sum())
         self.token_counts[1] += sum(mb["tokens"].numel() for mb in out)
         return out
