@@ -84,9 +84,12 @@ def test_pack_sequences_defaults_on_with_or_without_a_token_budget():
     for overrides in ((), ("trainer.max_tokens_per_micro_batch=4096",), ("trainer.pack_sequences=true",)):
         cfg = composed(*overrides)
         validate(cfg, world_size=1)
-        assert packs_sequences(cfg.trainer) and micro_batch_shapes_vary(cfg.trainer), overrides
+        assert packs_sequences(cfg.trainer) and micro_batch_shapes_vary(cfg.trainer, 1), overrides
+        assert (
+            not micro_batch_shapes_vary(cfg.trainer, 2) or cfg.trainer.max_tokens_per_micro_batch
+        )  # one_shape
     padded = composed("trainer.pack_sequences=false")
-    assert not packs_sequences(padded.trainer) and not micro_batch_shapes_vary(padded.trainer)
+    assert not packs_sequences(padded.trainer) and not micro_batch_shapes_vary(padded.trainer, 1)
     budget = composed("trainer.max_tokens_per_micro_batch=4096", "trainer.pack_sequences=false")
     validate(budget, world_size=1)
-    assert not packs_sequences(budget.trainer) and micro_batch_shapes_vary(budget.trainer)
+    assert not packs_sequences(budget.trainer) and micro_batch_shapes_vary(budget.trainer, 1)
