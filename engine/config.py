@@ -496,11 +496,3 @@ class ConfigError(UserError, ValueError):
 def packs_sequences(t: TrainerConfig) -> bool:
     """Whether micro-batches are packed (trainer.pack_sequences, by default on)."""
     return t.pack_sequences is not False
-
-
-def micro_batch_shapes_vary(t: TrainerConfig, vpp: int) -> bool:
-    """Whether one call's micro-batches may differ in shape: cut under a token budget, or packed outside
-    megatron's interleaved schedule (`vpp` > 1 pads a call's packed micro-batches to one length instead:
-    engine/roles/dynamic_batch.py). With pipeline parallelism the stages must then exchange each activation's
-    shape (`variable_seq_lengths`)."""
-    return t.max_tokens_per_micro_batch > 0 or (packs_sequences(t) and vpp == 1)

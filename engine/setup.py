@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from algorithms.advantages import advantage_traits
-from engine.config import ConfigError, ModelConfig, TrainConfig, micro_batch_shapes_vary, needs_reference
+from engine.config import ConfigError, ModelConfig, TrainConfig, needs_reference
 from engine.data import PromptRecord, load_prompt_dataset, load_tokenizer, refuse_row_caps
 from engine.metrics import MetricsLogger
 from engine.models.builder import (
@@ -24,6 +24,7 @@ from engine.models.hf_config import checkpoint_model_config
 from engine.prompt_loader import PromptLoader
 from engine.rewards.build import build_reward_fn
 from engine.rewards.reward_fn import RewardFn
+from engine.roles.dynamic_batch import micro_batch_shapes_vary
 from engine.roles.policy import MegatronRole
 from engine.roles.reward_model import RewardModel
 from engine.roles.router_replay import RouterReplay

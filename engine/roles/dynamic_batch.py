@@ -213,6 +213,14 @@ class MicroBatcher:
         return out
 
 
+def micro_batch_shapes_vary(t: TrainerConfig, vpp: int) -> bool:
+    """Whether one call's micro-batches may differ in shape: cut under a token budget, or packed outside
+    megatron's interleaved schedule (`vpp` > 1 pads a call's packed micro-batches to one length instead:
+    engine/roles/dynamic_batch.py). With pipeline parallelism the stages must then exchange each activation's
+    shape (`variable_seq_lengths`)."""
+    return t.max_tokens_per_micro_batch > 0 or (packs_sequences(t) and vpp == 1)
+
+
 def trainer_batcher(t: TrainerConfig, dims: ParallelDims, device: torch.device) -> MicroBatcher:
     """The MicroBatcher of the trainer's config `t` on a rank of layout `dims`: fixed rows or a
     token budget, packed unless trainer.pack_sequences=false, one shape per call under the interleaved

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from engine.checkpoint.critic_ranks import CriticRanksCheckpointer
-from engine.config import TrainConfig, micro_batch_shapes_vary
+from engine.config import TrainConfig
 from engine.data import load_tokenizer
 from engine.metrics import PhaseTimer
-from engine.roles.dynamic_batch import MicroBatcher, trainer_batcher
+from engine.roles.dynamic_batch import MicroBatcher, micro_batch_shapes_vary, trainer_batcher
 from engine.roles.offload import RoleOffloader
 from engine.roles.policy import MegatronRole
 from engine.setup import _data_files, build_critic, model_shape
