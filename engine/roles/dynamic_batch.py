@@ -1,19 +1,24 @@
 """Cutting a mini-batch into micro-batches: a fixed number of rows each, or grouped under a token budget,
 each micro-batch either packed (rows back to back in one sequence; the default) or padded (b, s).
 
-Fixed rows (`trainer.micro_batch_size`, no budget): the rows in order, `micro_batch_size` at a time. Padded,
-every micro-batch is as long as the batch's longest row (one shape per call); packed, each holds its rows'
-real tokens only (at long-tailed lengths the padded layout's tokens are mostly padding: 1.5B, 512 rows to
-4,096 response tokens, one H200, 36.7 s padded vs 16.1 s packed per update, scripts/bench/README.md).
+Without a token budget (`trainer.max_tokens_per_micro_batch=0`), `trainer.micro_batch_size` sets the size.
+Padded, a micro-batch is `micro_batch_size` rows in order, each as long as the batch's longest row (one shape
+per call). Packed (the default), rows are grouped as under a token budget of `micro_batch_size` x the batch's
+width (its longest row + 1): the padded layout's tokens per micro-batch, so the same worst-case activation
+memory, but with the rows' real tokens only, so short rows share a micro-batch. At long-tailed lengths
+padding to the batch's longest row computes mostly padding (1.5B, 512 rows to 4,096 response tokens, one
+H200: 36.7 s padded vs 16.2 s packed per update), and `micro_batch_size` rows packed alone leave the GPU
+waiting on the host's launches (0.5B, long tail to 1,024: 7.8 s vs 3.0 s per update grouped by width;
+scripts/bench/README.md).
 
 Token budget (`trainer.max_tokens_per_micro_batch` > 0): rows are sorted by length (prompt + response),
 longest first, and grouped greedily while the micro-batch's tokens stay within the budget.
 - Padded (`trainer.pack_sequences=false`): the tokens counted are rows x (the group's longest row + 1
   target slot); each micro-batch (b, s) is cut to its longest row and right-padded from position 0 with
   causal attention, so dropping pad columns changes no valid logit.
-- Packed: the tokens counted are the rows' real lengths; the rows of a group (budget or fixed rows)
-  lie back to back in one (1, t) sequence, t = their summed lengths rounded up to what sequence parallelism
-  needs (the rounding is one extra pseudo-row of padding), positions restart at 0 per row, and megatron's
+- Packed: the tokens counted are the rows' real lengths; the rows of a group lie back to back in one (1, t)
+  sequence, t = their summed lengths rounded up to what sequence parallelism needs (the rounding is one
+  extra pseudo-row of padding), positions restart at 0 per row, and megatron's
   `PackedSeqParams(qkv_format="thd")` carries the row boundaries (`cu_seqlens`) to attention and RoPE
   (engine/models/spec.py). `row_starts`, `row_lengths` locate each row; `response_index` stays row-local
   (clamped inside the row), so the heads gather the same (rows, T) positions as from padded rows
@@ -24,12 +29,12 @@ rows). Without pipeline parallelism megatron's schedule never looks at the shape
 each activation's shape first (`variable_seq_lengths`, set on the role's config by engine/setup.py), one small
 message per transfer. The alternatives lose: one `run` per shape would zero and DP-reduce the gradients once
 per call (policy.py accumulates within one call only), and padding a call's micro-batches to one shape gives
-back the padding this exists to remove. The interleaved schedule (vpp > 1) takes fixed rows but refuses a
-token budget (engine/validate/): it needs a micro-batch count that fits its groups of PP micro-batches, which
-a budget does not guarantee. Nor does its shape exchange work (megatron-core 0.16, gloo: "Received data size
-doesn't match expected size" in the first update), so under it packed micro-batches are padded to the call's
-longest packed micro-batch (`one_shape`: a pseudo-row at the end, as the rounding's): one shape per call,
-still far below rows x the batch's longest row.
+back the padding this exists to remove. The interleaved schedule (vpp > 1) takes `micro_batch_size` rows in
+order (packed too) and refuses a token budget (engine/validate/): it needs a micro-batch count that fits its
+groups of PP micro-batches, which a budget does not guarantee. Nor does its shape exchange work
+(megatron-core 0.16, gloo: "Received data size doesn't match expected size" in the first update), so under
+it packed micro-batches are padded to the call's longest packed micro-batch (`one_shape`: a pseudo-row at
+the end, as the rounding's): one shape per call, still far below rows x the batch's longest row.
 The loss normaliser contract of engine/roles/policy.py makes the update independent of how rows are split.
 `MicroBatcher.token_counts` adds up real and processed (padded) tokens for `perf/padding_fraction`.
 """
@@ -180,7 +185,10 @@ class MicroBatcher:
         self.micro_batch_size, self.max_tokens = micro_batch_size, max_tokens
         self.seq_multiple, self.device, self.pack = seq_multiple, device, pack
         self.one_shape = one_shape
-        """Packed micro-batches of one call padded to one length (the interleaved pipeline schedule's need)."""
+        """Packed micro-batches of one call padded to one length (the interleaved schedule's need)."""
+        self.fixed_rows = not max_tokens and (not pack or one_shape)
+        """`micro_batch_size` rows per micro-batch, in order: without a budget, padded or under `one_shape`;
+        packed otherwise, rows are grouped under `micro_batch_size` x the batch's width (module docstring)."""
         self.token_counts = [0, 0]
         """Real tokens (prompt + response) and tokens processed (with padding) of the micro-batches cut
         since the caller last reset it."""
@@ -188,8 +196,9 @@ class MicroBatcher:
     def __call__(self, exp: Experience, rows: torch.Tensor, keys: tuple[str, ...] = ()) -> list[dict]:
         full = exp.tokens.shape[1]
         lengths = exp.prompt_lens[rows] + response_lengths(exp.response_mask[rows])
-        if self.max_tokens:
-            groups = pack_by_token_budget(lengths.tolist(), self.max_tokens, self.seq_multiple, self.pack)
+        budget = self.max_tokens or (0 if self.fixed_rows else self.micro_batch_size * full)
+        if budget:
+            groups = pack_by_token_budget(lengths.tolist(), budget, self.seq_multiple, self.pack)
         else:
             size = self.micro_batch_size
             groups = [list(range(i, min(i + size, len(rows)))) for i in range(0, len(rows), size)]
@@ -222,9 +231,9 @@ def micro_batch_shapes_vary(t: TrainerConfig, vpp: int) -> bool:
 
 
 def trainer_batcher(t: TrainerConfig, dims: ParallelDims, device: torch.device) -> MicroBatcher:
-    """The MicroBatcher of the trainer's config `t` on a rank of layout `dims`: fixed rows or a
-    token budget, packed unless trainer.pack_sequences=false, one shape per call under the interleaved
-    pipeline schedule."""
+    """The MicroBatcher of the trainer's config `t` on a rank of layout `dims`: `micro_batch_size` rows (packed:
+    their tokens at the batch's width) or a token budget, packed unless trainer.pack_sequences=false, one
+    shape per call under the interleaved pipeline schedule."""
     return MicroBatcher(
         t.micro_batch_size,
         t.max_tokens_per_micro_batch,

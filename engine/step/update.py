@@ -135,11 +135,12 @@ def forward_rows(
 ) -> torch.Tensor:
     """Forward-only pass over all rows: `fn`'s (b, T) output `key`, reassembled in row order (rows, T) on
     every PP stage, on CPU. Any row count works: at PP > 1 fixed micro-batches are padded with repeated
-    rows whose outputs are dropped (`pipeline_rows`); token-budget micro-batches exchange shapes instead."""
+    rows whose outputs are dropped (`pipeline_rows`); packed or token-budget micro-batches exchange shapes
+    instead."""
     g = role.groups
     num_rows = exp.num_rows
     rows = torch.arange(num_rows)
-    if g.dims.pp > 1 and not batcher.max_tokens and num_rows:
+    if g.dims.pp > 1 and batcher.fixed_rows and num_rows:
         rows = pipeline_rows(num_rows, batcher.micro_batch_size, g.dims.pp, g.dims.vpp)
     mbs = batcher(exp, rows)
     outs = role.run(mbs, fn, forward_only=True, temperature=temperature)

@@ -10,10 +10,11 @@ random token ids, random advantages); with `--lengths long_tail` each row's resp
 `workload.response_lengths` draws (one length per row, at most `--seq` - `--prompt-len`), the same draw for
 every update, or with `--fresh-lengths` a new one per update (seed + the update's index: shapes change from
 update to update as in a run, so costs paid per new shape, e.g. cuDNN's plan builds, show in the timed
-updates); cut into micro-batches by the engine's MicroBatcher under
-`--max-tokens` per micro-batch (0: `--micro-batch` rows each), packed (rows back to back, varlen attention:
-the trainer's default) unless `--padded` (as `trainer.pack_sequences=false`: each micro-batch (rows, its
-longest + 1) under a budget, (rows, the batch's longest + 1) without; the only layout before 2026-12-03); the loss sees log-probs of the response
+updates); cut into micro-batches by the engine's MicroBatcher under `--max-tokens` per micro-batch (0:
+`--micro-batch` rows each; packed, as the trainer, rows sorted by length up to that many rows' tokens at the
+batch's width), packed (rows back to back, varlen attention: the trainer's default) unless `--padded` (as
+`trainer.pack_sequences=false`: each micro-batch (rows, its longest + 1) under a budget, (rows, the batch's
+longest + 1) without; the only layout before 2026-12-03); the loss sees log-probs of the response
 positions only. The process is a world of one (NCCL on GPU, gloo on CPU), parameters in `--dtype`.
 
 Each `--variants` entry (VARIANTS below) builds a fresh model (same seed, same weights) with a set of the
@@ -34,7 +35,9 @@ so every update gives both figures. Reported per variant (medians):
 - with `--profile`: one more update under torch.profiler; the top 30 CUDA kernels by total time (on CPU:
   ops by self CPU time) go to `<out>/profile_<variant>.txt`, and `kernel_categories` (ms and share of kernel
   time by kind: gemm, attention, triton (torch.compile), norm, elementwise, ...) and `gpu_busy_fraction`
-  (kernel time / wall time, pessimistic under the profiler) go to the JSON.
+  (kernel time / wall time, pessimistic under the profiler) go to the JSON; on CUDA also the host's side,
+  CPU ops by self time in `<out>/profile_<variant>_host.txt`, `host_op_ms` (their summed self time) and
+  `host_ops` (ops dispatched in the update).
 `fusion_check` (run first) compares each fused kernel with its reference chain on this device at the
 preset's sizes: max abs difference, share of elements that differ, each one's max error against float64.
 Results are written to `<out>/update.json` after every variant, so a run cut short keeps what finished.
@@ -98,7 +101,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=768, help="tokens per sequence: prompt + response")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=16384, help="token budget per micro-batch (0: off)")
-    ap.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch when --max-tokens 0")
+    ap.add_argument(
+        "--micro-batch",
+        type=int,
+        default=8,
+        help="rows per micro-batch when --max-tokens 0 (packed: rows x the batch's width in tokens)",
+    )
     ap.add_argument(
         "--padded",
         action="store_true",
@@ -224,7 +232,14 @@ def profile_update(role, mbs, loss_fn, device: torch.device, path: str) -> dict:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         wall = one_update(role, mbs, loss_fn, device)["update_s"]
-    return kernel_table(prof, device, path, wall)
+    out = kernel_table(prof, device, path, wall)
+    if device.type == "cuda":  # the host's side: what the CPU spends launching them, op by op
+        host = kernel_table(prof, torch.device("cpu"), path.replace(".txt", "_host.txt"), wall)
+        ops = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+        out.update(
+            host_profile=host["profile"], host_op_ms=host["kernel_ms"], host_ops=sum(e.count for e in ops)
+        )
+    return out
 
 
 def measure_variant(name: str, shape: ModelShape, groups: ProcessGroups, batch_for, args) -> dict:

@@ -65,15 +65,17 @@ def test_packed_grouping_counts_real_tokens(multiple):
     assert len(groups) < len(pack_by_token_budget(lengths, 128, multiple))
 
 
-@pytest.mark.parametrize("budget", [64, 0])  # 0: micro_batch_size rows each, in order
+@pytest.mark.parametrize("budget", [64, 0])  # 0: a budget of micro_batch_size x the batch's width
 def test_packed_micro_batches_lay_rows_back_to_back(budget):
     exp = skewed_experience(0, 16, 12, vocab=50, pad_id=0)
     lengths = exp.prompt_lens + exp.response_mask.sum(-1).long()
     full_index = exp.response_index()
     mbs = MicroBatcher(4, budget, 2, torch.device("cpu"), pack=True)(exp, torch.arange(16), ("advantages",))
     assert sorted(r for mb in mbs for r in mb["rows"].tolist()) == list(range(16))
-    if not budget:
-        assert [mb["rows"].tolist() for mb in mbs] == [list(range(i, i + 4)) for i in range(0, 16, 4)]
+    if not budget:  # the padded layout's tokens per micro-batch, real tokens only: fewer micro-batches
+        width = exp.tokens.shape[1]
+        groups = pack_by_token_budget(lengths.tolist(), 4 * width, 2, packed=True)
+        assert [mb["rows"].tolist() for mb in mbs] == groups and len(groups) < 16 // 4
     for mb in mbs:
         rows, lens = mb["rows"], lengths[mb["rows"]]
         params = mb["packed_seq_params"]
@@ -98,8 +100,15 @@ def test_one_shape_pads_a_calls_packed_micro_batches_to_its_longest(multiple):
     """Under the interleaved pipeline schedule (`one_shape`): every packed micro-batch of a call as long as
     the longest, the rows as without it and the padding one pseudo-row at the end."""
     exp = skewed_experience(0, 16, 12, vocab=50, pad_id=0)
-    free = MicroBatcher(4, 0, multiple, torch.device("cpu"), pack=True)(exp, torch.arange(16))
     same = MicroBatcher(4, 0, multiple, torch.device("cpu"), pack=True, one_shape=True)(exp, torch.arange(16))
+    # each micro-batch's rows packed alone (a call of one micro-batch: nothing to pad it to)
+    free = [
+        MicroBatcher(4, 0, multiple, torch.device("cpu"), pack=True, one_shape=True)(
+            exp, torch.arange(i, i + 4)
+        )[0]
+        for i in range(0, 16, 4)
+    ]
+    assert all(torch.equal(mb["rows"], torch.arange(i, i + 4)) for mb, i in zip(same, range(0, 16, 4)))
     longest = max(mb["tokens"].shape[1] for mb in free)
     assert len({mb["tokens"].shape[1] for mb in free}) > 1  # the rows' lengths differ: so would the shapes
     for a, b in zip(free, same):
