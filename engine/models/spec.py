@@ -22,6 +22,7 @@ modules swapped in, and fused kernels where megatron's own need TransformerEngin
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -191,6 +192,30 @@ def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     )
 
 
+class LastPackedPositions:
+    """`packed_positions` of the last `cu_seqlens` asked for, reused while it is the same tensor, unmodified.
+    megatron calls the thd RoPE for the query and the key of every layer with the micro-batch's one
+    `cu_seqlens` tensor, and `repeat_interleave` costs ~100 us of host time per call (one H200 host; the
+    positions ~130 us), 2 x layers times per micro-batch: at 1.5B, ~7 ms of a launch-bound micro-batch's
+    ~150 ms (scripts/bench/README.md). Inference tensors (no version counter) are not cached."""
+
+    def __init__(self):
+        self.last: tuple[weakref.ref, tuple[int, int], torch.Tensor] | None = None
+
+    def __call__(self, cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+        if cu_seqlens.is_inference():
+            return packed_positions(cu_seqlens, total)
+        key = (cu_seqlens._version, total)
+        if self.last is not None and self.last[0]() is cu_seqlens and self.last[1] == key:
+            return self.last[2]
+        positions = packed_positions(cu_seqlens, total)
+        self.last = (weakref.ref(cu_seqlens), key, positions)
+        return positions
+
+
+LAST_PACKED_POSITIONS = LastPackedPositions()
+
+
 def fused_rope_thd(
     t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int = 1, cp_rank: int = 0
 ) -> torch.Tensor:
@@ -199,7 +224,7 @@ def fused_rope_thd(
     of its position in its row, through `fused_rope` (the same kernel as sbhd)."""
     if cp_size != 1:
         raise ValueError(f"fused_rope_thd: context parallelism is not supported (cp_size={cp_size})")
-    positions = packed_positions(cu_seqlens, t.shape[0])
+    positions = LAST_PACKED_POSITIONS(cu_seqlens, t.shape[0])
     if t.is_cuda and triton_rope.supported(t, freqs):  # angles by position in the kernel: no gathered copy
         return triton_rope.rope(t[:, None], freqs, positions)[:, 0]
     return fused_rope(t[:, None], freqs[positions])[:, 0]

@@ -27,6 +27,7 @@ from engine.models import packed_attention as packed_module
 from engine.models.packed_attention import packed_attention
 from engine.models.spec import (
     Fusions,
+    LastPackedPositions,
     RMSNorm,
     compiled_rope,
     fused_rope,
@@ -284,3 +285,23 @@ def test_megatron_bias_dropout_add_compiles_to_one_add():
     ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert set(ops) <= {torch.ops.aten.clone.default, torch.ops.aten.add.Tensor}, ops
     assert ops.count(torch.ops.aten.add.Tensor) == 1, ops
+
+
+def test_packed_positions_reused_for_the_same_unmodified_cu_seqlens_only():
+    """The thd RoPE's positions are computed once per micro-batch (megatron passes every layer's query and key
+    the same `cu_seqlens` tensor) and never reused for another tensor or an edited one."""
+    cache = LastPackedPositions()
+    cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    first = cache(cu, 9)
+    assert torch.equal(first, torch.tensor([0, 1, 2, 0, 0, 1, 2, 3, 4]))
+    assert cache(cu, 9) is first  # the same tensor, unmodified
+    equal = cu.clone()
+    assert cache(equal, 9) is not first and torch.equal(cache(equal, 9), first)  # another tensor
+    before = cache(equal, 9)
+    equal[1] = 2  # edited in place: its version changes
+    assert torch.equal(cache(equal, 9), torch.tensor([0, 1, 0, 1, 0, 1, 2, 3, 4])) and before is not cache(
+        equal, 9
+    )
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 2, 5], dtype=torch.int32)
+        assert torch.equal(cache(frozen, 5), torch.tensor([0, 1, 0, 1, 2]))  # no version counter: not cached
