@@ -47,15 +47,18 @@ def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp
     assert parity["loss_diff"] <= 1e-5 * abs(parity["loss_fixed"]), parity
     assert parity["grad_diff"] <= 1e-5 * parity["grad_scale"], parity
     assert parity["tokens_budget"] < 0.7 * parity["tokens_fixed"], parity
-    # packed vs padded micro-batches at TP=2 x PP=2, SP off and on (token budget), and at PP=2 x VPP=2 (4 rows
-    # each; packed ones padded to one length per call): every head and both updates
-    for layout in ("sp_false", "sp_true", "vpp2"):
+    # packed vs padded micro-batches at TP=2 x PP=2, SP off and on (token budget), without a budget (the
+    # default: packed grouped up to 4 rows x the batch's width, against 4 padded rows each), and at PP=2 x VPP=2
+    # (4 rows each; packed ones padded to one length per call): every head and both updates
+    for layout in ("sp_false", "sp_true", "by_width", "vpp2"):
         packing = json.loads(out.split(f"packing_{layout} ", 1)[1].splitlines()[0])
         for key in ("log_probs", "entropy", "values", "scores"):
             assert packing[key] <= 2e-5, (layout, packing)  # float32, summation order
         for key in ("actor_grad_rel", "actor_loss_rel", "critic_grad_rel", "critic_loss_rel"):
             assert packing[key] <= 1e-5, (layout, packing)
         assert packing["tokens_packed"] < packing["tokens_padded"], (layout, packing)
+        if layout == "by_width":  # 16 rows of skewed lengths: more than 4 share a micro-batch
+            assert packing["micro_batches_packed"] < packing["micro_batches_padded"] == 4, packing
         if layout != "vpp2":  # SP rounds each packed micro-batch up to a multiple of tp=2: at most one token
             assert packing["tokens_packed"] - packing["tokens_real"] <= 0.05 * packing["tokens_real"], (
                 layout,

@@ -116,8 +116,9 @@ def packing_parity(
     value head): forward-only log-probs, entropies, values and last-token scores (the reward model's head),
     then one update of the actor and of the critic, loss and parameter gradients. Returns the largest
     differences over all ranks (gradients and losses relative to their scale) and both token counts.
-    `budget` 0: micro-batches of 4 rows, the packed ones of a call padded to one length under the interleaved
-    schedule (parallel.vpp > 1), as the trainer's `trainer_batcher`."""
+    `budget` 0, as the trainer's `trainer_batcher`: padded micro-batches of 4 rows; packed ones grouped up to
+    4 x the batch's width in tokens, or under the interleaved schedule (parallel.vpp > 1) 4 rows padded to one
+    length per call."""
     from dataclasses import replace
 
     import torch.distributed as dist
@@ -183,8 +184,8 @@ def packing_parity(
                 got[f"{loss_key}_grads"] = [
                     p.main_grad.detach().clone() for ch in role.chunks for p in ch.parameters()
                 ]
-            results[name] = (got, list(batcher.token_counts))
-        (a, tokens_a), (b, tokens_b) = results["padded"], results["packed"]
+            results[name] = (got, list(batcher.token_counts), len(batcher(exp, rows)))
+        (a, tokens_a, mbs_a), (b, tokens_b, mbs_b) = results["padded"], results["packed"]
         valid = mask.bool()
         diffs = [
             float((a[k] - b[k])[valid if k != "scores" else slice(None)].abs().max())
@@ -210,6 +211,7 @@ def packing_parity(
         )
         out = dict(zip(names, maxima.tolist()))
         out.update(tokens_padded=tokens_a[1], tokens_packed=tokens_b[1], tokens_real=tokens_b[0])
+        out.update(micro_batches_padded=mbs_a, micro_batches_packed=mbs_b)
         return out
 
 

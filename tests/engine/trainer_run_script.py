@@ -28,7 +28,7 @@ from parallel.state import destroy_distributed
 
 def main(out_root: str) -> None:
     """World size 4: the jobs below in sequence (the last scored by a reward model at TP=2 x PP=2), then the
-    dynamic-batching parity and the packing parity (SP off, on) at TP=2 x PP=2, then the DP=1 vs DP=2
+    dynamic-batching parity and the packing parity (SP off, on; no budget) at TP=2 x PP=2, then the DP=1 vs DP=2
     advantages, then an MoE step at EP=1 vs EP=2 (TP=2, then PP=2 rolled out at rollout.tp=1)."""
     rank = int(os.environ.get("RANK", "0"))
     jobs = {
@@ -98,6 +98,11 @@ def main(out_root: str) -> None:
         )
         if rank == 0:
             print(f"packing_sp_{sp} " + json.dumps(packing), flush=True)
+    packing = packing_parity(  # no budget (the default): 4 rows padded vs packed up to 4 x the batch's width
+        ["parallel.tp=2", "parallel.pp=2"], os.path.join(out_root, "packing_by_width"), 0, True
+    )
+    if rank == 0:
+        print("packing_by_width " + json.dumps(packing), flush=True)
     packing = packing_parity(  # 4 rows per micro-batch; packed: one length per call (interleaved schedule)
         ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"],
         os.path.join(out_root, "packing_vpp2"),
