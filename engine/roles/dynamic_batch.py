@@ -36,7 +36,8 @@ groups of PP micro-batches, which a budget does not guarantee. Nor does its shap
 it packed micro-batches are padded to the call's longest packed micro-batch (`one_shape`: a pseudo-row at
 the end, as the rounding's): one shape per call, still far below rows x the batch's longest row.
 The loss normaliser contract of engine/roles/policy.py makes the update independent of how rows are split.
-`MicroBatcher.token_counts` adds up real and processed (padded) tokens for `perf/padding_fraction`.
+`MicroBatcher.token_counts` adds up real and processed (padded) tokens and micro-batches for
+`perf/padding_fraction` and `perf/tokens_per_micro_batch`.
 """
 
 from __future__ import annotations
@@ -189,9 +190,9 @@ class MicroBatcher:
         self.fixed_rows = not max_tokens and (not pack or one_shape)
         """`micro_batch_size` rows per micro-batch, in order: without a budget, padded or under `one_shape`;
         packed otherwise, rows are grouped under `micro_batch_size` x the batch's width (module docstring)."""
-        self.token_counts = [0, 0]
-        """Real tokens (prompt + response) and tokens processed (with padding) of the micro-batches cut
-        since the caller last reset it."""
+        self.token_counts = [0, 0, 0]
+        """Real tokens (prompt + response), tokens processed (with padding) and the number of micro-batches
+        cut since the caller last reset it."""
 
     def __call__(self, exp: Experience, rows: torch.Tensor, keys: tuple[str, ...] = ()) -> list[dict]:
         full = exp.tokens.shape[1]
@@ -219,6 +220,7 @@ class MicroBatcher:
             out = [_micro_batch(exp, rows[g], seq, keys, self.device) for g, seq in zip(groups, seqs)]
         self.token_counts[0] += int(lengths.sum())
         self.token_counts[1] += sum(mb["tokens"].numel() for mb in out)
+        self.token_counts[2] += len(out)
         return out
 
 
@@ -231,9 +233,9 @@ def micro_batch_shapes_vary(t: TrainerConfig, vpp: int) -> bool:
 
 
 def trainer_batcher(t: TrainerConfig, dims: ParallelDims, device: torch.device) -> MicroBatcher:
-    """The MicroBatcher of the trainer's config `t` on a rank of layout `dims`: `micro_batch_size` rows (packed:
-    their tokens at the batch's width) or a token budget, packed unless trainer.pack_sequences=false, one
-    shape per call under the interleaved pipeline schedule."""
+    """The MicroBatcher of the trainer's config `t` on a rank of layout `dims`: `micro_batch_size` rows
+    (packed: their tokens at the batch's width) or a token budget, packed unless
+    trainer.pack_sequences=false, one shape per call under the interleaved pipeline schedule."""
     return MicroBatcher(
         t.micro_batch_size,
         t.max_tokens_per_micro_batch,

@@ -114,11 +114,13 @@ def perf_metrics(
     exp: Experience,
     seconds: dict[str, float],
     peak_gb: dict[str, float],
-    update_tokens: tuple[int, int] = (0, 0),
+    update_tokens: tuple[int, int, int] = (0, 0, 0),
 ) -> dict[str, float]:
     """`perf/*`: tokens, tokens/s per GPU of the job, the actor update's MFU (on the training ranks), the
-    step's peak memory (CUDA) and `perf/padding_fraction`: padding over the tokens the update's forwards processed, from this replica's
-    `update_tokens` (real, processed), summed over DP."""
+    step's peak memory (CUDA), and from this replica's `update_tokens` (real, processed, micro-batches of the
+    update's forwards), summed over DP: `perf/padding_fraction` (padding over the tokens processed) and
+    `perf/tokens_per_micro_batch` (on a GPU, micro-batches of a few thousand tokens leave it waiting on the
+    host's launches: scripts/bench/README.md, "Update")."""
     g = c.groups
     response_lens = exp.response_mask.sum(-1).long()
     seq_lens = exp.prompt_lens + response_lens
@@ -128,11 +130,12 @@ def perf_metrics(
         [float(seq_lens.sum()), flops, *map(float, update_tokens)], dtype=torch.float64, device=g.device
     )
     dist.all_reduce(sums, group=g.dp)
-    tokens, flops, real, processed = sums.tolist()
+    tokens, flops, real, processed, micro_batches = sums.tolist()
     world = g.dims.world_size  # the training ranks, where the actor's update runs
     out = {
         "perf/total_tokens": tokens,
         "perf/padding_fraction": 1.0 - real / processed if processed else 0.0,
+        "perf/tokens_per_micro_batch": processed / micro_batches if micro_batches else 0.0,
         # every GPU of the job: split placement's rollout and critic ranks count, as in a colocated run
         "perf/tokens_per_s_per_gpu": tokens / seconds["step"] / dist.get_world_size(),
         "perf/mfu/actor": 0.0,

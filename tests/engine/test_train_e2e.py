@@ -36,6 +36,7 @@ DOCUMENTED_KEYS = {
     "timing/step",
     "perf/tokens_per_s_per_gpu",
     "perf/total_tokens",
+    "perf/tokens_per_micro_batch",
     "rollout_engine/chunks",
     "rollout_engine/decode_steps",
 }

@@ -108,6 +108,9 @@ def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp
         assert all(low <= row["perf/padding_fraction"] <= high for row in rows), [
             r["perf/padding_fraction"] for r in rows
         ]
+    # tokens processed per micro-batch of the update: under the 80-token budget (no single row is longer)
+    assert all(0 < row["perf/tokens_per_micro_batch"] <= 80 for row in dapo), dapo
+    assert all(row["perf/tokens_per_micro_batch"] > 0 for row in ppo + grpo_padded)
     for row in dapo:
         assert row["dynamic_sampling/generated_groups"] >= 4  # data.batch_size over both replicas
         assert row["dynamic_sampling/dropped_groups"] <= row["dynamic_sampling/generated_groups"]

@@ -168,7 +168,7 @@ def packing_parity(
             }
             got["values"] = forward_rows(c.critic, exp, value_fn, "values", batcher)
             got["scores"] = forward_rows(c.critic, exp, last_token_value_fn, "score", batcher)[:, :1]
-            batcher.token_counts = [0, 0]
+            batcher.token_counts = [0, 0, 0]
             for role, loss_fn, keys, loss_key in (
                 (
                     c.actor,
