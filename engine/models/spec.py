@@ -195,9 +195,9 @@ def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 class LastPackedPositions:
     """`packed_positions` of the last `cu_seqlens` asked for, reused while it is the same tensor, unmodified.
     megatron calls the thd RoPE for the query and the key of every layer with the micro-batch's one
-    `cu_seqlens` tensor, and `repeat_interleave` costs ~100 us of host time per call (one H200 host; the
-    positions ~130 us), 2 x layers times per micro-batch: at 1.5B, ~7 ms of a launch-bound micro-batch's
-    ~150 ms (scripts/bench/README.md). Inference tensors (no version counter) are not cached."""
+    `cu_seqlens` tensor, and the positions cost 80-130 us of host time per call (`repeat_interleave` with its
+    output size; H200 hosts, scripts/bench/host_costs.py), 2 x layers times per micro-batch: at 1.5B, ~5 ms
+    of a launch-bound micro-batch's ~150 ms. Inference tensors (no version counter) are not cached."""
 
     def __init__(self):
         self.last: tuple[weakref.ref, tuple[int, int], torch.Tensor] | None = None

@@ -134,9 +134,9 @@ def forward_rows(
     role: MegatronRole, exp: Experience, fn: LossFn, key: str, batcher: MicroBatcher, temperature: float = 1.0
 ) -> torch.Tensor:
     """Forward-only pass over all rows: `fn`'s (b, T) output `key`, reassembled in row order (rows, T) on
-    every PP stage, on CPU. Any row count works: at PP > 1 fixed micro-batches are padded with repeated
-    rows whose outputs are dropped (`pipeline_rows`); packed or token-budget micro-batches exchange shapes
-    instead."""
+    every PP stage, on CPU. Any row count works: at PP > 1 micro-batches of `micro_batch_size` rows in order
+    (`batcher.fixed_rows`) are padded with repeated rows whose outputs are dropped (`pipeline_rows`); rows
+    grouped by tokens (packed, or under a budget) exchange shapes instead."""
     g = role.groups
     num_rows = exp.num_rows
     rows = torch.arange(num_rows)
