@@ -107,7 +107,7 @@ class Trainer:
         critic_metrics = {}
         if critic_ranks:
             c.split.send_returns(exp)
-        self.batcher.token_counts = [0, 0, 0]  # the update's micro-batches, for perf/padding_fraction & co.
+        self.batcher.reset_counts()  # the update's micro-batches, for perf/padding_fraction & co.
         if c.critic is not None:
             with timer.phase("update_critic"), self.critic_optim_offload.onloaded():
                 critic_metrics = update_critic(ctx, exp)

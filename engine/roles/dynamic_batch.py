@@ -192,7 +192,10 @@ class MicroBatcher:
         packed otherwise, rows are grouped under `micro_batch_size` x the batch's width (module docstring)."""
         self.token_counts = [0, 0, 0]
         """Real tokens (prompt + response), tokens processed (with padding) and the number of micro-batches
-        cut since the caller last reset it."""
+        cut since the last `reset_counts`."""
+
+    def reset_counts(self) -> None:
+        self.token_counts = [0, 0, 0]
 
     def __call__(self, exp: Experience, rows: torch.Tensor, keys: tuple[str, ...] = ()) -> list[dict]:
         full = exp.tokens.shape[1]

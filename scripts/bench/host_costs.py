@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from presets import model_preset  # noqa: E402
 
-from engine.models import triton_rms_norm  # noqa: E402
-from engine.models.spec import LastPackedPositions, fused_rope_thd, packed_positions  # noqa: E402
+from engine.models.spec import LastPackedPositions, RMSNorm, fused_rope_thd, packed_positions  # noqa: E402
 
 
 def host_us(fn, iters: int, device: torch.device) -> float:
@@ -52,7 +52,8 @@ def measure(preset: str, tokens: int, rows: int, iters: int, device: torch.devic
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
-    weight = torch.ones(hidden, device=device, dtype=dtype)
+    norm = RMSNorm(SimpleNamespace(params_dtype=dtype, sequence_parallel=False), hidden).to(device)
+    weight = norm.weight.detach()
     dy = torch.randn(tokens, hidden, generator=g).to(device, dtype)
     linear = torch.randn(hidden, hidden, generator=g).to(device, dtype)
     q = torch.randn(tokens, heads, head_dim, generator=g).to(device, dtype)
@@ -62,19 +63,14 @@ def measure(preset: str, tokens: int, rows: int, iters: int, device: torch.devic
     cache = LastPackedPositions()
     xg = x.clone().requires_grad_()
 
-    def rms_norm(t):
-        if triton_rms_norm.supported(t, weight):
-            return triton_rms_norm.rms_norm(t, weight, 1e-6)
-        return weight * F.rms_norm(t, (hidden,), eps=1e-6)
-
     ops = {
         "tiny_add_": lambda: x[:1, :1].add_(0),
         "empty": lambda: torch.empty(16, device=device),
         "matmul": lambda: x @ linear,
         "F.rms_norm x weight": lambda: weight * F.rms_norm(x, (hidden,), eps=1e-6),
-        "engine rms_norm forward": lambda: rms_norm(x),
-        "engine rms_norm forward+backward": lambda: rms_norm(xg).backward(dy),
-        "mul forward+backward (floor of the above)": lambda: (xg * weight).backward(dy),
+        "engine rms_norm forward": lambda: norm(x),
+        "engine rms_norm forward+backward": lambda: norm(xg).backward(dy),
+        "mul forward+backward (floor of the above)": lambda: (xg * norm.weight).backward(dy),
         "packed_positions": lambda: packed_positions(cu, tokens),
         "packed_positions, cached (a layer after the first)": lambda: cache(cu, tokens),
         "fused_rope_thd (RoPE of packed q)": lambda: fused_rope_thd(q, cu, freqs),

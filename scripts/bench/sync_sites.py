@@ -23,14 +23,17 @@ import warnings
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def project_stack(frames: list[traceback.FrameSummary]) -> tuple[str, ...]:
-    """The frames of `frames` inside this repository (relative paths), outermost first."""
-    own = []
-    for f in frames:
-        path = os.path.abspath(f.filename)
-        if path.startswith(ROOT + os.sep) and not path.endswith("sync_sites.py"):
-            own.append(f"{os.path.relpath(path, ROOT)}:{f.lineno} {f.name}")
-    return tuple(own)
+def own_frame(f: traceback.FrameSummary) -> bool:
+    """A frame of this repository's code (this script's own excepted)."""
+    path = os.path.abspath(f.filename)
+    return path.startswith(ROOT + os.sep) and not path.endswith("sync_sites.py")
+
+
+def label(f: traceback.FrameSummary) -> str:
+    """file:line function, the file relative to the repository where it lies inside."""
+    path = os.path.abspath(f.filename)
+    name = os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else f.filename
+    return f"{name}:{f.lineno} {f.name}"
 
 
 class SiteCounter:
@@ -51,10 +54,9 @@ class SiteCounter:
             for f in traceback.extract_stack()[:-1]
             if not f.filename.startswith("<frozen") and os.path.basename(f.filename) != "warnings.py"
         ]
-        stack = project_stack(frames)[-self.depth :]
-        inner = f"{frames[-1].filename}:{frames[-1].lineno} {frames[-1].name}"  # the op's caller, anywhere
-        if not stack or not inner.endswith(stack[-1].split(" ")[-1]):
-            stack = (*stack, inner)
+        stack = tuple(label(f) for f in frames if own_frame(f))[-self.depth :]
+        if not own_frame(frames[-1]):  # the op's caller, in whatever library it lies
+            stack = (*stack, label(frames[-1]))
         self.counts[stack] += 1
         self.texts.setdefault(stack, text.splitlines()[0][:200])
 
@@ -75,8 +77,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
     args = ap.parse_args()
-    script = [a for a in args.script if a != "--"][:1]
-    if not script:
+    argv = args.script[1:] if args.script[:1] == ["--"] else args.script
+    if not argv:
         ap.error("give the script to run after --")
     import torch
 
@@ -85,10 +87,10 @@ def main() -> None:
     warnings.simplefilter("always")
     if torch.cuda.is_available():
         torch.cuda.set_sync_debug_mode("warn")
-    sys.argv = args.script[args.script.index(script[0]) :]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script[0])))
+    sys.argv = argv
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
     try:
-        runpy.run_path(script[0], run_name="__main__")
+        runpy.run_path(argv[0], run_name="__main__")
     finally:
         if torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode(0)

@@ -299,9 +299,8 @@ def test_packed_positions_reused_for_the_same_unmodified_cu_seqlens_only():
     assert cache(equal, 9) is not first and torch.equal(cache(equal, 9), first)  # another tensor
     before = cache(equal, 9)
     equal[1] = 2  # edited in place: its version changes
-    assert torch.equal(cache(equal, 9), torch.tensor([0, 1, 0, 1, 0, 1, 2, 3, 4])) and before is not cache(
-        equal, 9
-    )
+    edited = cache(equal, 9)
+    assert edited is not before and torch.equal(edited, torch.tensor([0, 1, 0, 1, 0, 1, 2, 3, 4]))
     with torch.inference_mode():
         frozen = torch.tensor([0, 2, 5], dtype=torch.int32)
         assert torch.equal(cache(frozen, 5), torch.tensor([0, 1, 0, 1, 2]))  # no version counter: not cached

@@ -168,7 +168,7 @@ def packing_parity(
             }
             got["values"] = forward_rows(c.critic, exp, value_fn, "values", batcher)
             got["scores"] = forward_rows(c.critic, exp, last_token_value_fn, "score", batcher)[:, :1]
-            batcher.token_counts = [0, 0, 0]
+            batcher.reset_counts()
             for role, loss_fn, keys, loss_key in (
                 (
                     c.actor,
@@ -184,8 +184,8 @@ def packing_parity(
                 got[f"{loss_key}_grads"] = [
                     p.main_grad.detach().clone() for ch in role.chunks for p in ch.parameters()
                 ]
-            results[name] = (got, list(batcher.token_counts), len(batcher(exp, rows)))
-        (a, tokens_a, mbs_a), (b, tokens_b, mbs_b) = results["padded"], results["packed"]
+            results[name] = (got, list(batcher.token_counts))
+        (a, tokens_a), (b, tokens_b) = results["padded"], results["packed"]
         valid = mask.bool()
         diffs = [
             float((a[k] - b[k])[valid if k != "scores" else slice(None)].abs().max())
@@ -211,7 +211,8 @@ def packing_parity(
         )
         out = dict(zip(names, maxima.tolist()))
         out.update(tokens_padded=tokens_a[1], tokens_packed=tokens_b[1], tokens_real=tokens_b[0])
-        out.update(micro_batches_padded=mbs_a, micro_batches_packed=mbs_b)
+        # micro-batches of one update call (the counts cover two: the actor's and the critic's)
+        out.update(micro_batches_padded=tokens_a[2] // 2, micro_batches_packed=tokens_b[2] // 2)
         return out
 
 
