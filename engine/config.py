@@ -44,8 +44,7 @@ class TrainerConfig:
     """Let a fresh run (resume=off, or resume=auto finding no usable checkpoint) start in an output_dir that
     holds an earlier run's metrics.jsonl or checkpoints: they (and its tensorboard/, hf_actor/) are removed
     first; and let resume=PATH branch from an older checkpoint of this output_dir: the checkpoints after it
-    are deleted and `latest` names it before the first step (metrics.jsonl keeps lines up to its step).
-    Without it such a start is refused."""
+    are deleted and `latest` names it before the first step (metrics.jsonl keeps lines up to its step)."""
     export_hf: bool = False
     """After the last step, write the actor as a Hugging Face checkpoint to output_dir/hf_actor."""
     offload_reference: bool = False
@@ -74,6 +73,10 @@ class TrainerConfig:
     off_policy_steps: int = 0
     """placement.mode=split: how many steps the rollout may run ahead of the update (0 = on-policy, the same
     results as colocated)."""
+    cuda_graphs: bool = False
+    """Run the transformer layers' forward and backward from CUDA graphs for micro-batch shapes that repeat
+    (engine/models/layer_graphs.py): no host launch time where small micro-batches are bound by it. CUDA,
+    parallel.pp=1 and tp=1, no recompute or MoE; keeps a micro-batch's activations per captured shape."""
 
 
 @dataclass
@@ -473,10 +476,8 @@ def needs_reference(alg: AlgorithmConfig) -> bool:
 
 def max_response_tokens(rollout: RolloutConfig) -> int:
     """The most tokens of one response, the length DAPO's overlong penalty ramps towards: rollout.max_new_tokens,
-    or with rollout.multi_turn.enable the episode's budget, multi_turn.max_total_tokens, which counts tool
-    tokens too (as verl's agent loop counts its response_length, and its DAPO reward manager the episode's
-    length): tool results spend the episode's room as generated tokens do, and per-turn lengths say nothing
-    about how close an episode came to being cut."""
+    or with rollout.multi_turn.enable the episode's budget multi_turn.max_total_tokens, tool tokens included (as
+    verl's agent loop and its DAPO reward manager count an episode: tool results spend its room too)."""
     return rollout.multi_turn.max_total_tokens if rollout.multi_turn.enable else rollout.max_new_tokens
 
 

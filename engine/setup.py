@@ -326,6 +326,10 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
     if cfg.reward.model_path:
         reward_model = build_reward_model(cfg, len(tokenizer), groups, tokenizer.pad_token_id)
     _variable_shapes([actor, reference, critic, reward_model and reward_model.role], cfg, dims)
+    if cfg.trainer.cuda_graphs:  # engine/models/layer_graphs.py
+        for role in (actor, reference, critic):
+            if role is not None:
+                role.use_cuda_graphs()
     weight_sync, rollout = None, None
     if cfg.placement.mode != "split":  # split: engine/split/run.py connects the rollout ranks
         weight_sync, rollout = build_weight_sync_and_rollout(

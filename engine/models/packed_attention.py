@@ -63,12 +63,16 @@ CUDNN_FROM_CALL = 512
 
 
 class RecurringShapes:
-    """Counts the calls per shape in this process; True from a shape's `CUDNN_FROM_CALL`-th call on."""
+    """Counts the calls per shape in this process; True from a shape's `CUDNN_FROM_CALL`-th call on. A call
+    while a CUDA graph is captured does not count, and takes cuDNN only if an eager call already did."""
 
     def __init__(self):
         self.calls: dict[tuple, int] = {}
 
     def __call__(self, shape: tuple) -> bool:
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if capturing:  # a CUDA graph (layer_graphs.py): never the plan's build
+            return self.calls.get(shape, 0) >= CUDNN_FROM_CALL  # cuDNN only where an eager call built it
         self.calls[shape] = self.calls.get(shape, 0) + 1
         return self.calls[shape] >= CUDNN_FROM_CALL
 

@@ -197,14 +197,16 @@ class LastPackedPositions:
     megatron calls the thd RoPE for the query and the key of every layer with the micro-batch's one
     `cu_seqlens` tensor, and the positions cost 80-130 us of host time per call (`repeat_interleave` with its
     output size; H200 hosts, scripts/bench/host_costs.py), 2 x layers times per micro-batch: at 1.5B, ~5 ms
-    of a launch-bound micro-batch's ~150 ms. Inference tensors (no version counter) are not cached."""
+    of a launch-bound micro-batch's ~150 ms. Inference tensors (no version counter) are not cached, nor positions
+    computed while a CUDA graph is captured (engine/models/layer_graphs.py: each layer's graph computes its own,
+    and a cached tensor would outlive the graph's memory)."""
 
     def __init__(self):
         self.last: tuple[weakref.ref, tuple[int, int], torch.Tensor] | None = None
 
     def __call__(self, cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-        if cu_seqlens.is_inference():
-            return packed_positions(cu_seqlens, total)
+        if cu_seqlens.is_inference() or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return packed_positions(cu_seqlens, total)  # a CUDA graph computes its own (layer_graphs.py)
         key = (cu_seqlens._version, total)
         if self.last is not None and self.last[0]() is cu_seqlens and self.last[1] == key:
             return self.last[2]

@@ -34,6 +34,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from engine.config import OptimConfig
 from engine.models.builder import ModelShape
+from engine.models.layer_graphs import LayerGraphs
 from engine.models.logprobs import mask_padded_vocab
 from engine.models.output_head import (
     hidden_states_output,
@@ -101,6 +102,8 @@ class MegatronRole:
         self.router_replay = None
         """MoE routing replay (engine/roles/router_replay.py `RouterReplay`), set by engine/setup.py for
         the actor with algorithm.router_replay; it hands each micro-batch's recorded routes to the routers."""
+        self.layer_graphs: LayerGraphs | None = None
+        """CUDA graphs of the layers (trainer.cuda_graphs, `use_cuda_graphs`)."""
         if not self.trainable:
             for c in chunks:
                 c.eval()
@@ -168,6 +171,18 @@ class MegatronRole:
             wd_incr_steps=max(total_optimizer_steps, 1),
             wd_incr_style="constant",
         )
+
+    def use_cuda_graphs(self) -> None:
+        """Run the layers from CUDA graphs for micro-batch shapes that repeat (engine/models/layer_graphs.py)
+        until `release_graphs`, which drops them; the next micro-batches capture anew."""
+        if self.layer_graphs is None:
+            self.layer_graphs = LayerGraphs(self.models)
+
+    def release_graphs(self) -> None:
+        """Free the layers' CUDA graphs and their memory (after an update or a forward pass: the rollout
+        needs the memory, and the weights may move before the next)."""
+        if self.layer_graphs is not None:
+            self.layer_graphs.release()
 
     def run(
         self, micro_batches: list[dict], loss_fn: LossFn, *, forward_only: bool, temperature: float = 1.0

@@ -95,6 +95,7 @@ def run_updates(
             else:
                 grad_norms.append(stats.grad_norm)
             lrs.append(stats.lr)
+    role.release_graphs()
     # metrics live on the last PP stage, once per TP group: sum them onto every rank
     both = torch.cat([sums, first_sums])
     if not (g.is_last_stage and g.tp_rank == 0):
@@ -155,6 +156,7 @@ def forward_rows(
             local[mb["rows"][:keep]] = o[key][:keep].float().cpu()
             start += len(mb["rows"])
         local = local.to(g.device)
+    role.release_graphs()
     return role.broadcast_from_last_stage(local, shape, torch.float32).cpu()
 
 

@@ -17,7 +17,13 @@ from engine.validate.batches import validate_batches
 from engine.validate.model import validate_model, validate_parallel
 from engine.validate.placement import training_world_size, validate_placement
 from engine.validate.rollout import validate_rollout
-from engine.validate.run import validate_optim, validate_optional_packages, validate_reward, validate_trainer
+from engine.validate.run import (
+    validate_cuda_graphs,
+    validate_optim,
+    validate_optional_packages,
+    validate_reward,
+    validate_trainer,
+)
 from engine.validate.side_models import validate_side_models
 from parallel.dims import ParallelDims
 
@@ -33,6 +39,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     validate_batches(cfg, dims)
     validate_optim(cfg)
     validate_trainer(cfg)
+    validate_cuda_graphs(cfg, built)
     validate_reward(cfg)
     validate_side_models(cfg, dims)
     validate_optional_packages(cfg)

@@ -6,10 +6,47 @@ from __future__ import annotations
 import os
 
 from engine.checkpoint.store import CHECKPOINTS_DIR
-from engine.config import LOGGERS, ConfigError, TrainConfig
+from engine.config import LOGGERS, ConfigError, ModelConfig, TrainConfig
 from engine.data import check_files_exist
 from engine.validate.model import validate_checkpoint_positions
 from engine.validate.rules import fail, one_of, positive
+
+
+def validate_cuda_graphs(cfg: TrainConfig, built: ModelConfig) -> None:
+    """trainer.cuda_graphs (engine/models/layer_graphs.py) replays whole layers one micro-batch at a time on
+    CUDA, its graphs' shapes fixed at capture: no pipeline stages in flight, no host-side routing counts."""
+    if not cfg.trainer.cuda_graphs:
+        return
+    off = "or set trainer.cuda_graphs=false"
+    for bad, rule, fix in (
+        (
+            cfg.cluster.device != "cuda",
+            "captures CUDA graphs: needs cluster.device=cuda",
+            "turn it off on CPU",
+        ),
+        (
+            cfg.parallel.pp > 1,
+            f"replays one micro-batch at a time: no pipeline parallelism (parallel.pp={cfg.parallel.pp})",
+            f"set parallel.pp=1 {off}",
+        ),
+        (
+            cfg.parallel.tp > 1,
+            f"is built and tested at parallel.tp=1 only (parallel.tp={cfg.parallel.tp})",
+            f"set parallel.tp=1 (data parallelism is fine) {off}",
+        ),
+        (
+            cfg.model.recompute,
+            "does not capture recomputed layers (model.recompute=true)",
+            f"set model.recompute=false {off}",
+        ),
+        (
+            built.moe.num_experts > 0,
+            "does not capture mixture-of-experts layers (their routing sizes tokens on the host)",
+            "set trainer.cuda_graphs=false",
+        ),
+    ):
+        if bad:
+            fail("trainer.cuda_graphs", True, rule, fix)
 
 
 def validate_optim(cfg: TrainConfig) -> None:

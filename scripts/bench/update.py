@@ -122,6 +122,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--recompute", action="store_true", help="full activation recompute (model.recompute)")
     ap.add_argument("--lr", type=float, default=1e-6, help="small: the weights barely move between updates")
     ap.add_argument("--profile", action="store_true", help="profile one more update per variant")
+    ap.add_argument(
+        "--cuda-graphs", action="store_true", help="the layers from CUDA graphs (trainer.cuda_graphs)"
+    )
     ap.add_argument("--no-check", action="store_true", help="skip fusion_check")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=".", help="folder for update.json and the profile tables")
@@ -207,6 +210,7 @@ def one_update(role: MegatronRole, mbs: list[dict], loss_fn, device: torch.devic
     outs = role.run(mbs, loss_fn, forward_only=False)
     t1 = sync(device)
     stats = role.optimizer_step()
+    role.release_graphs()  # as engine/step/update.py's run_updates, after each update
     t2 = sync(device)
     loss = sum(float(o["loss"]) for o in outs if "loss" in o)
     return {
@@ -251,6 +255,8 @@ def measure_variant(name: str, shape: ModelShape, groups: ProcessGroups, batch_f
     role = MegatronRole(chunks, groups, shape, OptimConfig(lr=args.lr), total_optimizer_steps=1000)
     if adam is not None:
         set_adam_kernel(role.optimizer, adam)
+    if args.cuda_graphs:
+        role.use_cuda_graphs()
     params = sum(p.numel() for p in {id(p): p for c in role.chunks for p in c.parameters()}.values())
 
     warm = [batch_update(role, batch_for(i), device, args) for i in range(args.warmup)]
@@ -287,6 +293,9 @@ def measure_variant(name: str, shape: ModelShape, groups: ProcessGroups, batch_f
         "grad_norm": (warm or runs)[0]["grad_norm"],
         "loss": (warm or runs)[0]["loss"],
         "skipped_steps": sum(r["skipped"] for r in warm + runs),
+        "cuda_graphs": role.layer_graphs is not None,
+        "layer_calls_captured": role.layer_graphs.captured if role.layer_graphs else 0,
+        "layer_calls_replayed": role.layer_graphs.replayed if role.layer_graphs else 0,
     }
     if cuda:  # the output layer at the response positions only, as the fused head computes
 

@@ -30,6 +30,7 @@ BAD = [
     (["algorithm.kl_estimator=k9"], 1, "algorithm.kl_estimator"),
     (["algorithm.clip_ratio_c=0.5"], 1, "algorithm.clip_ratio_c"),
     (["algorithm.clip_ratio_low=1.5"], 1, "algorithm.clip_ratio_low=1.5: must be < 1"),
+    (["trainer.cuda_graphs=true"], 1, "trainer.cuda_graphs=True: captures CUDA graphs: needs cluster.device"),
     (["optim.adam_beta1=1.5"], 1, "optim.adam_beta1=1.5: must lie in [0, 1)"),
     (["optim.adam_beta2=-0.1"], 1, "optim.adam_beta2"),
     (["optim.adam_eps=-1"], 1, "optim.adam_eps"),

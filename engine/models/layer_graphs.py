@@ -1,0 +1,321 @@
+"""CUDA graphs of the transformer layers' forward and backward for micro-batch shapes that repeat
+(`trainer.cuda_graphs`).
+
+A small micro-batch's update is bound by the host: each layer's forward and backward dispatches ~640 CPU ops
+and ~70 kernel launches, ~5.6 ms of host time per layer at Qwen2.5-1.5B shapes against ~3.6 ms of GPU work
+for 6,144 tokens (scripts/bench/README.md, "Why small micro-batches are slow"). A graph replays a layer's
+kernels with one launch.
+
+How: each layer's `forward` is wrapped (an instance attribute, so `layer(...)` reaches it). A call is keyed by
+its layer and its signature: the hidden states' shape, dtype and strides, grad mode, and every other
+argument's shape (tensors, `PackedSeqParams`' tensors) or value (lengths, formats). The first call of a key
+runs eagerly (Triton compiles, cuBLAS and attention plans warm up); the second captures the layer's forward
+into a graph and replays it, and its backward, when autograd reaches it, is captured the same way; later calls
+replay both. All graphs of one signature share one memory pool and are captured in the order they run
+(layers forward, then backward in reverse), the order every later micro-batch of that signature replays them
+in: so a layer's saved activations may share memory with another layer's temporaries only where their lives
+do not overlap. A layer's input is copied into its graph's static input unless it already is that tensor (the
+previous layer's graph output: no copy between layers); the packed rows' boundaries and the like are shared
+by the signature's graphs and copied once per micro-batch.
+
+Gradients: megatron's linear layers with `gradient_accumulation_fusion` sum their weight gradients into
+`main_grad` inside the backward (engine/models/wgrad.py), so inside the graph; the layer's other parameters
+(norm weights, the QKV bias) get their gradients as graph outputs, added to their `main_grad` after each
+replay (what megatron DDP's hook does with `param.grad`, overlap_grad_reduce being off in this engine).
+
+Valid while the parameters, `main_grad` buffers and pool keep their addresses and one micro-batch runs at a
+time (no pipeline parallelism: engine/validate/model.py refuses trainer.cuda_graphs with PP > 1, TP > 1,
+recompute or MoE). `release()` drops every graph and its memory; the roles call it after each update and
+forward pass (the rollout needs the memory, and weights may move between steps).
+
+Memory: a captured signature keeps one micro-batch's activations in its pool for as long as its graphs live,
+on top of what eager micro-batches of other shapes use: at most `max_shapes` signatures are captured (the
+first ones seen twice), the rest run eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+MAX_SHAPES = 2
+"""Signatures captured per `LayerGraphs` until `release()`; later ones run eagerly."""
+
+
+class _Static:
+    """A tensor argument's static copy, shared by a signature's graphs; copied into once per new source."""
+
+    def __init__(self, source: torch.Tensor):
+        self.tensor = source.clone()
+        self._source = (weakref.ref(source), source._version)
+
+    def load(self, source: torch.Tensor) -> None:
+        if self._source[0]() is source and self._source[1] == source._version:
+            return
+        if source.data_ptr() != self.tensor.data_ptr():
+            self.tensor.copy_(source)
+        self._source = (weakref.ref(source), source._version)
+
+
+def _arguments(kwargs: dict) -> tuple[tuple, list[tuple[str, str | None, torch.Tensor]]] | None:
+    """(the non-hidden arguments' part of a signature, their tensors as (name, field, tensor)); None when an
+    argument is of a kind a graph cannot take (e.g. an inference context)."""
+    parts, tensors = [], []
+    for name in sorted(kwargs):
+        value = kwargs[name]
+        if isinstance(value, torch.Tensor):
+            parts.append((name, tuple(value.shape), value.dtype, value.stride()))
+            tensors.append((name, None, value))
+        elif isinstance(value, PackedSeqParams):
+            for f in dataclasses.fields(value):
+                v = getattr(value, f.name)
+                if isinstance(v, torch.Tensor):
+                    parts.append((name, f.name, tuple(v.shape), v.dtype))
+                    tensors.append((name, f.name, v))
+                elif v is None or isinstance(v, (int, str, bool)):
+                    parts.append((name, f.name, v))
+                else:
+                    return None  # a process group: context parallelism
+        elif value is None or isinstance(value, (int, float, str, bool)):
+            parts.append((name, value))
+        else:
+            return None
+    return tuple(parts), tensors
+
+
+def _with_tensors(kwargs: dict, tensors: list[torch.Tensor], names: list[tuple[str, str | None]]) -> dict:
+    """kwargs with its tensor arguments (named by `names`, in `_arguments`' order) replaced by `tensors`."""
+    out = dict(kwargs)
+    fields: dict[str, dict] = {}
+    for (name, field), t in zip(names, tensors):
+        if field is None:
+            out[name] = t
+        else:
+            fields.setdefault(name, {})[field] = t
+    for name, replaced in fields.items():
+        out[name] = dataclasses.replace(kwargs[name], **replaced)
+    return out
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on t's memory with its own version counter (`detach()` would share t's): copying the next
+    micro-batch into a static input must not mark what the capture's autograd graph saved of it as modified
+    (autograd then refuses to unpack it when the backward is captured)."""
+    alias = torch.empty(0, dtype=t.dtype, device=t.device)
+    return alias.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
+def _fused_weights(layer: torch.nn.Module) -> set[int]:
+    """ids of the weights whose gradients megatron's linear layers sum into `main_grad` themselves."""
+    return {
+        id(m.weight)
+        for m in layer.modules()
+        if getattr(m, "gradient_accumulation_fusion", False)
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+    }
+
+
+class _LayerGraph:
+    """One layer's graphs for one signature: forward (always) and backward (when captured with grad)."""
+
+    def __init__(self, owner: LayerGraphs, layer: torch.nn.Module, hidden, kwargs, statics, names):
+        self.owner, self.statics, self.names = owner, statics, names
+        self.grad = torch.is_grad_enabled()
+        self.x = owner.static_input(hidden)
+        self.x_leaf = _alias(self.x).requires_grad_(self.grad)
+        fused = _fused_weights(layer)
+        named = [(n, p) for n, p in layer.named_parameters() if p.requires_grad and id(p) not in fused]
+        self.params = [p for _, p in named]
+        # The other parameters enter the capture as fresh leaves on their storage: their gradients come out of
+        # the backward graph, and the parameters' own AccumulateGrad nodes (made on the default stream, kept
+        # by megatron DDP) would join a side-stream capture to that stream, which invalidates it.
+        self.aliases = [_alias(p).requires_grad_(self.grad) for p in self.params]
+        self.fwd = torch.cuda.CUDAGraph()
+        call = _with_tensors(kwargs, [s.tensor for s in statics], names)
+        call["hidden_states"] = self.x_leaf
+        aliases = {n: a for (n, _), a in zip(named, self.aliases)}
+        with owner.capturing(
+            self.fwd, hidden
+        ):  # layer(...) reaches `forward`: LayerGraphs passes captures on
+            out, context = torch.func.functional_call(layer, aliases, (), call, strict=False)
+        if context is not None:
+            raise RuntimeError("trainer.cuda_graphs: a layer returned a context tensor (cross-attention)")
+        self.captured_out = out  # holds the autograd graph of the capture until the backward is captured
+        self.out = out.detach()
+        owner.outputs[self.out.data_ptr()] = self.out
+        self.bwd: torch.cuda.CUDAGraph | None = None
+        self.gout = self.gx = None
+        self.grads: list[torch.Tensor] = []
+        self.main_grads: list[torch.Tensor] = []
+
+    def forward(self, hidden: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if hidden.data_ptr() != self.x.data_ptr():
+            self.x.copy_(hidden)
+        for s, t in zip(self.statics, tensors):
+            s.load(t)
+        self.fwd.replay()
+        return self.out.detach()  # a new tensor object each call: autograd sets its grad_fn on it
+
+    def backward(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.bwd is None:
+            try:
+                self._capture_backward(grad)
+            except RuntimeError as error:
+                raise RuntimeError(
+                    f"trainer.cuda_graphs: capturing a layer's backward failed ({error}); set "
+                    "trainer.cuda_graphs=false"
+                ) from error
+        elif grad.data_ptr() != self.gout.data_ptr():
+            self.gout.copy_(grad)
+        self.bwd.replay()
+        if self.grads:
+            torch._foreach_add_(self.main_grads, self.grads)
+        return self.gx
+
+    def _capture_backward(self, grad: torch.Tensor) -> None:
+        self.gout = self.owner.static_grad(grad)
+        self.bwd = torch.cuda.CUDAGraph()
+        with self.owner.capturing(self.bwd, grad):
+            grads = torch.autograd.grad(
+                self.captured_out, [self.x_leaf, *self.aliases], self.gout, allow_unused=True
+            )
+        self.captured_out = None
+        self.gx = grads[0].detach()
+        self.owner.outputs[self.gx.data_ptr()] = self.gx
+        kept = [(p, g) for p, g in zip(self.params, grads[1:]) if g is not None]
+        for p, _ in kept:
+            if getattr(p, "main_grad", None) is None:
+                raise RuntimeError(
+                    "trainer.cuda_graphs: a trainable layer parameter has no main_grad (not under megatron "
+                    "DDP); set trainer.cuda_graphs=false"
+                )
+        self.main_grads = [p.main_grad for p, _ in kept]
+        self.grads = [g.detach() for _, g in kept]
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, graph: _LayerGraph, tensors: list[torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+        ctx.graph = graph
+        return graph.forward(hidden, tensors)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, None, ctx.graph.backward(grad)
+
+
+class LayerGraphs:
+    """Wraps the forward of every transformer layer of `models` (GPTModels, DDP-wrapped or not) to run it
+    from CUDA graphs for signatures that repeat (module docstring). `captured`/`replayed` count layer calls."""
+
+    def __init__(self, models: list[torch.nn.Module], max_shapes: int = MAX_SHAPES):
+        self.max_shapes = max_shapes
+        self.layers = [layer for m in models for layer in getattr(m, "module", m).decoder.layers]
+        self.stream: torch.cuda.Stream | None = None
+        self.captured = self.replayed = 0
+        self.release()
+        for index, layer in enumerate(self.layers):
+            layer.forward = functools.partial(self._call, index, layer, layer.forward)
+
+    def release(self) -> None:
+        """Drop every graph, static tensor and pool (and the counts of calls per signature)."""
+        self.graphs: dict[tuple, _LayerGraph] = {}
+        self.calls: dict[tuple, int] = {}
+        self.pools: dict[tuple, object] = {}
+        self.statics: dict[tuple, _Static] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._pool = None
+
+    def _call(self, index: int, layer: torch.nn.Module, forward, *args, **kwargs):
+        hidden = kwargs.pop("hidden_states", None)
+        arguments = None if args or hidden is None or not hidden.is_cuda else _arguments(kwargs)
+        if arguments is None or torch.cuda.is_current_stream_capturing():
+            return forward(*args, hidden_states=hidden, **kwargs)
+        parts, tensors = arguments
+        grad = torch.is_grad_enabled()
+        if grad and not hidden.requires_grad:  # a frozen embedding: the layers' gradients need autograd here
+            return forward(hidden_states=hidden, **kwargs)
+        sig = (tuple(hidden.shape), hidden.dtype, hidden.stride(), grad, parts)
+        key = (index, sig)
+        graph = self.graphs.get(key)
+        if graph is None:
+            self.calls[key] = self.calls.get(key, 0) + 1
+            if self.calls[key] < 2 or (sig not in self.pools and len(self.pools) >= self.max_shapes):
+                return forward(hidden_states=hidden, **kwargs)
+            self._pool = self.pools.setdefault(sig, torch.cuda.graph_pool_handle())
+            names = [(name, field) for name, field, _ in tensors]
+            statics = [self._shared_static(sig, name, field, t) for name, field, t in tensors]
+            try:
+                graph = _LayerGraph(self, layer, hidden, kwargs, statics, names)
+            except RuntimeError as error:
+                raise RuntimeError(
+                    f"trainer.cuda_graphs: capturing layer {index}'s forward failed ({error}); set "
+                    "trainer.cuda_graphs=false"
+                ) from error
+            self.graphs[key] = graph
+            self.captured += 1
+        else:
+            self.replayed += 1
+        values = [t for _, _, t in tensors]
+        if graph.grad:
+            return _Replay.apply(graph, values, hidden), None
+        return graph.forward(hidden, values), None
+
+    def _shared_static(self, sig: tuple, name: str, field: str | None, t: torch.Tensor) -> _Static:
+        key = (sig, name, field)
+        if key not in self.statics:
+            self.statics[key] = _Static(t)
+        return self.statics[key]
+
+    def static_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The graph's static input: `hidden` itself when it is a graph output of this object (the previous
+        layer's), else a copy."""
+        owned = self.outputs.get(hidden.data_ptr())
+        if owned is not None and owned.shape == hidden.shape and owned.stride() == hidden.stride():
+            return owned
+        return hidden.detach().clone()
+
+    def static_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The backward graph's static incoming gradient: the next layer's gradient output when `grad` is it."""
+        return self.static_input(grad)
+
+    @property
+    def side_stream(self) -> torch.cuda.Stream:
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        return self.stream
+
+    def capturing(self, graph: torch.cuda.CUDAGraph, source: torch.Tensor):
+        """Capture into `graph` on the side stream (one stream for every capture: a backward runs on its
+        forward's stream), into the current signature's pool."""
+        return _Capture(self, graph, source.device)
+
+
+class _Capture:
+    """`capture_begin`/`capture_end` on the side stream, not the `torch.cuda.graph` context (its gc.collect()
+    and empty_cache() on entry cost ~0.1 s, paid for every layer's two captures). Capturing runs nothing:
+    the caller replays."""
+
+    def __init__(self, owner: LayerGraphs, graph: torch.cuda.CUDAGraph, device: torch.device):
+        self.owner, self.graph, self.device = owner, graph, device
+
+    def __enter__(self):
+        self.current = torch.cuda.current_stream(self.device)
+        side = self.owner.side_stream
+        side.wait_stream(self.current)
+        self.stream_context = torch.cuda.stream(side)
+        self.stream_context.__enter__()
+        self.graph.capture_begin(pool=self.owner._pool)
+        return self
+
+    def __exit__(self, kind, error, trace):
+        try:
+            self.graph.capture_end()
+        finally:
+            self.stream_context.__exit__(kind, error, trace)
+            self.current.wait_stream(self.owner.side_stream)
+        return False

@@ -1,0 +1,117 @@
+"""trainer.cuda_graphs on CPU (engine/models/layer_graphs.py; the graphs themselves run in
+tests/engine/test_layer_graphs_gpu.py): a layer call's signature and its tensors, the arguments rebuilt around
+static tensors, the refusals of engine/validate/run.py, and a CPU model's layers passing through unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from config_compose import composed
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from engine.config import ConfigError
+from engine.models import layer_graphs
+from engine.validate.run import validate_cuda_graphs
+
+
+def _params(cu: torch.Tensor, longest: int) -> PackedSeqParams:
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
+
+
+def test_signature_holds_shapes_and_values_not_contents():
+    rope = torch.zeros(16, 1, 1, 8)
+    a = _params(torch.tensor([0, 5, 9], dtype=torch.int32), 5)
+    b = _params(torch.tensor([0, 4, 9], dtype=torch.int32), 5)  # other boundaries, same shapes and longest
+    c = _params(torch.tensor([0, 3, 9], dtype=torch.int32), 6)
+    sig_a, tensors = layer_graphs._arguments({"rotary_pos_emb": rope, "packed_seq_params": a, "mask": None})
+    sig_b, _ = layer_graphs._arguments({"rotary_pos_emb": rope, "packed_seq_params": b, "mask": None})
+    sig_c, _ = layer_graphs._arguments({"rotary_pos_emb": rope, "packed_seq_params": c, "mask": None})
+    assert sig_a == sig_b != sig_c  # the longest row sizes FlashAttention's grid: part of the signature
+    assert [(n, f) for n, f, _ in tensors] == [
+        ("packed_seq_params", "cu_seqlens_q"),
+        ("packed_seq_params", "cu_seqlens_kv"),
+        ("rotary_pos_emb", None),
+    ]
+    assert tensors[0][2] is a.cu_seqlens_q and tensors[2][2] is rope
+    assert layer_graphs._arguments({"inference_context": object()}) is None
+
+
+def test_arguments_are_rebuilt_around_static_tensors():
+    params = _params(torch.tensor([0, 5, 9], dtype=torch.int32), 5)
+    kwargs = {"rotary_pos_emb": torch.ones(3), "packed_seq_params": params, "attention_mask": None}
+    _, tensors = layer_graphs._arguments(kwargs)
+    statics = [t.clone() + 1 for _, _, t in tensors]
+    rebuilt = layer_graphs._with_tensors(kwargs, statics, [(n, f) for n, f, _ in tensors])
+    assert rebuilt["packed_seq_params"].cu_seqlens_q is statics[0]
+    assert rebuilt["packed_seq_params"].cu_seqlens_kv is statics[1]
+    assert rebuilt["packed_seq_params"].max_seqlen_q == 5 and rebuilt["attention_mask"] is None
+    assert rebuilt["rotary_pos_emb"] is statics[2]
+    assert kwargs["packed_seq_params"] is params and params.cu_seqlens_q.tolist() == [0, 5, 9]  # untouched
+
+
+def test_static_copies_once_per_source():
+    source = torch.arange(4)
+    static = layer_graphs._Static(source)
+    assert static.tensor.data_ptr() != source.data_ptr() and static.tensor.tolist() == [0, 1, 2, 3]
+    other = torch.arange(4) * 2
+    static.load(other)
+    assert static.tensor.tolist() == [0, 2, 4, 6]
+    other.add_(1)  # the same tensor, modified: copied again
+    static.load(other)
+    assert static.tensor.tolist() == [1, 3, 5, 7]
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["parallel.pp=2"], "no pipeline parallelism (parallel.pp=2)"),
+        (["parallel.tp=2"], "parallel.tp=1 only"),
+        (["model.recompute=true"], "model.recompute=true"),
+        (["model=tiny_moe"], "mixture-of-experts"),
+    ],
+)
+def test_cuda_graphs_refuse_layouts_they_cannot_replay(overrides, needle):
+    cfg = composed("trainer.cuda_graphs=true", *overrides)
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cuda"))
+    with pytest.raises(ConfigError, match="trainer.cuda_graphs=True") as err:
+        validate_cuda_graphs(cfg, cfg.model)
+    assert needle in str(err.value) and "Fix:" in str(err.value)
+    validate_cuda_graphs(composed(*overrides), cfg.model)  # off: nothing to refuse
+
+
+def test_cpu_layers_pass_through(groups):
+    from engine.config import ModelConfig
+    from engine.models.builder import build_gpt_chunks, resolve_shape
+
+    m = ModelConfig(
+        num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2
+    )
+    shape = resolve_shape(m, 40, 1)
+    torch.manual_seed(0)
+    (model,) = build_gpt_chunks(shape, groups, init_std=0.2, recompute=False)
+    tokens = torch.randint(0, 40, (2, 7))
+    positions = torch.arange(7).expand(2, 7)
+    want = model(tokens, positions, None)
+    graphs = layer_graphs.LayerGraphs([model])
+    got = model(tokens, positions, None)
+    got.sum().backward()
+    assert torch.equal(got, want) and graphs.captured == graphs.replayed == 0 and not graphs.calls
+    assert all(p.grad is not None for p in model.decoder.layers.parameters())
+
+
+def test_captures_neither_count_towards_cudnn_nor_build_its_plan(monkeypatch):
+    from engine.models import packed_attention
+
+    rec, shape, capturing = packed_attention.RecurringShapes(), ("rows", 4, 64), [True]
+    monkeypatch.setattr(packed_attention, "CUDNN_FROM_CALL", 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    assert [rec(shape), rec(shape)] == [False, False] and shape not in rec.calls  # captured: FlashAttention
+    capturing[0] = False
+    assert [rec(shape), rec(shape)] == [False, True]  # eager: the 2nd call takes cuDNN (and builds its plan)
+    capturing[0] = True
+    assert rec(shape) and rec.calls[shape] == 2  # captured after it: cuDNN, uncounted
