@@ -28,9 +28,10 @@ time (no pipeline parallelism: engine/validate/model.py refuses trainer.cuda_gra
 recompute or MoE). `release()` drops every graph and its memory; the roles call it after each update and
 forward pass (the rollout needs the memory, and weights may move between steps).
 
-Memory: a captured signature keeps one micro-batch's activations in its pool for as long as its graphs live,
-on top of what eager micro-batches of other shapes use: at most `max_shapes` signatures are captured (the
-first ones seen twice), the rest run eagerly.
+Memory: a captured signature keeps one micro-batch's activations in its pool for as long as its graphs live
+(~2.1x what the eager forward keeps, estimated: `CAPTURE_MEMORY`), on top of what eager micro-batches of other shapes use: at most
+`max_shapes` signatures are captured (the first ones seen twice), and a new one only where the device has
+CAPTURE_MEMORY x its eager forward's kept memory free; the rest run eagerly.
 """
 
 from __future__ import annotations
@@ -42,8 +43,16 @@ import weakref
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from engine.models import packed_attention
+
 MAX_SHAPES = 2
 """Signatures captured per `LayerGraphs` until `release()`; later ones run eagerly."""
+
+CAPTURE_MEMORY = 2.5
+"""A signature is captured only where the device has this many times the memory its layers' eager forwards
+kept free. One H200, Qwen2.5-0.5B, 32,768-token micro-batches: the pool held 65 GB after 22 of 24 layers'
+forwards, ~2.1x an estimate of their eager activations (~42 KB per token and layer), and ran out of memory
+before this check existed."""
 
 
 class _Static:
@@ -101,6 +110,10 @@ def _with_tensors(kwargs: dict, tensors: list[torch.Tensor], names: list[tuple[s
     return out
 
 
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
 def _alias(t: torch.Tensor) -> torch.Tensor:
     """A tensor on t's memory with its own version counter (`detach()` would share t's): copying the next
     micro-batch into a static input must not mark what the capture's autograd graph saved of it as modified
@@ -138,10 +151,12 @@ class _LayerGraph:
         call = _with_tensors(kwargs, [s.tensor for s in statics], names)
         call["hidden_states"] = self.x_leaf
         aliases = {n: a for (n, _), a in zip(named, self.aliases)}
-        with owner.capturing(
-            self.fwd, hidden
-        ):  # layer(...) reaches `forward`: LayerGraphs passes captures on
+        recurring = packed_attention.RECURRING
+        mark = len(recurring.captured)
+        with owner.capturing(self.fwd, hidden):  # `layer(...)` reaches LayerGraphs._call: captures pass on
             out, context = torch.func.functional_call(layer, aliases, (), call, strict=False)
+        self.attention_shapes = recurring.captured[mark:]  # counted per replay: see RecurringShapes
+        del recurring.captured[mark:]
         if context is not None:
             raise RuntimeError("trainer.cuda_graphs: a layer returned a context tensor (cross-attention)")
         self.captured_out = out  # holds the autograd graph of the capture until the backward is captured
@@ -158,6 +173,7 @@ class _LayerGraph:
         for s, t in zip(self.statics, tensors):
             s.load(t)
         self.fwd.replay()
+        packed_attention.RECURRING.replayed(self.attention_shapes)
         return self.out.detach()  # a new tensor object each call: autograd sets its grad_fn on it
 
     def backward(self, grad: torch.Tensor) -> torch.Tensor:
@@ -228,24 +244,27 @@ class LayerGraphs:
         self.pools: dict[tuple, object] = {}
         self.statics: dict[tuple, _Static] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.start: dict[tuple, int] = {}
+        self.growth: dict[tuple, int] = {}
+        self.eager: set[tuple] = set()
         self._pool = None
 
     def _call(self, index: int, layer: torch.nn.Module, forward, *args, **kwargs):
         hidden = kwargs.pop("hidden_states", None)
-        arguments = None if args or hidden is None or not hidden.is_cuda else _arguments(kwargs)
+        arguments = None if args or hidden is None or not _on_cuda(hidden) else _arguments(kwargs)
         if arguments is None or torch.cuda.is_current_stream_capturing():
             return forward(*args, hidden_states=hidden, **kwargs)
         parts, tensors = arguments
         grad = torch.is_grad_enabled()
         if grad and not hidden.requires_grad:  # a frozen embedding: the layers' gradients need autograd here
             return forward(hidden_states=hidden, **kwargs)
-        sig = (tuple(hidden.shape), hidden.dtype, hidden.stride(), grad, parts)
-        key = (index, sig)
+        sig = (tuple(hidden.shape), hidden.dtype, grad, parts)  # the micro-batch's: one pool for its layers
+        key = (index, sig, hidden.stride())  # the first layer's input is the embedding's strided output
         graph = self.graphs.get(key)
         if graph is None:
             self.calls[key] = self.calls.get(key, 0) + 1
-            if self.calls[key] < 2 or (sig not in self.pools and len(self.pools) >= self.max_shapes):
-                return forward(hidden_states=hidden, **kwargs)
+            if self.calls[key] < 2 or not self._may_capture(sig, hidden.device):
+                return self._eager(index, sig, forward, hidden, kwargs)
             self._pool = self.pools.setdefault(sig, torch.cuda.graph_pool_handle())
             names = [(name, field) for name, field, _ in tensors]
             statics = [self._shared_static(sig, name, field, t) for name, field, t in tensors]
@@ -264,6 +283,31 @@ class LayerGraphs:
         if graph.grad:
             return _Replay.apply(graph, values, hidden), None
         return graph.forward(hidden, values), None
+
+    def _eager(self, index: int, sig: tuple, forward, hidden: torch.Tensor, kwargs: dict):
+        """The layer run eagerly; over a signature's first micro-batch, the memory its layers' forwards keep
+        (what its graphs' pool will hold, and more) is measured for `_may_capture`."""
+        first = sig not in self.growth and sig[2]
+        if first and index == 0:
+            self.start[sig] = torch.cuda.memory_allocated(hidden.device)
+        out = forward(hidden_states=hidden, **kwargs)
+        if first and index == len(self.layers) - 1 and sig in self.start:
+            self.growth[sig] = torch.cuda.memory_allocated(hidden.device) - self.start[sig]
+        return out
+
+    def _may_capture(self, sig: tuple, device: torch.device) -> bool:
+        """Whether `sig` is (or may now be) captured: at most `max_shapes` signatures, and a new one only where
+        the device has CAPTURE_MEMORY x its eager forward's kept memory free, once the allocator's cache is
+        emptied (an eager micro-batch's freed blocks stay reserved outside the graphs' pool otherwise)."""
+        if sig in self.pools:
+            return True
+        if sig in self.eager or len(self.pools) >= self.max_shapes:
+            return False
+        torch.cuda.empty_cache()
+        if torch.cuda.mem_get_info(device)[0] < CAPTURE_MEMORY * self.growth.get(sig, 0):
+            self.eager.add(sig)
+            return False
+        return True
 
     def _shared_static(self, sig: tuple, name: str, field: str | None, t: torch.Tensor) -> _Static:
         key = (sig, name, field)

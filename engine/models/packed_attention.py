@@ -64,17 +64,27 @@ CUDNN_FROM_CALL = 512
 
 class RecurringShapes:
     """Counts the calls per shape in this process; True from a shape's `CUDNN_FROM_CALL`-th call on. A call
-    while a CUDA graph is captured does not count, and takes cuDNN only if an eager call already did."""
+    while a CUDA graph is captured takes cuDNN only if an eager call already did (its plan is built outside
+    the capture); the graph's replays count instead (`replayed`)."""
 
     def __init__(self):
         self.calls: dict[tuple, int] = {}
+        self.captured: list[tuple] = []
+        """Shapes asked for while capturing, in order: the capturer takes them (`replayed` counts its replays)."""
 
     def __call__(self, shape: tuple) -> bool:
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if capturing:  # a CUDA graph (layer_graphs.py): never the plan's build
+            self.captured.append(shape)
             return self.calls.get(shape, 0) >= CUDNN_FROM_CALL  # cuDNN only where an eager call built it
         self.calls[shape] = self.calls.get(shape, 0) + 1
         return self.calls[shape] >= CUDNN_FROM_CALL
+
+    def replayed(self, shapes: list[tuple]) -> None:
+        """Count a replay of a graph that captured calls of `shapes` as those calls: a shape whose graphs
+        replay often goes to cuDNN when it is next run eagerly and captured again."""
+        for shape in shapes:
+            self.calls[shape] = self.calls.get(shape, 0) + 1
 
 
 RECURRING = RecurringShapes()

@@ -5,6 +5,7 @@ static tensors, the refusals of engine/validate/run.py, and a CPU model's layers
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -115,3 +116,66 @@ def test_captures_neither_count_towards_cudnn_nor_build_its_plan(monkeypatch):
     assert [rec(shape), rec(shape)] == [False, True]  # eager: the 2nd call takes cuDNN (and builds its plan)
     capturing[0] = True
     assert rec(shape) and rec.calls[shape] == 2  # captured after it: cuDNN, uncounted
+
+
+class _FakeGraph:
+    """Stands in for a captured layer (no CUDA here): records its capture, runs the layer's own forward."""
+
+    made: list[int] = []
+
+    def __init__(self, owner, layer, hidden, kwargs, statics, names):
+        self.grad, self.layer, self.kwargs = False, layer, kwargs
+        _FakeGraph.made.append(owner.layers.index(layer))
+
+    def forward(self, hidden, tensors):
+        return self.layer.forward.args[2](hidden_states=hidden, **self.kwargs)[0]
+
+
+def test_capture_policy_second_micro_batch_max_shapes_and_memory(groups, monkeypatch):
+    """A signature is captured on its second micro-batch (every layer), replayed after; a third shape is not
+    captured past max_shapes=2; a shape whose eager forward kept more than free memory / CAPTURE_MEMORY is
+    not captured; release() starts over. Memory and the device are stubbed; the graph is `_FakeGraph`."""
+    from engine.config import ModelConfig
+    from engine.models.builder import build_gpt_chunks, resolve_shape
+
+    m = ModelConfig(
+        num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2
+    )
+    torch.manual_seed(0)
+    (model,) = build_gpt_chunks(resolve_shape(m, 40, 1), groups, init_std=0.2, recompute=False)
+    allocated = itertools.cycle([0, 20])  # read before the first layer, after the last: the forward keeps 20
+
+    monkeypatch.setattr(layer_graphs, "_LayerGraph", _FakeGraph)
+    monkeypatch.setattr(layer_graphs, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(allocated))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    free = [100]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 1000))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    _FakeGraph.made = []
+    graphs = layer_graphs.LayerGraphs([model])
+
+    def micro_batch(length: int, grad: bool = False) -> torch.Tensor:
+        tokens = torch.randint(0, 40, (1, length))
+        with torch.set_grad_enabled(grad):
+            return model(tokens, torch.arange(length)[None], None)
+
+    micro_batch(5)
+    assert _FakeGraph.made == [] and graphs.captured == 0  # first: eager, its memory measured
+    micro_batch(5)
+    assert _FakeGraph.made == [0, 1] and graphs.captured == 2 and graphs.replayed == 0  # second: captured
+    micro_batch(5)
+    assert graphs.captured == 2 and graphs.replayed == 2  # third: replayed
+    micro_batch(6), micro_batch(6)
+    assert graphs.captured == 4  # a second shape
+    micro_batch(7), micro_batch(7)
+    assert graphs.captured == 4 and len(graphs.pools) == 2  # a third: past max_shapes, eager
+    graphs.release()
+    free[0] = 20 * layer_graphs.CAPTURE_MEMORY - 1  # less than CAPTURE_MEMORY x a forward's kept 20
+    micro_batch(5, grad=True), micro_batch(5, grad=True)
+    assert graphs.captured == 4 and graphs.eager and not graphs.pools  # too little memory: eager
+    graphs.release()
+    free[0] = 20 * layer_graphs.CAPTURE_MEMORY
+    micro_batch(5, grad=True), micro_batch(5, grad=True)
+    assert graphs.captured == 6
