@@ -6,17 +6,18 @@ and ~70 kernel launches, ~5.6 ms of host time per layer at Qwen2.5-1.5B shapes a
 for 6,144 tokens (scripts/bench/README.md, "Why small micro-batches are slow"). A graph replays a layer's
 kernels with one launch.
 
-How: each layer's `forward` is wrapped (an instance attribute, so `layer(...)` reaches it). A call is keyed by
-its layer and its signature: the hidden states' shape, dtype and strides, grad mode, and every other
-argument's shape (tensors, `PackedSeqParams`' tensors) or value (lengths, formats). The first call of a key
-runs eagerly (Triton compiles, cuBLAS and attention plans warm up); the second captures the layer's forward
-into a graph and replays it, and its backward, when autograd reaches it, is captured the same way; later calls
-replay both. All graphs of one signature share one memory pool and are captured in the order they run
-(layers forward, then backward in reverse), the order every later micro-batch of that signature replays them
-in: so a layer's saved activations may share memory with another layer's temporaries only where their lives
-do not overlap. A layer's input is copied into its graph's static input unless it already is that tensor (the
-previous layer's graph output: no copy between layers); the packed rows' boundaries and the like are shared
-by the signature's graphs and copied once per micro-batch.
+How: each layer's `forward` is wrapped (an instance attribute, so `layer(...)` reaches it). A call's signature
+is its micro-batch's: the hidden states' shape and dtype, grad mode, and every other argument's shape
+(tensors, `PackedSeqParams`' tensors) or value (lengths, formats); a call is keyed by its layer, that
+signature and its input's strides (the first layer's input is the embedding's transposed output). The first
+call of a key runs eagerly (Triton compiles, cuBLAS and attention plans warm up); the second captures the
+layer's forward into a graph and replays it, and its backward, when autograd reaches it, is captured the
+same way; later calls replay both. All graphs of one signature share one memory pool and are captured in
+the order they run (layers forward, then backward in reverse), the order every later micro-batch of that
+signature replays them in: so a layer's saved activations may share memory with another layer's temporaries
+only where their lives do not overlap. A layer's input is copied into its graph's static input unless it
+already is that tensor (the previous layer's graph output: no copy between layers); the packed rows'
+boundaries and the like are shared by the signature's graphs and copied once per micro-batch.
 
 Gradients: megatron's linear layers with `gradient_accumulation_fusion` sum their weight gradients into
 `main_grad` inside the backward (engine/models/wgrad.py), so inside the graph; the layer's other parameters
@@ -24,14 +25,14 @@ Gradients: megatron's linear layers with `gradient_accumulation_fusion` sum thei
 replay (what megatron DDP's hook does with `param.grad`, overlap_grad_reduce being off in this engine).
 
 Valid while the parameters, `main_grad` buffers and pool keep their addresses and one micro-batch runs at a
-time (no pipeline parallelism: engine/validate/model.py refuses trainer.cuda_graphs with PP > 1, TP > 1,
+time (no pipeline parallelism: engine/validate/run.py refuses trainer.cuda_graphs with PP > 1, TP > 1,
 recompute or MoE). `release()` drops every graph and its memory; the roles call it after each update and
 forward pass (the rollout needs the memory, and weights may move between steps).
 
 Memory: a captured signature keeps one micro-batch's activations in its pool for as long as its graphs live
-(~2.1x what the eager forward keeps, estimated: `CAPTURE_MEMORY`), on top of what eager micro-batches of other shapes use: at most
-`max_shapes` signatures are captured (the first ones seen twice), and a new one only where the device has
-CAPTURE_MEMORY x its eager forward's kept memory free; the rest run eagerly.
+(~2.1x what the eager forward keeps, estimated: `CAPTURE_MEMORY`), on top of what eager micro-batches of
+other shapes use: at most `max_shapes` signatures are captured (the first ones seen twice), and a new one only
+where the device has CAPTURE_MEMORY x its eager forward's kept memory free; the rest run eagerly.
 """
 
 from __future__ import annotations
@@ -135,8 +136,8 @@ def _fused_weights(layer: torch.nn.Module) -> set[int]:
 class _LayerGraph:
     """One layer's graphs for one signature: forward (always) and backward (when captured with grad)."""
 
-    def __init__(self, owner: LayerGraphs, layer: torch.nn.Module, hidden, kwargs, statics, names):
-        self.owner, self.statics, self.names = owner, statics, names
+    def __init__(self, owner: LayerGraphs, pool, layer: torch.nn.Module, hidden, kwargs, statics, names):
+        self.owner, self.pool, self.statics, self.names = owner, pool, statics, names
         self.grad = torch.is_grad_enabled()
         self.x = owner.static_input(hidden)
         self.x_leaf = _alias(self.x).requires_grad_(self.grad)
@@ -153,7 +154,9 @@ class _LayerGraph:
         aliases = {n: a for (n, _), a in zip(named, self.aliases)}
         recurring = packed_attention.RECURRING
         mark = len(recurring.captured)
-        with owner.capturing(self.fwd, hidden):  # `layer(...)` reaches LayerGraphs._call: captures pass on
+        with owner.capturing(
+            self.fwd, pool, hidden
+        ):  # `layer(...)` reaches LayerGraphs._call: captures pass on
             out, context = torch.func.functional_call(layer, aliases, (), call, strict=False)
         self.attention_shapes = recurring.captured[mark:]  # counted per replay: see RecurringShapes
         del recurring.captured[mark:]
@@ -195,7 +198,7 @@ class _LayerGraph:
     def _capture_backward(self, grad: torch.Tensor) -> None:
         self.gout = self.owner.static_grad(grad)
         self.bwd = torch.cuda.CUDAGraph()
-        with self.owner.capturing(self.bwd, grad):
+        with self.owner.capturing(self.bwd, self.pool, grad):
             grads = torch.autograd.grad(
                 self.captured_out, [self.x_leaf, *self.aliases], self.gout, allow_unused=True
             )
@@ -226,7 +229,7 @@ class _Replay(torch.autograd.Function):
 
 class LayerGraphs:
     """Wraps the forward of every transformer layer of `models` (GPTModels, DDP-wrapped or not) to run it
-    from CUDA graphs for signatures that repeat (module docstring). `captured`/`replayed` count layer calls."""
+    from CUDA graphs for signatures that repeat (module docstring); `captured`/`replayed` count its calls."""
 
     def __init__(self, models: list[torch.nn.Module], max_shapes: int = MAX_SHAPES):
         self.max_shapes = max_shapes
@@ -247,7 +250,6 @@ class LayerGraphs:
         self.start: dict[tuple, int] = {}
         self.growth: dict[tuple, int] = {}
         self.eager: set[tuple] = set()
-        self._pool = None
 
     def _call(self, index: int, layer: torch.nn.Module, forward, *args, **kwargs):
         hidden = kwargs.pop("hidden_states", None)
@@ -265,11 +267,11 @@ class LayerGraphs:
             self.calls[key] = self.calls.get(key, 0) + 1
             if self.calls[key] < 2 or not self._may_capture(sig, hidden.device):
                 return self._eager(index, sig, forward, hidden, kwargs)
-            self._pool = self.pools.setdefault(sig, torch.cuda.graph_pool_handle())
+            pool = self.pools.setdefault(sig, torch.cuda.graph_pool_handle())
             names = [(name, field) for name, field, _ in tensors]
             statics = [self._shared_static(sig, name, field, t) for name, field, t in tensors]
             try:
-                graph = _LayerGraph(self, layer, hidden, kwargs, statics, names)
+                graph = _LayerGraph(self, pool, layer, hidden, kwargs, statics, names)
             except RuntimeError as error:
                 raise RuntimeError(
                     f"trainer.cuda_graphs: capturing layer {index}'s forward failed ({error}); set "
@@ -296,7 +298,7 @@ class LayerGraphs:
         return out
 
     def _may_capture(self, sig: tuple, device: torch.device) -> bool:
-        """Whether `sig` is (or may now be) captured: at most `max_shapes` signatures, and a new one only where
+        """Whether `sig` is (or may now be) captured: at most `max_shapes` signatures, a new one only where
         the device has CAPTURE_MEMORY x its eager forward's kept memory free, once the allocator's cache is
         emptied (an eager micro-batch's freed blocks stay reserved outside the graphs' pool otherwise)."""
         if sig in self.pools:
@@ -324,7 +326,7 @@ class LayerGraphs:
         return hidden.detach().clone()
 
     def static_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """The backward graph's static incoming gradient: the next layer's gradient output when `grad` is it."""
+        """The backward graph's static incoming gradient: the next layer's gradient output if `grad` is it."""
         return self.static_input(grad)
 
     @property
@@ -333,10 +335,10 @@ class LayerGraphs:
             self.stream = torch.cuda.Stream()
         return self.stream
 
-    def capturing(self, graph: torch.cuda.CUDAGraph, source: torch.Tensor):
+    def capturing(self, graph: torch.cuda.CUDAGraph, pool, source: torch.Tensor):
         """Capture into `graph` on the side stream (one stream for every capture: a backward runs on its
-        forward's stream), into the current signature's pool."""
-        return _Capture(self, graph, source.device)
+        forward's stream), into its signature's `pool`."""
+        return _Capture(self, graph, pool, source.device)
 
 
 class _Capture:
@@ -344,8 +346,8 @@ class _Capture:
     and empty_cache() on entry cost ~0.1 s, paid for every layer's two captures). Capturing runs nothing:
     the caller replays."""
 
-    def __init__(self, owner: LayerGraphs, graph: torch.cuda.CUDAGraph, device: torch.device):
-        self.owner, self.graph, self.device = owner, graph, device
+    def __init__(self, owner: LayerGraphs, graph: torch.cuda.CUDAGraph, pool, device: torch.device):
+        self.owner, self.graph, self.pool, self.device = owner, graph, pool, device
 
     def __enter__(self):
         self.current = torch.cuda.current_stream(self.device)
@@ -353,7 +355,7 @@ class _Capture:
         side.wait_stream(self.current)
         self.stream_context = torch.cuda.stream(side)
         self.stream_context.__enter__()
-        self.graph.capture_begin(pool=self.owner._pool)
+        self.graph.capture_begin(pool=self.pool)
         return self
 
     def __exit__(self, kind, error, trace):

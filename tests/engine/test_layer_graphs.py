@@ -123,7 +123,7 @@ class _FakeGraph:
 
     made: list[int] = []
 
-    def __init__(self, owner, layer, hidden, kwargs, statics, names):
+    def __init__(self, owner, pool, layer, hidden, kwargs, statics, names):
         self.grad, self.layer, self.kwargs = False, layer, kwargs
         _FakeGraph.made.append(owner.layers.index(layer))
 

@@ -6,10 +6,10 @@ log-prob pass over packed micro-batches of 4 equal rows (one shape, captured on 
 replayed from the third) and a last micro-batch of another shape (eager). Each micro-batch holds other tokens,
 so a replay that read a stale input or wrote a stale output would be off by O(1).
 Tolerances: forward-only log-probs within 1e-6 of eager (the same kernels on the same inputs); the update's
-loss and every parameter's float32 `main_grad` within 4x the distance between two eager runs (FlashAttention-2's
-backward sums with atomics) plus 1e-3 of the gradient's scale. Rows of equal length run FlashAttention-2 and,
-once an eager call has built its plan, cuDNN's attention (both captured). The graphs' memory goes back on
-`release`.
+loss and every parameter's float32 `main_grad` within 4x the distance between two eager runs
+(FlashAttention-2's backward sums with atomics) plus 1e-3 of the gradient's scale (measured: bitwise equal).
+Rows of equal length run FlashAttention-2 and, once an eager call has built its plan, cuDNN's attention (both
+captured). The graphs' memory goes back on `release`.
 """
 
 from __future__ import annotations
@@ -144,5 +144,6 @@ def test_layers_from_cuda_graphs_match_eager(cuda_groups, cudnn_from_call, monke
         worst = max(worst, diff / max(scale, 1e-30))
     assert held > 0 and left <= 0, (held, left)
     print(
-        f"log-prob diff {logp_diff:.3g}; largest gradient diff / scale {worst:.3g}; graphs held {held / 1e6:.1f} MB"
+        f"log-prob diff {logp_diff:.3g}; largest gradient diff / scale {worst:.3g}; "
+        f"graphs held {held / 1e6:.1f} MB"
     )
