@@ -229,13 +229,15 @@ class _Replay(torch.autograd.Function):
 
 class LayerGraphs:
     """Wraps the forward of every transformer layer of `models` (GPTModels, DDP-wrapped or not) to run it
-    from CUDA graphs for signatures that repeat (module docstring); `captured`/`replayed` count its calls."""
+    from CUDA graphs for signatures that repeat (module docstring); `eager`/`captured`/`replayed` count the
+    layer calls it could graph (on CUDA) by how they ran."""
 
     def __init__(self, models: list[torch.nn.Module], max_shapes: int = MAX_SHAPES):
         self.max_shapes = max_shapes
         self.layers = [layer for m in models for layer in getattr(m, "module", m).decoder.layers]
         self.stream: torch.cuda.Stream | None = None
-        self.captured = self.replayed = 0
+        self.eager_calls = self.captured = self.replayed = 0
+        self._taken = (0, 0, 0)
         self.release()
         for index, layer in enumerate(self.layers):
             layer.forward = functools.partial(self._call, index, layer, layer.forward)
@@ -286,9 +288,18 @@ class LayerGraphs:
             return _Replay.apply(graph, values, hidden), None
         return graph.forward(hidden, values), None
 
+    def counts_since_last(self) -> tuple[int, int, int]:
+        """(eager, captured, replayed) layer calls since the last call of this (the trainer's per-step metric
+        `perf/cuda_graph_replayed_fraction`)."""
+        now = (self.eager_calls, self.captured, self.replayed)
+        out = tuple(a - b for a, b in zip(now, self._taken))
+        self._taken = now
+        return out
+
     def _eager(self, index: int, sig: tuple, forward, hidden: torch.Tensor, kwargs: dict):
         """The layer run eagerly; over a signature's first micro-batch, the memory its layers' forwards keep
         (what its graphs' pool will hold, and more) is measured for `_may_capture`."""
+        self.eager_calls += 1
         first = sig not in self.growth and sig[2]
         if first and index == 0:
             self.start[sig] = torch.cuda.memory_allocated(hidden.device)

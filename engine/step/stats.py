@@ -120,17 +120,22 @@ def perf_metrics(
     step's peak memory (CUDA), and from this replica's `update_tokens` (real, processed, micro-batches of the
     update's forwards), summed over DP: `perf/padding_fraction` (padding over the tokens processed) and
     `perf/tokens_per_micro_batch` (on a GPU, micro-batches of a few thousand tokens leave it waiting on the
-    host's launches: scripts/bench/README.md, "Update")."""
+    host's launches: scripts/bench/README.md, "Update"); with trainer.cuda_graphs the share of the actor's
+    layer calls this step replayed from CUDA graphs, `perf/cuda_graph_replayed_fraction`."""
     g = c.groups
+    graphs = c.actor.layer_graphs  # trainer.cuda_graphs
+    graph_calls = graphs.counts_since_last() if graphs is not None else (0, 0, 0)
     response_lens = exp.response_mask.sum(-1).long()
     seq_lens = exp.prompt_lens + response_lens
     # the actor's head is "response": logits at response positions only
     flops = train_flops(c.shape, seq_lens, response_lens) * c.cfg.algorithm.ppo_epochs
     sums = torch.tensor(
-        [float(seq_lens.sum()), flops, *map(float, update_tokens)], dtype=torch.float64, device=g.device
+        [float(seq_lens.sum()), flops, *map(float, update_tokens), *map(float, graph_calls)],
+        dtype=torch.float64,
+        device=g.device,
     )
     dist.all_reduce(sums, group=g.dp)
-    tokens, flops, real, processed, micro_batches = sums.tolist()
+    tokens, flops, real, processed, micro_batches, *graph_calls = sums.tolist()
     world = g.dims.world_size  # the training ranks, where the actor's update runs
     out = {
         "perf/total_tokens": tokens,
@@ -140,6 +145,8 @@ def perf_metrics(
         "perf/tokens_per_s_per_gpu": tokens / seconds["step"] / dist.get_world_size(),
         "perf/mfu/actor": 0.0,
     }
+    if graphs is not None:  # the actor's layer calls (its forwards and update) replayed from CUDA graphs
+        out["perf/cuda_graph_replayed_fraction"] = graph_calls[2] / max(sum(graph_calls), 1.0)
     if g.device.type == "cuda":
         peak = c.cfg.cluster.peak_tflops
         out["perf/mfu/actor"] = mfu(flops, seconds["update_actor"], world, peak)

@@ -177,5 +177,6 @@ def test_capture_policy_second_micro_batch_max_shapes_and_memory(groups, monkeyp
     assert graphs.captured == 4 and graphs.eager and not graphs.pools  # too little memory: eager
     graphs.release()
     free[0] = 20 * layer_graphs.CAPTURE_MEMORY
+    assert graphs.counts_since_last() == (4 * 2 + 4, 4, 2)  # (eager, captured, replayed) layer calls
     micro_batch(5, grad=True), micro_batch(5, grad=True)
-    assert graphs.captured == 6
+    assert graphs.captured == 6 and graphs.counts_since_last() == (2, 2, 0)
