@@ -38,6 +38,9 @@ VARIANT_KEYS = {
     "kernel_ms",
     "gpu_busy_fraction",
     "kernel_categories",
+    "cuda_graphs",
+    "layer_calls_captured",
+    "layer_calls_replayed",
 }
 
 
