@@ -207,6 +207,8 @@ def run_ours(args, out_dir: str) -> dict:
         "mfu_update_actor_trainer": med.get("perf/mfu/actor"),
         "peak_memory_gb": med.get("perf/max_memory_allocated_gb"),
         "padding_fraction": med.get("perf/padding_fraction"),  # of the update's forwards
+        "tokens_per_micro_batch": med.get("perf/tokens_per_micro_batch"),
+        "cuda_graph_replayed_fraction": med.get("perf/cuda_graph_replayed_fraction"),  # trainer.cuda_graphs
         "rollout_engine": engine,
         # the "weight sync plus sleep/wake" share: train -> rollout layout and back, and vLLM's wake-up +
         # weight copy + sleep (inside timing/gen); the native engine reads the regrouped weights in place
