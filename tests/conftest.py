@@ -20,14 +20,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 def keep_cpu_shims_apart(items) -> None:
-    """A test taking a `groups` fixture builds megatron on CPU, whose shims (parallel/cpu.py) stay installed for
-    the rest of the pytest process and break CUDA tests after it (`Expected a 'cpu' device type for
+    """A test taking a `groups` fixture builds megatron on CPU, whose shims (parallel/cpu.py) stay installed
+    for the rest of the pytest process and break CUDA tests after it (`Expected a 'cpu' device type for
     generator`). Where a run on a CUDA machine collects both, the shim tests are skipped, saying so."""
     if not any("gpu" in item.keywords for item in items):
         return
     skip = pytest.mark.skip(
-        reason="installs megatron's CPU shims for the whole process (parallel/cpu.py), which would break this "
-        "run's CUDA tests: run it in a pytest process of its own (e.g. -m 'not gpu')"
+        reason="installs megatron's CPU shims for the whole process (parallel/cpu.py), which would break "
+        "this run's CUDA tests: run it in a pytest process of its own (e.g. -m 'not gpu')"
     )
     for item in items:
         if "groups" in getattr(item, "fixturenames", ()) and "gpu" not in item.keywords:

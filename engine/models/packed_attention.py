@@ -70,7 +70,7 @@ class RecurringShapes:
     def __init__(self):
         self.calls: dict[tuple, int] = {}
         self.captured: list[tuple] = []
-        """Shapes asked for while capturing, in order: the capturer takes them (`replayed` counts its replays)."""
+        """Shapes asked for while capturing, in order: the capturer takes them (`replayed` counts replays)."""
 
     def __call__(self, shape: tuple) -> bool:
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -197,9 +197,9 @@ class LastPackedPositions:
     megatron calls the thd RoPE for the query and the key of every layer with the micro-batch's one
     `cu_seqlens` tensor, and the positions cost 80-130 us of host time per call (`repeat_interleave` with its
     output size; H200 hosts, scripts/bench/host_costs.py), 2 x layers times per micro-batch: at 1.5B, ~5 ms
-    of a launch-bound micro-batch's ~150 ms. Inference tensors (no version counter) are not cached, nor positions
-    computed while a CUDA graph is captured (engine/models/layer_graphs.py: each layer's graph computes its own,
-    and a cached tensor would outlive the graph's memory)."""
+    of a launch-bound micro-batch's ~150 ms. Inference tensors (no version counter) are not cached, nor
+    positions computed while a CUDA graph is captured (engine/models/layer_graphs.py: each layer's graph
+    computes its own, and a cached tensor would outlive the graph's memory)."""
 
     def __init__(self):
         self.last: tuple[weakref.ref, tuple[int, int], torch.Tensor] | None = None
