@@ -57,18 +57,25 @@ before this check existed."""
 
 
 class _Static:
-    """A tensor argument's static copy, shared by a signature's graphs; copied into once per new source."""
+    """A tensor argument's static copy, shared by a signature's graphs; copied into once per new source (an
+    inference tensor, which has no version counter, every time)."""
 
     def __init__(self, source: torch.Tensor):
         self.tensor = source.clone()
-        self._source = (weakref.ref(source), source._version)
+        self._source = self._stamp(source)
+
+    @staticmethod
+    def _stamp(source: torch.Tensor) -> tuple | None:
+        return None if source.is_inference() else (weakref.ref(source), source._version)
 
     def load(self, source: torch.Tensor) -> None:
-        if self._source[0]() is source and self._source[1] == source._version:
-            return
+        stamp = self._stamp(source)
+        if stamp is not None and self._source is not None and self._source[0]() is source:
+            if self._source[1] == stamp[1]:
+                return
         if source.data_ptr() != self.tensor.data_ptr():
             self.tensor.copy_(source)
-        self._source = (weakref.ref(source), source._version)
+        self._source = stamp
 
 
 def _arguments(kwargs: dict) -> tuple[tuple, list[tuple[str, str | None, torch.Tensor]]] | None:

@@ -64,6 +64,12 @@ def test_static_copies_once_per_source():
     other.add_(1)  # the same tensor, modified: copied again
     static.load(other)
     assert static.tensor.tolist() == [1, 3, 5, 7]
+    with torch.inference_mode():
+        frozen = torch.arange(4) * 3
+    static.load(frozen)
+    static.tensor.zero_()
+    static.load(frozen)  # no version counter to trust: copied every time
+    assert static.tensor.tolist() == [0, 3, 6, 9]
 
 
 @pytest.mark.parametrize(
