@@ -37,6 +37,7 @@ where the device has CAPTURE_MEMORY x its eager forward's kept memory free; the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import weakref
@@ -144,7 +145,7 @@ class _LayerGraph:
     """One layer's graphs for one signature: forward (always) and backward (when captured with grad)."""
 
     def __init__(self, owner: LayerGraphs, pool, layer: torch.nn.Module, hidden, kwargs, statics, names):
-        self.owner, self.pool, self.statics, self.names = owner, pool, statics, names
+        self.owner, self.pool, self.statics = owner, pool, statics
         self.grad = torch.is_grad_enabled()
         self.x = owner.static_input(hidden)
         self.x_leaf = _alias(self.x).requires_grad_(self.grad)
@@ -203,7 +204,7 @@ class _LayerGraph:
         return self.gx
 
     def _capture_backward(self, grad: torch.Tensor) -> None:
-        self.gout = self.owner.static_grad(grad)
+        self.gout = self.owner.static_input(grad)  # the next layer's gradient output if it is that: no copy
         self.bwd = torch.cuda.CUDAGraph()
         with self.owner.capturing(self.bwd, self.pool, grad):
             grads = torch.autograd.grad(
@@ -343,43 +344,27 @@ class LayerGraphs:
             return owned
         return hidden.detach().clone()
 
-    def static_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """The backward graph's static incoming gradient: the next layer's gradient output if `grad` is it."""
-        return self.static_input(grad)
-
     @property
     def side_stream(self) -> torch.cuda.Stream:
         if self.stream is None:
             self.stream = torch.cuda.Stream()
         return self.stream
 
+    @contextlib.contextmanager
     def capturing(self, graph: torch.cuda.CUDAGraph, pool, source: torch.Tensor):
         """Capture into `graph` on the side stream (one stream for every capture: a backward runs on its
-        forward's stream), into its signature's `pool`."""
-        return _Capture(self, graph, pool, source.device)
-
-
-class _Capture:
-    """`capture_begin`/`capture_end` on the side stream, not the `torch.cuda.graph` context (its gc.collect()
-    and empty_cache() on entry cost ~0.1 s, paid for every layer's two captures). Capturing runs nothing:
-    the caller replays."""
-
-    def __init__(self, owner: LayerGraphs, graph: torch.cuda.CUDAGraph, pool, device: torch.device):
-        self.owner, self.graph, self.pool, self.device = owner, graph, pool, device
-
-    def __enter__(self):
-        self.current = torch.cuda.current_stream(self.device)
-        side = self.owner.side_stream
-        side.wait_stream(self.current)
-        self.stream_context = torch.cuda.stream(side)
-        self.stream_context.__enter__()
-        self.graph.capture_begin(pool=self.pool)
-        return self
-
-    def __exit__(self, kind, error, trace):
+        forward's stream), into its signature's `pool`. `capture_begin`/`capture_end`, not the
+        `torch.cuda.graph` context (its gc.collect() and empty_cache() on entry cost ~0.1 s, paid for every
+        layer's two captures). Capturing runs nothing: the caller replays."""
+        current = torch.cuda.current_stream(source.device)
+        side = self.side_stream
+        side.wait_stream(current)
         try:
-            self.graph.capture_end()
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=pool)
+                try:
+                    yield
+                finally:
+                    graph.capture_end()
         finally:
-            self.stream_context.__exit__(kind, error, trace)
-            self.current.wait_stream(self.owner.side_stream)
-        return False
+            current.wait_stream(side)
