@@ -33,8 +33,16 @@ back the padding this exists to remove. The interleaved schedule (vpp > 1) takes
 order (packed too) and refuses a token budget (engine/validate/): it needs a micro-batch count that fits its
 groups of PP micro-batches, which a budget does not guarantee. Nor does its shape exchange work
 (megatron-core 0.16, gloo: "Received data size doesn't match expected size" in the first update), so under
-it packed micro-batches are padded to the call's longest packed micro-batch (`one_shape`: a pseudo-row at
-the end, as the rounding's): one shape per call, still far below rows x the batch's longest row.
+it packed micro-batches are padded to one layout per call (`one_shape`), still far below rows x the batch's
+longest row. CUDA graphs of the layers (trainer.cuda_graphs, engine/models/layer_graphs.py) need the same:
+a graph replays one micro-batch signature (tokens, the number of `cu_seqlens` entries, `max_seqlen`), and
+a long-tailed call's micro-batches otherwise differ in all three. `one_layout` gives the call's layout: t
+its longest packed micro-batch's tokens, `max_seqlen` its longest row, and one count of segments (rows plus
+padding pseudo-rows); each micro-batch's padding is split evenly over its pseudo-rows, each 1 to
+`max_seqlen` tokens (no zero-length rows, which not every attention kernel takes; short pseudo-rows keep
+the padding's attention cheap). Equal rows stay equal: a fixed-length call's last, smaller micro-batch is
+padded with pseudo-rows as long as its rows. The cost is the padding to the call's longest micro-batch
+(the last group is usually partial) plus at most a token per missing segment.
 The loss normaliser contract of engine/roles/policy.py makes the update independent of how rows are split.
 `MicroBatcher.token_counts` adds up real and processed (padded) tokens and micro-batches for
 `perf/padding_fraction` and `perf/tokens_per_micro_batch`.
@@ -112,6 +120,29 @@ def padded_total(total: int, multiple: int) -> int:
     return -(-total // multiple) * multiple
 
 
+def one_layout(groups: list[list[int]], multiple: int) -> tuple[int, int, int]:
+    """(t, segments, max_seqlen) of every packed micro-batch of a call whose groups have these row lengths
+    (module docstring): t >= each group's tokens (rounded up to `multiple`), and each group's padding
+    t - tokens fits segments - rows pseudo-rows of 1 to max_seqlen tokens."""
+    longest = max(max(g) for g in groups)
+    totals = [sum(g) for g in groups]
+    t = max(padded_total(total, multiple) for total in totals)
+    segments = max(len(g) + -(-(t - total) // longest) for g, total in zip(groups, totals))
+    while True:  # ends: the room (segments - rows) x longest grows faster than t with each segment added
+        t = max([t] + [padded_total(total + segments - len(g), multiple) for g, total in zip(groups, totals)])
+        if all(t - total <= (segments - len(g)) * longest for g, total in zip(groups, totals)):
+            return t, segments, longest
+        segments += 1
+
+
+def _padding_rows(pad: int, count: int) -> list[int]:
+    """`pad` tokens as `count` pseudo-rows of near-equal length (each at least 1 where pad >= count)."""
+    if not count:
+        return []
+    size, longer = divmod(pad, count)
+    return [size + 1] * longer + [size] * (count - longer)
+
+
 def _packed_micro_batch(
     exp: Experience,
     sel: torch.Tensor,
@@ -119,17 +150,20 @@ def _packed_micro_batch(
     multiple: int,
     keys,
     device: torch.device,
-    fill: int = 0,
+    layout: tuple[int, int, int] | None = None,
 ) -> dict:
-    """The rows `sel` ((rows,) real `lengths`) back to back in one (1, t) sequence, t at least `fill`: see the
-    module docstring."""
+    """The rows `sel` ((rows,) real `lengths`) back to back in one (1, t) sequence, padded to the call's
+    `layout` (`one_layout`) where given: see the module docstring."""
     total = int(lengths.sum())
-    t = max(padded_total(total, multiple), fill)
     starts = torch.cumsum(lengths, 0) - lengths  # (rows,)
-    cu_seqlens = torch.cat([starts, lengths.sum().reshape(1)])
-    # the padding (to the multiple, to `fill`): a pseudo-row of its own, so every row keeps its boundaries
-    if t > total:
-        cu_seqlens = torch.cat([cu_seqlens, torch.tensor([t])])
+    # the padding: pseudo-rows of their own, so every row keeps its boundaries
+    if layout is None:  # to the multiple: one pseudo-row
+        t = padded_total(total, multiple)
+        padding = [t - total] if t > total else []
+    else:
+        t, segments, longest = layout
+        padding = _padding_rows(t - total, segments - len(sel))
+    cu_seqlens = torch.cat([starts, torch.cumsum(torch.tensor([total, *padding]), 0)])
     tokens = torch.zeros(1, t, dtype=exp.tokens.dtype)
     positions = torch.arange(t) - torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
     for r, start, length in zip(sel.tolist(), starts.tolist(), lengths.tolist()):
@@ -137,7 +171,7 @@ def _packed_micro_batch(
     steps = torch.arange(exp.response_ids.shape[1])
     # row-local, kept inside the row: valid entries are never clamped (prompt_len - 1 + j < length)
     index = torch.minimum(exp.prompt_lens[sel, None] - 1 + steps, lengths[:, None] - 1)
-    max_seqlen = int(cu_seqlens.diff().max())
+    max_seqlen = int(cu_seqlens.diff().max()) if layout is None else layout[2]
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
     mb = {
         "tokens": tokens.to(device),
@@ -172,7 +206,8 @@ class MicroBatcher:
     `response_mask` (b, T), `response_valid` (the mask's True entries, flat), the named tensors, and `rows`:
     the Experience rows, in order); with `pack` `tokens`, `positions` are (1, t) and
     `packed_seq_params`, `row_starts`, `row_lengths` are added, and with `one_shape` too every micro-batch of
-    a call has the same t (the module docstring)."""
+    a call has the same layout (`one_layout`: t, segments, max_seqlen); `in_order` takes `micro_batch_size`
+    rows in order without a budget, packed too (the module docstring)."""
 
     def __init__(
         self,
@@ -182,13 +217,15 @@ class MicroBatcher:
         device: torch.device,
         pack: bool = False,
         one_shape: bool = False,
+        in_order: bool = False,
     ):
         self.micro_batch_size, self.max_tokens = micro_batch_size, max_tokens
         self.seq_multiple, self.device, self.pack = seq_multiple, device, pack
         self.one_shape = one_shape
-        """Packed micro-batches of one call padded to one length (the interleaved schedule's need)."""
-        self.fixed_rows = not max_tokens and (not pack or one_shape)
-        """`micro_batch_size` rows per micro-batch, in order: without a budget, padded or under `one_shape`;
+        """Packed micro-batches of one call padded to one layout (the interleaved schedule's and the layers'
+        CUDA graphs' need)."""
+        self.fixed_rows = not max_tokens and (not pack or in_order)
+        """`micro_batch_size` rows per micro-batch, in order: without a budget, padded or `in_order`;
         packed otherwise, rows are grouped under `micro_batch_size` x the batch's width (module docstring)."""
         self.token_counts = [0, 0, 0]
         """Real tokens (prompt + response), tokens processed (with padding) and the number of micro-batches
@@ -207,11 +244,11 @@ class MicroBatcher:
             size = self.micro_batch_size
             groups = [list(range(i, min(i + size, len(rows)))) for i in range(0, len(rows), size)]
         if self.pack:
-            fill = 0  # one_shape: every micro-batch as long as the longest packed one
+            layout = None
             if self.one_shape and groups:
-                fill = max(padded_total(int(lengths[g].sum()), self.seq_multiple) for g in groups)
+                layout = one_layout([lengths[g].tolist() for g in groups], self.seq_multiple)
             out = [
-                _packed_micro_batch(exp, rows[g], lengths[g], self.seq_multiple, keys, self.device, fill)
+                _packed_micro_batch(exp, rows[g], lengths[g], self.seq_multiple, keys, self.device, layout)
                 for g in groups
             ]
         else:
@@ -229,7 +266,7 @@ class MicroBatcher:
 
 def micro_batch_shapes_vary(t: TrainerConfig, vpp: int) -> bool:
     """Whether one call's micro-batches may differ in shape: cut under a token budget, or packed outside
-    megatron's interleaved schedule (`vpp` > 1 pads a call's packed micro-batches to one length instead:
+    megatron's interleaved schedule (`vpp` > 1 pads a call's packed micro-batches to one layout instead:
     engine/roles/dynamic_batch.py). With pipeline parallelism the stages must then exchange each activation's
     shape (`variable_seq_lengths`)."""
     return t.max_tokens_per_micro_batch > 0 or (packs_sequences(t) and vpp == 1)
@@ -238,12 +275,14 @@ def micro_batch_shapes_vary(t: TrainerConfig, vpp: int) -> bool:
 def trainer_batcher(t: TrainerConfig, dims: ParallelDims, device: torch.device) -> MicroBatcher:
     """The MicroBatcher of the trainer's config `t` on a rank of layout `dims`: `micro_batch_size` rows
     (packed: their tokens at the batch's width) or a token budget, packed unless
-    trainer.pack_sequences=false, one shape per call under the interleaved pipeline schedule."""
+    trainer.pack_sequences=false; one layout per call under the interleaved pipeline schedule (rows in order)
+    and with the layers' CUDA graphs (trainer.cuda_graphs: one graph signature per call)."""
     return MicroBatcher(
         t.micro_batch_size,
         t.max_tokens_per_micro_batch,
         seq_multiple=dims.seq_multiple,
         device=device,
         pack=packs_sequences(t),
-        one_shape=dims.vpp > 1,
+        one_shape=dims.vpp > 1 or t.cuda_graphs,
+        in_order=dims.vpp > 1,
     )

@@ -164,8 +164,13 @@ def make_batch(shape: ModelShape, args, device: torch.device, seed: int) -> Batc
     exp.tensors.update(
         advantages=torch.randn(args.rows, response, generator=gen) * mask, rollout_log_probs=rollout_logp
     )
-    batcher = MicroBatcher(
-        args.micro_batch, args.max_tokens, seq_multiple=1, device=device, pack=not args.padded
+    batcher = MicroBatcher(  # one layout per call with graphs, as trainer_batcher
+        args.micro_batch,
+        args.max_tokens,
+        seq_multiple=1,
+        device=device,
+        pack=not args.padded,
+        one_shape=args.cuda_graphs,
     )
     alg = AlgorithmConfig()
     norm = loss_normalizer(mask, alg.loss_agg_mode, max_len=response)

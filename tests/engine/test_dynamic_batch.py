@@ -10,7 +10,13 @@ import pytest
 import torch
 from trainer_parity import dynamic_batch_parity, packing_parity, skewed_experience
 
-from engine.roles.dynamic_batch import MicroBatcher, pack_by_token_budget, padded_length
+from engine.roles.dynamic_batch import (
+    MicroBatcher,
+    _padding_rows,
+    one_layout,
+    pack_by_token_budget,
+    padded_length,
+)
 
 
 @pytest.mark.parametrize("multiple", [1, 2])
@@ -96,45 +102,87 @@ def test_packed_micro_batches_lay_rows_back_to_back(budget):
 
 
 @pytest.mark.parametrize("multiple", [1, 2])
-def test_one_shape_pads_a_calls_packed_micro_batches_to_its_longest(multiple):
-    """Under the interleaved pipeline schedule (`one_shape`): every packed micro-batch of a call as long as
-    the longest, the rows as without it and the padding one pseudo-row at the end."""
+@pytest.mark.parametrize("in_order", [True, False])  # the interleaved schedule's; the CUDA graphs'
+def test_one_shape_pads_a_calls_packed_micro_batches_to_one_layout(multiple, in_order):
+    """`one_shape`: every packed micro-batch of a call has one (t, segments, max_seqlen), the rows as without
+    it, the padding split into pseudo-rows of 1 to max_seqlen tokens after them."""
     exp = skewed_experience(0, 16, 12, vocab=50, pad_id=0)
-    same = MicroBatcher(4, 0, multiple, torch.device("cpu"), pack=True, one_shape=True)(exp, torch.arange(16))
-    # each micro-batch's rows packed alone (a call of one micro-batch: nothing to pad it to)
-    free = [
-        MicroBatcher(4, 0, multiple, torch.device("cpu"), pack=True, one_shape=True)(
-            exp, torch.arange(i, i + 4)
-        )[0]
-        for i in range(0, 16, 4)
-    ]
-    assert all(torch.equal(mb["rows"], torch.arange(i, i + 4)) for mb, i in zip(same, range(0, 16, 4)))
-    longest = max(mb["tokens"].shape[1] for mb in free)
+    lengths = exp.prompt_lens + exp.response_mask.sum(-1).long()
+    cpu = torch.device("cpu")
+    same = MicroBatcher(4, 0, multiple, cpu, pack=True, one_shape=True, in_order=in_order)(
+        exp, torch.arange(16)
+    )
+    free = MicroBatcher(4, 0, multiple, cpu, pack=True, in_order=in_order)(exp, torch.arange(16))
+    if in_order:
+        assert all(torch.equal(mb["rows"], torch.arange(i, i + 4)) for mb, i in zip(same, range(0, 16, 4)))
     assert len({mb["tokens"].shape[1] for mb in free}) > 1  # the rows' lengths differ: so would the shapes
+    if not in_order:  # grouped by width: the row counts differ too
+        assert len({mb["packed_seq_params"].cu_seqlens_q.numel() for mb in free}) > 1
+    longest = int(lengths.max())
+    t = max(mb["tokens"].shape[1] for mb in free)
     for a, b in zip(free, same):
-        assert b["tokens"].shape == (1, longest) and torch.equal(a["rows"], b["rows"])
-        t = a["tokens"].shape[1]
-        assert torch.equal(b["tokens"][:, :t], a["tokens"]) and not b["tokens"][:, t:].any()
-        cu_a, cu_b = (
-            a["packed_seq_params"].cu_seqlens_q.tolist(),
-            b["packed_seq_params"].cu_seqlens_q.tolist(),
+        params = b["packed_seq_params"]
+        assert torch.equal(a["rows"], b["rows"])
+        segments = params.cu_seqlens_q.numel() - 1  # a token per pseudo-row at most beyond the longest
+        assert t <= b["tokens"].shape[1] < t + segments + multiple and b["tokens"].shape[1] % multiple == 0
+        assert params.max_seqlen_q == params.max_seqlen_kv == longest
+        assert params.cu_seqlens_q.shape == same[0]["packed_seq_params"].cu_seqlens_q.shape
+        assert b["tokens"].shape == same[0]["tokens"].shape
+        real = int(lengths[a["rows"]].sum())
+        assert torch.equal(b["tokens"][:, :real], a["tokens"][:, :real]) and not b["tokens"][:, real:].any()
+        cu = params.cu_seqlens_q.tolist()
+        rows = len(a["rows"]) + 1
+        assert (
+            cu[:rows] == a["packed_seq_params"].cu_seqlens_q.tolist()[:rows]
+            and cu[-1] == b["tokens"].shape[1]
         )
-        real = len(a["rows"]) + 1  # the rows' bounds, then at most one pseudo-row to the end
-        assert cu_b[:real] == cu_a[:real] and cu_b[-1] == longest and len(cu_b) <= real + 1
+        pseudo = torch.tensor(cu[rows - 1 :]).diff()
+        assert ((pseudo >= 1) & (pseudo <= longest)).all() and int(pseudo.max() - pseudo.min()) <= 1
+        assert torch.equal(b["positions"][0, real:], torch.cat([torch.arange(n) for n in pseudo.tolist()]))
         for key in ("row_starts", "row_lengths", "response_index", "response_valid"):
             assert torch.equal(a[key], b[key]), key
 
 
-def test_packed_equals_padded_forward_and_backward(tmp_path):
+@pytest.mark.parametrize("multiple", [1, 2, 8])
+def test_one_layout_fits_every_micro_batch(multiple):
+    """Random long-tailed calls: each micro-batch's padding fits its pseudo-rows (1 to max_seqlen tokens)."""
+    rng = random.Random(multiple)
+    for _ in range(200):
+        groups = [
+            [rng.choice([1, 2, 3, 50, 400]) for _ in range(rng.randint(1, 9))]
+            for _ in range(rng.randint(1, 6))
+        ]
+        t, segments, longest = one_layout(groups, multiple)
+        assert longest == max(map(max, groups)) and t % multiple == 0
+        assert t < max(map(sum, groups)) + segments + multiple  # padding: a token per segment at most
+        for g in groups:
+            room = segments - len(g)
+            assert room >= 0 and room <= t - sum(g) <= room * longest, (groups, t, segments)
+
+
+def test_equal_rows_stay_equal_under_one_layout():
+    """A fixed-length call's last, smaller micro-batch is padded with pseudo-rows as long as its rows, so every
+    micro-batch stays a (rows, length) batch (the cuDNN path of engine/models/packed_attention.py)."""
+    t, segments, longest = one_layout([[7] * 4, [7] * 4, [7] * 2], 1)
+    assert (t, segments, longest) == (28, 4, 7)
+    assert _padding_rows(14, 2) == [7, 7]
+
+
+@pytest.mark.parametrize("one_layout", [False, True])
+def test_packed_equals_padded_forward_and_backward(tmp_path, one_layout):
     """Tiny GQA model (4 heads, 2 groups), rows of 3 to 36 tokens: log-probs, entropies, values, last-token
-    scores, and the actor's and critic's loss and gradients, packed vs padded."""
-    parity = packing_parity([], str(tmp_path), 64)
+    scores, and the actor's and critic's loss and gradients, packed (with `one_layout`: padded to one layout
+    per call, as for CUDA graphs) vs padded."""
+    parity = packing_parity([], str(tmp_path), 64, one_layout=one_layout)
     # float32: the layouts differ in summation order only
     for key in ("log_probs", "entropy", "values", "scores"):
         assert parity[key] <= 2e-5, parity
     for key in ("actor_grad_rel", "actor_loss_rel", "critic_grad_rel", "critic_loss_rel"):
         assert parity[key] <= 1e-5, parity
-    assert parity["tokens_packed"] == parity["tokens_real"] < parity["tokens_padded"], parity
+    if one_layout:  # padded to the call's longest micro-batch (under this small budget: more than padded)
+        assert parity["tokens_real"] < parity["tokens_packed"], parity
+    else:
+        assert parity["tokens_packed"] == parity["tokens_real"] < parity["tokens_padded"], parity
 
 
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean"])

@@ -110,7 +110,11 @@ def _stats_fn(stats, mb: dict):
 
 
 def packing_parity(
-    overrides: list[str], output_dir: str, budget: int, keep_process_group: bool = False
+    overrides: list[str],
+    output_dir: str,
+    budget: int,
+    keep_process_group: bool = False,
+    one_layout: bool = False,
 ) -> dict[str, float]:
     """Padded vs packed token-budget micro-batches of the same rows (a PPO job: actor, critic with a random
     value head): forward-only log-probs, entropies, values and last-token scores (the reward model's head),
@@ -118,7 +122,8 @@ def packing_parity(
     differences over all ranks (gradients and losses relative to their scale) and both token counts.
     `budget` 0, as the trainer's `trainer_batcher`: padded micro-batches of 4 rows; packed ones grouped up to
     4 x the batch's width in tokens, or under the interleaved schedule (parallel.vpp > 1) 4 rows padded to one
-    length per call."""
+    layout per call; `one_layout` pads packed micro-batches to one layout per call everywhere (as the layers'
+    CUDA graphs do)."""
     from dataclasses import replace
 
     import torch.distributed as dist
@@ -160,8 +165,16 @@ def packing_parity(
         multiple = groups.dims.seq_multiple
         results = {}
         for name, pack in (("padded", False), ("packed", True)):
-            one_shape = pack and groups.dims.vpp > 1
-            batcher = MicroBatcher(4, budget, multiple, groups.device, pack=pack, one_shape=one_shape)
+            in_order = pack and groups.dims.vpp > 1
+            batcher = MicroBatcher(
+                4,
+                budget,
+                multiple,
+                groups.device,
+                pack=pack,
+                one_shape=in_order or (pack and one_layout),
+                in_order=in_order,
+            )
             got = {
                 key: forward_rows(c.actor, exp, _stats_fn, key, batcher, 0.8)
                 for key in ("log_probs", "entropy")
