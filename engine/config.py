@@ -74,9 +74,9 @@ class TrainerConfig:
     """placement.mode=split: how many steps the rollout may run ahead of the update (0 = on-policy, the same
     results as colocated)."""
     cuda_graphs: bool = False
-    """Run the transformer layers' forward and backward from CUDA graphs for micro-batch shapes that repeat
-    (engine/models/layer_graphs.py): no host launch time where small micro-batches are bound by it. CUDA,
-    parallel.pp=1 and tp=1, no recompute or MoE; keeps a micro-batch's activations per captured shape."""
+    """Run the transformer layers' forward and backward from CUDA graphs (engine/models/layer_graphs.py; packed
+    micro-batches padded to one shape per call: roles/dynamic_batch.py): no host launch time where small ones
+    are bound by it. CUDA, bf16/fp16 if packed, pp=1 and tp=1, no recompute or MoE."""
 
 
 @dataclass

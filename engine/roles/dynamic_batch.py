@@ -12,7 +12,10 @@ waiting on the host's launches (0.5B, long tail to 1,024: 7.8 s vs 3.0 s per upd
 scripts/bench/README.md).
 
 Token budget (`trainer.max_tokens_per_micro_batch` > 0): rows are sorted by length (prompt + response),
-longest first, and grouped greedily while the micro-batch's tokens stay within the budget.
+longest first, and grouped greedily while the micro-batch's tokens stay within the budget: padded, each row
+joins the last micro-batch or starts one; packed, each row joins the first micro-batch it fits in (first-fit
+decreasing: the short rows of a long tail fill the room the long ones left, so micro-batches are full to
+within a row's length of the budget, and fewer).
 - Padded (`trainer.pack_sequences=false`): the tokens counted are rows x (the group's longest row + 1
   target slot); each micro-batch (b, s) is cut to its longest row and right-padded from position 0 with
   causal attention, so dropping pad columns changes no valid logit.
@@ -33,16 +36,19 @@ back the padding this exists to remove. The interleaved schedule (vpp > 1) takes
 order (packed too) and refuses a token budget (engine/validate/): it needs a micro-batch count that fits its
 groups of PP micro-batches, which a budget does not guarantee. Nor does its shape exchange work
 (megatron-core 0.16, gloo: "Received data size doesn't match expected size" in the first update), so under
-it packed micro-batches are padded to one layout per call (`one_shape`), still far below rows x the batch's
-longest row. CUDA graphs of the layers (trainer.cuda_graphs, engine/models/layer_graphs.py) need the same:
-a graph replays one micro-batch signature (tokens, the number of `cu_seqlens` entries, `max_seqlen`), and
-a long-tailed call's micro-batches otherwise differ in all three. `one_layout` gives the call's layout: t
-its longest packed micro-batch's tokens, `max_seqlen` its longest row, and one count of segments (rows plus
-padding pseudo-rows); each micro-batch's padding is split evenly over its pseudo-rows, each 1 to
-`max_seqlen` tokens (no zero-length rows, which not every attention kernel takes; short pseudo-rows keep
-the padding's attention cheap). Equal rows stay equal: a fixed-length call's last, smaller micro-batch is
-padded with pseudo-rows as long as its rows. The cost is the padding to the call's longest micro-batch
-(the last group is usually partial) plus at most a token per missing segment.
+it packed micro-batches are padded to one layout per call (`shapes="one"`), still far below rows x the
+batch's longest row. CUDA graphs of the layers (trainer.cuda_graphs, engine/models/layer_graphs.py) need
+nearly the same (`shapes="graphs"`): a graph replays one micro-batch signature (tokens, the number of
+`cu_seqlens` entries, `max_seqlen`), and a long-tailed call's micro-batches otherwise differ in all three.
+`one_layout` gives the call's layout: t its longest packed micro-batch's tokens, `max_seqlen` its longest
+row, and one count of segments (rows plus padding pseudo-rows); each micro-batch's padding is split evenly
+over its pseudo-rows, each 1 to `max_seqlen` tokens (no zero-length rows, which not every attention kernel
+takes; short pseudo-rows keep the padding's attention cheap). Equal rows stay equal: a fixed-length call's
+last, smaller micro-batch is padded with pseudo-rows as long as its rows. For the graphs only micro-batches
+of at least half the largest one's tokens are padded; smaller ones (under first-fit, the call's last one or
+two) keep their own shape and run eagerly, once: padding them could cost more GPU time than their launches
+(35k-token micro-batches at 1.5B: ~1 s for a nearly empty last one). First-fit grouping leaves the others
+within a row of the budget, so the padding stays small (measured in `perf/padding_fraction`).
 The loss normaliser contract of engine/roles/policy.py makes the update independent of how rows are split.
 `MicroBatcher.token_counts` adds up real and processed (padded) tokens and micro-batches for
 `perf/padding_fraction` and `perf/tokens_per_micro_batch`.
@@ -68,25 +74,41 @@ def pack_by_token_budget(
     lengths: list[int], max_tokens: int, multiple: int = 1, packed: bool = False
 ) -> list[list[int]]:
     """Indices into `lengths` grouped into micro-batches, longest rows first, each within `max_tokens`
-    (a row longer than the budget goes alone): padded, len(group) * padded_length(longest in group);
-    `packed`, the group's summed lengths rounded up to `multiple`."""
+    (a row longer than the budget goes alone): padded, len(group) * padded_length(longest in group), each
+    row in the last group or a new one; `packed`, the group's summed lengths rounded up to `multiple`, each
+    row in the first group it fits in."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if packed:
+        return _first_fit(order, lengths, max_tokens, multiple)
     groups: list[list[int]] = []
-    total = 0  # tokens of the last group's rows, packed
     for i in order:
-        if packed:
-            fits = groups and padded_total(total + lengths[i], multiple) <= max_tokens
-        else:
-            fits = (
-                groups
-                and (len(groups[-1]) + 1) * padded_length(lengths[groups[-1][0]], multiple) <= max_tokens
-            )
-        if fits:
+        if groups and (len(groups[-1]) + 1) * padded_length(lengths[groups[-1][0]], multiple) <= max_tokens:
             groups[-1].append(i)
-            total += lengths[i]
         else:
             groups.append([i])
-            total = lengths[i]
+    return groups
+
+
+def _first_fit(order: list[int], lengths: list[int], max_tokens: int, multiple: int) -> list[list[int]]:
+    """`order` (longest first) into groups whose summed lengths, rounded up to `multiple`, stay within
+    `max_tokens`: each row into the first group with room for it, else a new group."""
+    groups: list[list[int]] = []
+    totals: list[int] = []
+    open_groups: list[int] = []  # groups that may still take a row: room for the shortest one
+    shortest = min(lengths[i] for i in order) if order else 0
+    for i in order:
+        for g in open_groups:
+            if padded_total(totals[g] + lengths[i], multiple) <= max_tokens:
+                groups[g].append(i)
+                totals[g] += lengths[i]
+                break
+        else:
+            g = len(groups)
+            groups.append([i])
+            totals.append(lengths[i])
+            open_groups.append(g)
+        if padded_total(totals[g] + shortest, multiple) > max_tokens:
+            open_groups.remove(g)
     return groups
 
 
@@ -201,13 +223,19 @@ def _packed_micro_batch(
     return mb
 
 
+SHAPES = ("free", "one", "graphs")
+"""`MicroBatcher`'s choices of packed micro-batch shapes within a call (its docstring)."""
+
+
 class MicroBatcher:
     """Cuts rows of an Experience into micro-batch dicts (`tokens`, `positions` (b, s), `response_index`,
     `response_mask` (b, T), `response_valid` (the mask's True entries, flat), the named tensors, and `rows`:
     the Experience rows, in order); with `pack` `tokens`, `positions` are (1, t) and
-    `packed_seq_params`, `row_starts`, `row_lengths` are added, and with `one_shape` too every micro-batch of
-    a call has the same layout (`one_layout`: t, segments, max_seqlen); `in_order` takes `micro_batch_size`
-    rows in order without a budget, packed too (the module docstring)."""
+    `packed_seq_params`, `row_starts`, `row_lengths` are added. `shapes` (packed, module docstring): "free"
+    each micro-batch its own layout; "one" (the interleaved schedule's) `micro_batch_size` rows in order
+    without a budget and every micro-batch of a call in one layout (`one_layout`: t, segments, max_seqlen);
+    "graphs" (the layers' CUDA graphs') grouped as "free", then the micro-batches of at least half the
+    largest one's tokens in one layout."""
 
     def __init__(
         self,
@@ -216,16 +244,15 @@ class MicroBatcher:
         seq_multiple: int,
         device: torch.device,
         pack: bool = False,
-        one_shape: bool = False,
-        in_order: bool = False,
+        shapes: str = "free",
     ):
+        if shapes not in SHAPES:
+            raise ValueError(f"MicroBatcher: shapes={shapes!r}, not one of {SHAPES}")
         self.micro_batch_size, self.max_tokens = micro_batch_size, max_tokens
         self.seq_multiple, self.device, self.pack = seq_multiple, device, pack
-        self.one_shape = one_shape
-        """Packed micro-batches of one call padded to one layout (the interleaved schedule's and the layers'
-        CUDA graphs' need)."""
-        self.fixed_rows = not max_tokens and (not pack or in_order)
-        """`micro_batch_size` rows per micro-batch, in order: without a budget, padded or `in_order`;
+        self.shapes = shapes
+        self.fixed_rows = not max_tokens and (not pack or shapes == "one")
+        """`micro_batch_size` rows per micro-batch, in order: without a budget, padded or `shapes="one"`;
         packed otherwise, rows are grouped under `micro_batch_size` x the batch's width (module docstring)."""
         self.token_counts = [0, 0, 0]
         """Real tokens (prompt + response), tokens processed (with padding) and the number of micro-batches
@@ -244,12 +271,23 @@ class MicroBatcher:
             size = self.micro_batch_size
             groups = [list(range(i, min(i + size, len(rows)))) for i in range(0, len(rows), size)]
         if self.pack:
-            layout = None
-            if self.one_shape and groups:
-                layout = one_layout([lengths[g].tolist() for g in groups], self.seq_multiple)
+            layout, even = None, range(len(groups))
+            if self.shapes != "free" and groups:
+                totals = [int(lengths[g].sum()) for g in groups]
+                if self.shapes == "graphs":  # smaller micro-batches keep their own shape
+                    even = [k for k, total in enumerate(totals) if 2 * total >= max(totals)]
+                layout = one_layout([lengths[groups[k]].tolist() for k in even], self.seq_multiple)
             out = [
-                _packed_micro_batch(exp, rows[g], lengths[g], self.seq_multiple, keys, self.device, layout)
-                for g in groups
+                _packed_micro_batch(
+                    exp,
+                    rows[g],
+                    lengths[g],
+                    self.seq_multiple,
+                    keys,
+                    self.device,
+                    layout if k in even else None,
+                )
+                for k, g in enumerate(groups)
             ]
         else:
             # under a budget each cut to its longest row (sorted first), else all to the batch's longest
@@ -283,6 +321,5 @@ def trainer_batcher(t: TrainerConfig, dims: ParallelDims, device: torch.device) 
         seq_multiple=dims.seq_multiple,
         device=device,
         pack=packs_sequences(t),
-        one_shape=dims.vpp > 1 or t.cuda_graphs,
-        in_order=dims.vpp > 1,
+        shapes="one" if dims.vpp > 1 else "graphs" if t.cuda_graphs else "free",
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from engine.checkpoint.store import CHECKPOINTS_DIR
-from engine.config import LOGGERS, ConfigError, ModelConfig, TrainConfig
+from engine.config import LOGGERS, ConfigError, ModelConfig, TrainConfig, packs_sequences
 from engine.data import check_files_exist
 from engine.validate.model import validate_checkpoint_positions
 from engine.validate.rules import fail, one_of, positive
@@ -43,6 +43,12 @@ def validate_cuda_graphs(cfg: TrainConfig, built: ModelConfig) -> None:
             built.moe.num_experts > 0,
             "does not capture mixture-of-experts layers (their routing sizes tokens on the host)",
             "set trainer.cuda_graphs=false",
+        ),
+        (
+            packs_sequences(cfg.trainer) and built.dtype == "float32",
+            "captures packed attention through FlashAttention-2, which needs half precision: in float32 "
+            "packed rows run one by one after a host sync (model.dtype=float32)",
+            f"set model.dtype=bfloat16, or trainer.pack_sequences=false, {off}",
         ),
     ):
         if bad:

@@ -170,7 +170,7 @@ def make_batch(shape: ModelShape, args, device: torch.device, seed: int) -> Batc
         seq_multiple=1,
         device=device,
         pack=not args.padded,
-        one_shape=args.cuda_graphs,
+        shapes="graphs" if args.cuda_graphs else "free",
     )
     alg = AlgorithmConfig()
     norm = loss_normalizer(mask, alg.loss_agg_mode, max_len=response)

@@ -63,10 +63,16 @@ def test_packed_grouping_counts_real_tokens(multiple):
     lengths = [rng.choice([2, 3, 5, 40, 61]) for _ in range(60)]
     groups = pack_by_token_budget(lengths, 128, multiple, packed=True)
     assert sorted(i for g in groups for i in g) == list(range(60))
-    for a, b in zip(groups, groups[1:]):
-        total = sum(lengths[i] for i in a)
-        assert -(-total // multiple) * multiple <= 128 or len(a) == 1
-        assert -(-(total + lengths[b[0]]) // multiple) * multiple > 128  # greedy
+    order = sorted(range(60), key=lambda i: (-lengths[i], i))  # placement order: longest first
+    placed = {i: n for n, i in enumerate(order)}
+    rounded = lambda tokens: -(-tokens // multiple) * multiple  # noqa: E731
+    for k, group in enumerate(groups):
+        assert rounded(sum(lengths[i] for i in group)) <= 128 or len(group) == 1
+        assert [placed[i] for i in group] == sorted(placed[i] for i in group)
+        for i in group:  # first fit: no earlier group had room for it when it was placed
+            for earlier in groups[:k]:
+                before = sum(lengths[j] for j in earlier if placed[j] < placed[i])
+                assert rounded(before + lengths[i]) > 128, (i, earlier)
     # the padded rule counts rows x longest and needs more micro-batches for the same rows
     assert len(groups) < len(pack_by_token_budget(lengths, 128, multiple))
 
@@ -102,43 +108,54 @@ def test_packed_micro_batches_lay_rows_back_to_back(budget):
 
 
 @pytest.mark.parametrize("multiple", [1, 2])
-@pytest.mark.parametrize("in_order", [True, False])  # the interleaved schedule's; the CUDA graphs'
-def test_one_shape_pads_a_calls_packed_micro_batches_to_one_layout(multiple, in_order):
-    """`one_shape`: every packed micro-batch of a call has one (t, segments, max_seqlen), the rows as without
-    it, the padding split into pseudo-rows of 1 to max_seqlen tokens after them."""
-    exp = skewed_experience(0, 16, 12, vocab=50, pad_id=0)
+@pytest.mark.parametrize("shapes", ["one", "graphs"])  # the interleaved schedule's; the CUDA graphs'
+def test_packed_micro_batches_padded_to_one_layout(multiple, shapes):
+    """`shapes="one"`: every packed micro-batch of a call (4 rows in order) has one (t, segments, max_seqlen);
+    "graphs": those of at least half the largest one's tokens (grouped by width), the others as "free". The
+    rows as without it, the padding split into pseudo-rows of 1 to max_seqlen tokens after them."""
+    exp = skewed_experience(0, 28, 12, vocab=50, pad_id=0)
     lengths = exp.prompt_lens + exp.response_mask.sum(-1).long()
     cpu = torch.device("cpu")
-    same = MicroBatcher(4, 0, multiple, cpu, pack=True, one_shape=True, in_order=in_order)(
-        exp, torch.arange(16)
-    )
-    free = MicroBatcher(4, 0, multiple, cpu, pack=True, in_order=in_order)(exp, torch.arange(16))
-    if in_order:
-        assert all(torch.equal(mb["rows"], torch.arange(i, i + 4)) for mb, i in zip(same, range(0, 16, 4)))
+    same = MicroBatcher(4, 0, multiple, cpu, pack=True, shapes=shapes)(exp, torch.arange(28))
+    if shapes == "one":  # each micro-batch's rows packed alone (a call of one: nothing to pad it to)
+        free = [
+            MicroBatcher(4, 0, multiple, cpu, pack=True, shapes="one")(exp, torch.arange(i, i + 4))[0]
+            for i in range(0, 28, 4)
+        ]
+        assert all(torch.equal(mb["rows"], torch.arange(i, i + 4)) for mb, i in zip(same, range(0, 28, 4)))
+    else:
+        free = MicroBatcher(4, 0, multiple, cpu, pack=True)(exp, torch.arange(28))
+        assert len({mb["packed_seq_params"].cu_seqlens_q.numel() for mb in free}) > 1  # rows per group differ
     assert len({mb["tokens"].shape[1] for mb in free}) > 1  # the rows' lengths differ: so would the shapes
-    if not in_order:  # grouped by width: the row counts differ too
-        assert len({mb["packed_seq_params"].cu_seqlens_q.numel() for mb in free}) > 1
     longest = int(lengths.max())
+    totals = [int(lengths[mb["rows"]].sum()) for mb in free]
     t = max(mb["tokens"].shape[1] for mb in free)
-    for a, b in zip(free, same):
-        params = b["packed_seq_params"]
+    padded = [shapes == "one" or 2 * total >= max(totals) for total in totals]
+    first = same[padded.index(True)]
+    assert sum(padded) >= 2 and (shapes == "one" or not all(padded))  # "graphs": the last one is small
+    for a, b, total, pad in zip(free, same, totals, padded):
         assert torch.equal(a["rows"], b["rows"])
+        if not pad:  # small: its own shape
+            assert 2 * total < max(totals) and torch.equal(a["tokens"], b["tokens"])
+            pa, pb = a["packed_seq_params"], b["packed_seq_params"]
+            assert torch.equal(pa.cu_seqlens_q, pb.cu_seqlens_q) and pa.max_seqlen_q == pb.max_seqlen_q
+            continue
+        params = b["packed_seq_params"]
         segments = params.cu_seqlens_q.numel() - 1  # a token per pseudo-row at most beyond the longest
         assert t <= b["tokens"].shape[1] < t + segments + multiple and b["tokens"].shape[1] % multiple == 0
         assert params.max_seqlen_q == params.max_seqlen_kv == longest
-        assert params.cu_seqlens_q.shape == same[0]["packed_seq_params"].cu_seqlens_q.shape
-        assert b["tokens"].shape == same[0]["tokens"].shape
-        real = int(lengths[a["rows"]].sum())
-        assert torch.equal(b["tokens"][:, :real], a["tokens"][:, :real]) and not b["tokens"][:, real:].any()
+        assert params.cu_seqlens_q.shape == first["packed_seq_params"].cu_seqlens_q.shape
+        assert b["tokens"].shape == first["tokens"].shape
+        assert (
+            torch.equal(b["tokens"][:, :total], a["tokens"][:, :total]) and not b["tokens"][:, total:].any()
+        )
         cu = params.cu_seqlens_q.tolist()
         rows = len(a["rows"]) + 1
-        assert (
-            cu[:rows] == a["packed_seq_params"].cu_seqlens_q.tolist()[:rows]
-            and cu[-1] == b["tokens"].shape[1]
-        )
+        assert cu[:rows] == a["packed_seq_params"].cu_seqlens_q.tolist()[:rows]
+        assert cu[-1] == b["tokens"].shape[1]
         pseudo = torch.tensor(cu[rows - 1 :]).diff()
         assert ((pseudo >= 1) & (pseudo <= longest)).all() and int(pseudo.max() - pseudo.min()) <= 1
-        assert torch.equal(b["positions"][0, real:], torch.cat([torch.arange(n) for n in pseudo.tolist()]))
+        assert torch.equal(b["positions"][0, total:], torch.cat([torch.arange(n) for n in pseudo.tolist()]))
         for key in ("row_starts", "row_lengths", "response_index", "response_valid"):
             assert torch.equal(a[key], b[key]), key
 

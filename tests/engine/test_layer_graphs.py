@@ -79,6 +79,7 @@ def test_static_copies_once_per_source():
         (["parallel.tp=2"], "parallel.tp=1 only"),
         (["model.recompute=true"], "model.recompute=true"),
         (["model=tiny_moe"], "mixture-of-experts"),
+        ([], "half precision"),  # the tiny model: float32, packed
     ],
 )
 def test_cuda_graphs_refuse_layouts_they_cannot_replay(overrides, needle):
@@ -88,6 +89,13 @@ def test_cuda_graphs_refuse_layouts_they_cannot_replay(overrides, needle):
         validate_cuda_graphs(cfg, cfg.model)
     assert needle in str(err.value) and "Fix:" in str(err.value)
     validate_cuda_graphs(composed(*overrides), cfg.model)  # off: nothing to refuse
+
+
+@pytest.mark.parametrize("overrides", [["model.dtype=bfloat16"], ["trainer.pack_sequences=false"]])
+def test_cuda_graphs_take_half_precision_or_padded_rows(overrides):
+    cfg = composed("trainer.cuda_graphs=true", *overrides)
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cuda"))
+    validate_cuda_graphs(cfg, cfg.model)
 
 
 def test_cpu_layers_pass_through(groups):

@@ -170,18 +170,22 @@ def _compare(mask, eager, again_loss, again_grads, graph) -> tuple[float, float]
 
 def test_long_tailed_micro_batches_replay_under_one_layout(cuda_groups, monkeypatch):
     """Rows of 25 to 64 tokens grouped by width: as packed alone every micro-batch is a shape of its own;
-    padded to one layout per call (`one_shape`, as trainer_batcher with trainer.cuda_graphs) the call is one
-    signature: captured on its second micro-batch, replayed from the third, equal to eager on the same layout,
-    and close to eager on the unpadded layout (bf16: the layouts differ in GEMM shapes, so in rounding)."""
+    padded to one layout per call (`shapes="graphs"`, as trainer_batcher with trainer.cuda_graphs; the last,
+    small micro-batch keeps its own shape) the call is one signature: captured on its second micro-batch,
+    replayed from the third, equal to eager on the same layout, and close to eager on the unpadded layout
+    (bf16: the layouts differ in GEMM shapes, so in rounding)."""
     from engine.models import packed_attention
 
     monkeypatch.setattr(packed_attention, "RECURRING", packed_attention.RecurringShapes())
     role = _role(cuda_groups)
     exp, mask = _experience(40, seed=2, long_tailed=True)
-    one = MicroBatcher(4, 0, seq_multiple=1, device=cuda_groups.device, pack=True, one_shape=True)
+    one = MicroBatcher(4, 0, seq_multiple=1, device=cuda_groups.device, pack=True, shapes="graphs")
     free = MicroBatcher(4, 0, seq_multiple=1, device=cuda_groups.device, pack=True)
     layouts = [mb["tokens"].shape[1] for mb in free(exp, torch.arange(exp.num_rows))]
     assert len(set(layouts)) > 2 and len(layouts) >= 5, layouts  # more shapes than MAX_SHAPES
+    padded = [mb["tokens"].shape[1] for mb in one(exp, torch.arange(exp.num_rows))]
+    calls = padded.count(max(padded))  # the rest (the last, small one) keep their own shape: eager
+    assert calls >= 4 and len(set(padded)) == len(padded) - calls + 1, padded
 
     free_logp = forward_rows(role, exp, log_prob_fn, "log_probs", free)
     eager_logp = forward_rows(role, exp, log_prob_fn, "log_probs", one)
@@ -191,7 +195,6 @@ def test_long_tailed_micro_batches_replay_under_one_layout(cuda_groups, monkeypa
     role.use_cuda_graphs()
     graphs = role.layer_graphs
     graph_logp = forward_rows(role, exp, log_prob_fn, "log_probs", one)
-    calls = len(layouts)
     assert graphs.captured == LAYERS and graphs.replayed == LAYERS * (calls - 2), (graphs.captured, calls)
     graph_loss, graph_grads = _update(role, exp, mask, one)
     assert graphs.replayed == 2 * LAYERS * (calls - 2)

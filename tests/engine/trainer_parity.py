@@ -122,8 +122,7 @@ def packing_parity(
     differences over all ranks (gradients and losses relative to their scale) and both token counts.
     `budget` 0, as the trainer's `trainer_batcher`: padded micro-batches of 4 rows; packed ones grouped up to
     4 x the batch's width in tokens, or under the interleaved schedule (parallel.vpp > 1) 4 rows padded to one
-    layout per call; `one_layout` pads packed micro-batches to one layout per call everywhere (as the layers'
-    CUDA graphs do)."""
+    layout per call; `one_layout` pads packed micro-batches as for the layers' CUDA graphs (`shapes="graphs"`)."""
     from dataclasses import replace
 
     import torch.distributed as dist
@@ -165,16 +164,8 @@ def packing_parity(
         multiple = groups.dims.seq_multiple
         results = {}
         for name, pack in (("padded", False), ("packed", True)):
-            in_order = pack and groups.dims.vpp > 1
-            batcher = MicroBatcher(
-                4,
-                budget,
-                multiple,
-                groups.device,
-                pack=pack,
-                one_shape=in_order or (pack and one_layout),
-                in_order=in_order,
-            )
+            shapes = "one" if groups.dims.vpp > 1 else "graphs" if one_layout else "free"
+            batcher = MicroBatcher(4, budget, multiple, groups.device, pack=pack, shapes=shapes)
             got = {
                 key: forward_rows(c.actor, exp, _stats_fn, key, batcher, 0.8)
                 for key in ("log_probs", "entropy")
