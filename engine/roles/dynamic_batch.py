@@ -45,10 +45,11 @@ row, and one count of segments (rows plus padding pseudo-rows); each micro-batch
 over its pseudo-rows, each 1 to `max_seqlen` tokens (no zero-length rows, which not every attention kernel
 takes; short pseudo-rows keep the padding's attention cheap). Equal rows stay equal: a fixed-length call's
 last, smaller micro-batch is padded with pseudo-rows as long as its rows. For the graphs only micro-batches
-of at least half the largest one's tokens are padded; smaller ones (under first-fit, the call's last one or
-two) keep their own shape and run eagerly, once: padding them could cost more GPU time than their launches
-(35k-token micro-batches at 1.5B: ~1 s for a nearly empty last one). First-fit grouping leaves the others
-within a row of the budget, so the padding stays small (measured in `perf/padding_fraction`).
+of at least `GRAPH_FILL` of the largest one's tokens are padded: first-fit grouping leaves all but the call's
+last one or two within a row of the budget, so the padding stays small (`perf/padding_fraction`); smaller
+ones keep their own shape and run eagerly, once, since padding them can cost more GPU time than their
+launches (one H200, 1.5B, long tail to 4,096, 24 micro-batches of ~34.8k tokens: a last one of 17.8k padded
+to 34.9k made the update 2.3% slower, where the graphs' memory guard kept every layer eager anyway).
 The loss normaliser contract of engine/roles/policy.py makes the update independent of how rows are split.
 `MicroBatcher.token_counts` adds up real and processed (padded) tokens and micro-batches for
 `perf/padding_fraction` and `perf/tokens_per_micro_batch`.
@@ -226,6 +227,10 @@ def _packed_micro_batch(
 SHAPES = ("free", "one", "graphs")
 """`MicroBatcher`'s choices of packed micro-batch shapes within a call (its docstring)."""
 
+GRAPH_FILL = 0.875
+"""`shapes="graphs"`: the share of the call's largest micro-batch's tokens from which a micro-batch is padded
+to the call's layout (module docstring)."""
+
 
 class MicroBatcher:
     """Cuts rows of an Experience into micro-batch dicts (`tokens`, `positions` (b, s), `response_index`,
@@ -234,8 +239,8 @@ class MicroBatcher:
     `packed_seq_params`, `row_starts`, `row_lengths` are added. `shapes` (packed, module docstring): "free"
     each micro-batch its own layout; "one" (the interleaved schedule's) `micro_batch_size` rows in order
     without a budget and every micro-batch of a call in one layout (`one_layout`: t, segments, max_seqlen);
-    "graphs" (the layers' CUDA graphs') grouped as "free", then the micro-batches of at least half the
-    largest one's tokens in one layout."""
+    "graphs" (the layers' CUDA graphs') grouped as "free", then the micro-batches of at least `GRAPH_FILL`
+    of the largest one's tokens in one layout."""
 
     def __init__(
         self,
@@ -275,7 +280,7 @@ class MicroBatcher:
             if self.shapes != "free" and groups:
                 totals = [int(lengths[g].sum()) for g in groups]
                 if self.shapes == "graphs":  # smaller micro-batches keep their own shape
-                    even = [k for k, total in enumerate(totals) if 2 * total >= max(totals)]
+                    even = [k for k, total in enumerate(totals) if total >= GRAPH_FILL * max(totals)]
                 layout = one_layout([lengths[groups[k]].tolist() for k in even], self.seq_multiple)
             out = [
                 _packed_micro_batch(

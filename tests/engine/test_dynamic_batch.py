@@ -11,6 +11,7 @@ import torch
 from trainer_parity import dynamic_batch_parity, packing_parity, skewed_experience
 
 from engine.roles.dynamic_batch import (
+    GRAPH_FILL,
     MicroBatcher,
     _padding_rows,
     one_layout,
@@ -111,7 +112,7 @@ def test_packed_micro_batches_lay_rows_back_to_back(budget):
 @pytest.mark.parametrize("shapes", ["one", "graphs"])  # the interleaved schedule's; the CUDA graphs'
 def test_packed_micro_batches_padded_to_one_layout(multiple, shapes):
     """`shapes="one"`: every packed micro-batch of a call (4 rows in order) has one (t, segments, max_seqlen);
-    "graphs": those of at least half the largest one's tokens (grouped by width), the others as "free". The
+    "graphs": those of at least GRAPH_FILL of the largest one's tokens (grouped by width), the others as "free". The
     rows as without it, the padding split into pseudo-rows of 1 to max_seqlen tokens after them."""
     exp = skewed_experience(0, 28, 12, vocab=50, pad_id=0)
     lengths = exp.prompt_lens + exp.response_mask.sum(-1).long()
@@ -130,13 +131,13 @@ def test_packed_micro_batches_padded_to_one_layout(multiple, shapes):
     longest = int(lengths.max())
     totals = [int(lengths[mb["rows"]].sum()) for mb in free]
     t = max(mb["tokens"].shape[1] for mb in free)
-    padded = [shapes == "one" or 2 * total >= max(totals) for total in totals]
+    padded = [shapes == "one" or total >= GRAPH_FILL * max(totals) for total in totals]
     first = same[padded.index(True)]
     assert sum(padded) >= 2 and (shapes == "one" or not all(padded))  # "graphs": the last one is small
     for a, b, total, pad in zip(free, same, totals, padded):
         assert torch.equal(a["rows"], b["rows"])
         if not pad:  # small: its own shape
-            assert 2 * total < max(totals) and torch.equal(a["tokens"], b["tokens"])
+            assert total < GRAPH_FILL * max(totals) and torch.equal(a["tokens"], b["tokens"])
             pa, pb = a["packed_seq_params"], b["packed_seq_params"]
             assert torch.equal(pa.cu_seqlens_q, pb.cu_seqlens_q) and pa.max_seqlen_q == pb.max_seqlen_q
             continue
