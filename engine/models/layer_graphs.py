@@ -318,16 +318,22 @@ class LayerGraphs:
 
     def _may_capture(self, sig: tuple, device: torch.device) -> bool:
         """Whether `sig` is (or may now be) captured: at most `max_shapes` signatures, a new one only where
-        the device has CAPTURE_MEMORY x its eager forward's kept memory free, once the allocator's cache is
-        emptied (an eager micro-batch's freed blocks stay reserved outside the graphs' pool otherwise)."""
+        the device has CAPTURE_MEMORY x its eager forward's kept memory free, emptying the allocator's cache
+        first where it is short: a capture's allocations cannot take back the cache's blocks themselves
+        (an eager micro-batch's freed blocks stay reserved outside the graphs' pool). Not emptied where not
+        needed: the blocks the rollout and the update reuse would go back to the driver and be allocated
+        again (one H200, 0.5B, long tail to 1,024: generation 0.17-0.29 s slower per step in 3 of 3 pairs of
+        runs with the cache emptied before every call's capture)."""
         if sig in self.pools:
             return True
         if sig in self.eager or len(self.pools) >= self.max_shapes:
             return False
-        torch.cuda.empty_cache()
-        if torch.cuda.mem_get_info(device)[0] < CAPTURE_MEMORY * self.growth.get(sig, 0):
-            self.eager.add(sig)
-            return False
+        need = CAPTURE_MEMORY * self.growth.get(sig, 0)
+        if torch.cuda.mem_get_info(device)[0] < need:
+            torch.cuda.empty_cache()
+            if torch.cuda.mem_get_info(device)[0] < need:
+                self.eager.add(sig)
+                return False
         return True
 
     def _shared_static(self, sig: tuple, name: str, field: str | None, t: torch.Tensor) -> _Static:

@@ -163,7 +163,8 @@ def test_capture_policy_second_micro_batch_max_shapes_and_memory(groups, monkeyp
     monkeypatch.setattr(layer_graphs, "_on_cuda", lambda t: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(allocated))
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    emptied = []  # the cache is emptied only where the free memory is short
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(free[0]))
     free = [100]
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 1000))
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
@@ -189,6 +190,7 @@ def test_capture_policy_second_micro_batch_max_shapes_and_memory(groups, monkeyp
     free[0] = 20 * layer_graphs.CAPTURE_MEMORY - 1  # less than CAPTURE_MEMORY x a forward's kept 20
     micro_batch(5, grad=True), micro_batch(5, grad=True)
     assert graphs.captured == 4 and graphs.eager and not graphs.pools  # too little memory: eager
+    assert emptied == [free[0]]  # emptied once, where short, before giving up
     graphs.release()
     free[0] = 20 * layer_graphs.CAPTURE_MEMORY
     assert graphs.counts_since_last() == (4 * 2 + 4, 4, 2)  # (eager, captured, replayed) layer calls
