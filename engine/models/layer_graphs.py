@@ -322,8 +322,9 @@ class LayerGraphs:
         first where it is short: a capture's allocations cannot take back the cache's blocks themselves
         (an eager micro-batch's freed blocks stay reserved outside the graphs' pool). Not emptied where not
         needed: the blocks the rollout and the update reuse would go back to the driver and be allocated
-        again (one H200, 0.5B, long tail to 1,024: generation 0.17-0.29 s slower per step in 3 of 3 pairs of
-        runs with the cache emptied before every call's capture)."""
+        again. (One H200, 0.5B, long tail to 1,024, the cache emptied before every call's capture: generation
+        0.17-0.29 s slower per step than without graphs in 3 of 3 pairs of runs; this change is the suspected
+        remedy, not yet measured.)"""
         if sig in self.pools:
             return True
         if sig in self.eager or len(self.pools) >= self.max_shapes:
