@@ -134,13 +134,8 @@ def test_layers_from_cuda_graphs_match_eager(cuda_groups, cudnn_from_call, monke
     left = torch.cuda.memory_allocated() - before
     assert second_loss == graph_loss
 
-    worst, logp_diff = _compare(
-        mask,
-        (eager_logp, eager_loss, eager_grads),
-        again_loss,
-        again_grads,
-        (graph_logp, graph_loss, graph_grads),
-    )
+    eager = (eager_logp, eager_loss, eager_grads)
+    worst, logp_diff = _compare(mask, eager, (again_loss, again_grads), (graph_logp, graph_loss, graph_grads))
     assert held > 0 and left <= 0, (held, left)
     print(
         f"log-prob diff {logp_diff:.3g}; largest gradient diff / scale {worst:.3g}; "
@@ -148,10 +143,11 @@ def test_layers_from_cuda_graphs_match_eager(cuda_groups, cudnn_from_call, monke
     )
 
 
-def _compare(mask, eager, again_loss, again_grads, graph) -> tuple[float, float]:
-    """Graphs against eager (the module docstring's tolerances): (largest gradient diff / scale, log-prob
-    diff)."""
+def _compare(mask, eager, again, graph) -> tuple[float, float]:
+    """Graphs against eager (the module docstring's tolerances), each (log-probs, loss, gradients); `again`:
+    a second eager update's (loss, gradients). Returns (largest gradient diff / scale, log-prob diff)."""
     (eager_logp, eager_loss, eager_grads), (graph_logp, graph_loss, graph_grads) = eager, graph
+    again_loss, again_grads = again
     logp_diff = float((graph_logp - eager_logp)[mask.bool()].abs().max())
     assert logp_diff <= 1e-6, logp_diff
     assert float(eager_logp[mask.bool()].abs().max()) > 0.1  # the comparison is not of zeros
@@ -200,13 +196,8 @@ def test_long_tailed_micro_batches_replay_under_one_layout(cuda_groups, monkeypa
     assert graphs.replayed == 2 * LAYERS * (calls - 2)
     role.release_graphs()
 
-    worst, logp_diff = _compare(
-        mask,
-        (eager_logp, eager_loss, eager_grads),
-        again_loss,
-        again_grads,
-        (graph_logp, graph_loss, graph_grads),
-    )
+    eager = (eager_logp, eager_loss, eager_grads)
+    worst, logp_diff = _compare(mask, eager, (again_loss, again_grads), (graph_logp, graph_loss, graph_grads))
     layout_diff = float((free_logp - eager_logp)[mask.bool()].abs().max())
     assert layout_diff <= 0.05, layout_diff  # bf16 rounding of log-probs near -6 (an ulp there: 0.03)
     print(
