@@ -225,3 +225,26 @@ def test_pipeline_rows_fill_micro_batches_and_the_interleaved_count(pp, vpp):
         assert (rows[num_rows:] == num_rows - 1).all()
         assert count == -(-num_rows // 5) or (vpp > 1 and count % pp == 0 and count - pp < -(-num_rows // 5))
         assert vpp == 1 or count % pp == 0
+
+
+@pytest.mark.parametrize(
+    "overrides,vpp,shapes",
+    [
+        ((), 1, "free"),
+        (("trainer.cuda_graphs=true", "model.dtype=bfloat16"), 1, "graphs"),
+        ((), 2, "one"),
+        (("trainer.pack_sequences=false", "trainer.cuda_graphs=true"), 1, "graphs"),  # padded: unused
+    ],
+)
+def test_trainer_batcher_shapes(overrides, vpp, shapes):
+    """The trainer's micro-batch shapes: one layout per call for the interleaved schedule (rows in order) and
+    for the layers' CUDA graphs, each micro-batch its own otherwise."""
+    from config_compose import composed
+
+    from engine.roles.dynamic_batch import trainer_batcher
+    from parallel.dims import ParallelDims
+
+    cfg = composed(*overrides)
+    dims = ParallelDims(world_size=2 * vpp if vpp > 1 else 1, pp=2 if vpp > 1 else 1, vpp=vpp)
+    batcher = trainer_batcher(cfg.trainer, dims, torch.device("cpu"))
+    assert batcher.shapes == shapes and batcher.fixed_rows == (shapes == "one" or not batcher.pack)
