@@ -49,7 +49,7 @@ of at least `GRAPH_FILL` of the largest one's tokens are padded: first-fit group
 last one or two within a row of the budget, so the padding stays small (`perf/padding_fraction`); smaller
 ones keep their own shape and run eagerly, once, since padding them can cost more GPU time than their
 launches (one H200, 1.5B, long tail to 4,096, 24 micro-batches of ~34.8k tokens: a last one of 17.8k padded
-to 34.9k made the update 2.3% slower, where the graphs' memory guard kept every layer eager anyway).
+to 34.9k made the update 2.4% slower, where the graphs' memory guard kept every layer eager anyway).
 The loss normaliser contract of engine/roles/policy.py makes the update independent of how rows are split.
 `MicroBatcher.token_counts` adds up real and processed (padded) tokens and micro-batches for
 `perf/padding_fraction` and `perf/tokens_per_micro_batch`.
@@ -276,12 +276,12 @@ class MicroBatcher:
             size = self.micro_batch_size
             groups = [list(range(i, min(i + size, len(rows)))) for i in range(0, len(rows), size)]
         if self.pack:
-            layout, even = None, range(len(groups))
+            layout, in_layout = None, range(len(groups))
             if self.shapes != "free" and groups:
                 totals = [int(lengths[g].sum()) for g in groups]
                 if self.shapes == "graphs":  # smaller micro-batches keep their own shape
-                    even = [k for k, total in enumerate(totals) if total >= GRAPH_FILL * max(totals)]
-                layout = one_layout([lengths[groups[k]].tolist() for k in even], self.seq_multiple)
+                    in_layout = [k for k, total in enumerate(totals) if total >= GRAPH_FILL * max(totals)]
+                layout = one_layout([lengths[groups[k]].tolist() for k in in_layout], self.seq_multiple)
             out = [
                 _packed_micro_batch(
                     exp,
@@ -290,7 +290,7 @@ class MicroBatcher:
                     self.seq_multiple,
                     keys,
                     self.device,
-                    layout if k in even else None,
+                    layout if k in in_layout else None,
                 )
                 for k, g in enumerate(groups)
             ]
