@@ -73,10 +73,10 @@ class TrainerConfig:
     off_policy_steps: int = 0
     """placement.mode=split: how many steps the rollout may run ahead of the update (0 = on-policy, the same
     results as colocated)."""
-    cuda_graphs: bool = False
-    """Run the transformer layers' forward and backward from CUDA graphs (engine/models/layer_graphs.py; packed
-    micro-batches padded to one shape per call: roles/dynamic_batch.py): no host launch time where small ones
-    are bound by it. CUDA, bf16/fp16 if packed, pp=1 and tp=1, no recompute or MoE."""
+    cuda_graphs: bool | None = None
+    """The transformer layers' forward and backward from CUDA graphs (engine/models/layer_graphs.py): no host
+    launch time for small micro-batches. Needs CUDA, pp=1, tp=1, no recompute or MoE, half precision if packed
+    (true is refused otherwise). Empty (null) = on where that holds in bfloat16 without a token budget."""
 
 
 @dataclass

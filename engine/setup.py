@@ -31,6 +31,8 @@ from engine.roles.router_replay import RouterReplay
 from engine.rollout import build_rollout_engine
 from engine.rollout.base import RolloutEngine
 from engine.tasks.embedded import build_embedded_tokenizer, write_embedded_dataset
+from engine.validate.built import built_model
+from engine.validate.run import layer_graphs_on
 from parallel.dims import ParallelDims
 from parallel.expert_gather import ExpertGather
 from parallel.hybrid_engine import HybridEngine
@@ -326,7 +328,7 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
     if cfg.reward.model_path:
         reward_model = build_reward_model(cfg, len(tokenizer), groups, tokenizer.pad_token_id)
     _variable_shapes([actor, reference, critic, reward_model and reward_model.role], cfg, dims)
-    if cfg.trainer.cuda_graphs:  # engine/models/layer_graphs.py
+    if layer_graphs_on(cfg, built_model(cfg)):  # engine/models/layer_graphs.py
         for role in (actor, reference, critic):
             if role is not None:
                 role.use_cuda_graphs()

@@ -32,16 +32,18 @@ def errors_only() -> None:
     logging.getLogger("megatron").setLevel(logging.ERROR)
 
 
-def kernels_line(device_type: str) -> str:
-    """One line naming the kernels the training forward/backward and the optimizer use on `device_type`."""
+def kernels_line(device_type: str, layer_graphs: bool = False) -> str:
+    """One line naming the kernels the training forward/backward and the optimizer use on `device_type`, and
+    whether the layers run from CUDA graphs (`layer_graphs`: engine/validate/run.py `layer_graphs_on`)."""
     te = importlib.util.find_spec("transformer_engine") is not None
     if device_type == "cuda":
+        graphs = "from CUDA graphs" if layer_graphs else "eager"
         parts = [
-            "attention torch SDPA (flash / cuDNN)",
-            "RMSNorm torch fused",
-            "RoPE compiled",
+            "attention FlashAttention-2 / cuDNN (torch)",
+            "RMSNorm, RoPE and SwiGLU Triton",
             "output head fused and chunked",
             "Adam torch fused",
+            f"layers {graphs} (trainer.cuda_graphs)",
         ]
     else:
         parts = ["attention torch SDPA", "RMSNorm torch", "RoPE eager", "output head chunked", "Adam torch"]

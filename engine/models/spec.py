@@ -46,8 +46,9 @@ class Fusions:
     `F.rms_norm` then times the weight: float32 inside, the normalised row rounded once to the input dtype, then
     times the weight in the input dtype, as Hugging Face; off = the six-op float32 chain."""
     rope: bool = True
-    """RoPE of q and k as one torch.compile'd kernel each on CUDA (eager elsewhere), plugged into megatron's
-    `apply_rope_fusion`; off = megatron's unfused RoPE (about five elementwise passes each way)."""
+    """RoPE of q and k as one Triton kernel each way on CUDA (engine/models/triton_rope.py; compiled where it
+    does not apply, eager on CPU), plugged into megatron's `apply_rope_fusion`; off = megatron's unfused RoPE
+    (about five elementwise passes each way)."""
     wgrad: bool = True
     """On CUDA, the linear layers' weight gradients summed into the float32 `main_grad` by their GEMM
     (megatron's `gradient_accumulation_fusion`, engine/models/wgrad.py); off = a bf16 gradient, then a

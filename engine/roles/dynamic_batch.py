@@ -315,16 +315,19 @@ def micro_batch_shapes_vary(t: TrainerConfig, vpp: int) -> bool:
     return t.max_tokens_per_micro_batch > 0 or (packs_sequences(t) and vpp == 1)
 
 
-def trainer_batcher(t: TrainerConfig, dims: ParallelDims, device: torch.device) -> MicroBatcher:
+def trainer_batcher(
+    t: TrainerConfig, dims: ParallelDims, device: torch.device, graphs: bool = False
+) -> MicroBatcher:
     """The MicroBatcher of the trainer's config `t` on a rank of layout `dims`: `micro_batch_size` rows
     (packed: their tokens at the batch's width) or a token budget, packed unless
     trainer.pack_sequences=false; one layout per call under the interleaved pipeline schedule (rows in order)
-    and with the layers' CUDA graphs (trainer.cuda_graphs: one graph signature per call)."""
+    and where the roles run their layers from CUDA graphs (`graphs`: engine/validate/run.py `layer_graphs_on`;
+    one graph signature per call)."""
     return MicroBatcher(
         t.micro_batch_size,
         t.max_tokens_per_micro_batch,
         seq_multiple=dims.seq_multiple,
         device=device,
         pack=packs_sequences(t),
-        shapes="one" if dims.vpp > 1 else "graphs" if t.cuda_graphs else "free",
+        shapes="one" if dims.vpp > 1 else "graphs" if graphs else "free",
     )

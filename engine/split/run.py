@@ -18,7 +18,9 @@ from engine.config import TrainConfig
 from engine.metrics import run_header
 from engine.startup import kernels_line
 from engine.tools.plot import plot_at_end
+from engine.validate.built import built_model
 from engine.validate.placement import critic_dims
+from engine.validate.run import layer_graphs_on
 from parallel.dims import ParallelDims
 from parallel.launch import explain_rank_failures
 from parallel.rollout_weights import global_param_names
@@ -65,7 +67,7 @@ def run_split(
                         + _critic_line(critic, dims.world_size),
                         flush=True,
                     )
-                    print(kernels_line(device.type), flush=True)
+                    print(kernels_line(device.type, layer_graphs_on(cfg, built_model(cfg))), flush=True)
                 if groups is None:
                     _serve(cfg, layout, rank, everyone, device, output_dir)
                 elif side == "critic":

@@ -228,17 +228,18 @@ def test_pipeline_rows_fill_micro_batches_and_the_interleaved_count(pp, vpp):
 
 
 @pytest.mark.parametrize(
-    "overrides,vpp,shapes",
+    "overrides,vpp,graphs,shapes",
     [
-        ((), 1, "free"),
-        (("trainer.cuda_graphs=true", "model.dtype=bfloat16"), 1, "graphs"),
-        ((), 2, "one"),
-        (("trainer.pack_sequences=false", "trainer.cuda_graphs=true"), 1, "graphs"),  # padded: unused
+        ((), 1, False, "free"),
+        ((), 1, True, "graphs"),
+        ((), 2, False, "one"),
+        ((), 2, True, "one"),  # validation refuses graphs with pp > 1; the interleaved layout wins regardless
+        (("trainer.pack_sequences=false",), 1, True, "graphs"),  # padded: unused
     ],
 )
-def test_trainer_batcher_shapes(overrides, vpp, shapes):
+def test_trainer_batcher_shapes(overrides, vpp, graphs, shapes):
     """The trainer's micro-batch shapes: one layout per call for the interleaved schedule (rows in order) and
-    for the layers' CUDA graphs, each micro-batch its own otherwise."""
+    where the layers run from CUDA graphs, each micro-batch its own otherwise."""
     from config_compose import composed
 
     from engine.roles.dynamic_batch import trainer_batcher
@@ -246,5 +247,5 @@ def test_trainer_batcher_shapes(overrides, vpp, shapes):
 
     cfg = composed(*overrides)
     dims = ParallelDims(world_size=2 * vpp if vpp > 1 else 1, pp=2 if vpp > 1 else 1, vpp=vpp)
-    batcher = trainer_batcher(cfg.trainer, dims, torch.device("cpu"))
+    batcher = trainer_batcher(cfg.trainer, dims, torch.device("cpu"), graphs)
     assert batcher.shapes == shapes and batcher.fixed_rows == (shapes == "one" or not batcher.pack)

@@ -14,7 +14,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from engine.config import ConfigError
 from engine.models import layer_graphs
-from engine.validate.run import validate_cuda_graphs
+from engine.validate.built import built_model
+from engine.validate.run import layer_graphs_on, validate_cuda_graphs
 
 
 def _params(cu: torch.Tensor, longest: int) -> PackedSeqParams:
@@ -98,6 +99,42 @@ def test_cuda_graphs_take_half_precision_or_padded_rows(overrides):
     validate_cuda_graphs(cfg, cfg.model)
 
 
+def _on_cuda(cfg):
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cuda"))
+
+
+@pytest.mark.parametrize(
+    "overrides,cuda,on",
+    [
+        (["model.dtype=bfloat16"], True, True),  # the default (null): on where nothing blocks it, in bf16
+        (["model.dtype=bfloat16"], False, False),  # CPU
+        ([], True, False),  # the tiny model's float32, packed
+        (["trainer.pack_sequences=false"], True, False),  # float32 padded: allowed, but only bf16 by default
+        (["model.dtype=float16"], True, False),  # loss scaling not yet run with graphs: only when asked
+        (["model.dtype=bfloat16", "parallel.tp=2"], True, False),
+        (["model.dtype=bfloat16", "parallel.pp=2"], True, False),
+        (["model.dtype=bfloat16", "model.recompute=true"], True, False),
+        (["model=tiny_moe", "model.dtype=bfloat16"], True, False),
+        (["model.dtype=bfloat16", "trainer.max_tokens_per_micro_batch=4096"], True, False),  # GPU-bound sizes
+        (
+            ["model.dtype=bfloat16", "trainer.max_tokens_per_micro_batch=4096", "trainer.cuda_graphs=true"],
+            True,
+            True,
+        ),
+        (["model.dtype=bfloat16", "trainer.cuda_graphs=false"], True, False),
+        (["model.dtype=float16", "trainer.cuda_graphs=true"], True, True),
+        (["trainer.pack_sequences=false", "trainer.cuda_graphs=true"], True, True),
+    ],
+)
+def test_layer_graphs_on_by_default_where_they_apply(overrides, cuda, on):
+    """trainer.cuda_graphs left empty turns the graphs on wherever validation would accept true, in bf16 with
+    micro-batches by rows (no token budget); elsewhere empty is quietly off (and validation passes)."""
+    cfg = composed(*overrides)
+    cfg = _on_cuda(cfg) if cuda else cfg
+    validate_cuda_graphs(cfg, built_model(cfg))
+    assert layer_graphs_on(cfg, built_model(cfg)) is on
+
+
 def test_cpu_layers_pass_through(groups):
     from engine.config import ModelConfig
     from engine.models.builder import build_gpt_chunks, resolve_shape
@@ -163,9 +200,10 @@ def test_capture_policy_second_micro_batch_max_shapes_and_memory(groups, monkeyp
     monkeypatch.setattr(layer_graphs, "_on_cuda", lambda t: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(allocated))
-    emptied = []  # the cache is emptied only where the free memory is short
+    emptied = []  # the cache is emptied only where the free memory is short and the cache would make it up
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(free[0]))
-    free = [100]
+    free, cached = [100], [0]
+    monkeypatch.setattr(layer_graphs, "_cached_bytes", lambda device: cached[0])
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 1000))
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
     _FakeGraph.made = []
@@ -190,9 +228,13 @@ def test_capture_policy_second_micro_batch_max_shapes_and_memory(groups, monkeyp
     free[0] = 20 * layer_graphs.CAPTURE_MEMORY - 1  # less than CAPTURE_MEMORY x a forward's kept 20
     micro_batch(5, grad=True), micro_batch(5, grad=True)
     assert graphs.captured == 4 and graphs.eager and not graphs.pools  # too little memory: eager
-    assert emptied == [free[0]]  # emptied once, where short, before giving up
+    assert emptied == []  # and the cache holds too little to make it up: not emptied
+    graphs.release()
+    cached[0] = 1  # free + cached is enough: emptied once (the stub frees nothing), then eager
+    micro_batch(5, grad=True), micro_batch(5, grad=True)
+    assert graphs.captured == 4 and graphs.eager and emptied == [free[0]]
     graphs.release()
     free[0] = 20 * layer_graphs.CAPTURE_MEMORY
-    assert graphs.counts_since_last() == (4 * 2 + 4, 4, 2)  # (eager, captured, replayed) layer calls
+    assert graphs.counts_since_last() == (4 * 2 + 2 * 4, 4, 2)  # (eager, captured, replayed) layer calls
     micro_batch(5, grad=True), micro_batch(5, grad=True)
     assert graphs.captured == 6 and graphs.counts_since_last() == (2, 2, 0)
