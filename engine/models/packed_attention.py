@@ -14,9 +14,11 @@ Three paths, each exact causal attention within a row; the first that applies ru
   run switches in its second step, a micro-batch whose equal rows are a rare shape (two samples of one prompt
   both cut at the limit) never pays a build.
 - On CUDA in bfloat16/float16 without dropout: FlashAttention-2 varlen through torch's aten ops, the key/value
-  groups as they are (the kernel maps each query head to its group; the backward sums a group's key/value
-  gradients inside the kernel). torch's `varlen_attn` before 2.13 has no `enable_gqa`, and repeating the
-  groups per query head cost a copy of k and v each way plus a reduction of their gradients.
+  groups as they are (the kernel maps each query head to its group; the backward writes key/value gradients
+  per query head and FlashAttention's wrapper then sums each group's: two bf16 reductions per layer, ~0.6%
+  of the 1.5B update's kernel time at 32,768-token micro-batches, `scripts/bench/results/
+  profile_update_1_5b_512x768_packed_h200.txt`). torch's `varlen_attn` before 2.13 has no `enable_gqa`, and
+  repeating the groups per query head cost a copy of k and v each way as well.
 - Elsewhere: SDPA row by row (one host sync for the row lengths).
 
 A padded micro-batch (trainer.pack_sequences=false) under a token budget is cut to its own longest row, so its

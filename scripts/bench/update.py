@@ -37,7 +37,9 @@ so every update gives both figures. Reported per variant (medians):
   time by kind: gemm, attention, triton (torch.compile), norm, elementwise, ...) and `gpu_busy_fraction`
   (kernel time / wall time, pessimistic under the profiler) go to the JSON; on CUDA also the host's side,
   CPU ops by self time in `<out>/profile_<variant>_host.txt`, `host_op_ms` (their summed self time) and
-  `host_ops` (ops dispatched in the update).
+  `host_ops` (ops dispatched in the update);
+- with `--log-ops N`: one more update under `profiling.OpLog`: every elementwise, copy and reduction op on a
+  tensor of >= N elements, by bytes, with its autograd node or calling frames, to `<out>/ops_<variant>.txt`.
 `fusion_check` (run first) compares each fused kernel with its reference chain on this device at the
 preset's sizes: max abs difference, share of elements that differ, each one's max error against float64.
 Results are written to `<out>/update.json` after every variant, so a run cut short keeps what finished.
@@ -62,7 +64,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from megatron.core import tensor_parallel  # noqa: E402
 from presets import model_config  # noqa: E402
-from profiling import kernel_table  # noqa: E402
+from profiling import OpLog, kernel_table  # noqa: E402
 from workload import KINDS, response_lengths  # noqa: E402
 
 from algorithms.losses import loss_normalizer
@@ -122,6 +124,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--recompute", action="store_true", help="full activation recompute (model.recompute)")
     ap.add_argument("--lr", type=float, default=1e-6, help="small: the weights barely move between updates")
     ap.add_argument("--profile", action="store_true", help="profile one more update per variant")
+    ap.add_argument("--log-ops", type=int, default=0, help="log one more update's data ops on >= N elements")
     ap.add_argument(
         "--cuda-graphs", action="store_true", help="the layers from CUDA graphs (trainer.cuda_graphs)"
     )
@@ -313,6 +316,13 @@ def measure_variant(name: str, shape: ModelShape, groups: ProcessGroups, batch_f
         path = os.path.join(args.out, f"profile_{name.replace('+', '_')}.txt")
         b = batch_for(args.warmup + args.iters)
         out.update(profile_update(role, b.mbs, b.loss_fn, device, path))
+    if args.log_ops:
+        out["ops"] = os.path.join(args.out, f"ops_{name.replace('+', '_')}.txt")
+        b = batch_for(args.warmup + args.iters)
+        log = OpLog(args.log_ops)
+        with log:
+            one_update(role, b.mbs, b.loss_fn, device)
+        log.write(out["ops"], f"one update ({len(b.mbs)} micro-batches)")
     del role, chunks
     gc.collect()
     if device.type == "cuda":

@@ -54,6 +54,8 @@ def test_update_bench_tiny_cpu(tmp_path):
         "--iters",
         "2",
         "--profile",
+        "--log-ops",
+        "1024",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # this checkout's engine
@@ -78,11 +80,13 @@ def test_update_bench_tiny_cpu(tmp_path):
     variants = result["variants"]
     none, fused, foreach = variants["none"], variants["all+fused_adam"], variants["all+foreach_adam"]
     for v in (none, fused, foreach):
-        assert set(v) == VARIANT_KEYS, set(v) ^ VARIANT_KEYS
+        assert set(v) == VARIANT_KEYS | {"ops"}, set(v) ^ VARIANT_KEYS
         assert v["update_s"] >= v["fwd_bwd_s"] > 0 and len(v["update_s_all"]) == 2
         assert v["tokens_all"] == [6 * 24] * 2 and v["first_update_s"] > 0
         assert v["mfu"] is None and v["skipped_steps"] == 0  # no MFU on CPU
         assert Path(v["profile"]).read_text().startswith("top 30 CPU ops")
+        ops = Path(v["ops"]).read_text()  # the residual adds (forward) and their gradients' (backward)
+        assert ops.startswith("ops of one update") and "bias_dropout_add" in ops and "Backward" in ops
     assert none["fusions"] == {"rms_norm": False, "rope": False, "wgrad": False}
     assert fused["fusions"] == {"rms_norm": True, "rope": True, "wgrad": True}
     assert (fused["adam"], foreach["adam"]) == ("fused", "foreach")
