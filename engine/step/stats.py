@@ -121,7 +121,8 @@ def perf_metrics(
     update's forwards), summed over DP: `perf/padding_fraction` (padding over the tokens processed) and
     `perf/tokens_per_micro_batch` (on a GPU, micro-batches of a few thousand tokens leave it waiting on the
     host's launches: scripts/bench/README.md, "Update"); where the layers run from CUDA graphs
-    (trainer.cuda_graphs), the share of the actor's layer calls this step replayed, `perf/cuda_graph_replayed_fraction`."""
+    (trainer.cuda_graphs), the share of the actor's layer calls this step replayed,
+    `perf/cuda_graph_replayed_fraction`."""
     g = c.groups
     graphs = c.actor.layer_graphs  # trainer.cuda_graphs
     graph_calls = graphs.counts_since_last() if graphs is not None else (0, 0, 0)

@@ -13,8 +13,8 @@ from engine.validate.rules import fail, one_of, positive
 
 
 def validate_cuda_graphs(cfg: TrainConfig, built: ModelConfig) -> None:
-    """trainer.cuda_graphs=true (engine/models/layer_graphs.py) where the layers' graphs cannot replay: refused,
-    naming the first reason (`layer_graphs_blockers`)."""
+    """trainer.cuda_graphs=true (engine/models/layer_graphs.py) where the layers' graphs cannot replay is
+    refused, naming the first reason (`layer_graphs_blockers`)."""
     if cfg.trainer.cuda_graphs:
         for rule, fix in layer_graphs_blockers(cfg, built)[:1]:
             fail("trainer.cuda_graphs", True, rule, fix)
