@@ -113,6 +113,19 @@ def later_fixed_runs(preset: str) -> list[tuple[str, dict]]:
     ]
 
 
+def default_fixed_runs(preset: str) -> list[tuple[str, dict]]:
+    """The trainer's default micro-batches (8 rows at the batch's width, no token budget) eager and with the
+    layers' CUDA graphs, the default since 979bb6f (e2e_h200_fixed_<size>_8_rows_auto_graphs_{eager,null}.json,
+    one call), as (label, e2e.py report)."""
+    size = preset.removeprefix("qwen2_5_")
+    out = []
+    for name, label in (("eager", "8 rows, eager"), ("null", "8 rows, graphs\n(the default)")):
+        path = os.path.join(HERE, f"e2e_h200_fixed_{size}_8_rows_auto_graphs_{name}.json")
+        if os.path.exists(path):
+            out.append((label, json.load(open(path))))
+    return out
+
+
 def fixed_panel(ax) -> None:
     """Per preset: ours with the native rollout and with vLLM's (the fastest run of each per GPU), split by
     phase, and TRL's whole step; in GPU-seconds per step (step time x GPUs), so that a 2-GPU run and a 1-GPU
@@ -131,7 +144,7 @@ def fixed_panel(ax) -> None:
             ticks.append(x)
             labels.append(f"ours, {backend}\n{preset.removeprefix('qwen2_5_')}\n({run['gpus']} GPU)")
             x += 1
-        for key, run in later_fixed_runs(preset):
+        for key, run in later_fixed_runs(preset) + default_fixed_runs(preset):
             ours_bar(ax, x, run, legend_done)
             ticks.append(x)
             labels.append(f"ours, native\n{preset.removeprefix('qwen2_5_')}\n({key})")
