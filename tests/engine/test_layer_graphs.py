@@ -73,6 +73,10 @@ def test_static_copies_once_per_source():
     assert static.tensor.tolist() == [0, 3, 6, 9]
 
 
+def _on_cuda(cfg):
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cuda"))
+
+
 @pytest.mark.parametrize(
     "overrides,needle",
     [
@@ -84,8 +88,7 @@ def test_static_copies_once_per_source():
     ],
 )
 def test_cuda_graphs_refuse_layouts_they_cannot_replay(overrides, needle):
-    cfg = composed("trainer.cuda_graphs=true", *overrides)
-    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cuda"))
+    cfg = _on_cuda(composed("trainer.cuda_graphs=true", *overrides))
     with pytest.raises(ConfigError, match="trainer.cuda_graphs=True") as err:
         validate_cuda_graphs(cfg, cfg.model)
     assert needle in str(err.value) and "Fix:" in str(err.value)
@@ -94,13 +97,8 @@ def test_cuda_graphs_refuse_layouts_they_cannot_replay(overrides, needle):
 
 @pytest.mark.parametrize("overrides", [["model.dtype=bfloat16"], ["trainer.pack_sequences=false"]])
 def test_cuda_graphs_take_half_precision_or_padded_rows(overrides):
-    cfg = composed("trainer.cuda_graphs=true", *overrides)
-    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cuda"))
+    cfg = _on_cuda(composed("trainer.cuda_graphs=true", *overrides))
     validate_cuda_graphs(cfg, cfg.model)
-
-
-def _on_cuda(cfg):
-    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cuda"))
 
 
 @pytest.mark.parametrize(
