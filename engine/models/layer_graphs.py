@@ -339,10 +339,9 @@ class LayerGraphs:
             return False
         need = CAPTURE_MEMORY * self.growth.get(sig, 0)
         free = torch.cuda.mem_get_info(device)[0]
-        if free < need:
-            if free + _cached_bytes(device) >= need:
-                torch.cuda.empty_cache()
-                free = torch.cuda.mem_get_info(device)[0]
+        if free < need <= free + _cached_bytes(device):
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info(device)[0]
         if free < need:
             self.eager.add(sig)
             return False
