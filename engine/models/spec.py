@@ -15,7 +15,8 @@ modules swapped in, and fused kernels where megatron's own need TransformerEngin
   RMSNorm with its weight as one Triton kernel each way on CUDA (torch's fused kernel elsewhere), and RoPE
   as one kernel each way through megatron's `apply_rope_fusion` hooks (sbhd, and thd for packed rows: angles
   gathered per token from its position in its row), which megatron otherwise fills from TransformerEngine only.
-  Both compute the same math as the chains they replace (tests/engine/test_spec_fusions.py states the
+  The QKV projection's bias is added by its GEMM (engine/models/bias_epilogue.py).
+  All compute the same math as the chains they replace (tests/engine/test_spec_fusions.py states the
   tolerances; the Triton kernels' parity: tests/engine/interpreted_triton.py, test_training_kernels.py).
 """
 
@@ -34,6 +35,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from engine.models import triton_rms_norm, triton_rope
+from engine.models.bias_epilogue import BiasInGemmColumnParallelLinear
 from engine.models.packed_attention import packed_attention, padded_attention
 
 
@@ -53,6 +55,9 @@ class Fusions:
     """On CUDA, the linear layers' weight gradients summed into the float32 `main_grad` by their GEMM
     (megatron's `gradient_accumulation_fusion`, engine/models/wgrad.py); off = a bf16 gradient, then a
     separate add (megatron's path without apex)."""
+    qkv_bias: bool = True
+    """The QKV projection's bias (Qwen-style models) added by its GEMM's epilogue
+    (engine/models/bias_epilogue.py); off = megatron's GEMM, then a broadcast add."""
 
 
 class SDPAAttention(MegatronModule):
@@ -261,7 +266,8 @@ def layer_spec(qk_norm: bool, fusions: Fusions | None = None, num_experts: int |
     (`SequentialMLP`), optional shared expert) in place of the dense MLP."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    norm = norm_spec(fusions or Fusions())
+    fusions = fusions or Fusions()
+    norm = norm_spec(fusions)
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_norm, normalization="RMSNorm"
     )
@@ -270,6 +276,8 @@ def layer_spec(qk_norm: bool, fusions: Fusions | None = None, num_experts: int |
     sub.pre_mlp_layernorm = norm
     attn = sub.self_attention.submodules
     attn.core_attention = SDPAAttention
+    if fusions.qkv_bias:
+        attn.linear_qkv = BiasInGemmColumnParallelLinear
     if qk_norm:
         attn.q_layernorm = norm
         attn.k_layernorm = norm

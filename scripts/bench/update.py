@@ -85,11 +85,13 @@ TINY_VOCAB = 512  # conf/model/tiny.yaml takes the tokenizer's vocabulary; the b
 KEYS = ("advantages", "rollout_log_probs")  # what the actor loss reads besides the tokens
 # name -> (fused kernels of the layer spec, AdamW kernel: None = whatever MegatronRole picks, or forced)
 VARIANTS = {
-    "none": (Fusions(rms_norm=False, rope=False, wgrad=False), None),
-    "rms_norm": (Fusions(rms_norm=True, rope=False, wgrad=False), None),
-    "rope": (Fusions(rms_norm=False, rope=True, wgrad=False), None),
-    "wgrad": (Fusions(rms_norm=False, rope=False, wgrad=True), None),
+    "none": (Fusions(rms_norm=False, rope=False, wgrad=False, qkv_bias=False), None),
+    "rms_norm": (Fusions(rms_norm=True, rope=False, wgrad=False, qkv_bias=False), None),
+    "rope": (Fusions(rms_norm=False, rope=True, wgrad=False, qkv_bias=False), None),
+    "wgrad": (Fusions(rms_norm=False, rope=False, wgrad=True, qkv_bias=False), None),
+    "qkv_bias": (Fusions(rms_norm=False, rope=False, wgrad=False, qkv_bias=True), None),
     "all-wgrad": (Fusions(wgrad=False), None),
+    "all-qkv_bias": (Fusions(qkv_bias=False), None),
     "all": (Fusions(), None),
     "all+fused_adam": (Fusions(), "fused"),
     "all+foreach_adam": (Fusions(), "foreach"),
