@@ -37,7 +37,6 @@ where the device has CAPTURE_MEMORY x its eager forward's kept memory free; the 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import weakref
@@ -45,6 +44,7 @@ import weakref
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from engine.cuda_capture import capturing_on
 from engine.models import packed_attention
 
 MAX_SHAPES = 2
@@ -367,21 +367,7 @@ class LayerGraphs:
             self.stream = torch.cuda.Stream()
         return self.stream
 
-    @contextlib.contextmanager
     def capturing(self, graph: torch.cuda.CUDAGraph, pool, source: torch.Tensor):
         """Capture into `graph` on the side stream (one stream for every capture: a backward runs on its
-        forward's stream), into its signature's `pool`. `capture_begin`/`capture_end`, not the
-        `torch.cuda.graph` context (its gc.collect() and empty_cache() on entry cost ~0.1 s, paid for every
-        layer's two captures). Capturing runs nothing: the caller replays."""
-        current = torch.cuda.current_stream(source.device)
-        side = self.side_stream
-        side.wait_stream(current)
-        try:
-            with torch.cuda.stream(side):
-                graph.capture_begin(pool=pool)
-                try:
-                    yield
-                finally:
-                    graph.capture_end()
-        finally:
-            current.wait_stream(side)
+        forward's stream), into its signature's `pool` (engine/cuda_capture.py)."""
+        return capturing_on(graph, pool, self.side_stream, source.device)

@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from engine.cuda_capture import capturing_on
+
 
 def batch_buckets(slots: int) -> list[int]:
     """Sorted batch sizes a graph is captured for, the largest being `slots`."""
@@ -82,11 +84,8 @@ class DecodeGraphs:
         return out
 
     def _capture(self, bucket: int, step: Callable[[int], torch.Tensor]):
-        """Warm up on a side stream (cuBLAS/NCCL state is set up outside the capture), then capture there.
-
-        `capture_begin`/`capture_end` rather than the `torch.cuda.graph` context: that one also runs
-        `gc.collect()` and `empty_cache()` on entry, ~0.1 s with a large Python heap, paid for every bucket
-        of every rollout (the graphs are re-captured whenever the weights move)."""
+        """Warm up on a side stream (cuBLAS/NCCL state is set up outside the capture), then capture there
+        (engine/cuda_capture.py)."""
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(current)
@@ -97,11 +96,6 @@ class DecodeGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self.device)
-        with torch.cuda.stream(side):
-            graph.capture_begin(pool=self._pool)
-            try:
-                out = step(bucket)
-            finally:
-                graph.capture_end()
-        current.wait_stream(side)
+        with capturing_on(graph, self._pool, side, self.device):
+            out = step(bucket)
         return graph, out
