@@ -63,7 +63,8 @@ class BiasInGemmColumnParallelLinear(ColumnParallelLinear):
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         bias = kwargs.get("bias")
-        if args or bias is None or kwargs.get("sequence_parallel") or kwargs.get("grad_output_buffer"):
+        deferred = kwargs.get("grad_output_buffer") is not None  # megatron's deferred weight gradients
+        if args or bias is None or kwargs.get("sequence_parallel") or deferred:
             return super()._forward_impl(input, weight, *args, **kwargs)
         if not torch.is_grad_enabled():
             return F.linear(input, weight, bias)

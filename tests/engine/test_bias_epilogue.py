@@ -104,3 +104,22 @@ def test_the_spec_builds_the_qkv_projection_with_the_fused_bias_unless_turned_of
     on = layer_spec(False).submodules.self_attention.submodules.linear_qkv
     off = layer_spec(False, Fusions(qkv_bias=False)).submodules.self_attention.submodules.linear_qkv
     assert on is BiasInGemmColumnParallelLinear and off is ColumnParallelLinear
+
+
+def test_deferred_weight_gradients_take_megatrons_path(groups):
+    """Where megatron's forward does more than the GEMM and its bias (here: weight gradients deferred into
+    `grad_output_buffer`, even an empty one), the layer leaves the call to megatron."""
+    config = _config(torch.float32, False)
+    layer = _layer(BiasInGemmColumnParallelLinear, config, groups, torch.randn(80, 48), torch.randn(80))
+    x = torch.randn(4, 2, 48, requires_grad=True)
+    common = dict(input=x, weight=layer.weight, bias=layer.bias, gradient_accumulation_fusion=False)
+    common.update(allreduce_dgrad=False, tp_group=layer.tp_group)
+    deferred = layer._forward_impl(
+        **common, sequence_parallel=False, grad_output_buffer=[], wgrad_deferral_limit=0
+    )
+    fused = layer._forward_impl(
+        **common, sequence_parallel=False, grad_output_buffer=None, wgrad_deferral_limit=None
+    )
+    assert type(deferred.grad_fn).__name__ == "LinearWithGradAccumulationAndAsyncCommunicationBackward"
+    assert type(fused.grad_fn).__name__ == "_LinearBiasInGemmBackward"
+    torch.testing.assert_close(deferred, fused, rtol=1e-5, atol=1e-5)
