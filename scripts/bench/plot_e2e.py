@@ -7,7 +7,8 @@ colocated vLLM (e2e_h200_long_tail_4096_1_5b.json; ours again after the Triton d
 e2e_h200_long_tail_4096_1_5b_sampler.json, and after the inverse-CDF draw and flash prefill,
 e2e_h200_long_tail_4096_1_5b_flash_prefill.json, and after the RMSNorm kernels,
 e2e_h200_long_tail_4096_1_5b_rmsnorm.json, and at 613a159, e2e_h200_long_tail_4096_1_5b_sourced.json); the
-fixed panel adds the 613a159 call's runs (e2e_h200_fixed_{0_5b,1_5b}_sourced.json). The long-tail panels mark
+fixed panel adds the 613a159 call's runs (e2e_h200_fixed_{0_5b,1_5b}_sourced.json), the trainer's default
+micro-batches, and ours and TRL measured in one call at b453d9a. The long-tail panels mark
 the issue's tight limit of the step (roofline.py: generation at the decode roofline + update at 70% MFU).
 
 pip install matplotlib && python scripts/bench/plot_e2e.py   # writes scripts/bench/results/e2e_h200.png
@@ -126,6 +127,17 @@ def default_fixed_runs(preset: str) -> list[tuple[str, dict]]:
     return out
 
 
+def same_call_pair(preset: str) -> tuple[dict, dict] | None:
+    """Ours (32,768-token budget, the QKV bias in its GEMM) and TRL `generate`, measured in one device call at
+    b453d9a (e2e_h200_fixed_<size>_qkv_bias_with_trl.json, trl_h200_fixed_<size>_same_call_qkv_bias.json)."""
+    size = preset.removeprefix("qwen2_5_")
+    ours = os.path.join(HERE, f"e2e_h200_fixed_{size}_qkv_bias_with_trl.json")
+    trl = os.path.join(HERE, f"trl_h200_fixed_{size}_same_call_qkv_bias.json")
+    if not (os.path.exists(ours) and os.path.exists(trl)):
+        return None
+    return json.load(open(ours)), json.load(open(trl))
+
+
 def fixed_panel(ax) -> None:
     """Per preset: ours with the native rollout and with vLLM's (the fastest run of each per GPU), split by
     phase, and TRL's whole step; in GPU-seconds per step (step time x GPUs), so that a 2-GPU run and a 1-GPU
@@ -152,7 +164,16 @@ def fixed_panel(ax) -> None:
         trl_bar(ax, x, trl[preset], legend_done)
         ticks.append(x)
         labels.append(f"TRL\n{preset.removeprefix('qwen2_5_')}\n(1 GPU)")
-        x += 2
+        x += 1
+        pair = same_call_pair(preset)
+        if pair is not None:
+            ours_bar(ax, x, pair[0], legend_done)
+            trl_bar(ax, x + 1, pair[1], legend_done)
+            ticks += [x, x + 1]
+            size = preset.removeprefix("qwen2_5_")
+            labels += [f"ours, native\n{size}\n(b453d9a)", f"TRL\n{size}\n(same call)"]
+            x += 2
+        x += 1
     ax.set_xticks(ticks, labels, fontsize=6)
     ax.set_ylabel("GPU-seconds per GRPO step (H200)")
     ax.set_title("fixed: 64 prompts x 8 responses, 256 + 512 tokens, bf16")
