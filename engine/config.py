@@ -54,8 +54,8 @@ class TrainerConfig:
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     """Any of console, jsonl, tensorboard, wandb."""
     micro_batch_size: int = 8
-    """Sequences per forward/backward micro-batch on each DP rank (when max_tokens_per_micro_batch is 0);
-    packed, rows share a micro-batch up to micro_batch_size x the batch's longest row tokens."""
+    """Sequences per micro-batch on each DP rank (max_tokens_per_micro_batch 0); packed, rows share one up to
+    micro_batch_size x the batch's longest row tokens, on CUDA capped by memory (engine/roles/memory_cap.py)."""
     max_tokens_per_micro_batch: int = 0
     """Token budget of a micro-batch (0 = off): rows sorted by length are grouped under it, each micro-batch
     packed (pack_sequences) or padded only to its own longest row; replaces micro_batch_size. Must fit the

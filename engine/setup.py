@@ -25,6 +25,7 @@ from engine.prompt_loader import PromptLoader
 from engine.rewards.build import build_reward_fn
 from engine.rewards.reward_fn import RewardFn
 from engine.roles.dynamic_batch import micro_batch_shapes_vary
+from engine.roles.memory_cap import trainer_token_cap
 from engine.roles.policy import MegatronRole
 from engine.roles.reward_model import RewardModel
 from engine.roles.router_replay import RouterReplay
@@ -82,6 +83,8 @@ class Components:
     """The frozen reward model; built only when reward.model_path is set."""
     episodes: EpisodeRunner | None = None
     """Multi-turn episodes with tools (rollout.multi_turn.enable), else None: single-turn rollouts."""
+    micro_batch_token_cap: int = 0
+    """Tokens per micro-batch by rows at most (engine/roles/memory_cap.py); 0: no cap."""
     split: TrainerLink | None = None
     """Split placement: the exchange with the rollout ranks (engine/split/link.py), else None."""
 
@@ -352,6 +355,8 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
         cfg.trainer.total_steps,
         cfg.trainer.progress_bar,
     )
+    roles = [actor, reference, critic, reward_model and reward_model.role]
+    token_cap = trainer_token_cap(cfg, shape, groups, roles)  # after every model: their memory is taken
     return Components(
         cfg=cfg,
         groups=groups,
@@ -370,6 +375,7 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
         critic=critic,
         reward_model=reward_model,
         episodes=episodes,
+        micro_batch_token_cap=token_cap,
     )
 
 

@@ -63,7 +63,8 @@ class Trainer:
         self.ref_offload = RoleOffloader(c.reference, ("params",), enabled=t.offload_reference)
         self.actor_optim_offload = RoleOffloader(c.actor, ("optimizer",), enabled=t.offload_optimizer)
         self.critic_optim_offload = RoleOffloader(c.critic, ("optimizer",), enabled=t.offload_optimizer)
-        self.batcher = trainer_batcher(t, c.groups.dims, c.groups.device, c.actor.layer_graphs is not None)
+        graphs = c.actor.layer_graphs is not None
+        self.batcher = trainer_batcher(t, c.groups.dims, c.groups.device, graphs, c.micro_batch_token_cap)
         self.last_experience: Experience | None = None
         """The latest step's experience on this rank (for inspection and tests)."""
         self.engine_stats: dict[str, float] = {}

@@ -250,10 +250,15 @@ class MicroBatcher:
         device: torch.device,
         pack: bool = False,
         shapes: str = "free",
+        token_cap: int = 0,
     ):
         if shapes not in SHAPES:
             raise ValueError(f"MicroBatcher: shapes={shapes!r}, not one of {SHAPES}")
         self.micro_batch_size, self.max_tokens = micro_batch_size, max_tokens
+        self.token_cap = 0 if max_tokens or shapes == "one" else token_cap
+        """Without a budget, the most tokens a micro-batch by rows may hold (engine/roles/memory_cap.py; 0:
+        none): packed rows are grouped under min(rows x width, cap), padded micro-batches take fewer rows.
+        Not under the interleaved schedule, whose micro-batch count must fit its groups."""
         self.seq_multiple, self.device, self.pack = seq_multiple, device, pack
         self.shapes = shapes
         self.fixed_rows = not max_tokens and (not pack or shapes == "one")
@@ -270,10 +275,14 @@ class MicroBatcher:
         full = exp.tokens.shape[1]
         lengths = exp.prompt_lens[rows] + response_lengths(exp.response_mask[rows])
         budget = self.max_tokens or (0 if self.fixed_rows else self.micro_batch_size * full)
+        if budget and self.token_cap:
+            budget = min(budget, self.token_cap)
         if budget:
             groups = pack_by_token_budget(lengths.tolist(), budget, self.seq_multiple, self.pack)
         else:
             size = self.micro_batch_size
+            if self.token_cap:  # padded rows at the batch's width
+                size = max(1, min(size, self.token_cap // full))
             groups = [list(range(i, min(i + size, len(rows)))) for i in range(0, len(rows), size)]
         if self.pack:
             layout, in_layout = None, range(len(groups))
@@ -316,13 +325,14 @@ def micro_batch_shapes_vary(t: TrainerConfig, vpp: int) -> bool:
 
 
 def trainer_batcher(
-    t: TrainerConfig, dims: ParallelDims, device: torch.device, graphs: bool = False
+    t: TrainerConfig, dims: ParallelDims, device: torch.device, graphs: bool = False, token_cap: int = 0
 ) -> MicroBatcher:
     """The MicroBatcher of the trainer's config `t` on a rank of layout `dims`: `micro_batch_size` rows
     (packed: their tokens at the batch's width) or a token budget, packed unless
     trainer.pack_sequences=false; one layout per call under the interleaved pipeline schedule (rows in order)
     and where the roles run their layers from CUDA graphs (`graphs`: engine/validate/run.py `layer_graphs_on`;
-    one graph signature per call)."""
+    one graph signature per call); without a budget, micro-batches of at most `token_cap` tokens (0: no cap;
+    engine/roles/memory_cap.py)."""
     return MicroBatcher(
         t.micro_batch_size,
         t.max_tokens_per_micro_batch,
@@ -330,4 +340,5 @@ def trainer_batcher(
         device=device,
         pack=packs_sequences(t),
         shapes="one" if dims.vpp > 1 else "graphs" if graphs else "free",
+        token_cap=token_cap,
     )

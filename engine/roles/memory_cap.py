@@ -1,0 +1,106 @@
+"""A cap on the tokens of the trainer's default micro-batches from the memory their activations would take.
+
+Without a token budget (`trainer.max_tokens_per_micro_batch=0`, the default) a micro-batch holds
+`trainer.micro_batch_size` rows at the batch's width (engine/roles/dynamic_batch.py): its tokens grow with the
+longest response, and the activations its backward keeps grow with them. At Qwen2.5-1.5B the layers keep
+~73 KB per token and layer, ~2 MB per token over its 28 layers, so 8 rows of 256 + 16,384 tokens (133k tokens)
+would need ~270 GB: out of memory on any GPU, where a 32k-token budget runs at a 92 GB peak on one H200
+(scripts/bench/README.md). The cap keeps
+that default from asking for more than `MEMORY_FRACTION` of the memory left once the models are built, at
+`activation_bytes_per_token`: it binds only where a micro-batch by rows would come near the device's limit
+(1.5B on one H200: past ~38k tokens, i.e. responses longer than ~4.5k tokens; 0.5B: past ~90k), and never
+where the user set a budget.
+
+`activation_bytes_per_token` counts what one token leaves saved in every layer of this rank for the backward,
+in the model's dtype: the two norms' inputs and outputs (4 x hidden; divided by TP under sequence
+parallelism), the query, key and value and the attention output (2 x query width + 2 x key/value width), and
+the MLP's two-branch input to SwiGLU and its output (3 x ffn; MoE: top-k routed experts' widths plus the
+shared expert, and the routed copies of the token); with full recompute, each layer's input plus one layer's
+full set. Measured against it (peak memory of a 32k-token micro-batch minus the states, one H200): 0.5B ~42 KB
+per token and layer against 40 KB counted, 1.5B ~71 KB against 73 KB. Under pipeline parallelism (1F1B) the
+first stage keeps as many micro-batches in flight as there are stages, of its share of the layers: all the
+layers' worth, as counted. The optimizer's AdamW states, allocated at its first step, are reserved first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.builder import ModelShape
+from parallel.dims import ParallelDims
+
+MEMORY_FRACTION = 0.7
+"""Share of the device's free memory (after the models, and the AdamW states to come) a micro-batch's
+activations may take; the rest covers the output head's chunks, the backward's temporaries and the
+allocator's fragmentation."""
+
+ADAM_STATE_BYTES = 8
+"""Two float32 moments per trainable parameter, allocated at the optimizer's first step."""
+
+
+def activation_bytes_per_token(shape: ModelShape, dims: ParallelDims, recompute: bool) -> int:
+    """Bytes of activations one token keeps for the backward on this rank (module docstring)."""
+    h, tp = shape.hidden_size, dims.tp
+    norms = 4 * h // (tp if dims.sp else 1)
+    attention = (2 * shape.num_attention_heads + 2 * shape.num_query_groups) * shape.head_dim // tp
+    if shape.moe is None:
+        mlp = 3 * shape.ffn_hidden_size // tp
+    else:
+        m = shape.moe
+        mlp = (3 * (m.top_k * m.ffn_hidden_size + m.shared_ffn_hidden_size) + 2 * m.top_k * h) // tp
+    per_layer = (norms + attention + mlp) * shape.dtype.itemsize
+    if recompute:
+        return shape.num_layers * h * shape.dtype.itemsize // (tp if dims.sp else 1) + per_layer
+    return shape.num_layers * per_layer
+
+
+def adam_state_reserve(roles: list, distributed_optimizer: bool, dp: int) -> int:
+    """Bytes the AdamW states of `roles` (MegatronRoles with an optimizer) will take on this rank: reserved
+    whether or not a restored checkpoint already allocated them (a smaller cap, never a larger one)."""
+    params = 0
+    for role in roles:
+        if role is None or getattr(role, "optimizer", None) is None:
+            continue
+        params += sum(p.numel() for m in role.models for p in m.parameters() if p.requires_grad)
+    return ADAM_STATE_BYTES * params // (dp if distributed_optimizer else 1)
+
+
+def memory_token_cap(free_bytes: int, reserve_bytes: int, bytes_per_token: int) -> int:
+    """Tokens per micro-batch whose activations fit `MEMORY_FRACTION` of `free_bytes` less `reserve_bytes`
+    (at least 1)."""
+    usable = max(0, free_bytes - reserve_bytes) * MEMORY_FRACTION
+    return max(1, int(usable // max(1, bytes_per_token)))
+
+
+def device_free_bytes(device: torch.device) -> int:
+    """The driver's free memory on `device` plus what the caching allocator holds unused."""
+    free = torch.cuda.mem_get_info(device)[0]
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def cap_line(cap: int, bytes_per_token: int, free_bytes: int, reserve_bytes: int, rows: int) -> str:
+    """The run's startup line about the cap."""
+    return (
+        f"micro-batches: {rows} rows at the batch's width (trainer.micro_batch_size), at most {cap:,} tokens "
+        f"each: {MEMORY_FRACTION:.0%} of {free_bytes / 2**30:.1f} GiB free, less "
+        f"{reserve_bytes / 2**30:.1f} GiB for AdamW's states, at ~{bytes_per_token / 2**10:,.0f} KiB of "
+        "activations per token (engine/roles/memory_cap.py; trainer.max_tokens_per_micro_batch sets a budget "
+        "instead)"
+    )
+
+
+def trainer_token_cap(cfg, shape: ModelShape, groups, roles: list) -> int:
+    """The cap for the trainer's micro-batcher (0: none): on CUDA, without a token budget, outside the
+    interleaved schedule; the smallest of every rank's (the ranks of a model replica must cut alike), and a
+    startup line on the logging rank. `roles`: every built role (the trainable ones reserve AdamW's states)."""
+    t, dims = cfg.trainer, groups.dims
+    if groups.device.type != "cuda" or t.max_tokens_per_micro_batch or dims.vpp > 1:
+        return 0
+    per_token = activation_bytes_per_token(shape, dims, cfg.model.recompute)
+    reserve = adam_state_reserve(roles, cfg.optim.distributed_optimizer, dims.dp)
+    free = device_free_bytes(groups.device)
+    cap = torch.tensor([memory_token_cap(free, reserve, per_token)], device=groups.device)
+    torch.distributed.all_reduce(cap, op=torch.distributed.ReduceOp.MIN, group=groups.world)
+    if groups.is_logging_rank:
+        print(cap_line(int(cap), per_token, free, reserve, t.micro_batch_size), flush=True)
+    return int(cap)

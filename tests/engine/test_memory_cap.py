@@ -1,0 +1,137 @@
+"""The memory cap on the trainer's default micro-batches (engine/roles/memory_cap.py, engine/roles/dynamic_batch.py).
+
+The activation count against hand-computed values at the Qwen2.5 shapes and against what one H200 measured
+(peak memory of one 32,256-token micro-batch less the model's states: 0.5B ~42 KB per token and layer, 1.5B
+~71 KB; scripts/bench/README.md), within 10%; the cap's arithmetic; the micro-batcher under a cap (packed rows
+grouped within it, padded micro-batches with fewer rows; a user's budget and the interleaved schedule's rows
+untouched); no cap on CPU or with a budget.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from trainer_parity import skewed_experience
+
+from engine.models.builder import ModelShape, MoEShape
+from engine.roles import memory_cap
+from engine.roles.dynamic_batch import MicroBatcher
+from parallel.dims import ParallelDims
+
+
+def _qwen(hidden, ffn, layers, heads, groups, head_dim, moe=None) -> ModelShape:
+    return ModelShape(
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        head_dim=head_dim,
+        vocab_size=151936,
+        padded_vocab_size=151936,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+        qkv_bias=True,
+        qk_norm=False,
+        tie_embeddings=True,
+        dtype=torch.bfloat16,
+        moe=moe,
+    )
+
+
+QWEN_0_5B = _qwen(896, 4864, 24, 14, 2, 64)
+QWEN_1_5B = _qwen(1536, 8960, 28, 12, 2, 128)
+
+
+def test_activation_bytes_hand_computed_and_near_the_measured():
+    one = ParallelDims(world_size=1)
+    # per layer: 4 x hidden (norms) + (2 x 14 + 2 x 2) x 64 (q, k, v, attention out) + 3 x 4864 (SwiGLU), bf16
+    assert memory_cap.activation_bytes_per_token(QWEN_0_5B, one, False) == 24 * 2 * (
+        4 * 896 + 32 * 64 + 3 * 4864
+    )
+    assert memory_cap.activation_bytes_per_token(QWEN_1_5B, one, False) == 28 * 2 * (
+        4 * 1536 + 28 * 128 + 3 * 8960
+    )
+    for shape, measured in ((QWEN_0_5B, 42e3), (QWEN_1_5B, 71e3)):
+        per_layer = memory_cap.activation_bytes_per_token(shape, one, False) / shape.num_layers
+        assert abs(per_layer - measured) <= 0.1 * measured
+
+
+def test_activation_bytes_under_tensor_parallelism_recompute_and_moe():
+    full = memory_cap.activation_bytes_per_token(QWEN_1_5B, ParallelDims(world_size=1), False)
+    tp2 = memory_cap.activation_bytes_per_token(QWEN_1_5B, ParallelDims(world_size=2, tp=2), False)
+    sp2 = memory_cap.activation_bytes_per_token(QWEN_1_5B, ParallelDims(world_size=2, tp=2, sp=True), False)
+    assert tp2 == 28 * 2 * (4 * 1536 + (28 * 128 + 3 * 8960) // 2)  # the norms' activations replicated
+    assert sp2 == full // 2
+    recompute = memory_cap.activation_bytes_per_token(QWEN_1_5B, ParallelDims(world_size=1), True)
+    assert recompute == 28 * 2 * 1536 + full // 28  # every layer's input, one layer's full set
+    moe = _qwen(
+        1024,
+        0,
+        4,
+        8,
+        2,
+        128,
+        MoEShape(num_experts=8, top_k=2, ffn_hidden_size=512, shared_ffn_hidden_size=1024),
+    )
+    per_layer = 4 * 1024 + 20 * 128 + 3 * (2 * 512 + 1024) + 2 * 2 * 1024
+    assert memory_cap.activation_bytes_per_token(moe, ParallelDims(world_size=1), False) == 4 * 2 * per_layer
+
+
+def test_cap_arithmetic_and_adam_reserve():
+    assert memory_cap.memory_token_cap(100_000, 0, 7) == int(100_000 * memory_cap.MEMORY_FRACTION // 7)
+    assert memory_cap.memory_token_cap(100_000, 40_000, 7) == int(60_000 * memory_cap.MEMORY_FRACTION // 7)
+    assert memory_cap.memory_token_cap(10, 40, 7) == 1  # never zero: a row goes alone
+    trained = types.SimpleNamespace(optimizer=object(), models=[torch.nn.Linear(10, 10)])  # 110 parameters
+    frozen = types.SimpleNamespace(optimizer=None, models=[torch.nn.Linear(10, 10)])
+    assert memory_cap.adam_state_reserve([trained, frozen, None], False, 4) == 8 * 110
+    assert memory_cap.adam_state_reserve([trained], True, 2) == 8 * 110 // 2  # sharded over data parallelism
+
+
+def _rows(mbs) -> list[int]:
+    return sorted(r for mb in mbs for r in mb["rows"].tolist())
+
+
+@pytest.mark.parametrize("cap", [40, 90, 10_000])
+def test_packed_rows_are_grouped_within_the_cap(cap):
+    exp = skewed_experience(1, 16, 12, vocab=50, pad_id=0)
+    width = exp.tokens.shape[1]
+    capped = MicroBatcher(4, 0, 1, torch.device("cpu"), pack=True, token_cap=cap)(exp, torch.arange(16))
+    plain = MicroBatcher(4, 0, 1, torch.device("cpu"), pack=True)(exp, torch.arange(16))
+    assert _rows(capped) == _rows(plain) == list(range(16))
+    lengths = exp.prompt_lens + exp.response_mask.sum(-1).long()
+    for mb in capped:
+        assert mb["tokens"].shape[1] <= max(min(4 * width, cap), int(lengths[mb["rows"]].max()))
+    if cap >= 4 * width:  # the cap does not bind: the same micro-batches
+        assert [mb["rows"].tolist() for mb in capped] == [mb["rows"].tolist() for mb in plain]
+    else:
+        assert len(capped) > len(plain)
+
+
+def test_padded_micro_batches_take_fewer_rows_under_the_cap():
+    exp = skewed_experience(2, 16, 12, vocab=50, pad_id=0)
+    width = exp.tokens.shape[1]
+    mbs = MicroBatcher(8, 0, 1, torch.device("cpu"), token_cap=3 * width + 1)(exp, torch.arange(16))
+    assert [mb["tokens"].shape for mb in mbs] == [(3, width)] * 5 + [(1, width)]
+    assert _rows(mbs) == list(range(16))
+    one = MicroBatcher(8, 0, 1, torch.device("cpu"), token_cap=1)(exp, torch.arange(16))
+    assert len(one) == 16  # a row alone when even one exceeds the cap
+
+
+def test_a_budget_or_the_interleaved_schedule_ignores_the_cap():
+    exp = skewed_experience(3, 16, 12, vocab=50, pad_id=0)
+    budget = MicroBatcher(4, 64, 1, torch.device("cpu"), pack=True, token_cap=20)
+    assert budget.token_cap == 0 and all(mb["tokens"].shape[1] <= 64 for mb in budget(exp, torch.arange(16)))
+    one = MicroBatcher(4, 0, 1, torch.device("cpu"), pack=True, shapes="one", token_cap=20)
+    assert one.token_cap == 0 and [len(mb["rows"]) for mb in one(exp, torch.arange(16))] == [4] * 4
+
+
+def test_no_cap_on_cpu_or_with_a_budget(groups):
+    from config_compose import composed
+
+    for overrides in ((), ("trainer.max_tokens_per_micro_batch=4096",)):
+        cfg = composed(*overrides)
+        assert memory_cap.trainer_token_cap(cfg, QWEN_0_5B, groups, []) == 0
