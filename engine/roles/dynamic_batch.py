@@ -257,7 +257,8 @@ class MicroBatcher:
         self.micro_batch_size, self.max_tokens = micro_batch_size, max_tokens
         self.token_cap = 0 if max_tokens or shapes == "one" else token_cap
         """Without a budget, the most tokens a micro-batch by rows may hold (engine/roles/memory_cap.py; 0:
-        none): packed rows are grouped under min(rows x width, cap), padded micro-batches take fewer rows.
+        none): packed rows are grouped under min(rows x width, cap), padded micro-batches take fewer rows (a
+        divisor of micro_batch_size: pipeline stages without shape exchange need one shape).
         Not under the interleaved schedule, whose micro-batch count must fit its groups."""
         self.seq_multiple, self.device, self.pack = seq_multiple, device, pack
         self.shapes = shapes
@@ -281,8 +282,10 @@ class MicroBatcher:
             groups = pack_by_token_budget(lengths.tolist(), budget, self.seq_multiple, self.pack)
         else:
             size = self.micro_batch_size
-            if self.token_cap:  # padded rows at the batch's width
-                size = max(1, min(size, self.token_cap // full))
+            if self.token_cap:  # padded rows at the batch's width, a divisor of micro_batch_size: every
+                # micro-batch keeps one shape wherever micro_batch_size divided the rows
+                fits = self.token_cap // full
+                size = max(d for d in range(1, size + 1) if size % d == 0 and (d <= fits or d == 1))
             groups = [list(range(i, min(i + size, len(rows)))) for i in range(0, len(rows), size)]
         if self.pack:
             layout, in_layout = None, range(len(groups))
