@@ -87,8 +87,8 @@ def test_update_bench_tiny_cpu(tmp_path):
         assert Path(v["profile"]).read_text().startswith("top 30 CPU ops")
         ops = Path(v["ops"]).read_text()  # the residual adds (forward) and their gradients' (backward)
         assert ops.startswith("ops of one update") and "bias_dropout_add" in ops and "Backward" in ops
-    assert none["fusions"] == {"rms_norm": False, "rope": False, "wgrad": False}
-    assert fused["fusions"] == {"rms_norm": True, "rope": True, "wgrad": True}
+    assert none["fusions"] == {"rms_norm": False, "rope": False, "wgrad": False, "qkv_bias": False}
+    assert fused["fusions"] == {"rms_norm": True, "rope": True, "wgrad": True, "qkv_bias": True}
     assert (fused["adam"], foreach["adam"]) == ("fused", "foreach")
     for v in (fused, foreach):  # same weights and batch: the first update's figures match bit for bit
         assert (v["loss"], v["grad_norm"]) == (none["loss"], none["grad_norm"])
