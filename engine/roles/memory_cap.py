@@ -5,11 +5,10 @@ Without a token budget (`trainer.max_tokens_per_micro_batch=0`, the default) a m
 longest response, and the activations its backward keeps grow with them. At Qwen2.5-1.5B the layers keep
 ~73 KB per token and layer, ~2 MB per token over its 28 layers, so 8 rows of 256 + 16,384 tokens (133k tokens)
 would need ~270 GB: out of memory on any GPU, where a 32k-token budget runs at a 92 GB peak on one H200
-(scripts/bench/README.md). The cap keeps
-that default from asking for more than `MEMORY_FRACTION` of the memory left once the models are built, at
-`activation_bytes_per_token`: it binds only where a micro-batch by rows would come near the device's limit
-(by this count on one H200, 139 GiB: 1.5B past ~41k tokens, i.e. responses longer than ~4.9k tokens at 8
-rows; 0.5B past ~100k), and never where the user set a budget.
+(scripts/bench/README.md). The cap keeps that default from asking for more than `MEMORY_FRACTION` of the
+memory left once the models are built, at `activation_bytes_per_token`: it binds only where a micro-batch by
+rows would come near the device's limit (by this count on one H200, 139 GiB: 1.5B past ~41k tokens, i.e.
+responses longer than ~4.9k tokens at 8 rows; 0.5B past ~100k), and never where the user set a budget.
 
 `activation_bytes_per_token` counts what one token leaves saved in every layer of this rank for the backward,
 in the model's dtype: the two norms' inputs and outputs (4 x hidden; divided by TP under sequence
