@@ -32,6 +32,7 @@ from engine.config import TrainConfig
 from engine.data import load_tokenizer
 from engine.metrics import PhaseTimer
 from engine.roles.dynamic_batch import MicroBatcher, micro_batch_shapes_vary, trainer_batcher
+from engine.roles.memory_cap import trainer_token_cap
 from engine.roles.offload import RoleOffloader
 from engine.roles.policy import MegatronRole
 from engine.setup import _data_files, build_critic, model_shape
@@ -119,7 +120,9 @@ def build_critic_worker(
     critic = build_critic(cfg, shape, len(tokenizer), groups, steps)
     if micro_batch_shapes_vary(t, groups.dims.vpp) and groups.dims.pp > 1:
         critic.config.variable_seq_lengths = True
-    batcher = trainer_batcher(t, groups.dims, groups.device)
+    batcher = trainer_batcher(
+        t, groups.dims, groups.device, token_cap=trainer_token_cap(cfg, shape, groups, [critic])
+    )
     offload = RoleOffloader(critic, ("optimizer",), enabled=t.offload_optimizer)
     checkpointer = CriticRanksCheckpointer(cfg, groups, critic, output_dir)
     return CriticWorker(CriticSide(cfg, groups, critic), layout, everyone, batcher, offload, checkpointer)
