@@ -15,31 +15,25 @@ import pytest
 import torch
 from trainer_parity import skewed_experience
 
-from engine.models.builder import ModelShape, MoEShape
+from engine.config import ModelConfig, MoEConfig
+from engine.models.builder import ModelShape, resolve_shape
 from engine.roles import memory_cap
 from engine.roles.dynamic_batch import MicroBatcher
 from parallel.dims import ParallelDims
 
 
 def _qwen(hidden, ffn, layers, heads, groups, head_dim, moe=None) -> ModelShape:
-    return ModelShape(
+    cfg = ModelConfig(
         num_layers=layers,
         hidden_size=hidden,
         ffn_hidden_size=ffn,
         num_attention_heads=heads,
         num_query_groups=groups,
         head_dim=head_dim,
-        vocab_size=151936,
-        padded_vocab_size=151936,
-        max_position_embeddings=32768,
-        rope_theta=1e6,
-        norm_eps=1e-6,
-        qkv_bias=True,
-        qk_norm=False,
-        tie_embeddings=True,
-        dtype=torch.bfloat16,
-        moe=moe,
+        dtype="bfloat16",
+        moe=moe or MoEConfig(),
     )
+    return resolve_shape(cfg, 151936, 1)
 
 
 QWEN_0_5B = _qwen(896, 4864, 24, 14, 2, 64)
@@ -68,15 +62,8 @@ def test_activation_bytes_under_tensor_parallelism_recompute_and_moe():
     assert sp2 == full // 2
     recompute = memory_cap.activation_bytes_per_token(QWEN_1_5B, ParallelDims(world_size=1), True)
     assert recompute == 28 * 2 * 1536 + full // 28  # every layer's input, one layer's full set
-    moe = _qwen(
-        1024,
-        0,
-        4,
-        8,
-        2,
-        128,
-        MoEShape(num_experts=8, top_k=2, ffn_hidden_size=512, shared_ffn_hidden_size=1024),
-    )
+    experts = MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=512, shared_expert_ffn_hidden_size=1024)
+    moe = _qwen(1024, 0, 4, 8, 2, 128, experts)
     per_layer = 4 * 1024 + 20 * 128 + 3 * (2 * 512 + 1024) + 2 * 2 * 1024
     assert memory_cap.activation_bytes_per_token(moe, ParallelDims(world_size=1), False) == 4 * 2 * per_layer
 
