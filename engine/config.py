@@ -1,5 +1,6 @@
 """The typed configuration: one dataclass per group, registered with Hydra's ConfigStore, and the few values
-derived from it that several modules need (`max_response_tokens`, `packs_sequences`, ...).
+derived from it that several modules need (`max_response_tokens`, `needs_reference`, ...); the micro-batches'
+size rules are in engine/micro_batch_sizing.py.
 
 YAML under conf/ holds values only; every key a user can set is declared here with a one-line docstring.
 engine/config_load.py turns the composed config into a `TrainConfig`; engine/validate/ checks it and raises
@@ -53,9 +54,10 @@ class TrainerConfig:
     """Keep the actor's optimizer state in host memory except during its update."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     """Any of console, jsonl, tensorboard, wandb."""
-    micro_batch_size: int = 8
-    """Sequences per micro-batch on each DP rank (max_tokens_per_micro_batch 0); packed, rows share one up to
-    micro_batch_size x the batch's longest row tokens, on CUDA capped by memory (engine/roles/memory_cap.py)."""
+    micro_batch_size: int | None = None
+    """Rows per micro-batch on each DP rank (packed: as many tokens at the batch's longest row), on CUDA capped
+    by memory (engine/roles/memory_cap.py). Empty (null): 8, and on CUDA at pp=1, packed, without a budget, at
+    least 32,768 tokens where the memory holds them (engine/micro_batch_sizing.py)."""
     max_tokens_per_micro_batch: int = 0
     """Token budget of a micro-batch (0 = off): rows sorted by length are grouped under it, each micro-batch
     packed (pack_sequences) or padded only to its own longest row; replaces micro_batch_size. Must fit the
@@ -493,8 +495,3 @@ class ConfigError(UserError, ValueError):
     """A configuration value or combination that cannot work; the message says which key and how to fix it."""
 
     exit_status = 2
-
-
-def packs_sequences(t: TrainerConfig) -> bool:
-    """Whether micro-batches are packed (trainer.pack_sequences, by default on)."""
-    return t.pack_sequences is not False

@@ -1,7 +1,9 @@
 """Cutting a mini-batch into micro-batches: a fixed number of rows each, or grouped under a token budget,
 each micro-batch either packed (rows back to back in one sequence; the default) or padded (b, s).
 
-Without a token budget (`trainer.max_tokens_per_micro_batch=0`), `trainer.micro_batch_size` sets the size.
+Without a token budget (`trainer.max_tokens_per_micro_batch=0`), `trainer.micro_batch_size` sets the size
+(8 where empty; where it is empty on CUDA, packed and in one stage, packed micro-batches grow to at least
+32,768 tokens as memory allows: `fill_tokens`, engine/micro_batch_sizing.py).
 Padded, a micro-batch is `micro_batch_size` rows in order, each as long as the batch's longest row (one shape
 per call). Packed (the default), rows are grouped as under a token budget of `micro_batch_size` x the batch's
 width (its longest row + 1): the padded layout's tokens per micro-batch, so the same worst-case activation
@@ -60,7 +62,8 @@ from __future__ import annotations
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from engine.config import TrainerConfig, packs_sequences
+from engine.config import TrainerConfig
+from engine.micro_batch_sizing import MEMORY_SIZED_TOKENS, micro_batch_rows, packs_sequences, sized_by_memory
 from engine.rollout.routes import NO_ROUTE
 from engine.step.batch import ROUTES, Experience, response_lengths
 from parallel.dims import ParallelDims
@@ -251,6 +254,7 @@ class MicroBatcher:
         pack: bool = False,
         shapes: str = "free",
         token_cap: int = 0,
+        fill_tokens: int = 0,
     ):
         if shapes not in SHAPES:
             raise ValueError(f"MicroBatcher: shapes={shapes!r}, not one of {SHAPES}")
@@ -265,6 +269,9 @@ class MicroBatcher:
         self.fixed_rows = not max_tokens and (not pack or shapes == "one")
         """`micro_batch_size` rows per micro-batch, in order: without a budget, padded or `shapes="one"`;
         packed otherwise, rows are grouped under `micro_batch_size` x the batch's width (module docstring)."""
+        self.fill_tokens = 0 if max_tokens or self.fixed_rows else fill_tokens
+        """Packed without a budget, the fewest tokens rows are grouped under where rows x width is less
+        (engine/micro_batch_sizing.py `sized_by_memory`: 0, none), still at most `token_cap`."""
         self.token_counts = [0, 0, 0]
         """Real tokens (prompt + response), tokens processed (with padding) and the number of micro-batches
         cut since the last `reset_counts`."""
@@ -275,7 +282,9 @@ class MicroBatcher:
     def __call__(self, exp: Experience, rows: torch.Tensor, keys: tuple[str, ...] = ()) -> list[dict]:
         full = exp.tokens.shape[1]
         lengths = exp.prompt_lens[rows] + response_lengths(exp.response_mask[rows])
-        budget = self.max_tokens or (0 if self.fixed_rows else self.micro_batch_size * full)
+        budget = self.max_tokens or (
+            0 if self.fixed_rows else max(self.micro_batch_size * full, self.fill_tokens)
+        )
         if budget and self.token_cap:
             budget = min(budget, self.token_cap)
         if budget:
@@ -330,18 +339,21 @@ def micro_batch_shapes_vary(t: TrainerConfig, vpp: int) -> bool:
 def trainer_batcher(
     t: TrainerConfig, dims: ParallelDims, device: torch.device, graphs: bool = False, token_cap: int = 0
 ) -> MicroBatcher:
-    """The MicroBatcher of the trainer's config `t` on a rank of layout `dims`: `micro_batch_size` rows
+    """The MicroBatcher of the trainer's config `t` on a rank of layout `dims`: `micro_batch_rows` rows
     (packed: their tokens at the batch's width) or a token budget, packed unless
     trainer.pack_sequences=false; one layout per call under the interleaved pipeline schedule (rows in order)
     and where the roles run their layers from CUDA graphs (`graphs`: engine/validate/run.py `layer_graphs_on`;
     one graph signature per call); without a budget, micro-batches of at most `token_cap` tokens (0: no cap;
-    engine/roles/memory_cap.py)."""
+    engine/roles/memory_cap.py), and where that cap is set and `sized_by_memory`, packed ones of at least
+    MEMORY_SIZED_TOKENS under it (engine/micro_batch_sizing.py)."""
+    fill = MEMORY_SIZED_TOKENS if token_cap and sized_by_memory(t, device.type, dims.pp) else 0
     return MicroBatcher(
-        t.micro_batch_size,
+        micro_batch_rows(t),
         t.max_tokens_per_micro_batch,
         seq_multiple=dims.seq_multiple,
         device=device,
         pack=packs_sequences(t),
         shapes="one" if dims.vpp > 1 else "graphs" if graphs else "free",
         token_cap=token_cap,
+        fill_tokens=fill,
     )

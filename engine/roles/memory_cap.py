@@ -1,8 +1,9 @@
 """A cap on the tokens of the trainer's default micro-batches from the memory their activations would take.
 
 Without a token budget (`trainer.max_tokens_per_micro_batch=0`, the default) a micro-batch holds
-`trainer.micro_batch_size` rows at the batch's width (engine/roles/dynamic_batch.py): its tokens grow with the
-longest response, and the activations its backward keeps grow with them. At Qwen2.5-1.5B the layers keep
+`trainer.micro_batch_size` rows at the batch's width (engine/roles/dynamic_batch.py; with it empty, packed and
+in one stage, at least 32,768 tokens: engine/micro_batch_sizing.py): its tokens grow with the longest
+response, and the activations its backward keeps grow with them. At Qwen2.5-1.5B the layers keep
 ~73 KB per token and layer, ~2 MB per token over its 28 layers, so 8 rows of 256 + 16,384 tokens (133k tokens)
 would need ~270 GB: out of memory on any GPU, where a 32k-token budget runs at a 92 GB peak on one H200
 (scripts/bench/README.md). The cap keeps that default from asking for more than `MEMORY_FRACTION` of the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.micro_batch_sizing import MEMORY_SIZED_TOKENS, micro_batch_rows, sized_by_memory
 from engine.models.builder import ModelShape
 from parallel.dims import ParallelDims
 
@@ -77,10 +79,15 @@ def device_free_bytes(device: torch.device) -> int:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def cap_line(cap: int, bytes_per_token: int, free_bytes: int, reserve_bytes: int, rows: int) -> str:
-    """The run's startup line about the cap."""
+def cap_line(
+    cap: int, bytes_per_token: int, free_bytes: int, reserve_bytes: int, rows: int, fill: int
+) -> str:
+    """The run's startup line about the cap; `fill`: the fewest tokens micro-batches grow to (0: none)."""
+    size = f"{rows} rows at the batch's width (trainer.micro_batch_size)"
+    if fill:
+        size = f"the larger of {fill:,} tokens and {size[:-1]} empty)"
     return (
-        f"micro-batches: {rows} rows at the batch's width (trainer.micro_batch_size), at most {cap:,} tokens "
+        f"micro-batches: {size}, at most {cap:,} tokens "
         f"each: {MEMORY_FRACTION:.0%} of {free_bytes / 2**30:.1f} GiB free, less "
         f"{reserve_bytes / 2**30:.1f} GiB for AdamW's states, at ~{bytes_per_token / 2**10:,.0f} KiB of "
         "activations per token (engine/roles/memory_cap.py; trainer.max_tokens_per_micro_batch sets a budget "
@@ -101,5 +108,6 @@ def trainer_token_cap(cfg, shape: ModelShape, groups, roles: list) -> int:
     cap = torch.tensor([memory_token_cap(free, reserve, per_token)], device=groups.device)
     torch.distributed.all_reduce(cap, op=torch.distributed.ReduceOp.MIN, group=groups.world)
     if groups.is_logging_rank:
-        print(cap_line(int(cap), per_token, free, reserve, t.micro_batch_size), flush=True)
+        fill = MEMORY_SIZED_TOKENS if sized_by_memory(t, "cuda", dims.pp) else 0
+        print(cap_line(int(cap), per_token, free, reserve, micro_batch_rows(t), fill), flush=True)
     return int(cap)

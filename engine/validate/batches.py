@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from engine.config import TrainConfig
+from engine.micro_batch_sizing import micro_batch_rows, sized_by_memory
 from engine.tasks.embedded import EMBEDDED_TASKS
 from engine.validate.rules import fail, one_of, positive
 from parallel.dims import ParallelDims
 
 
 def validate_batches(cfg: TrainConfig, dims: ParallelDims) -> None:
-    b, mbs = cfg.data.batch_size, cfg.trainer.micro_batch_size
+    b, mbs = cfg.data.batch_size, micro_batch_rows(cfg.trainer)
     positive("data.batch_size", b)
-    positive("trainer.micro_batch_size", mbs)
+    if cfg.trainer.micro_batch_size is not None:  # empty: engine/micro_batch_sizing.py
+        positive("trainer.micro_batch_size", cfg.trainer.micro_batch_size)
     positive("data.max_prompt_len", cfg.data.max_prompt_len)
     one_of("data.bad_rows", cfg.data.bad_rows, ("error", "skip"))
     one_of("data.embedded_task", cfg.data.embedded_task, EMBEDDED_TASKS)
@@ -37,6 +39,8 @@ def validate_batches(cfg: TrainConfig, dims: ParallelDims) -> None:
     if budget:
         validate_token_budget(cfg, dims)
         return  # micro_batch_size is not used
+    if sized_by_memory(cfg.trainer, cfg.cluster.device, dims.pp):
+        return  # rows grouped under a token count (engine/micro_batch_sizing.py)
     if seqs_per_mini % mbs:
         fail(
             "trainer.micro_batch_size",
@@ -54,7 +58,7 @@ def validate_interleaved_schedule(cfg: TrainConfig, dims: ParallelDims, seqs_per
     take any row count: engine/step/update.py `forward_rows` pads their micro-batch count at run time."""
     if dims.vpp == 1:
         return
-    mbs, pp = cfg.trainer.micro_batch_size, dims.pp
+    mbs, pp = micro_batch_rows(cfg.trainer), dims.pp
     count = seqs_per_mini // mbs
     if count % pp == 0:
         return

@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 
 from engine.checkpoint.store import CHECKPOINTS_DIR
-from engine.config import LOGGERS, ConfigError, ModelConfig, TrainConfig, packs_sequences
+from engine.config import LOGGERS, ConfigError, ModelConfig, TrainConfig
 from engine.data import check_files_exist
+from engine.micro_batch_sizing import packs_sequences, sized_by_memory
 from engine.validate.model import validate_checkpoint_positions
 from engine.validate.rules import fail, one_of, positive
 
@@ -23,15 +24,18 @@ def validate_cuda_graphs(cfg: TrainConfig, built: ModelConfig) -> None:
 def layer_graphs_on(cfg: TrainConfig, built: ModelConfig) -> bool:
     """Whether the run's layers run from CUDA graphs: trainer.cuda_graphs=true (validated), or left empty
     where nothing blocks them, the model is bfloat16 (float16's loss scaling is not yet run with them) and
-    micro-batches are sized by rows (trainer.max_tokens_per_micro_batch=0, the default: `micro_batch_size`
-    rows at the batch's width, small enough that the host bounds them). One H200, GRPO steps, each pair in
-    one call (scripts/bench/README.md "Update", 2026-12-04): by rows, 0.5B 10.14 -> 5.10 s and 1.5B 12.47 ->
-    9.34 s at fixed 512-token responses, 0.5B 7.31 -> 5.09 s on a long tail to 1,024 (earlier calls on a
-    faster host: 1.5B 9.34 -> 9.50 s). Under a 32,768-token budget, GPU-bound, they cost: 0.5B 3.82 -> 4.31
-    s, 1.5B 8.66 -> 8.76 s (nothing captured there). `built`: the model the run builds (validate/built.py)."""
-    setting = cfg.trainer.cuda_graphs
+    micro-batches are cut by rows (engine/micro_batch_sizing.py: trainer.micro_batch_size set, or padded rows;
+    no token budget, and not grown to MEMORY_SIZED_TOKENS by `sized_by_memory`), small enough that the host
+    bounds them. One H200, GRPO steps, each pair in one call (scripts/bench/README.md "Update", 2026-12-04):
+    8 rows, 0.5B 10.14 -> 5.10 s and 1.5B 12.47 -> 9.34 s at fixed 512-token responses, 0.5B 7.31 -> 5.09 s
+    on a long tail to 1,024 (earlier calls on a faster host: 1.5B 9.34 -> 9.50 s). Under a 32,768-token
+    budget, GPU-bound, they cost: 0.5B 3.82 -> 4.31 s, 1.5B 8.66 -> 8.76 s (nothing captured there).
+    `built`: the model the run builds (validate/built.py)."""
+    setting, t = cfg.trainer.cuda_graphs, cfg.trainer
     if setting is None:
-        by_rows = cfg.trainer.max_tokens_per_micro_batch == 0
+        by_rows = not t.max_tokens_per_micro_batch and not sized_by_memory(
+            t, cfg.cluster.device, cfg.parallel.pp
+        )
         return by_rows and built.dtype == "bfloat16" and not layer_graphs_blockers(cfg, built)
     return setting
 

@@ -110,7 +110,7 @@ def run_ours(args, out_dir: str) -> dict:
         f"rollout.tp={args.rollout_tp}",
         f"parallel.tp={args.tp}",
         f"parallel.pp={args.pp}",
-        f"trainer.micro_batch_size={args.micro_batch}",
+        *([] if args.micro_batch is None else [f"trainer.micro_batch_size={args.micro_batch}"]),
         f"trainer.max_tokens_per_micro_batch={args.max_tokens}",
         f"rollout.max_num_seqs={args.max_num_seqs}",
         f"trainer.total_steps={args.steps}",
@@ -258,9 +258,17 @@ def main() -> None:
     ap.add_argument("--rollout-tp", type=int, default=1)
     ap.add_argument("--backend", default="native")
     add_step_args(ap)
-    ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument(
-        "--max-tokens", type=int, default=32768, help="trainer.max_tokens_per_micro_batch (0 = off)"
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="trainer.micro_batch_size (default: left empty, the trainer's: engine/micro_batch_sizing.py)",
+    )
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="trainer.max_tokens_per_micro_batch (0 = off, the trainer's default; until 2026-12-04 32768 here)",
     )
     ap.add_argument("--max-num-seqs", type=int, default=512, help="rollout.max_num_seqs")
     ap.add_argument("--steps", type=int, default=3)

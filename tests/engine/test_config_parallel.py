@@ -79,7 +79,7 @@ def test_interleaved_pipeline_needs_a_multiple_of_pp_micro_batches_per_update():
 
 
 def test_pack_sequences_defaults_on_with_or_without_a_token_budget():
-    from engine.config import packs_sequences
+    from engine.micro_batch_sizing import packs_sequences
     from engine.roles.dynamic_batch import micro_batch_shapes_vary
 
     for overrides in ((), ("trainer.max_tokens_per_micro_batch=4096",), ("trainer.pack_sequences=true",)):

@@ -104,15 +104,18 @@ def test_cuda_graphs_take_half_precision_or_padded_rows(overrides):
 @pytest.mark.parametrize(
     "overrides,cuda,on",
     [
-        (["model.dtype=bfloat16"], True, True),  # the default (null): on where nothing blocks it, in bf16
-        (["model.dtype=bfloat16"], False, False),  # CPU
+        # the default (null): on where nothing blocks it, in bf16, with micro-batches by rows
+        (["model.dtype=bfloat16", "trainer.micro_batch_size=8"], True, True),
+        (["model.dtype=bfloat16", "trainer.pack_sequences=false"], True, True),  # padded rows
+        (["model.dtype=bfloat16"], True, False),  # packed, no size: sized by memory, GPU-bound
+        (["model.dtype=bfloat16", "trainer.micro_batch_size=8"], False, False),  # CPU
         ([], True, False),  # the tiny model's float32, packed
         (["trainer.pack_sequences=false"], True, False),  # float32 padded: allowed, but only bf16 by default
         (["model.dtype=float16"], True, False),  # loss scaling not yet run with graphs: only when asked
-        (["model.dtype=bfloat16", "parallel.tp=2"], True, False),
+        (["model.dtype=bfloat16", "trainer.micro_batch_size=8", "parallel.tp=2"], True, False),
         (["model.dtype=bfloat16", "parallel.pp=2"], True, False),
-        (["model.dtype=bfloat16", "model.recompute=true"], True, False),
-        (["model=tiny_moe", "model.dtype=bfloat16"], True, False),
+        (["model.dtype=bfloat16", "trainer.micro_batch_size=8", "model.recompute=true"], True, False),
+        (["model=tiny_moe", "model.dtype=bfloat16", "trainer.micro_batch_size=8"], True, False),
         (["model.dtype=bfloat16", "trainer.max_tokens_per_micro_batch=4096"], True, False),  # GPU-bound sizes
         (
             ["model.dtype=bfloat16", "trainer.max_tokens_per_micro_batch=4096", "trainer.cuda_graphs=true"],
@@ -126,7 +129,8 @@ def test_cuda_graphs_take_half_precision_or_padded_rows(overrides):
 )
 def test_layer_graphs_on_by_default_where_they_apply(overrides, cuda, on):
     """trainer.cuda_graphs left empty turns the graphs on wherever validation would accept true, in bf16 with
-    micro-batches by rows (no token budget); elsewhere empty is quietly off (and validation passes)."""
+    micro-batches by rows (no token budget, not sized by memory); elsewhere empty is quietly off (and validation
+    passes)."""
     cfg = composed(*overrides)
     cfg = _on_cuda(cfg) if cuda else cfg
     validate_cuda_graphs(cfg, built_model(cfg))
