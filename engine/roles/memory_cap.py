@@ -19,7 +19,8 @@ shared expert, and the routed copies of the token); with full recompute, each la
 full set. Measured against it (peak memory of a 32k-token micro-batch minus the states, one H200): 0.5B ~42 KB
 per token and layer against 40 KB counted, 1.5B ~71 KB against 73 KB. Under pipeline parallelism (1F1B) the
 first stage keeps as many micro-batches in flight as there are stages, of its share of the layers: all the
-layers' worth, as counted. The optimizer's AdamW states, allocated at its first step, are reserved first.
+layers' worth, as counted. The optimizer's AdamW states, allocated at its first step, are reserved first, and
+so are the rollout's gathered weights where rollout.keep_rollout_weights keeps them through the update.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from engine.micro_batch_sizing import MEMORY_SIZED_TOKENS, micro_batch_rows, sized_by_memory
 from engine.models.builder import ModelShape
 from parallel.dims import ParallelDims
+from parallel.rollout_weights import is_expert_param
 
 MEMORY_FRACTION = 0.7
 """Share of the device's free memory (after the models, and the AdamW states to come) a micro-batch's
@@ -66,6 +68,28 @@ def adam_state_reserve(roles: list, distributed_optimizer: bool, dp: int) -> int
     return ADAM_STATE_BYTES * params // (dp if distributed_optimizer else 1)
 
 
+def kept_rollout_weights_reserve(cfg, actor, dims: ParallelDims) -> int:
+    """Bytes the rollout's gathered weights hold through the update with rollout.keep_rollout_weights
+    (parallel/hybrid_engine.py, parallel/expert_gather.py; else they are dropped after each rollout): the
+    rollout shard (every stage's layers, 1/rollout.tp of each tensor, every expert) less this rank's training
+    shard where the rollout reuses it in place (rollout.tp = parallel.tp; a TP merge copies it too)."""
+    r = cfg.rollout
+    if (
+        actor is None
+        or not r.keep_rollout_weights
+        or r.weight_sync != "hybrid"
+        or cfg.placement.mode == "split"
+    ):
+        return 0
+    dense = experts = 0
+    for model in actor.models:
+        for name, param in model.named_parameters():
+            nbytes = param.numel() * param.element_size()
+            experts, dense = (experts + nbytes, dense) if is_expert_param(name) else (experts, dense + nbytes)
+    reused = dense if r.tp == dims.tp else 0
+    return dense * dims.tp * dims.pp // r.tp - reused + experts * (dims.ep * dims.pp - 1)
+
+
 def memory_token_cap(free_bytes: int, reserve_bytes: int, bytes_per_token: int) -> int:
     """Tokens per micro-batch whose activations fit `MEMORY_FRACTION` of `free_bytes` less `reserve_bytes`
     (at least 1)."""
@@ -89,7 +113,7 @@ def cap_line(
     return (
         f"micro-batches: {size}, at most {cap:,} tokens "
         f"each: {MEMORY_FRACTION:.0%} of {free_bytes / 2**30:.1f} GiB free, less "
-        f"{reserve_bytes / 2**30:.1f} GiB for AdamW's states, at ~{bytes_per_token / 2**10:,.0f} KiB of "
+        f"{reserve_bytes / 2**30:.1f} GiB for AdamW's states (and kept rollout weights), at ~{bytes_per_token / 2**10:,.0f} KiB of "
         "activations per token (engine/roles/memory_cap.py; trainer.max_tokens_per_micro_batch sets a budget "
         "instead)"
     )
@@ -98,12 +122,14 @@ def cap_line(
 def trainer_token_cap(cfg, shape: ModelShape, groups, roles: list) -> int:
     """The cap for the trainer's micro-batcher (0: none): on CUDA, without a token budget, outside the
     interleaved schedule; the smallest of every rank's (the ranks of a model replica must cut alike), and a
-    startup line on the logging rank. `roles`: every built role (the trainable ones reserve AdamW's states)."""
+    startup line on the logging rank. `roles`: every built role, the actor first (the trainable ones reserve
+    AdamW's states; the actor, any rollout weights kept through the update)."""
     t, dims = cfg.trainer, groups.dims
     if groups.device.type != "cuda" or t.max_tokens_per_micro_batch or dims.vpp > 1:
         return 0
     per_token = activation_bytes_per_token(shape, dims, cfg.model.recompute)
     reserve = adam_state_reserve(roles, cfg.optim.distributed_optimizer, dims.dp)
+    reserve += kept_rollout_weights_reserve(cfg, roles[0], dims)
     free = device_free_bytes(groups.device)
     cap = torch.tensor([memory_token_cap(free, reserve, per_token)], device=groups.device)
     torch.distributed.all_reduce(cap, op=torch.distributed.ReduceOp.MIN, group=groups.world)

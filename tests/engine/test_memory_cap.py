@@ -122,3 +122,39 @@ def test_no_cap_on_cpu_or_with_a_budget(groups):
     for overrides in ((), ("trainer.max_tokens_per_micro_batch=4096",)):
         cfg = composed(*overrides)
         assert memory_cap.trainer_token_cap(cfg, QWEN_0_5B, groups, []) == 0
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dense = torch.nn.Linear(10, 10)  # 110 parameters
+        self.layer = torch.nn.Module()  # layer.mlp.experts.local_experts.0.*: 24, an expert's
+        self.layer.mlp = torch.nn.Module()
+        self.layer.mlp.experts = torch.nn.Module()
+        self.layer.mlp.experts.local_experts = torch.nn.ModuleList([torch.nn.Linear(5, 4)])
+
+
+@pytest.mark.parametrize(
+    "overrides,world,layout,want",
+    [
+        ((), 2, {"tp": 2}, 0),  # dropped after each rollout
+        (("rollout.keep_rollout_weights=true",), 2, {"tp": 2}, 2 * 110),  # merged: a copy (experts: no TP)
+        (("rollout.keep_rollout_weights=true", "rollout.tp=2"), 2, {"tp": 2}, 0),  # views of the shard
+        (
+            ("rollout.keep_rollout_weights=true", "rollout.tp=2"),
+            4,
+            {"tp": 2, "pp": 2},
+            110 + 24,
+        ),  # other stage
+        (("rollout.keep_rollout_weights=true",), 2, {"ep": 2}, 24),  # the other rank's expert
+        (("rollout.keep_rollout_weights=true", "rollout.weight_sync=naive"), 2, {"tp": 2}, 0),
+    ],
+)
+def test_kept_rollout_weights_are_reserved(overrides, world, layout, want):
+    from config_compose import composed
+
+    actor = types.SimpleNamespace(models=[_Layer()])
+    dims = ParallelDims(world_size=world, **layout)
+    cfg = composed(*overrides)
+    assert memory_cap.kept_rollout_weights_reserve(cfg, actor, dims) == 4 * want  # float32 bytes
+    assert memory_cap.kept_rollout_weights_reserve(cfg, None, dims) == 0
