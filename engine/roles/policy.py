@@ -42,6 +42,7 @@ from engine.models.output_head import (
     response_token_stats,
     unpack_rows,
 )
+from engine.roles.grad_norm import install_foreach_grad_ops
 from engine.roles.moe_losses import RouterLossWeights
 from parallel.state import ProcessGroups
 
@@ -131,6 +132,7 @@ class MegatronRole:
         config.no_sync_func = (
             [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
         )
+        install_foreach_grad_ops()  # megatron's norm/scale fallbacks: one sync per tensor (grad_norm.py)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
