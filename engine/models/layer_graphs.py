@@ -131,7 +131,7 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     return alias.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
-def _cached_bytes(device: torch.device) -> int:
+def cached_bytes(device: torch.device) -> int:
     """Memory the caching allocator holds on `device` without a tensor in it (what `empty_cache` can free)."""
     return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
@@ -339,7 +339,7 @@ class LayerGraphs:
             return False
         need = CAPTURE_MEMORY * self.growth.get(sig, 0)
         free = torch.cuda.mem_get_info(device)[0]
-        if free < need <= free + _cached_bytes(device):
+        if free < need <= free + cached_bytes(device):
             torch.cuda.empty_cache()
             free = torch.cuda.mem_get_info(device)[0]
         if free < need:

@@ -29,6 +29,7 @@ import torch
 
 from engine.micro_batch_sizing import MEMORY_SIZED_TOKENS, micro_batch_rows, sized_by_memory
 from engine.models.builder import ModelShape
+from engine.models.layer_graphs import cached_bytes
 from parallel.dims import ParallelDims
 from parallel.rollout_weights import is_expert_param
 
@@ -99,8 +100,7 @@ def memory_token_cap(free_bytes: int, reserve_bytes: int, bytes_per_token: int) 
 
 def device_free_bytes(device: torch.device) -> int:
     """The driver's free memory on `device` plus what the caching allocator holds unused."""
-    free = torch.cuda.mem_get_info(device)[0]
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return torch.cuda.mem_get_info(device)[0] + cached_bytes(device)
 
 
 def cap_line(

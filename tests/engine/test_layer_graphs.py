@@ -205,7 +205,7 @@ def test_capture_policy_second_micro_batch_max_shapes_and_memory(groups, monkeyp
     emptied = []  # the cache is emptied only where the free memory is short and the cache would make it up
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(free[0]))
     free, cached = [100], [0]
-    monkeypatch.setattr(layer_graphs, "_cached_bytes", lambda device: cached[0])
+    monkeypatch.setattr(layer_graphs, "cached_bytes", lambda device: cached[0])
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 1000))
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
     _FakeGraph.made = []
