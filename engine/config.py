@@ -67,6 +67,9 @@ class TrainerConfig:
     tokens) instead of padding them: to the batch's longest row with micro_batch_size rows, to the
     micro-batch's own longest with a token budget. Empty (null) = on (the padded layout computes the padding:
     at long-tailed lengths most of the update)."""
+    share_prompts: bool = False
+    """Lay each group's prompt out once per packed micro-batch, its responses attending to that copy
+    (engine/roles/shared_prompts.py): the same results, (n - 1) / n of the prompt tokens not computed."""
     progress_bar: bool = True
     """Show a progress bar on the logging rank."""
     plot: bool = True

@@ -74,12 +74,25 @@ def output_weight(model: torch.nn.Module) -> torch.Tensor:
     return model.output_layer.weight
 
 
+def packed_at(mb: dict, pos: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Packed positions of the row-local positions `pos` of rows `rows` (broadcast together) of a packed
+    micro-batch: from each row's start (`row_starts`, engine/roles/dynamic_batch.py); where the rows share
+    their prompts (engine/roles/shared_prompts.py) a prompt position p < P from the prompt's one copy
+    (`prompt_starts`), a response position from where the row's response would start were its prompt in
+    front of it (`row_starts`)."""
+    at = mb["row_starts"][rows] + pos
+    if "prompt_starts" in mb:
+        at = torch.where(pos < mb["row_prompt_lens"][rows], mb["prompt_starts"][rows] + pos, at)
+    return at
+
+
 def gather_rows(x: torch.Tensor, mb: dict, index: torch.Tensor) -> torch.Tensor:
     """(rows, T, ...) entries of `x` at the row-local positions `index` (rows, T) of the micro-batch's rows:
-    x (b, s, ...) row by row when padded; x (1, t, ...) from each row's start (`row_starts`) when packed
+    x (b, s, ...) row by row when padded; x (1, t, ...) at `packed_at` when packed
     (engine/roles/dynamic_batch.py)."""
     if "row_starts" in mb:
-        return x[0][mb["row_starts"][:, None] + index]
+        rows = torch.arange(index.shape[0], device=index.device)[:, None]
+        return x[0][packed_at(mb, index, rows)]
     return x.gather(1, index.reshape(*index.shape, *(1,) * (x.dim() - 2)).expand(*index.shape, *x.shape[2:]))
 
 
@@ -122,9 +135,8 @@ def response_token_stats(
     rows = valid // index.shape[1]  # (valid,) row of each valid token
     pos = index.reshape(-1)[valid]  # (valid,) its row-local position
     if "row_starts" in mb:
-        start = mb["row_starts"][rows]
-        h = hidden[0][start + pos]
-        targets = mb["tokens"][0][start + torch.minimum(pos + 1, mb["row_lengths"][rows] - 1)]
+        h = hidden[0][packed_at(mb, pos, rows)]
+        targets = mb["tokens"][0][packed_at(mb, torch.minimum(pos + 1, mb["row_lengths"][rows] - 1), rows)]
     else:
         h = hidden[rows, pos]
         targets = mb["tokens"][rows, pos + 1]

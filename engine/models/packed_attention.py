@@ -137,22 +137,29 @@ def rowwise_attention(
 
 
 class FlashVarlen(torch.autograd.Function):
-    """FlashAttention-2 varlen, causal, q (t, heads, dim) over k/v (t, groups, dim) with groups dividing heads
-    (torch's `_flash_attention_forward` / `_flash_attention_backward`, the ops under `varlen_attn`)."""
+    """FlashAttention-2 varlen, causal, q (t, heads, dim) over k/v (t_k, groups, dim) with groups dividing heads
+    (torch's `_flash_attention_forward` / `_flash_attention_backward`, the ops under `varlen_attn`): query rows
+    bounded by `cu_seqlens` (none longer than `longest`), key rows by `cu_seqlens_k` (`longest_k`; default the
+    query's). Where a row has fewer queries than keys the causal mask is aligned to its end
+    (engine/models/shared_prompt_attention.py)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, longest: int, scale: float | None):
+    def forward(
+        ctx, q, k, v, cu_seqlens, longest: int, scale: float | None, cu_seqlens_k=None, longest_k=None
+    ):
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+        longest_k = longest if longest_k is None else longest_k
         out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens, cu_seqlens, longest, longest, 0.0, True, False, scale=scale
+            q, k, v, cu_seqlens, cu_k, longest, longest_k, 0.0, True, False, scale=scale
         )
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused)
-        ctx.longest, ctx.scale = longest, scale
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, cu_k, rng_state, unused)
+        ctx.longest, ctx.longest_k, ctx.scale = longest, longest_k, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
+        q, k, v, out, lse, cu, cu_k, rng_state, unused = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             grad_out.contiguous(),
             q,
@@ -161,13 +168,13 @@ class FlashVarlen(torch.autograd.Function):
             out,
             lse,
             cu,
-            cu,
+            cu_k,
             ctx.longest,
-            ctx.longest,
+            ctx.longest_k,
             0.0,
             True,
             rng_state,
             unused,
             scale=ctx.scale,
         )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None, None

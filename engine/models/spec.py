@@ -37,6 +37,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from engine.models import triton_rms_norm, triton_rope
 from engine.models.bias_epilogue import BiasInGemmColumnParallelLinear
 from engine.models.packed_attention import packed_attention, padded_attention
+from engine.models.shared_prompt_attention import (
+    SHARED_POSITIONS,
+    SharedPromptSeqParams,
+    shared_prompt_attention,
+)
 
 
 @dataclass(frozen=True)
@@ -98,9 +103,12 @@ class SDPAAttention(MegatronModule):
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"SDPAAttention: packed format {packed_seq_params.qkv_format!r}, not thd")
-            out = packed_attention(
-                query, key, value, packed_seq_params, scale=self.softmax_scale, dropout_p=dropout_p
+            attend = (
+                shared_prompt_attention
+                if isinstance(packed_seq_params, SharedPromptSeqParams)
+                else packed_attention
             )
+            out = attend(query, key, value, packed_seq_params, scale=self.softmax_scale, dropout_p=dropout_p)
             return out.reshape(out.shape[0], -1)
         q = query.permute(1, 2, 0, 3)  # (b, heads, sq, dim)
         k = key.permute(1, 2, 0, 3)  # (b, groups, sk, dim)
@@ -232,7 +240,9 @@ def fused_rope_thd(
     of its position in its row, through `fused_rope` (the same kernel as sbhd)."""
     if cp_size != 1:
         raise ValueError(f"fused_rope_thd: context parallelism is not supported (cp_size={cp_size})")
-    positions = LAST_PACKED_POSITIONS(cu_seqlens, t.shape[0])
+    positions = SHARED_POSITIONS.take(cu_seqlens)  # a shared-prompt micro-batch's own, else from the rows
+    if positions is None:
+        positions = LAST_PACKED_POSITIONS(cu_seqlens, t.shape[0])
     if t.is_cuda and triton_rope.supported(t, freqs):  # angles by position in the kernel: no gathered copy
         return triton_rope.rope(t[:, None], freqs, positions)[:, 0]
     return fused_rope(t[:, None], freqs[positions])[:, 0]

@@ -64,8 +64,9 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from engine.config import TrainerConfig
 from engine.micro_batch_sizing import MEMORY_SIZED_TOKENS, micro_batch_rows, packs_sequences, sized_by_memory
+from engine.roles import shared_prompts
 from engine.rollout.routes import NO_ROUTE
-from engine.step.batch import ROUTES, Experience, response_lengths
+from engine.step.batch import ROUTES, Experience, response_lengths, response_valid
 from parallel.dims import ParallelDims
 
 
@@ -114,12 +115,6 @@ def _first_fit(order: list[int], lengths: list[int], max_tokens: int, multiple: 
         if padded_total(totals[g] + shortest, multiple) > max_tokens:
             open_groups.remove(g)
     return groups
-
-
-def response_valid(response_mask: torch.Tensor) -> torch.Tensor:
-    """(valid,) flat indices of the True entries of a (rows, T) response mask, found on the host where the
-    micro-batch is cut, so the output head computes valid tokens only without a device sync."""
-    return response_mask.reshape(-1).nonzero()[:, 0]
 
 
 def _micro_batch(exp: Experience, sel: torch.Tensor, seq: int, keys, device: torch.device) -> dict:
@@ -255,9 +250,14 @@ class MicroBatcher:
         shapes: str = "free",
         token_cap: int = 0,
         fill_tokens: int = 0,
+        share_prompts: bool = False,
     ):
         if shapes not in SHAPES:
             raise ValueError(f"MicroBatcher: shapes={shapes!r}, not one of {SHAPES}")
+        if share_prompts and (not pack or shapes != "free"):
+            raise ValueError("MicroBatcher: share_prompts needs packed micro-batches of free shapes")
+        self.share_prompts = share_prompts
+        """Each micro-batch's rows of one prompt hold it once (engine/roles/shared_prompts.py)."""
         self.micro_batch_size, self.max_tokens = micro_batch_size, max_tokens
         self.token_cap = 0 if max_tokens or shapes == "one" else token_cap
         """Without a budget, the most tokens a micro-batch by rows may hold (engine/roles/memory_cap.py; 0:
@@ -272,12 +272,12 @@ class MicroBatcher:
         self.fill_tokens = 0 if max_tokens or self.fixed_rows else fill_tokens
         """Packed without a budget, the fewest tokens rows are grouped under where rows x width is less
         (engine/micro_batch_sizing.py `sized_by_memory`: 0, none), still at most `token_cap`."""
-        self.token_counts = [0, 0, 0]
-        """Real tokens (prompt + response), tokens processed (with padding) and the number of micro-batches
-        cut since the last `reset_counts`."""
+        self.token_counts = [0, 0, 0, 0]
+        """Real tokens computed (prompt + response; a shared prompt once), tokens processed (with padding), the
+        number of micro-batches and the rows' tokens (every row's prompt) cut since the last `reset_counts`."""
 
     def reset_counts(self) -> None:
-        self.token_counts = [0, 0, 0]
+        self.token_counts = [0, 0, 0, 0]
 
     def __call__(self, exp: Experience, rows: torch.Tensor, keys: tuple[str, ...] = ()) -> list[dict]:
         full = exp.tokens.shape[1]
@@ -287,6 +287,8 @@ class MicroBatcher:
         )
         if budget and self.token_cap:
             budget = min(budget, self.token_cap)
+        if self.share_prompts:
+            return self._shared_prompts(exp, rows, lengths, budget, keys)
         if budget:
             groups = pack_by_token_budget(lengths.tolist(), budget, self.seq_multiple, self.pack)
         else:
@@ -322,10 +324,33 @@ class MicroBatcher:
                 for g in groups
             ]
             out = [_micro_batch(exp, rows[g], seq, keys, self.device) for g, seq in zip(groups, seqs)]
-        self.token_counts[0] += int(lengths.sum())
+        self._count(int(lengths.sum()), out, int(lengths.sum()))
+        return out
+
+    def _shared_prompts(self, exp: Experience, rows: torch.Tensor, lengths: torch.Tensor, budget: int, keys):
+        """Micro-batches holding each group's prompt once, first-fit decreasing by their tokens so laid out
+        (engine/roles/shared_prompts.py)."""
+        length_of = dict(zip(rows.tolist(), lengths.tolist()))
+        units = [
+            part
+            for group in shared_prompts.prompt_groups(exp, rows.tolist())
+            for part in shared_prompts.split_group(exp, group, length_of, budget)
+        ]
+        costs = [shared_prompts.unit_tokens(exp, unit, length_of) for unit in units]
+        out = [
+            shared_prompts.shared_prompt_micro_batch(
+                exp, [units[u] for u in group], length_of, self.seq_multiple, keys, self.device
+            )
+            for group in pack_by_token_budget(costs, budget, self.seq_multiple, packed=True)
+        ]
+        self._count(sum(costs), out, int(lengths.sum()))
+        return out
+
+    def _count(self, real: int, out: list[dict], row_tokens: int) -> None:
+        self.token_counts[0] += real
         self.token_counts[1] += sum(mb["tokens"].numel() for mb in out)
         self.token_counts[2] += len(out)
-        return out
+        self.token_counts[3] += row_tokens
 
 
 def micro_batch_shapes_vary(t: TrainerConfig, vpp: int) -> bool:
@@ -345,7 +370,8 @@ def trainer_batcher(
     and where the roles run their layers from CUDA graphs (`graphs`: engine/validate/run.py `layer_graphs_on`;
     one graph signature per call); without a budget, micro-batches of at most `token_cap` tokens (0: no cap;
     engine/roles/memory_cap.py), and where that cap is set and `sized_by_memory`, packed ones of at least
-    MEMORY_SIZED_TOKENS under it (engine/micro_batch_sizing.py)."""
+    MEMORY_SIZED_TOKENS under it (engine/micro_batch_sizing.py); each group's prompt once with
+    trainer.share_prompts (engine/roles/shared_prompts.py)."""
     fill = MEMORY_SIZED_TOKENS if token_cap and sized_by_memory(t, device.type, dims.pp) else 0
     return MicroBatcher(
         micro_batch_rows(t),
@@ -356,4 +382,5 @@ def trainer_batcher(
         shapes="one" if dims.vpp > 1 else "graphs" if graphs else "free",
         token_cap=token_cap,
         fill_tokens=fill,
+        share_prompts=t.share_prompts,
     )

@@ -17,6 +17,12 @@ from engine.rewards.reward_fn import concat_extras
 from engine.rollout.routes import cat_routes, routes_for_sequences
 
 
+def response_valid(response_mask: torch.Tensor) -> torch.Tensor:
+    """(valid,) flat indices of the True entries of a (rows, T) response mask, found on the host where the
+    micro-batch is cut, so the output head computes valid tokens only without a device sync."""
+    return response_mask.reshape(-1).nonzero()[:, 0]
+
+
 def response_lengths(response_mask: torch.Tensor) -> torch.Tensor:
     """(rows,) int64 tokens of each response: one past its last mask-1 position. Equals the mask's sum for
     single-turn responses; a multi-turn episode's mask also has 0 on the tool tokens inside it."""

@@ -31,15 +31,30 @@ def train_flops(shape: ModelShape, seq_lens: torch.Tensor, head_lens: torch.Tens
     computes logits at `head_lens` (num_seqs,) positions each (None: at every position)."""
     lens = seq_lens.double()
     head = lens if head_lens is None else head_lens.double()
+    return _flops(shape, float(lens.sum()), float((lens * lens).sum()), float(head.sum()))
+
+
+def shared_prompt_train_flops(
+    shape: ModelShape, prompt_lens: torch.Tensor, response_lens: torch.Tensor, groups: list[list[int]]
+) -> float:
+    """`train_flops` of rows laid out with each group's prompt once (trainer.share_prompts,
+    engine/roles/shared_prompts.py; `groups`: the rows of each prompt): the rows' count less, for every copy
+    of a prompt not computed, its tokens' layers and their attention over the prompt (P^2 in this count's
+    convention: a row of P tokens alone). A group split over micro-batches computes its prompt once per part:
+    not counted (a lower MFU, never a higher one)."""
+    flops = train_flops(shape, prompt_lens + response_lens, response_lens)
+    for group in groups:
+        prompt = float(prompt_lens[group[0]])
+        flops -= (len(group) - 1) * _flops(shape, prompt, prompt * prompt, 0.0)
+    return flops
+
+
+def _flops(shape: ModelShape, tokens: float, squares: float, head_tokens: float) -> float:
+    """6 x the layers' matmul parameters per token, 6 x the output layer's per head token, and attention at
+    12 x layers x heads x head_dim per token and key (`squares`: the sum over tokens of the keys each sees)."""
     output = shape.hidden_size * shape.vocab_size
-    attention = (
-        12 * shape.num_layers * shape.num_attention_heads * shape.head_dim * float((lens * lens).sum())
-    )
-    return (
-        6.0 * (matmul_params(shape) - output) * float(lens.sum())
-        + 6.0 * output * float(head.sum())
-        + attention
-    )
+    attention = 12 * shape.num_layers * shape.num_attention_heads * shape.head_dim * squares
+    return 6.0 * (matmul_params(shape) - output) * tokens + 6.0 * output * head_tokens + attention
 
 
 def mfu(flops: float, seconds: float, num_devices: int, peak_tflops: float) -> float:

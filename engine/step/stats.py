@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from engine.roles.shared_prompts import prompt_groups
 from engine.step.batch import REWARD_EXTRA, Experience, response_lengths
-from engine.step.perf import mfu, train_flops
+from engine.step.perf import mfu, shared_prompt_train_flops, train_flops
 from parallel.state import ProcessGroups
 
 if TYPE_CHECKING:
@@ -114,11 +115,12 @@ def perf_metrics(
     exp: Experience,
     seconds: dict[str, float],
     peak_gb: dict[str, float],
-    update_tokens: tuple[int, int, int] = (0, 0, 0),
+    update_tokens: tuple[int, int, int, int] = (0, 0, 0, 0),
 ) -> dict[str, float]:
     """`perf/*`: tokens, tokens/s per GPU of the job, the actor update's MFU (on the training ranks), the
-    step's peak memory (CUDA), and from this replica's `update_tokens` (real, processed, micro-batches of the
-    update's forwards), summed over DP: `perf/padding_fraction` (padding over the tokens processed) and
+    step's peak memory (CUDA), and from this replica's `update_tokens` (real, processed, micro-batches and the
+    rows' tokens of the update's forwards), summed over DP: `perf/padding_fraction` (padding over the tokens
+    processed), with trainer.share_prompts `perf/shared_prompt_fraction` (the rows' tokens not computed), and
     `perf/tokens_per_micro_batch` (on a GPU, micro-batches of a few thousand tokens leave it waiting on the
     host's launches: scripts/bench/README.md, "Update"); where the layers run from CUDA graphs
     (trainer.cuda_graphs), the share of the actor's layer calls this step replayed,
@@ -129,14 +131,19 @@ def perf_metrics(
     response_lens = exp.response_mask.sum(-1).long()
     seq_lens = exp.prompt_lens + response_lens
     # the actor's head is "response": logits at response positions only
-    flops = train_flops(c.shape, seq_lens, response_lens) * c.cfg.algorithm.ppo_epochs
+    if c.cfg.trainer.share_prompts:  # the prompts computed once (engine/roles/shared_prompts.py)
+        groups = prompt_groups(exp, list(range(exp.num_rows)))
+        flops = shared_prompt_train_flops(c.shape, exp.prompt_lens, response_lens, groups)
+    else:
+        flops = train_flops(c.shape, seq_lens, response_lens)
+    flops *= c.cfg.algorithm.ppo_epochs
     sums = torch.tensor(
         [float(seq_lens.sum()), flops, *map(float, update_tokens), *map(float, graph_calls)],
         dtype=torch.float64,
         device=g.device,
     )
     dist.all_reduce(sums, group=g.dp)
-    tokens, flops, real, processed, micro_batches, *graph_calls = sums.tolist()
+    tokens, flops, real, processed, micro_batches, row_tokens, *graph_calls = sums.tolist()
     world = g.dims.world_size  # the training ranks, where the actor's update runs
     out = {
         "perf/total_tokens": tokens,
@@ -146,6 +153,8 @@ def perf_metrics(
         "perf/tokens_per_s_per_gpu": tokens / seconds["step"] / dist.get_world_size(),
         "perf/mfu/actor": 0.0,
     }
+    if c.cfg.trainer.share_prompts:
+        out["perf/shared_prompt_fraction"] = 1.0 - real / row_tokens if row_tokens else 0.0
     if graphs is not None:  # the actor's layer calls (its forwards and update) replayed from CUDA graphs
         out["perf/cuda_graph_replayed_fraction"] = graph_calls[2] / max(sum(graph_calls), 1.0)
     if g.device.type == "cuda":

@@ -22,6 +22,7 @@ from engine.validate.run import (
     validate_optim,
     validate_optional_packages,
     validate_reward,
+    validate_share_prompts,
     validate_trainer,
 )
 from engine.validate.side_models import validate_side_models
@@ -40,6 +41,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelDims:
     validate_optim(cfg)
     validate_trainer(cfg)
     validate_cuda_graphs(cfg, built)
+    validate_share_prompts(cfg, built)
     validate_reward(cfg)
     validate_side_models(cfg, dims)
     validate_optional_packages(cfg)

@@ -21,6 +21,34 @@ def validate_cuda_graphs(cfg: TrainConfig, built: ModelConfig) -> None:
             fail("trainer.cuda_graphs", True, rule, fix)
 
 
+def validate_share_prompts(cfg: TrainConfig, built: ModelConfig) -> None:
+    """trainer.share_prompts=true (engine/roles/shared_prompts.py) where its layout cannot run is refused."""
+    t, off = cfg.trainer, "or set trainer.share_prompts=false"
+    if not t.share_prompts:
+        return
+    checks = (
+        (not packs_sequences(t), "needs packed micro-batches (trainer.pack_sequences=false)", "drop it"),
+        (
+            cfg.parallel.vpp > 1,
+            f"needs micro-batches of free shapes (parallel.vpp={cfg.parallel.vpp})",
+            "set 1",
+        ),
+        (
+            t.cuda_graphs is True,
+            "changes every micro-batch's layout: no CUDA graphs of the layers",
+            "drop it",
+        ),
+        (
+            built.moe.num_experts > 0,
+            "is not built for mixture-of-experts models (the router's losses count every row's prompt)",
+            "drop it",
+        ),
+    )
+    for bad, rule, fix in checks:
+        if bad:
+            fail("trainer.share_prompts", True, rule, f"{fix}, {off}")
+
+
 def layer_graphs_on(cfg: TrainConfig, built: ModelConfig) -> bool:
     """Whether the run's layers run from CUDA graphs: trainer.cuda_graphs=true (validated), or left empty
     where nothing blocks them, the model is bfloat16 (float16's loss scaling is not yet run with them) and
@@ -33,8 +61,10 @@ def layer_graphs_on(cfg: TrainConfig, built: ModelConfig) -> bool:
     `built`: the model the run builds (validate/built.py)."""
     setting, t = cfg.trainer.cuda_graphs, cfg.trainer
     if setting is None:
-        by_rows = not t.max_tokens_per_micro_batch and not sized_by_memory(
-            t, cfg.cluster.device, cfg.parallel.pp
+        by_rows = (
+            not t.share_prompts
+            and not t.max_tokens_per_micro_batch
+            and not sized_by_memory(t, cfg.cluster.device, cfg.parallel.pp)
         )
         return by_rows and built.dtype == "bfloat16" and not layer_graphs_blockers(cfg, built)
     return setting

@@ -203,6 +203,22 @@ def test_packed_equals_padded_forward_and_backward(tmp_path, one_layout):
         assert parity["tokens_packed"] == parity["tokens_real"] < parity["tokens_padded"], parity
 
 
+@pytest.mark.parametrize("budget", [64, 40])  # 40: groups split over micro-batches, each with its prompt
+def test_shared_prompts_equal_packed_rows_forward_and_backward(tmp_path, budget):
+    """trainer.share_prompts (engine/roles/shared_prompts.py): 4 rows per prompt, each group's prompt laid out
+    once per micro-batch, against the same rows packed whole: log-probs, entropies, values, last-token scores,
+    the actor's and critic's loss and gradients, float32."""
+    parity = packing_parity([], str(tmp_path), budget, shared=True)
+    for key in ("log_probs", "entropy", "values", "scores"):
+        assert parity[key] <= 2e-5, parity
+    for key in ("actor_grad_rel", "actor_loss_rel", "critic_grad_rel", "critic_loss_rel"):
+        assert parity[key] <= 1e-5, parity
+    # the prompts once: fewer tokens computed than the rows hold (2 to 24 prompt tokens, 4 rows each)
+    assert (
+        parity["tokens_shared"] < parity["tokens_packed"] and parity["tokens_real"] < parity["row_tokens"]
+    ), parity
+
+
 @pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean"])
 def test_token_budget_gives_the_same_loss_and_gradient(tmp_path, mode):
     parity = dynamic_batch_parity([f"algorithm.loss_agg_mode={mode}"], str(tmp_path), 64)

@@ -12,13 +12,12 @@ import torch
 from trainer_jobs import SHORT, compose_config, distributed, read_metrics, run_job
 
 
-def skewed_experience(seed: int, rows: int, max_new_tokens: int, vocab: int, pad_id: int):
-    """An Experience whose prompt and response lengths vary widely (2..24 and 1..max_new_tokens), n=2,
-    with random advantages and rollout log-probs: what token-budget packing is for."""
+def skewed_experience(seed: int, rows: int, max_new_tokens: int, vocab: int, pad_id: int, n: int = 2):
+    """An Experience whose prompt and response lengths vary widely (2..24 and 1..max_new_tokens), `n` rows per
+    prompt, with random advantages and rollout log-probs: what token-budget packing is for."""
     from engine.step.batch import build_experience
 
     gen = torch.Generator().manual_seed(seed)
-    n = 2
     prompts = [
         torch.randint(4, vocab, (int(torch.randint(2, 25, (1,), generator=gen)),), generator=gen).tolist()
         for _ in range(rows // n)
@@ -115,11 +114,13 @@ def packing_parity(
     budget: int,
     keep_process_group: bool = False,
     one_layout: bool = False,
+    shared: bool = False,
 ) -> dict[str, float]:
     """Padded vs packed token-budget micro-batches of the same rows (a PPO job: actor, critic with a random
     value head): forward-only log-probs, entropies, values and last-token scores (the reward model's head),
     then one update of the actor and of the critic, loss and parameter gradients. Returns the largest
     differences over all ranks (gradients and losses relative to their scale) and both token counts.
+    `shared`: packed vs packed with each group's prompt once (trainer.share_prompts, 4 rows per prompt).
     `budget` 0, as the trainer's `trainer_batcher`: padded micro-batches of 4 rows; packed ones grouped up to
     4 x the batch's width in tokens, or under the interleaved schedule (parallel.vpp > 1) 4 rows padded to one
     layout per call; `one_layout` pads packed micro-batches as for the layers' CUDA graphs (`shapes="graphs"`)."""
@@ -153,7 +154,8 @@ def packing_parity(
                 model.output_layer.weight.data.copy_(
                     torch.randn(model.output_layer.weight.shape, generator=gen)
                 )
-        exp = skewed_experience(100 + groups.dp_rank, 16, 12, c.shape.vocab_size, c.tokenizer.pad_token_id)
+        n = 4 if shared else 2
+        exp = skewed_experience(100 + groups.dp_rank, 16, 12, c.shape.vocab_size, c.tokenizer.pad_token_id, n)
         mask = exp.response_mask
         exp.tensors["values"] = torch.randn(mask.shape, generator=gen) * mask
         exp.tensors["returns"] = torch.randn(mask.shape, generator=gen) * mask
@@ -163,9 +165,16 @@ def packing_parity(
         dist.all_reduce(norm, group=groups.dp)
         multiple = groups.dims.seq_multiple
         results = {}
-        for name, pack in (("padded", False), ("packed", True)):
+        variants = (
+            (("packed", True, False), ("shared", True, True))
+            if shared
+            else (("padded", False, False), ("packed", True, False))
+        )
+        for name, pack, share in variants:
             shapes = "one" if groups.dims.vpp > 1 else "graphs" if one_layout else "free"
-            batcher = MicroBatcher(4, budget, multiple, groups.device, pack=pack, shapes=shapes)
+            batcher = MicroBatcher(
+                4, budget, multiple, groups.device, pack=pack, shapes=shapes, share_prompts=share
+            )
             got = {
                 key: forward_rows(c.actor, exp, _stats_fn, key, batcher, 0.8)
                 for key in ("log_probs", "entropy")
@@ -189,7 +198,7 @@ def packing_parity(
                     p.main_grad.detach().clone() for ch in role.chunks for p in ch.parameters()
                 ]
             results[name] = (got, list(batcher.token_counts))
-        (a, tokens_a), (b, tokens_b) = results["padded"], results["packed"]
+        (a, tokens_a), (b, tokens_b) = (results[name] for name, _, _ in variants)
         valid = mask.bool()
         diffs = [
             float((a[k] - b[k])[valid if k != "scores" else slice(None)].abs().max())
@@ -214,9 +223,13 @@ def packing_parity(
             "critic_loss_rel",
         )
         out = dict(zip(names, maxima.tolist()))
-        out.update(tokens_padded=tokens_a[1], tokens_packed=tokens_b[1], tokens_real=tokens_b[0])
+        first, second = (name for name, _, _ in variants)
+        out.update(
+            {f"tokens_{first}": tokens_a[1], f"tokens_{second}": tokens_b[1], "tokens_real": tokens_b[0]}
+        )
+        out["row_tokens"] = tokens_b[3]
         # micro-batches of one update call (the counts cover two: the actor's and the critic's)
-        out.update(micro_batches_padded=tokens_a[2] // 2, micro_batches_packed=tokens_b[2] // 2)
+        out.update({f"micro_batches_{first}": tokens_a[2] // 2, f"micro_batches_{second}": tokens_b[2] // 2})
         return out
 
 

@@ -1,0 +1,116 @@
+"""Attention and RoPE positions for micro-batches that hold each group's prompt once (trainer.share_prompts;
+the layout: engine/roles/shared_prompts.py).
+
+A micro-batch of this layout lies as segments back to back: a prompt, then each of its responses in the
+micro-batch, then the next prompt's; (and the padding, a pseudo-row of its own). A prompt segment attends
+causally to itself; a response segment's query i attends to its prompt and to its own first i + 1 tokens:
+the keys of each response segment are its prompt's followed by its own, gathered by `kv_index` (the
+gather's backward sums the responses' key/value gradients into the prompt's), and the causal mask is aligned
+to the end of the keys. Exactly the attention each row has when it lies alone with its prompt: the prompt's
+tokens attend only to the prompt, so they compute the same in every row of the group.
+- CUDA, half precision, no dropout: FlashAttention-2 varlen with separate query and key boundaries (its causal
+  mask is aligned to the bottom right where queries are fewer than keys, FlashAttention >= 2.1's rule).
+- Elsewhere: SDPA segment by segment with that mask spelled out (one host sync for the lengths).
+
+RoPE: a response's tokens sit at positions P..P+R-1 after a prompt of P, which megatron's thd RoPE (positions
+restart at every `cu_seqlens` boundary) cannot express; `SHARED_POSITIONS` holds each micro-batch's positions
+for its `cu_seqlens` tensor, which megatron hands to the RoPE hook (engine/models/spec.py `fused_rope_thd`),
+and the attention refuses a micro-batch whose positions that hook did not take (megatron's unfused RoPE,
+`Fusions(rope=False)`, would rotate responses from position 0).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from engine.models.packed_attention import FlashVarlen, flash_applies
+
+
+@dataclass
+class SharedPromptSeqParams(PackedSeqParams):
+    """megatron's thd `PackedSeqParams` (`cu_seqlens_q` = `cu_seqlens_kv`: the segments, which RoPE receives;
+    `max_seqlen_q` = `max_seqlen_kv`: the longest row, prompt + response, for megatron's RoPE table) and the
+    keys of each segment: `kv_index` (t_k,) token positions, bounded by `cu_seqlens_k`; `max_q`, `max_k` the
+    longest query and key segments."""
+
+    kv_index: torch.Tensor = None
+    cu_seqlens_k: torch.Tensor = None
+    max_q: int = 0
+    max_k: int = 0
+
+
+class SharedPositions:
+    """Each live shared-prompt micro-batch's token positions, by its `cu_seqlens` tensor (held by id, dropped
+    when the tensor is freed); `take` returns them to the RoPE hook and marks them taken."""
+
+    def __init__(self):
+        self.entries: dict[int, list] = {}
+
+    def register(self, cu_seqlens: torch.Tensor, positions: torch.Tensor) -> None:
+        key = id(cu_seqlens)
+        self.entries[key] = [positions, False]
+        weakref.finalize(cu_seqlens, self.entries.pop, key, None)
+
+    def take(self, cu_seqlens: torch.Tensor) -> torch.Tensor | None:
+        entry = self.entries.get(id(cu_seqlens))
+        if entry is None:
+            return None
+        entry[1] = True
+        return entry[0]
+
+    def taken(self, cu_seqlens: torch.Tensor) -> bool:
+        entry = self.entries.get(id(cu_seqlens))
+        return entry is not None and entry[1]
+
+
+SHARED_POSITIONS = SharedPositions()
+
+
+def shared_prompt_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    params: SharedPromptSeqParams,
+    scale: float | None,
+    dropout_p: float,
+) -> torch.Tensor:
+    """q (t, heads, dim), k/v (t, groups, dim) of a shared-prompt micro-batch -> (t, heads, dim) (module
+    docstring)."""
+    if not SHARED_POSITIONS.taken(params.cu_seqlens_q):
+        raise RuntimeError(
+            "trainer.share_prompts: the micro-batch's RoPE positions were not applied (the fused RoPE hook of "
+            "engine/models/spec.py did not run): a response would be rotated from position 0"
+        )
+    k_seg, v_seg = k[params.kv_index], v[params.kv_index]
+    if flash_applies(q, dropout_p):
+        cu_q, cu_k = params.cu_seqlens_q, params.cu_seqlens_k
+        return FlashVarlen.apply(q, k_seg, v_seg, cu_q, params.max_q, scale, cu_k, params.max_k)
+    return segment_attention(q, k_seg, v_seg, params.cu_seqlens_q, params.cu_seqlens_k, scale, dropout_p)
+
+
+def segment_attention(q, k, v, cu_q, cu_k, scale: float | None, dropout_p: float) -> torch.Tensor:
+    """SDPA per segment, query i of a segment of Q queries and K keys attending to keys j <= K - Q + i
+    (causal, aligned to the end of the keys); key/value groups dividing the heads."""
+    q_lens, k_lens = cu_q.diff().tolist(), cu_k.diff().tolist()
+    out = []
+    for qs, ks, vs in zip(q.split(q_lens), k.split(k_lens), v.split(k_lens)):
+        nq, nk = qs.shape[0], ks.shape[0]
+        if nq == 0:
+            continue
+        mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)
+        o = F.scaled_dot_product_attention(
+            qs.transpose(0, 1)[None],
+            ks.transpose(0, 1)[None],
+            vs.transpose(0, 1)[None],
+            attn_mask=mask,
+            dropout_p=dropout_p,
+            scale=scale,
+            enable_gqa=qs.shape[1] != ks.shape[1],
+        )
+        out.append(o[0].transpose(0, 1))
+    return torch.cat(out)

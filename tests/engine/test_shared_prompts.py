@@ -1,0 +1,95 @@
+"""trainer.share_prompts (engine/roles/shared_prompts.py) around the layout, whose forward and backward
+tests/engine/test_dynamic_batch.py holds against packed whole rows: a training job against the same job
+without it, the FLOP count against hand-computed values, the grouping, and the refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from config_compose import composed
+from trainer_jobs import read_metrics, run_job
+from trainer_parity import skewed_experience
+
+from engine.config import ConfigError
+from engine.models.builder import resolve_shape
+from engine.roles import shared_prompts
+from engine.step.perf import shared_prompt_train_flops, train_flops
+from engine.validate.built import built_model
+from engine.validate.run import layer_graphs_on, validate_share_prompts
+
+PPO = ["algorithm=ppo", "trainer.total_steps=1"]
+
+
+def test_a_job_with_shared_prompts_trains_as_one_without(tmp_path):
+    """PPO (actor, critic, GAE) on the default task, 4 prompts x 4 samples, one step: every loss, gradient
+    norm and statistic of the update equal to the job without sharing within float32 summation order."""
+    plain, shared = (str(tmp_path / name) for name in ("plain", "shared"))
+    run_job(PPO, plain)
+    run_job([*PPO, "trainer.share_prompts=true"], shared)
+    (a,), (b,) = read_metrics(plain), read_metrics(shared)
+    assert b["perf/shared_prompt_fraction"] > 0.2, b  # 4 samples share each prompt
+    compared = [k for k in a if k.split("/")[0] in ("actor", "critic", "returns", "advantages")]
+    assert len(compared) > 10, compared
+    for key in compared:
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+def test_prompt_groups_split_and_unit_tokens():
+    exp = skewed_experience(5, 12, 6, vocab=40, pad_id=0, n=3)
+    groups = shared_prompts.prompt_groups(exp, list(range(12)))
+    assert groups == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert shared_prompts.prompt_groups(exp, [4, 0, 3]) == [[4, 3], [0]]
+    lengths = {r: int(exp.prompt_lens[r]) + int(exp.response_mask[r].sum()) for r in range(12)}
+    prompt = int(exp.prompt_lens[0])
+    unit = shared_prompts.unit_tokens(exp, [0, 1, 2], lengths)
+    assert unit == prompt + sum(lengths[r] - prompt for r in (0, 1, 2))
+    parts = shared_prompts.split_group(exp, [0, 1, 2], lengths, lengths[0] + lengths[1] - prompt)
+    assert parts == [[0, 1], [2]]
+
+
+def test_shared_flops_hand_computed():
+    """The rows' count less, per prompt copy not computed, its tokens' layers and P^2 of attention."""
+    shape = resolve_shape(composed().model, 512, 1)
+    prompt, response = torch.tensor([3, 3, 5]), torch.tensor([2, 4, 1])
+    rows = train_flops(shape, prompt + response, response)
+    layers = (
+        6
+        * shape.num_layers
+        * (  # the layers' matmul parameters, per token
+            shape.hidden_size * shape.head_dim * (2 * shape.num_attention_heads + 2 * shape.num_query_groups)
+            + 3 * shape.hidden_size * shape.ffn_hidden_size
+        )
+    )
+    per_key = 12 * shape.num_layers * shape.num_attention_heads * shape.head_dim
+    got = shared_prompt_train_flops(shape, prompt, response, [[0, 1], [2]])
+    assert got == pytest.approx(rows - (3 * layers + 9 * per_key), rel=1e-12)
+    assert shared_prompt_train_flops(shape, prompt, response, [[0], [1], [2]]) == pytest.approx(
+        rows, rel=1e-12
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["trainer.pack_sequences=false"], "packed micro-batches"),
+        (["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"], "free shapes"),
+        (["trainer.cuda_graphs=true", "model.dtype=bfloat16"], "CUDA graphs"),
+        (["model=tiny_moe"], "mixture-of-experts"),
+    ],
+)
+def test_layouts_it_cannot_run_are_refused(overrides, needle):
+    cfg = composed("trainer.share_prompts=true", *overrides)
+    with pytest.raises(ConfigError, match="trainer.share_prompts=True") as err:
+        validate_share_prompts(cfg, built_model(cfg))
+    assert needle in str(err.value) and "Fix:" in str(err.value)
+    validate_share_prompts(composed(*overrides), built_model(cfg))  # off: nothing to refuse
+
+
+def test_no_layer_graphs_by_default_with_shared_prompts():
+    cfg = composed("model.dtype=bfloat16", "trainer.micro_batch_size=8")
+    on_cuda = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cuda"))
+    assert layer_graphs_on(on_cuda, built_model(on_cuda))
+    shared = dataclasses.replace(on_cuda, trainer=dataclasses.replace(on_cuda.trainer, share_prompts=True))
+    assert not layer_graphs_on(shared, built_model(shared))
