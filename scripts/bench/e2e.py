@@ -170,8 +170,13 @@ def run_ours(args, out_dir: str) -> dict:
             k: statistics.median(b[k] for _, b in bounds) for k in ("seconds", "generation_s", "update_s")
         }
         over_bound = statistics.median(r["timing/step"] / b["seconds"] for r, b in bounds)
-    mfu_update = statistics.median(
-        6 * params * step_tokens(lengths) / r["timing/update_actor"] / (PEAK_BF16_FLOPS * args.gpus)
+    mfu_update = statistics.median(  # with trainer.share_prompts the tokens computed: prompts once
+        6
+        * params
+        * step_tokens(lengths)
+        * (1.0 - r.get("perf/shared_prompt_fraction", 0.0))
+        / r["timing/update_actor"]
+        / (PEAK_BF16_FLOPS * args.gpus)
         for r, lengths in steady
     )
     gen_rate = args.vllm_tokens_per_s or VLLM_ANCHOR_TOKENS_PER_S.get(args.preset)
@@ -207,6 +212,7 @@ def run_ours(args, out_dir: str) -> dict:
         "mfu_update_actor_trainer": med.get("perf/mfu/actor"),
         "peak_memory_gb": med.get("perf/max_memory_allocated_gb"),
         "padding_fraction": med.get("perf/padding_fraction"),  # of the update's forwards
+        "shared_prompt_fraction": med.get("perf/shared_prompt_fraction"),  # trainer.share_prompts
         "tokens_per_micro_batch": med.get("perf/tokens_per_micro_batch"),
         "cuda_graph_replayed_fraction": med.get("perf/cuda_graph_replayed_fraction"),  # trainer.cuda_graphs
         "rollout_engine": engine,

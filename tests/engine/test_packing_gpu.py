@@ -11,6 +11,8 @@
   query heads in 2 groups, dim 128): output and q/k/v gradients against float32 attention row by row, each
   within 1.5x the largest error of torch's `varlen_attn` with the groups repeated per head (the path before)
   plus one bf16 ulp of the reference's scale.
+- trainer.share_prompts (each group's prompt once, FlashAttention-2 with separate query and key boundaries)
+  against packed whole rows, the same tolerances.
 - `padded_attention` (trainer.pack_sequences=false): no cuDNN kernel until its shape recurs, cuDNN from then
   on (the profiler's kernel names), both against float32 as above with SDPA's own choice as the path before.
 """
@@ -51,6 +53,28 @@ def test_varlen_packed_equals_padded_in_bfloat16(tmp_path, monkeypatch):
     for key in ("actor_grad_rel", "actor_loss_rel", "critic_grad_rel", "critic_loss_rel"):
         assert parity[key] <= 5e-2, parity
     assert parity["tokens_packed"] == parity["tokens_real"] < parity["tokens_padded"], parity
+
+
+def test_shared_prompts_equal_packed_in_bfloat16(tmp_path, monkeypatch):
+    """trainer.share_prompts on CUDA: responses attend to their prompt's one copy through FlashAttention-2
+    varlen with separate query and key boundaries (causal aligned to the keys' end); against the same rows
+    packed whole, the tolerances of the packed-vs-padded test above."""
+    shared_calls = []
+    flash = packed_module.FlashVarlen.apply
+
+    def spy(*args):
+        if len(args) > 6 and args[6] is not None:  # cu_seqlens_k: the shared-prompt layout
+            shared_calls.append(args[0].shape)
+        return flash(*args)
+
+    monkeypatch.setattr(packed_module.FlashVarlen, "apply", spy)
+    parity = packing_parity(MODEL, str(tmp_path), 64, shared=True)
+    assert shared_calls, "the shared-prompt forward did not reach the varlen kernel"
+    for key in ("log_probs", "entropy"):
+        assert parity[key] <= 5e-2, parity
+    for key in ("actor_grad_rel", "actor_loss_rel", "critic_grad_rel", "critic_loss_rel"):
+        assert parity[key] <= 5e-2, parity
+    assert parity["tokens_shared"] < parity["tokens_packed"], parity
 
 
 def _errors(fn, q, k, v, grad, want) -> list[float]:

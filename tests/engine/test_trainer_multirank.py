@@ -64,6 +64,15 @@ def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp
                 layout,
                 packing,
             )
+    # each group's prompt once (trainer.share_prompts) vs packed rows at TP=2 x PP=2 with SP, 4 rows a prompt
+    shared = json.loads(out.split("packing_shared ", 1)[1].splitlines()[0])
+    for key in ("log_probs", "entropy", "values", "scores"):
+        assert shared[key] <= 2e-5, shared
+    for key in ("actor_grad_rel", "actor_loss_rel", "critic_grad_rel", "critic_loss_rel"):
+        assert shared[key] <= 1e-5, shared
+    assert (
+        shared["tokens_real"] < shared["row_tokens"] and shared["tokens_shared"] < shared["tokens_packed"]
+    ), shared
     # gae, reinforce_pp (KL in the reward), reinforce_pp_baseline, grpo: float64 moments, float32 advantages
     dp_invariance = json.loads(out.split("dp_invariance ", 1)[1].splitlines()[0])
     assert max(dp_invariance.values()) <= 1e-6, dp_invariance

@@ -98,6 +98,15 @@ def main(out_root: str) -> None:
         )
         if rank == 0:
             print(f"packing_sp_{sp} " + json.dumps(packing), flush=True)
+    packing = packing_parity(  # each group's prompt once (trainer.share_prompts) vs packed rows, TP x PP x SP
+        ["parallel.tp=2", "parallel.pp=2", "parallel.sp=true"],
+        os.path.join(out_root, "packing_shared"),
+        40,
+        True,
+        shared=True,
+    )
+    if rank == 0:
+        print("packing_shared " + json.dumps(packing), flush=True)
     packing = packing_parity(  # no budget (the default): 4 rows padded vs packed up to 4 x the batch's width
         ["parallel.tp=2", "parallel.pp=2"], os.path.join(out_root, "packing_by_width"), 0, True
     )
