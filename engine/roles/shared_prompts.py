@@ -70,9 +70,10 @@ def shared_prompt_micro_batch(
         pieces.append(exp.tokens[unit[0], :prompt])
         positions.append(torch.arange(prompt))
         prompt_keys = torch.arange(cursor, cursor + prompt)
-        q_lens.append(prompt)
-        kv.append(prompt_keys)
-        k_lens.append(prompt)
+        if prompt:  # no empty segments: not every attention kernel takes them
+            q_lens.append(prompt)
+            kv.append(prompt_keys)
+            k_lens.append(prompt)
         start, cursor = cursor, cursor + prompt
         for r in unit:
             response = lengths[r] - prompt

@@ -27,7 +27,8 @@ so every update gives both figures. Reported per variant (medians):
 - `fwd_bwd_s`, `fwd_bwd_tokens_per_s`, `fwd_bwd_mfu`: the schedule alone; `optimizer_s`: the difference;
 - MFU = 6 x params x tokens / seconds / 989e12 (H100/H200 dense bf16 peak), params = every parameter of the
   model once (a tied embedding is the lm_head and counts once; untied, both count), tokens = the update's
-  real tokens (rows x seq at fixed lengths);
+  real tokens computed (rows x seq at fixed lengths; with `--share-prompts`, each group of `--n` rows' prompt
+  once: trainer.share_prompts);
   attention score FLOPs not counted. `mfu_palm` adds them (not causal) and counts the output layer at the
   response positions only (engine/step/perf.py, the trainer's perf/mfu/actor);
 - `peak_memory_gb` (max allocated during the timed updates), `grad_norm` and `loss` of the first update
@@ -76,7 +77,7 @@ from engine.roles.dynamic_batch import MicroBatcher  # noqa: E402
 from engine.roles.policy import MegatronRole, torch_optimizers  # noqa: E402
 from engine.step.batch import build_experience  # noqa: E402
 from engine.step.losses import make_actor_loss  # noqa: E402
-from engine.step.perf import train_flops  # noqa: E402
+from engine.step.perf import shared_prompt_train_flops, train_flops  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
 from parallel.state import ProcessGroups, destroy_distributed, init_distributed  # noqa: E402
 
@@ -117,6 +118,12 @@ def parse_args() -> argparse.Namespace:
         help="micro-batches padded as trainer.pack_sequences=false; default: packed "
         "(rows back to back, varlen attention: the trainer's default)",
     )
+    ap.add_argument("--n", type=int, default=1, help="rows per prompt (GRPO's group size; divides --rows)")
+    ap.add_argument(
+        "--share-prompts",
+        action="store_true",
+        help="each group's prompt once per micro-batch (trainer.share_prompts); packed, without --cuda-graphs",
+    )
     ap.add_argument("--lengths", choices=KINDS, default="fixed", help="response lengths (workload.py)")
     ap.add_argument("--fresh-lengths", action="store_true", help="long_tail: a new draw for every update")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -137,6 +144,8 @@ def parse_args() -> argparse.Namespace:
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown or not 0 < args.prompt_len < args.seq:
         ap.error(f"unknown variants {unknown} or not 0 < --prompt-len < --seq")
+    if args.rows % args.n or (args.share_prompts and (args.padded or args.cuda_graphs)):
+        ap.error("--n must divide --rows; --share-prompts takes packed micro-batches without --cuda-graphs")
     return args
 
 
@@ -153,6 +162,8 @@ class Batch:
     mbs: list[dict]
     loss_fn: Callable
     lengths: torch.Tensor
+    computed: int
+    """Real tokens the micro-batches compute (with --share-prompts each group's prompt once)."""
 
 
 def make_batch(shape: ModelShape, args, device: torch.device, seed: int) -> Batch:
@@ -161,11 +172,12 @@ def make_batch(shape: ModelShape, args, device: torch.device, seed: int) -> Batc
     gen = torch.Generator().manual_seed(seed)
     response = args.seq - args.prompt_len
     lengths = torch.tensor(response_lengths(args.lengths, args.rows, response, seed))
-    prompts = torch.randint(0, shape.vocab_size, (args.rows, args.prompt_len), generator=gen)
+    groups = args.rows // args.n
+    prompts = torch.randint(0, shape.vocab_size, (groups, args.prompt_len), generator=gen)
     response_ids = torch.randint(0, shape.vocab_size, (args.rows, response), generator=gen)
     mask = (torch.arange(response) < lengths[:, None]).float()
     rollout_logp = -torch.rand(args.rows, response, generator=gen) * mask
-    exp = build_experience(prompts.tolist(), response_ids, mask, list(range(args.rows)), 1, 0)
+    exp = build_experience(prompts.tolist(), response_ids, mask, list(range(groups)), args.n, 0)
     exp.tensors.update(
         advantages=torch.randn(args.rows, response, generator=gen) * mask, rollout_log_probs=rollout_logp
     )
@@ -176,12 +188,12 @@ def make_batch(shape: ModelShape, args, device: torch.device, seed: int) -> Batc
         device=device,
         pack=not args.padded,
         shapes="graphs" if args.cuda_graphs else "free",
+        share_prompts=args.share_prompts,
     )
     alg = AlgorithmConfig()
     norm = loss_normalizer(mask, alg.loss_agg_mode, max_len=response)
-    return Batch(
-        batcher(exp, torch.arange(args.rows), KEYS), make_actor_loss(alg, norm, kl_ref=False), lengths
-    )
+    mbs = batcher(exp, torch.arange(args.rows), KEYS)
+    return Batch(mbs, make_actor_loss(alg, norm, kl_ref=False), lengths, batcher.token_counts[0])
 
 
 def batches(shape: ModelShape, args, device: torch.device) -> Callable[[int], Batch]:
@@ -237,6 +249,7 @@ def batch_update(role: MegatronRole, b: Batch, device: torch.device, args) -> di
     out = one_update(role, b.mbs, b.loss_fn, device)
     out["lengths"] = b.lengths
     out["tokens"] = args.rows * args.prompt_len + int(b.lengths.sum())
+    out["computed_tokens"] = b.computed  # MFU: the FLOPs run (--share-prompts: fewer than the rows hold)
     return out
 
 
@@ -287,13 +300,13 @@ def measure_variant(name: str, shape: ModelShape, groups: ProcessGroups, batch_f
         "tokens_all": [r["tokens"] for r in runs],
         "first_update_s": warm[0]["update_s"] if warm else None,
         "tokens_per_s": median_rate(lambda r: r["tokens"] / r["update_s"]),
-        "mfu": median_rate(lambda r: 6.0 * params * r["tokens"] / r["update_s"] / PEAK_BF16_FLOPS)
+        "mfu": median_rate(lambda r: 6.0 * params * r["computed_tokens"] / r["update_s"] / PEAK_BF16_FLOPS)
         if cuda
         else None,
         "fwd_bwd_s": statistics.median(r["fwd_bwd_s"] for r in runs),
         "fwd_bwd_tokens_per_s": median_rate(lambda r: r["tokens"] / r["fwd_bwd_s"]),
         "fwd_bwd_mfu": (
-            median_rate(lambda r: 6.0 * params * r["tokens"] / r["fwd_bwd_s"] / PEAK_BF16_FLOPS)
+            median_rate(lambda r: 6.0 * params * r["computed_tokens"] / r["fwd_bwd_s"] / PEAK_BF16_FLOPS)
             if cuda
             else None
         ),
@@ -310,7 +323,12 @@ def measure_variant(name: str, shape: ModelShape, groups: ProcessGroups, batch_f
     if cuda:  # the output layer at the response positions only, as the fused head computes
 
         def palm(r) -> float:
-            flops = train_flops(shape, args.prompt_len + r["lengths"], r["lengths"])
+            prompts = torch.full_like(r["lengths"], args.prompt_len)
+            if args.share_prompts:  # the groups of --n rows (first-seen order: rows i*n .. i*n+n-1)
+                groups = [list(range(i, i + args.n)) for i in range(0, args.rows, args.n)]
+                flops = shared_prompt_train_flops(shape, prompts, r["lengths"], groups)
+            else:
+                flops = train_flops(shape, prompts + r["lengths"], r["lengths"])
             return flops / r["update_s"] / PEAK_BF16_FLOPS
 
         out["mfu_palm"] = median_rate(palm)
@@ -426,7 +444,8 @@ def main() -> None:
             "micro_batches": [list(mb["tokens"].shape) for mb in first.mbs],
             "tokens": args.rows * args.prompt_len + int(first.lengths.sum()),
             "mfu_formula": "6 * params * tokens / seconds / 989e12; params: each parameter once (tied "
-            "embedding = lm_head, once); tokens: the update's real tokens (rows * seq at fixed lengths); "
+            "embedding = lm_head, once); tokens: the update's real tokens computed (rows * seq at fixed lengths; "
+            "with --share-prompts each group's prompt once); "
             "attention score FLOPs not counted",
             "variants": {},
         }

@@ -122,3 +122,32 @@ def test_update_bench_long_tail_draws_new_lengths_per_update(tmp_path):
     (variant,) = result["variants"].values()
     assert variant["tokens_all"] == want[1:]
     assert variant["update_s"] > 0 and variant["skipped_steps"] == 0
+
+
+def test_update_bench_shared_prompts_compute_each_prompt_once(tmp_path):
+    """--n 3 --share-prompts: 6 rows of 24 tokens as 2 prompts of 8 with 3 responses of 16 each: 2 x (8 + 48)
+    tokens computed, the first update's loss and gradient norm those of the same rows packed whole (float32
+    summation order)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    args = ["--preset", "tiny", "--rows", "6", "--seq", "24", "--prompt-len", "8", "--max-tokens", "80"]
+    args += ["--n", "3", "--dtype", "float32", "--warmup", "1", "--iters", "1", "--no-check"]
+    results = []
+    for extra in ([], ["--share-prompts"]):
+        out = tmp_path / ("shared" if extra else "whole")
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), *args, *extra, "--out", str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    whole, shared = results
+    assert sum(s for _, s in whole["micro_batches"]) == 6 * 24
+    assert sum(s for _, s in shared["micro_batches"]) == 2 * (8 + 3 * 16)
+    (a,), (b,) = whole["variants"].values(), shared["variants"].values()
+    assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]) and a["grad_norm"] > 0
+    assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
