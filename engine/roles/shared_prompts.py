@@ -4,10 +4,10 @@ A GRPO-style step samples n responses per prompt, and packed as n full rows a mi
 prompt's tokens n times, though in a causal model they compute the same in every row (they attend only to
 the prompt). Here the rows of a micro-batch that share a prompt lie as one unit: the prompt's tokens once,
 then each response's tokens (its positions continuing from the prompt's end), and each response attends to
-that one copy of the prompt (engine/models/shared_prompt_attention.py). The model then computes
-(n - 1) / n of the prompt tokens less for the same log-probs, values and gradients (the prompt's gradient
-is the sum of what its responses send back, as the rows' sum is). At 256-token prompts and 512-token
-responses, n = 8: 29% fewer tokens through every layer.
+that one copy of the prompt (engine/models/shared_prompt_attention.py). The model then skips (n - 1) / n
+of the prompt tokens for the same log-probs, values and gradients (the prompt's gradient is the sum of what
+its responses send back, as the rows' sum is). At 256-token prompts and 512-token responses, n = 8: 29%
+fewer tokens through every layer.
 
 Cutting: the batch's rows are grouped by identical prompt tokens; a group costs its prompt plus its responses
 in tokens; groups are packed first-fit decreasing under the micro-batch budget (engine/roles/dynamic_batch.py),
