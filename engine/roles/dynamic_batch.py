@@ -66,7 +66,7 @@ from engine.config import TrainerConfig
 from engine.micro_batch_sizing import MEMORY_SIZED_TOKENS, micro_batch_rows, packs_sequences, sized_by_memory
 from engine.roles import shared_prompts
 from engine.rollout.routes import NO_ROUTE
-from engine.step.batch import ROUTES, Experience, response_lengths, response_valid
+from engine.step.batch import ROUTES, Experience, packed_response_index, response_lengths, row_fields
 from parallel.dims import ParallelDims
 
 
@@ -124,13 +124,8 @@ def _micro_batch(exp: Experience, sel: torch.Tensor, seq: int, keys, device: tor
     mb = {
         "tokens": tokens.to(device),
         "positions": torch.arange(seq).expand_as(tokens).to(device),
-        "response_index": index.to(device),
-        "response_mask": exp.response_mask[sel].to(device),
-        "response_valid": response_valid(exp.response_mask[sel]).to(device),
-        "rows": sel,
+        **row_fields(exp, sel, index, keys, device),
     }
-    for key in keys:
-        mb[key] = exp.tensors[key][sel].to(device)
     if ROUTES in exp.tensors:  # routing replay: aligned to `tokens` (b, s, layers, k)
         mb[ROUTES] = exp.tensors[ROUTES][sel, :seq].to(device)
     return mb
@@ -189,9 +184,6 @@ def _packed_micro_batch(
     positions = torch.arange(t) - torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
     for r, start, length in zip(sel.tolist(), starts.tolist(), lengths.tolist()):
         tokens[0, start : start + length] = exp.tokens[r, :length]
-    steps = torch.arange(exp.response_ids.shape[1])
-    # row-local, kept inside the row: valid entries are never clamped (prompt_len - 1 + j < length)
-    index = torch.minimum(exp.prompt_lens[sel, None] - 1 + steps, lengths[:, None] - 1)
     max_seqlen = int(cu_seqlens.diff().max()) if layout is None else layout[2]
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
     mb = {
@@ -206,13 +198,8 @@ def _packed_micro_batch(
         ),
         "row_starts": starts.to(device),
         "row_lengths": lengths.to(device),
-        "response_index": index.to(device),
-        "response_mask": exp.response_mask[sel].to(device),
-        "response_valid": response_valid(exp.response_mask[sel]).to(device),
-        "rows": sel,
+        **row_fields(exp, sel, packed_response_index(exp, sel, lengths), keys, device),
     }
-    for key in keys:
-        mb[key] = exp.tensors[key][sel].to(device)
     if ROUTES in exp.tensors:  # routing replay: packed like `tokens` (1, t, layers, k)
         routes = exp.tensors[ROUTES]
         packed = torch.full((1, t, *routes.shape[2:]), NO_ROUTE, dtype=routes.dtype)

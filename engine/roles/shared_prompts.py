@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from engine.models.shared_prompt_attention import SHARED_POSITIONS, SharedPromptSeqParams
-from engine.step.batch import Experience, response_valid
+from engine.step.batch import Experience, packed_response_index, row_fields
 
 
 def prompt_groups(exp: Experience, rows: list[int]) -> list[list[int]]:
@@ -102,8 +102,6 @@ def shared_prompt_micro_batch(
     flat_positions = torch.cat(positions)
     longest = int(flat_positions.max()) + 1
     SHARED_POSITIONS.register(cu, flat_positions.to(device))
-    steps = torch.arange(exp.response_ids.shape[1])
-    index = torch.minimum(exp.prompt_lens[sel, None] - 1 + steps, row_lengths[:, None] - 1)
     mb = {
         "tokens": torch.cat(pieces)[None].to(device),
         "positions": flat_positions[None].to(device),
@@ -122,11 +120,6 @@ def shared_prompt_micro_batch(
         "prompt_starts": torch.tensor(prompt_starts).to(device),
         "row_prompt_lens": torch.tensor(prompt_lens).to(device),
         "row_lengths": row_lengths.to(device),
-        "response_index": index.to(device),
-        "response_mask": exp.response_mask[sel].to(device),
-        "response_valid": response_valid(exp.response_mask[sel]).to(device),
-        "rows": sel,
+        **row_fields(exp, sel, packed_response_index(exp, sel, row_lengths), keys, device),
     }
-    for key in keys:
-        mb[key] = exp.tensors[key][sel].to(device)
     return mb

@@ -23,6 +23,28 @@ def response_valid(response_mask: torch.Tensor) -> torch.Tensor:
     return response_mask.reshape(-1).nonzero()[:, 0]
 
 
+def row_fields(exp: Experience, sel: torch.Tensor, index: torch.Tensor, keys, device) -> dict:
+    """The per-row entries of a micro-batch of rows `sel`: `response_index` (the positions `index` (rows, T)
+    whose hidden states predict each response token), `response_mask`, `response_valid`, `rows` and the named
+    tensors `keys`."""
+    fields = {
+        "response_index": index.to(device),
+        "response_mask": exp.response_mask[sel].to(device),
+        "response_valid": response_valid(exp.response_mask[sel]).to(device),
+        "rows": sel,
+    }
+    for key in keys:
+        fields[key] = exp.tensors[key][sel].to(device)
+    return fields
+
+
+def packed_response_index(exp: Experience, sel: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """`response_index` of packed rows `sel` of real `lengths`: row-local, kept inside the row (valid entries
+    are never clamped: prompt_len - 1 + j < length)."""
+    steps = torch.arange(exp.response_ids.shape[1])
+    return torch.minimum(exp.prompt_lens[sel, None] - 1 + steps, lengths[:, None] - 1)
+
+
 def response_lengths(response_mask: torch.Tensor) -> torch.Tensor:
     """(rows,) int64 tokens of each response: one past its last mask-1 position. Equals the mask's sum for
     single-turn responses; a multi-turn episode's mask also has 0 on the tool tokens inside it."""
