@@ -88,6 +88,7 @@ def shared_prompt_attention(
         )
     k_seg, v_seg = k[params.kv_index], v[params.kv_index]
     if flash_applies(q, dropout_p):
+        check_flash_alignment(q.device, q.dtype)
         cu_q, cu_k = params.cu_seqlens_q, params.cu_seqlens_k
         return FlashVarlen.apply(q, k_seg, v_seg, cu_q, params.max_q, scale, cu_k, params.max_k)
     return segment_attention(q, k_seg, v_seg, params.cu_seqlens_q, params.cu_seqlens_k, scale, dropout_p)
@@ -114,3 +115,30 @@ def segment_attention(q, k, v, cu_q, cu_k, scale: float | None, dropout_p: float
         )
         out.append(o[0].transpose(0, 1))
     return torch.cat(out)
+
+
+_ALIGNMENT_CHECKED: set[tuple] = set()
+
+
+def check_flash_alignment(device: torch.device, dtype: torch.dtype) -> None:
+    """Once per device and dtype: FlashAttention-2's causal mask where a row has fewer queries than keys must be
+    aligned to the keys' end (FlashAttention >= 2.1; version 2.0 aligned it to their start, which would let a
+    response attend to neither its prompt's end nor itself). A two-row case against `segment_attention`;
+    raises instead of training on the wrong attention."""
+    if (device, dtype) in _ALIGNMENT_CHECKED:
+        return
+    gen = torch.Generator(device=device).manual_seed(0)
+    q_lens, k_lens = [3, 2], [5, 2]  # a response of 3 after a prompt of 2; a row of 2 alone
+    q = torch.randn(sum(q_lens), 2, 64, device=device, generator=gen).to(dtype)
+    k, v = (torch.randn(sum(k_lens), 1, 64, device=device, generator=gen).to(dtype) for _ in range(2))
+    cu_q = torch.tensor([0, 3, 5], device=device, dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 7], device=device, dtype=torch.int32)
+    with torch.no_grad():
+        got = FlashVarlen.apply(q, k, v, cu_q, 3, None, cu_k, 5)
+        want = segment_attention(q.float(), k.float(), v.float(), cu_q, cu_k, None, 0.0)
+    if (got.float() - want).abs().max() > 0.05:
+        raise RuntimeError(
+            "trainer.share_prompts: this torch's FlashAttention-2 does not align its causal mask to the keys' end "
+            "where a row has fewer queries than keys; set trainer.share_prompts=false"
+        )
+    _ALIGNMENT_CHECKED.add((device, dtype))
