@@ -58,6 +58,13 @@ def activation_bytes_per_token(shape: ModelShape, dims: ParallelDims, recompute:
     return shape.num_layers * per_layer
 
 
+def trained_activation_bytes(shape: ModelShape, roles: list, dims: ParallelDims, recompute: bool) -> int:
+    """`activation_bytes_per_token` of the largest model the micro-batches train: `shape` (the actor's) or a
+    trainable role's (a critic larger than the actor keeps more per token; frozen roles run forward only)."""
+    trained = [r.shape for r in roles if r is not None and getattr(r, "optimizer", None) is not None]
+    return max(activation_bytes_per_token(s, dims, recompute) for s in [shape, *trained])
+
+
 def adam_state_reserve(roles: list, distributed_optimizer: bool, dp: int) -> int:
     """Bytes the AdamW states of `roles` (MegatronRoles with an optimizer) will take on this rank: reserved
     whether or not a restored checkpoint already allocated them (a smaller cap, never a larger one)."""
@@ -122,12 +129,13 @@ def cap_line(
 def trainer_token_cap(cfg, shape: ModelShape, groups, roles: list) -> int:
     """The cap for the trainer's micro-batcher (0: none): on CUDA, without a token budget, outside the
     interleaved schedule; the smallest of every rank's (the ranks of a model replica must cut alike), and a
-    startup line on the logging rank. `roles`: every built role, the actor first (the trainable ones reserve
-    AdamW's states; the actor, any rollout weights kept through the update)."""
+    startup line on the logging rank. `shape`: the actor's; `roles`: every built role, the actor first (the
+    largest activations of the trainable ones count, as a larger critic's would; they reserve AdamW's
+    states; the actor, any rollout weights kept through the update)."""
     t, dims = cfg.trainer, groups.dims
     if groups.device.type != "cuda" or t.max_tokens_per_micro_batch or dims.vpp > 1:
         return 0
-    per_token = activation_bytes_per_token(shape, dims, cfg.model.recompute)
+    per_token = trained_activation_bytes(shape, roles, dims, cfg.model.recompute)
     reserve = adam_state_reserve(roles, cfg.optim.distributed_optimizer, dims.dp)
     reserve += kept_rollout_weights_reserve(cfg, roles[0], dims)
     free = device_free_bytes(groups.device)

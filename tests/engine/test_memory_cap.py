@@ -158,3 +158,13 @@ def test_kept_rollout_weights_are_reserved(overrides, world, layout, want):
     cfg = composed(*overrides)
     assert memory_cap.kept_rollout_weights_reserve(cfg, actor, dims) == 4 * want  # float32 bytes
     assert memory_cap.kept_rollout_weights_reserve(cfg, None, dims) == 0
+
+
+def test_a_larger_trained_critic_sets_the_count():
+    one = ParallelDims(world_size=1)
+    critic = types.SimpleNamespace(optimizer=object(), shape=QWEN_1_5B)
+    frozen = types.SimpleNamespace(optimizer=None, shape=QWEN_1_5B)  # a reference or reward model
+    small = memory_cap.activation_bytes_per_token(QWEN_0_5B, one, False)
+    large = memory_cap.activation_bytes_per_token(QWEN_1_5B, one, False)
+    assert memory_cap.trained_activation_bytes(QWEN_0_5B, [None, frozen], one, False) == small
+    assert memory_cap.trained_activation_bytes(QWEN_0_5B, [None, frozen, critic], one, False) == large
