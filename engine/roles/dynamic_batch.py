@@ -275,7 +275,9 @@ class MicroBatcher:
         if budget and self.token_cap:
             budget = min(budget, self.token_cap)
         if self.share_prompts:
-            return self._shared_prompts(exp, rows, lengths, budget, keys)
+            groups = shared_prompts.prompt_groups(exp, rows.tolist())
+            if len(groups) < len(rows):  # some prompt shared (else the whole rows' layout, no gathers)
+                return self._shared_prompts(exp, groups, rows, lengths, budget, keys)
         if budget:
             groups = pack_by_token_budget(lengths.tolist(), budget, self.seq_multiple, self.pack)
         else:
@@ -314,14 +316,14 @@ class MicroBatcher:
         self._count(int(lengths.sum()), out, int(lengths.sum()))
         return out
 
-    def _shared_prompts(self, exp: Experience, rows: torch.Tensor, lengths: torch.Tensor, budget: int, keys):
-        """Micro-batches holding each group's prompt once, first-fit decreasing by their tokens so laid out
-        (engine/roles/shared_prompts.py)."""
+    def _shared_prompts(
+        self, exp: Experience, groups, rows: torch.Tensor, lengths: torch.Tensor, budget, keys
+    ):
+        """Micro-batches holding each of `groups`' prompt once (rows of one prompt), first-fit decreasing by
+        their tokens so laid out (engine/roles/shared_prompts.py)."""
         length_of = dict(zip(rows.tolist(), lengths.tolist()))
         units = [
-            part
-            for group in shared_prompts.prompt_groups(exp, rows.tolist())
-            for part in shared_prompts.split_group(exp, group, length_of, budget)
+            part for group in groups for part in shared_prompts.split_group(exp, group, length_of, budget)
         ]
         costs = [shared_prompts.unit_tokens(exp, unit, length_of) for unit in units]
         out = [

@@ -93,3 +93,14 @@ def test_no_layer_graphs_by_default_with_shared_prompts():
     assert layer_graphs_on(on_cuda, built_model(on_cuda))
     shared = dataclasses.replace(on_cuda, trainer=dataclasses.replace(on_cuda.trainer, share_prompts=True))
     assert not layer_graphs_on(shared, built_model(shared))
+
+
+def test_rows_without_a_shared_prompt_keep_the_whole_rows_layout():
+    from engine.roles.dynamic_batch import MicroBatcher
+
+    exp = skewed_experience(6, 8, 6, vocab=40, pad_id=0, n=1)  # every prompt its own
+    cpu = torch.device("cpu")
+    shared = MicroBatcher(4, 64, 1, cpu, pack=True, share_prompts=True)(exp, torch.arange(8))
+    whole = MicroBatcher(4, 64, 1, cpu, pack=True)(exp, torch.arange(8))
+    assert [mb["rows"].tolist() for mb in shared] == [mb["rows"].tolist() for mb in whole]
+    assert all("prompt_starts" not in mb for mb in shared)
