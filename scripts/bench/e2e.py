@@ -302,6 +302,9 @@ def main() -> None:
         "n": args.n,
         "prompt_len": args.prompt_len,
         "response_len": args.response_len,
+        "micro_batch": args.micro_batch,  # None: the trainer's default (engine/micro_batch_sizing.py)
+        "max_tokens": args.max_tokens,
+        "overrides": args.extra,
         "lengths": {
             "kind": args.lengths,
             "seed": args.seed,

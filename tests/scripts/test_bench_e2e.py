@@ -21,7 +21,7 @@ def test_fresh_lengths_train_each_steps_own_draw():
 
     args = ["--cluster", "cpu", "--preset", "tiny", "--prompts", "2", "--n", "2", "--prompt-len", "16"]
     args += ["--response-len", "12", "--lengths", "long_tail", "--fresh-lengths", "--steps", "3"]
-    args += ["--max-tokens", "0", "--micro-batch", "2"]
+    args += ["--max-tokens", "0", "--micro-batch", "2", "trainer.share_prompts=true"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -30,8 +30,11 @@ def test_fresh_lengths_train_each_steps_own_draw():
         [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, cwd=ROOT
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ours = json.loads(proc.stdout.strip().splitlines()[-1])["ours"]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    ours = result["ours"]
     assert "error" not in ours, ours["error"]
+    assert result["overrides"] == ["trainer.share_prompts=true"] and result["micro_batch"] == 2
+    assert 0 < ours["shared_prompt_fraction"] < 1  # 2 responses per prompt: the prompts computed once
     want = [2 * 2 * 16 + 2 * sum(response_lengths("long_tail", 2, 12, seed)) for seed in range(3)]
     assert ours["fresh_lengths"] and ours["tokens_all"] == want
     assert want[1] != want[2]  # the timed steps differ, so the trainer's count below can disagree
