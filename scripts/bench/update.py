@@ -138,6 +138,9 @@ def parse_args() -> argparse.Namespace:
         "--cuda-graphs", action="store_true", help="the layers from CUDA graphs (trainer.cuda_graphs)"
     )
     ap.add_argument("--no-check", action="store_true", help="skip fusion_check")
+    ap.add_argument(
+        "--model", action="append", default=[], metavar="KEY=INT", help="override a conf/model integer key"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=".", help="folder for update.json and the profile tables")
     args = ap.parse_args()
@@ -415,6 +418,9 @@ def model_shape(args) -> ModelShape:
     overrides = {"dtype": args.dtype, "recompute": args.recompute}
     if args.preset == "tiny":
         overrides["vocab_size"] = TINY_VOCAB
+    for item in args.model:  # KEY=INT: conf/model keys, e.g. a wider tiny model for a CPU probe
+        key, value = item.split("=", 1)
+        overrides[key] = int(value)
     cfg = model_config(args.preset, **overrides)
     return resolve_shape(cfg, cfg.vocab_size, 1)
 
