@@ -40,3 +40,8 @@ def sized_by_memory(t: TrainerConfig, device: str, pp: int) -> bool:
     `device` "cuda", with `pp` pipeline stages 1."""
     no_size = t.micro_batch_size is None and not t.max_tokens_per_micro_batch
     return no_size and packs_sequences(t) and device == "cuda" and pp == 1
+
+
+def fill_tokens(t: TrainerConfig, device: str, pp: int) -> int:
+    """The fewest tokens packed micro-batches grow to: `MEMORY_SIZED_TOKENS` where `sized_by_memory`, else 0."""
+    return MEMORY_SIZED_TOKENS if sized_by_memory(t, device, pp) else 0

@@ -63,7 +63,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from engine.config import TrainerConfig
-from engine.micro_batch_sizing import MEMORY_SIZED_TOKENS, micro_batch_rows, packs_sequences, sized_by_memory
+from engine.micro_batch_sizing import fill_tokens, micro_batch_rows, packs_sequences
 from engine.roles import shared_prompts
 from engine.rollout.routes import NO_ROUTE
 from engine.step.batch import ROUTES, Experience, packed_response_index, response_lengths, row_fields
@@ -361,7 +361,7 @@ def trainer_batcher(
     engine/roles/memory_cap.py), and where that cap is set and `sized_by_memory`, packed ones of at least
     MEMORY_SIZED_TOKENS under it (engine/micro_batch_sizing.py); each group's prompt once with
     trainer.share_prompts (engine/roles/shared_prompts.py)."""
-    fill = MEMORY_SIZED_TOKENS if token_cap and sized_by_memory(t, device.type, dims.pp) else 0
+    fill = fill_tokens(t, device.type, dims.pp) if token_cap else 0  # only under a memory cap
     return MicroBatcher(
         micro_batch_rows(t),
         t.max_tokens_per_micro_batch,

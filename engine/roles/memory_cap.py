@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.micro_batch_sizing import MEMORY_SIZED_TOKENS, micro_batch_rows, sized_by_memory
+from engine.micro_batch_sizing import fill_tokens, micro_batch_rows
 from engine.models.builder import ModelShape
 from engine.models.layer_graphs import cached_bytes
 from parallel.dims import ParallelDims
@@ -142,6 +142,6 @@ def trainer_token_cap(cfg, shape: ModelShape, groups, roles: list) -> int:
     cap = torch.tensor([memory_token_cap(free, reserve, per_token)], device=groups.device)
     torch.distributed.all_reduce(cap, op=torch.distributed.ReduceOp.MIN, group=groups.world)
     if groups.is_logging_rank:
-        fill = MEMORY_SIZED_TOKENS if sized_by_memory(t, "cuda", dims.pp) else 0
+        fill = fill_tokens(t, "cuda", dims.pp)
         print(cap_line(int(cap), per_token, free, reserve, micro_batch_rows(t), fill), flush=True)
     return int(cap)

@@ -42,12 +42,17 @@ def unit_tokens(exp: Experience, unit: list[int], lengths: dict[int, int]) -> in
 
 def split_group(exp: Experience, group: list[int], lengths: dict[int, int], budget: int) -> list[list[int]]:
     """A group's rows in parts of whole rows whose unit tokens stay within `budget` (a row alone may not)."""
+    prompt = int(exp.prompt_lens[group[0]])
     parts: list[list[int]] = []
+    tokens = 0  # the last part's unit tokens
     for r in group:
-        if parts and unit_tokens(exp, parts[-1] + [r], lengths) <= budget:
+        response = lengths[r] - prompt
+        if parts and tokens + response <= budget:
             parts[-1].append(r)
+            tokens += response
         else:
             parts.append([r])
+            tokens = prompt + response
     return parts
 
 
