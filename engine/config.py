@@ -55,9 +55,9 @@ class TrainerConfig:
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     """Any of console, jsonl, tensorboard, wandb."""
     micro_batch_size: int | None = None
-    """Rows per micro-batch on each DP rank (packed: as many tokens at the batch's longest row), on CUDA capped
-    by memory (engine/roles/memory_cap.py). Empty (null): 8, and on CUDA at pp=1, packed, without a budget, at
-    least 32,768 tokens where the memory holds them (engine/micro_batch_sizing.py)."""
+    """Rows per micro-batch on each DP rank (packed: as many tokens at the batch's longest row), capped by
+    memory (engine/roles/memory_cap.py). Empty (null): 8, and at pp=1, packed, without a budget, at least
+    32,768 tokens where the memory holds them (engine/micro_batch_sizing.py)."""
     max_tokens_per_micro_batch: int = 0
     """Token budget of a micro-batch (0 = off): rows sorted by length are grouped under it, each micro-batch
     packed (pack_sequences) or padded only to its own longest row; replaces micro_batch_size. Must fit the

@@ -2,8 +2,8 @@
 each micro-batch either packed (rows back to back in one sequence; the default) or padded (b, s).
 
 Without a token budget (`trainer.max_tokens_per_micro_batch=0`), `trainer.micro_batch_size` sets the size
-(8 where empty; where it is empty on CUDA, packed and in one stage, packed micro-batches grow to at least
-32,768 tokens as memory allows: `fill_tokens`, engine/micro_batch_sizing.py).
+(8 where empty; where it is empty, packed and in one stage, packed micro-batches grow to at least 32,768
+tokens as memory allows, the GPU's or the host's: `fill_tokens`, engine/micro_batch_sizing.py).
 Padded, a micro-batch is `micro_batch_size` rows in order, each as long as the batch's longest row (one shape
 per call). Packed (the default), rows are grouped as under a token budget of `micro_batch_size` x the batch's
 width (its longest row + 1): the padded layout's tokens per micro-batch, so the same worst-case activation

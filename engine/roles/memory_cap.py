@@ -9,7 +9,8 @@ would need ~270 GB: out of memory on any GPU, where a 32k-token budget runs at a
 (scripts/bench/README.md). The cap keeps that default from asking for more than `MEMORY_FRACTION` of the
 memory left once the models are built, at `activation_bytes_per_token`: it binds only where a micro-batch by
 rows would come near the device's limit (by this count on one H200, 139 GiB: 1.5B past ~41k tokens, i.e.
-responses longer than ~4.9k tokens at 8 rows; 0.5B past ~100k), and never where the user set a budget.
+responses longer than ~4.9k tokens at 8 rows; 0.5B past ~100k), and never where the user set a budget. On
+the CPU the memory is the host's available memory, split evenly among the host's ranks (`host_free_bytes`).
 
 `activation_bytes_per_token` counts what one token leaves saved in every layer of this rank for the backward,
 in the model's dtype: the two norms' inputs and outputs (4 x hidden; divided by TP under sequence
@@ -25,9 +26,11 @@ so are the rollout's gathered weights where rollout.keep_rollout_weights keeps t
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from engine.micro_batch_sizing import fill_tokens, micro_batch_rows
+from engine.micro_batch_sizing import MEASURED_DEVICES, fill_tokens, micro_batch_rows
 from engine.models.builder import ModelShape
 from engine.models.layer_graphs import cached_bytes
 from parallel.dims import ParallelDims
@@ -110,16 +113,62 @@ def device_free_bytes(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[0] + cached_bytes(device)
 
 
+def host_free_bytes() -> int:
+    """This process's share of the host's available memory: `_available_host_bytes` (less, where a cgroup
+    limits the memory, what the cgroup has left), split evenly among the host's ranks (torchrun's
+    LOCAL_WORLD_SIZE): on the CPU every rank trains in the same memory."""
+    available = _available_host_bytes()
+    limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+    if limit is not None and used is not None:
+        available = min(available, max(0, limit - used))
+    return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def free_bytes(device: torch.device) -> int:
+    """The memory a micro-batch's activations may come from: `device_free_bytes` on CUDA, `host_free_bytes`
+    on the CPU."""
+    return device_free_bytes(device) if device.type == "cuda" else host_free_bytes()
+
+
+def _available_host_bytes() -> int:
+    """/proc/meminfo's MemAvailable; where there is none (not Linux), half the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def _read_int(path: str) -> int | None:
+    """The integer in `path`, None where it is missing or not a number (cgroup v2's "max")."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def cap_line(
-    cap: int, bytes_per_token: int, free_bytes: int, reserve_bytes: int, rows: int, fill: int
+    cap: int,
+    bytes_per_token: int,
+    free_bytes: int,
+    reserve_bytes: int,
+    rows: int,
+    fill: int,
+    host: bool = False,
 ) -> str:
-    """The run's startup line about the cap; `fill`: the fewest tokens micro-batches grow to (0: none)."""
+    """The run's startup line about the cap; `fill`: the fewest tokens micro-batches grow to (0: none); `host`:
+    `free_bytes` is this rank's share of the host's memory (the CPU)."""
     size = f"{rows} rows at the batch's width (trainer.micro_batch_size)"
+    where = " (this rank's share of the host's memory)" if host else ""
     if fill:
         size = f"the larger of {fill:,} tokens and {size[:-1]} empty)"
     return (
         f"micro-batches: {size}, at most {cap:,} tokens "
-        f"each: {MEMORY_FRACTION:.0%} of {free_bytes / 2**30:.1f} GiB free, less "
+        f"each: {MEMORY_FRACTION:.0%} of {free_bytes / 2**30:.1f} GiB free{where}, less "
         f"{reserve_bytes / 2**30:.1f} GiB for AdamW's states (and kept rollout weights), at ~{bytes_per_token / 2**10:,.0f} KiB of "
         "activations per token (engine/roles/memory_cap.py; trainer.max_tokens_per_micro_batch sets a budget "
         "instead)"
@@ -127,21 +176,22 @@ def cap_line(
 
 
 def trainer_token_cap(cfg, shape: ModelShape, groups, roles: list) -> int:
-    """The cap for the trainer's micro-batcher (0: none): on CUDA, without a token budget, outside the
+    """The cap for the trainer's micro-batcher (0: none): on CUDA or the CPU, without a token budget, outside the
     interleaved schedule; the smallest of every rank's (the ranks of a model replica must cut alike), and a
     startup line on the logging rank. `shape`: the actor's; `roles`: every built role, the actor first (the
     largest activations of the trainable ones count, as a larger critic's would; they reserve AdamW's
     states; the actor, any rollout weights kept through the update)."""
     t, dims = cfg.trainer, groups.dims
-    if groups.device.type != "cuda" or t.max_tokens_per_micro_batch or dims.vpp > 1:
+    if groups.device.type not in MEASURED_DEVICES or t.max_tokens_per_micro_batch or dims.vpp > 1:
         return 0
     per_token = trained_activation_bytes(shape, roles, dims, cfg.model.recompute)
     reserve = adam_state_reserve(roles, cfg.optim.distributed_optimizer, dims.dp)
     reserve += kept_rollout_weights_reserve(cfg, roles[0], dims)
-    free = device_free_bytes(groups.device)
+    free = free_bytes(groups.device)
     cap = torch.tensor([memory_token_cap(free, reserve, per_token)], device=groups.device)
     torch.distributed.all_reduce(cap, op=torch.distributed.ReduceOp.MIN, group=groups.world)
     if groups.is_logging_rank:
-        fill = fill_tokens(t, "cuda", dims.pp)
-        print(cap_line(int(cap), per_token, free, reserve, micro_batch_rows(t), fill), flush=True)
+        fill = fill_tokens(t, groups.device.type, dims.pp)
+        host = groups.device.type == "cpu"
+        print(cap_line(int(cap), per_token, free, reserve, micro_batch_rows(t), fill, host), flush=True)
     return int(cap)

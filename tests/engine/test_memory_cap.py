@@ -4,7 +4,7 @@ The activation count against hand-computed values at the Qwen2.5 shapes and agai
 (peak memory of one 32,256-token micro-batch less the model's states: 0.5B ~42 KB per token and layer, 1.5B
 ~71 KB; scripts/bench/README.md), within 10%; the cap's arithmetic; the micro-batcher under a cap (packed rows
 grouped within it, padded micro-batches with fewer rows; a user's budget and the interleaved schedule's rows
-untouched); no cap on CPU or with a budget.
+untouched); on the CPU the host's memory, split among its ranks; no cap with a budget.
 """
 
 from __future__ import annotations
@@ -116,12 +116,49 @@ def test_a_budget_or_the_interleaved_schedule_ignores_the_cap():
     assert one.token_cap == 0 and [len(mb["rows"]) for mb in one(exp, torch.arange(16))] == [4] * 4
 
 
-def test_no_cap_on_cpu_or_with_a_budget(groups):
+def test_the_cpu_cap_comes_from_the_hosts_memory_and_a_budget_has_none(groups, monkeypatch, capsys):
+    """On the CPU the cap is MEMORY_FRACTION of this rank's share of the host's memory at the actor's count per
+    token, and the startup line says so; a user's budget has no cap."""
     from config_compose import composed
 
-    for overrides in ((), ("trainer.max_tokens_per_micro_batch=4096",)):
-        cfg = composed(*overrides)
-        assert memory_cap.trainer_token_cap(cfg, QWEN_0_5B, groups, []) == 0
+    monkeypatch.setattr(memory_cap, "host_free_bytes", lambda: 10 * 2**30)
+    per_token = memory_cap.activation_bytes_per_token(QWEN_0_5B, groups.dims, False)
+    want = memory_cap.memory_token_cap(10 * 2**30, 0, per_token)
+    actor = types.SimpleNamespace(optimizer=None, models=[])  # no AdamW states to reserve
+    assert memory_cap.trainer_token_cap(composed(), QWEN_0_5B, groups, [actor]) == want
+    line = capsys.readouterr().out
+    assert (
+        f"at most {want:,} tokens" in line
+        and "10.0 GiB free (this rank's share of the host's memory)" in line
+    )
+    budget = composed("trainer.max_tokens_per_micro_batch=4096")
+    assert memory_cap.trainer_token_cap(budget, QWEN_0_5B, groups, [actor]) == 0
+
+
+def test_host_memory_is_split_among_the_hosts_ranks_and_bounded_by_a_cgroup(monkeypatch):
+    monkeypatch.setattr(memory_cap, "_available_host_bytes", lambda: 64 * 2**30)
+    limits = {"/sys/fs/cgroup/memory.max": None, "/sys/fs/cgroup/memory.current": None}
+    monkeypatch.setattr(memory_cap, "_read_int", limits.get)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert memory_cap.host_free_bytes() == 64 * 2**30
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert memory_cap.host_free_bytes() == 16 * 2**30
+    limits.update({"/sys/fs/cgroup/memory.max": 24 * 2**30, "/sys/fs/cgroup/memory.current": 4 * 2**30})
+    assert memory_cap.host_free_bytes() == 5 * 2**30  # the cgroup's 20 GiB left, over 4 ranks
+
+
+def test_this_hosts_memory_and_cgroup_files_are_read(tmp_path):
+    """The real reading: positive and no more than the physical memory; a cgroup file's number, none for
+    cgroup v2's "max" or a missing file."""
+    import os
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < memory_cap._available_host_bytes() <= physical
+    (tmp_path / "limit").write_text("1073741824\n")
+    (tmp_path / "unlimited").write_text("max\n")
+    assert memory_cap._read_int(str(tmp_path / "limit")) == 2**30
+    assert memory_cap._read_int(str(tmp_path / "unlimited")) is None
+    assert memory_cap._read_int(str(tmp_path / "missing")) is None
 
 
 class _Layer(torch.nn.Module):

@@ -1,9 +1,9 @@
 """Micro-batches sized by memory (engine/micro_batch_sizing.py, engine/roles/dynamic_batch.py).
 
-Where trainer.micro_batch_size is left empty (packed, on CUDA, one pipeline stage, no budget) packed rows are
-grouped under max(8 rows x the batch's width, MEMORY_SIZED_TOKENS), at most the memory cap: the same
+Where trainer.micro_batch_size is left empty (packed, one pipeline stage, no budget; CUDA or the CPU) packed
+rows are grouped under max(8 rows x the batch's width, MEMORY_SIZED_TOKENS), at most the memory cap: the same
 micro-batches as an explicit token budget of that size (what scripts/bench/e2e.py measured); everywhere else
-what the config says (a number of rows, a budget, pipeline stages, padded rows, the CPU) is kept as before.
+what the config says (a number of rows, a budget, pipeline stages, padded rows) is kept as before.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ CPU = torch.device("cpu")
     "settings,device,pp,sized",
     [
         ({}, "cuda", 1, True),  # the default on one GPU stage
-        ({}, "cpu", 1, False),  # no memory to measure
+        ({}, "cpu", 1, True),  # the host's memory measured
         ({}, "cuda", 2, False),  # pipeline stages keep rows: more micro-batches in flight
         ({"micro_batch_size": 8}, "cuda", 1, False),  # the user's rows, even at the default's value
         ({"max_tokens_per_micro_batch": 4096}, "cuda", 1, False),  # the user's budget
@@ -93,16 +93,20 @@ def test_trainer_batcher_fills_where_the_config_leaves_the_size_to_memory(overri
 
 
 def test_validation_needs_rows_to_divide_only_where_micro_batches_are_cut_by_rows():
-    """6 sequences per mini-batch: 8 rows do not divide them. Sized by memory (CUDA, packed) nothing is cut
-    by rows; on CPU the default's 8 rows are named with the fix; 0 rows are refused."""
+    """6 sequences per mini-batch: 8 rows do not divide them. Sized by memory (packed, on CUDA or the CPU)
+    nothing is cut by rows; rows the user set, or the default's 8 under pipeline stages, are named with the
+    fix; 0 rows are refused."""
     cfg = composed("data.batch_size=2", "rollout.n=3")
     on_cuda = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cuda"))
     one = ParallelDims(world_size=1)
     validate_batches(on_cuda, one)
+    validate_batches(cfg, one)
     with pytest.raises(
-        ConfigError, match=r"trainer.micro_batch_size=8: must divide.*Fix: use a divisor of 6"
+        ConfigError, match=r"trainer.micro_batch_size=4: must divide.*Fix: use a divisor of 6"
     ):
-        validate_batches(cfg, one)
+        validate_batches(composed("data.batch_size=2", "rollout.n=3", "trainer.micro_batch_size=4"), one)
+    with pytest.raises(ConfigError, match=r"trainer.micro_batch_size=8: must divide"):
+        validate_batches(cfg, ParallelDims(world_size=2, pp=2))
     with pytest.raises(ConfigError, match="trainer.micro_batch_size=0"):
         validate_batches(composed("trainer.micro_batch_size=0"), one)
 
