@@ -19,7 +19,8 @@ Three paths, each exact causal attention within a row; the first that applies ru
   of the 1.5B update's kernel time at 32,768-token micro-batches, `scripts/bench/results/
   profile_update_1_5b_512x768_packed_h200.txt`). torch's `varlen_attn` before 2.13 has no `enable_gqa`, and
   repeating the groups per query head cost a copy of k and v each way as well.
-- Elsewhere: SDPA row by row (one host sync for the row lengths).
+- Elsewhere: SDPA over the rows, those of one length in one batched call (`segment_attention`; one host sync
+  for the row lengths).
 
 A padded micro-batch (trainer.pack_sequences=false) under a token budget is cut to its own longest row, so its
 (b, s) changes with nearly every micro-batch of a long-tailed step (without a budget every micro-batch is as
@@ -56,7 +57,7 @@ def packed_attention(
             return uniform_rows_attention(q, k, v, rows, scale, dropout_p)
     if flash:
         return FlashVarlen.apply(q, k, v, params.cu_seqlens_q, longest, scale)
-    return rowwise_attention(q, k, v, params.cu_seqlens_q, scale, dropout_p)
+    return segment_attention(q, k, v, params.cu_seqlens_q, params.cu_seqlens_q, scale, dropout_p)
 
 
 CUDNN_FROM_CALL = 512
@@ -122,18 +123,38 @@ def uniform_rows_attention(q, k, v, rows: int, scale: float | None, dropout_p: f
     return out.transpose(1, 2).flatten(0, 1)
 
 
-def rowwise_attention(
-    q, k, v, cu_seqlens: torch.Tensor, scale: float | None, dropout_p: float
-) -> torch.Tensor:
-    """Causal SDPA one row at a time (exact on any device; one host sync for the lengths)."""
-    lengths = cu_seqlens.diff().tolist()
-    out = []
-    for qr, kr, vr in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
-        o = causal_sdpa(  # (1, heads, len, dim)
-            qr.transpose(0, 1)[None], kr.transpose(0, 1)[None], vr.transpose(0, 1)[None], scale, dropout_p
+def segment_attention(q, k, v, cu_q, cu_k, scale: float | None, dropout_p: float) -> torch.Tensor:
+    """SDPA over segments, query i of a segment of Q queries and K keys attending to keys j <= K - Q + i
+    (causal, aligned to the end of the keys; K = Q: causal within a row), key/value groups dividing the heads:
+    the segments of one (Q, K) shape in one batched call (one host sync for the lengths). Where the cheap
+    kernels do not run (the CPU, float32): a fixed-length batch is a few calls instead of one per row."""
+    q_lens, k_lens = cu_q.diff().tolist(), cu_k.diff().tolist()
+    q_starts, k_starts = cu_q[:-1].tolist(), cu_k[:-1].tolist()
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for i, shape in enumerate(zip(q_lens, k_lens)):
+        if shape[0]:
+            by_shape.setdefault(shape, []).append(i)
+    outs, order = [], []
+    for (nq, nk), segments in by_shape.items():
+        q_idx = torch.tensor([q_starts[i] for i in segments])[:, None] + torch.arange(nq)
+        k_idx = torch.tensor([k_starts[i] for i in segments])[:, None] + torch.arange(nk)
+        q_idx, k_idx = q_idx.to(q.device), k_idx.to(q.device)
+        mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)
+        o = F.scaled_dot_product_attention(
+            q[q_idx].transpose(1, 2),  # (segments, heads, nq, dim)
+            k[k_idx].transpose(1, 2),
+            v[k_idx].transpose(1, 2),
+            attn_mask=mask,
+            dropout_p=dropout_p,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
         )
-        out.append(o[0].transpose(0, 1))
-    return torch.cat(out)
+        outs.append(o.transpose(1, 2).flatten(0, 1))
+        order.append(q_idx.flatten())
+    order = torch.cat(order)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return torch.cat(outs)[inverse]
 
 
 class FlashVarlen(torch.autograd.Function):

@@ -10,7 +10,8 @@ aligned to the end of the keys. Exactly the attention each row has when it lies 
 tokens attend only to the prompt, so they compute the same in every row of the group.
 - CUDA, half precision, no dropout: FlashAttention-2 varlen with separate query and key boundaries (its causal
   mask is aligned to the bottom right where queries are fewer than keys, FlashAttention >= 2.1's rule).
-- Elsewhere: SDPA segment by segment with that mask spelled out (one host sync for the lengths).
+- Elsewhere: SDPA with that mask spelled out, the segments of one shape in one batched call
+  (engine/models/packed_attention.py `segment_attention`; one host sync for the lengths).
 
 RoPE: a response's tokens sit at positions P..P+R-1 after a prompt of P, which megatron's thd RoPE (positions
 restart at every `cu_seqlens` boundary) cannot express; `SHARED_POSITIONS` holds each micro-batch's positions
@@ -25,10 +26,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from engine.models.packed_attention import FlashVarlen, flash_applies
+from engine.models.packed_attention import FlashVarlen, flash_applies, segment_attention
 
 
 @dataclass
@@ -92,29 +92,6 @@ def shared_prompt_attention(
         cu_q, cu_k = params.cu_seqlens_q, params.cu_seqlens_k
         return FlashVarlen.apply(q, k_seg, v_seg, cu_q, params.max_q, scale, cu_k, params.max_k)
     return segment_attention(q, k_seg, v_seg, params.cu_seqlens_q, params.cu_seqlens_k, scale, dropout_p)
-
-
-def segment_attention(q, k, v, cu_q, cu_k, scale: float | None, dropout_p: float) -> torch.Tensor:
-    """SDPA per segment, query i of a segment of Q queries and K keys attending to keys j <= K - Q + i
-    (causal, aligned to the end of the keys); key/value groups dividing the heads."""
-    q_lens, k_lens = cu_q.diff().tolist(), cu_k.diff().tolist()
-    out = []
-    for qs, ks, vs in zip(q.split(q_lens), k.split(k_lens), v.split(k_lens)):
-        nq, nk = qs.shape[0], ks.shape[0]
-        if nq == 0:
-            continue
-        mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)
-        o = F.scaled_dot_product_attention(
-            qs.transpose(0, 1)[None],
-            ks.transpose(0, 1)[None],
-            vs.transpose(0, 1)[None],
-            attn_mask=mask,
-            dropout_p=dropout_p,
-            scale=scale,
-            enable_gqa=qs.shape[1] != ks.shape[1],
-        )
-        out.append(o[0].transpose(0, 1))
-    return torch.cat(out)
 
 
 _ALIGNMENT_CHECKED: set[tuple] = set()

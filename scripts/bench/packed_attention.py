@@ -21,7 +21,7 @@ its token fill (tokens / (rows x longest)) and score fill (sum L^2 / (rows x lon
 Per kernel: forward and forward + backward milliseconds for the whole step (all micro-batches, one layer;
 median of `--iters` after a warm-up), times the preset's layer count, and the causal FLOP rate (forward
 2 x 2 x heads x dim x sum L(L+1)/2, backward 2.5x that); parity on the first micro-batch: the largest
-absolute error of the output and of dq, dk, dv against float32 row-by-row SDPA (`rowwise_attention` on
+absolute error of the output and of dq, dk, dv against float32 SDPA over the rows (`segment_attention` on
 float32 copies), next to the flash kernel's own (bf16). On CPU only `engine` and `padded_sdpa` run (SDPA
 there), for the plumbing.
 
@@ -46,7 +46,7 @@ from gpu_timing import event_ms  # noqa: E402
 from presets import model_preset  # noqa: E402
 from workload import add_step_args, response_lengths  # noqa: E402
 
-from engine.models.packed_attention import rowwise_attention  # noqa: E402
+from engine.models.packed_attention import segment_attention  # noqa: E402
 from engine.roles.dynamic_batch import pack_by_token_budget  # noqa: E402
 
 KERNELS = ("engine", "flash_gqa", "varlen_repeat", "uniform_sdpa", "padded_sdpa")
@@ -180,7 +180,7 @@ def parity(fn, batch, scale) -> dict:
     q, k, v, g, cu, longest = batch
     got = run(fn, q, k, v, g, cu, longest, scale, backward=True)
     qf, kf, vf = (x.detach().float().requires_grad_(True) for x in (q, k, v))
-    ref_out = rowwise_attention(qf, kf, vf, cu, scale, 0.0)
+    ref_out = segment_attention(qf, kf, vf, cu, cu, scale, 0.0)
     ref_out.backward(g.float())
     ref = (ref_out, qf.grad, kf.grad, vf.grad)
     return {

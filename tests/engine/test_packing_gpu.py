@@ -100,7 +100,7 @@ def test_packed_attention_kernels_match_float32(lengths, monkeypatch):
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
     )
     qf, kf, vf = (x.float().requires_grad_() for x in (q, k, v))
-    ref = packed_module.rowwise_attention(qf, kf, vf, cu, scale, 0.0)
+    ref = packed_module.segment_attention(qf, kf, vf, cu, cu, scale, 0.0)
     want = (ref.detach(), *torch.autograd.grad(ref, (qf, kf, vf), grad.float()))
 
     def before(q, k, v):  # torch >= 2.11's signature: causal as a window

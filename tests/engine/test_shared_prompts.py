@@ -104,3 +104,35 @@ def test_rows_without_a_shared_prompt_keep_the_whole_rows_layout():
     whole = MicroBatcher(4, 64, 1, cpu, pack=True)(exp, torch.arange(8))
     assert [mb["rows"].tolist() for mb in shared] == [mb["rows"].tolist() for mb in whole]
     assert all("prompt_starts" not in mb for mb in shared)
+
+
+@pytest.mark.parametrize("groups_kv", [4, 2])
+def test_segments_of_one_shape_in_one_call_equal_each_segment_alone(groups_kv):
+    """The attention's CPU path (engine/models/packed_attention.py `segment_attention`) batches the segments of
+    one (queries, keys) shape: prompts (keys = queries, causal) and responses after them (more keys than
+    queries, the mask aligned to the keys' end), shapes repeated out of order; output and gradients against each
+    segment alone with its mask written out and the key/value groups repeated per head (float32)."""
+    from engine.models.packed_attention import segment_attention
+
+    q_lens, k_lens = [4, 3, 3, 2, 4, 3, 1], [4, 7, 7, 2, 4, 7, 3]
+    torch.manual_seed(0)
+    q = torch.randn(sum(q_lens), 4, 8, requires_grad=True)
+    k, v = (torch.randn(sum(k_lens), groups_kv, 8, requires_grad=True) for _ in "kv")
+    cu_q, cu_k = (
+        torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32) for n in (q_lens, k_lens)
+    )
+    out = segment_attention(q, k, v, cu_q, cu_k, 0.4, 0.0)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    rows = []
+    for qs, ks, vs in zip(q.split(q_lens), k.split(k_lens), v.split(k_lens)):
+        ks, vs = (x.repeat_interleave(4 // groups_kv, dim=1) for x in (ks, vs))
+        nq, nk = len(qs), len(ks)
+        allowed = torch.arange(nk)[None] <= torch.arange(nq)[:, None] + (nk - nq)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * 0.4
+        weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        rows.append(torch.einsum("hqk,khd->qhd", weights, vs))
+    want = torch.cat(rows)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=0)
+    for a, b in zip(got, torch.autograd.grad(want, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

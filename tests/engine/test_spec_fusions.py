@@ -104,7 +104,7 @@ def _packed(lengths: list[int], *shape: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def test_equal_rows_go_to_cudnn_from_a_shapes_nth_call_where_flash_runs(monkeypatch):
-    """Where FlashAttention-2 runs (stood in for here by row-by-row SDPA), rows of equal length take the SDPA
+    """Where FlashAttention-2 runs (stood in for here by SDPA over the rows), rows of equal length take the SDPA
     views (cuDNN on a GPU) only from their shape's CUDNN_FROM_CALL-th call; other shapes count apart."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -112,7 +112,7 @@ def test_equal_rows_go_to_cudnn_from_a_shapes_nth_call_where_flash_runs(monkeypa
 
     def flash(q, k, v, cu, longest, scale):
         routes.append("flash")
-        return packed_module.rowwise_attention(q, k, v, cu, scale, 0.0)
+        return packed_module.segment_attention(q, k, v, cu, cu, scale, 0.0)
 
     def views(*args):
         routes.append("views")
@@ -131,7 +131,7 @@ def test_equal_rows_go_to_cudnn_from_a_shapes_nth_call_where_flash_runs(monkeypa
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m, max_seqlen_kv=m
         )
         out = packed_attention(q, q[:, :1], q[:, :1], params, scale=0.5)
-        want = packed_module.rowwise_attention(q, q[:, :1], q[:, :1], cu, 0.5, 0.0)
+        want = packed_module.segment_attention(q, q[:, :1], q[:, :1], cu, cu, 0.5, 0.0)
         torch.testing.assert_close(out, want, atol=1e-6, rtol=0)
     assert routes == ["flash", "flash", "views", "views", "flash", "flash"]
 
@@ -161,14 +161,14 @@ def test_thd_rope_equals_per_row_rope(dtype, monkeypatch):
 
 @pytest.mark.parametrize("groups_kv", [4, 2])  # 2: grouped-query attention
 @pytest.mark.parametrize(
-    "lengths", [[5, 17, 1, 9], [6, 6, 6]]
-)  # the second: every row as long as the longest
+    "lengths", [[5, 17, 1, 9], [6, 6, 6], [5, 9, 5, 1, 5, 9]]
+)  # the second: every row as long as the longest; the third: rows of one length batched
 def test_packed_attention_equals_each_row_alone(groups_kv, lengths, monkeypatch):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     uniform = len(set(lengths)) == 1
-    if uniform:  # the equal-length path must be the one that runs: the row-by-row one would fail here
-        monkeypatch.setattr(packed_module, "rowwise_attention", None)
+    if uniform:  # the equal-length path must be the one that runs: the segment path would fail here
+        monkeypatch.setattr(packed_module, "segment_attention", None)
     torch.manual_seed(0)
     q, cu = _packed(lengths, 4, 16)
     k, _ = _packed(lengths, groups_kv, 16)

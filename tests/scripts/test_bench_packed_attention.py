@@ -1,5 +1,5 @@
 """scripts/bench/packed_attention.py on CPU (in-process, ~2 s): the step's rows cut by the trainer's token
-budget, and the engine's packed attention and the padded copy (SDPA on CPU) against float32 row-by-row attention on the first
+budget, and the engine's packed attention and the padded copy (SDPA on CPU) against float32 SDPA over the rows on the first
 micro-batch, for a fixed and a long-tailed step. Speed is for the GPU; this checks the plumbing."""
 
 from __future__ import annotations
