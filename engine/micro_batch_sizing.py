@@ -27,7 +27,7 @@ its one-H200 GRPO figures of scripts/bench/README.md ran until it took the train
 
 
 MEASURED_DEVICES = ("cuda", "cpu")
-"""Devices whose free memory the cap measures (engine/roles/memory_cap.py `free_bytes`)."""
+"""Devices whose free memory the cap measures (engine/roles/memory_cap.py `free_memory_bytes`)."""
 
 
 def packs_sequences(t: TrainerConfig) -> bool:

@@ -124,7 +124,7 @@ def host_free_bytes() -> int:
     return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def free_bytes(device: torch.device) -> int:
+def free_memory_bytes(device: torch.device) -> int:
     """The memory a micro-batch's activations may come from: `device_free_bytes` on CUDA, `host_free_bytes`
     on the CPU."""
     return device_free_bytes(device) if device.type == "cuda" else host_free_bytes()
@@ -187,7 +187,7 @@ def trainer_token_cap(cfg, shape: ModelShape, groups, roles: list) -> int:
     per_token = trained_activation_bytes(shape, roles, dims, cfg.model.recompute)
     reserve = adam_state_reserve(roles, cfg.optim.distributed_optimizer, dims.dp)
     reserve += kept_rollout_weights_reserve(cfg, roles[0], dims)
-    free = free_bytes(groups.device)
+    free = free_memory_bytes(groups.device)
     cap = torch.tensor([memory_token_cap(free, reserve, per_token)], device=groups.device)
     torch.distributed.all_reduce(cap, op=torch.distributed.ReduceOp.MIN, group=groups.world)
     if groups.is_logging_rank:
