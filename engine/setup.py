@@ -348,15 +348,15 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
         )
         reward_fn.check_data_sources([r.data_source for r in records])
     episodes = build_episodes(cfg, tools, tokenizer, shape, records + val_records)
-    logger = MetricsLogger(
+    roles = [actor, reference, critic, reward_model and reward_model.role]
+    token_cap = trainer_token_cap(cfg, shape, groups, roles)  # after every model: their memory is taken
+    logger = MetricsLogger(  # after the cap's startup line: the progress bar starts here
         output_dir,
         list(cfg.trainer.loggers),
         groups.is_logging_rank,
         cfg.trainer.total_steps,
         cfg.trainer.progress_bar,
     )
-    roles = [actor, reference, critic, reward_model and reward_model.role]
-    token_cap = trainer_token_cap(cfg, shape, groups, roles)  # after every model: their memory is taken
     return Components(
         cfg=cfg,
         groups=groups,
