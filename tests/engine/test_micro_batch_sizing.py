@@ -76,7 +76,7 @@ def test_the_fill_leaves_budgets_padded_rows_and_the_interleaved_schedule_alone(
     "overrides,cap,fill",
     [
         ((), 50_000, MEMORY_SIZED_TOKENS),
-        ((), 0, 0),  # no cap (CPU, or a budget): no fill
+        ((), 0, 0),  # no cap (a budget, the interleaved schedule): no fill
         (("trainer.micro_batch_size=8",), 50_000, 0),
         (("trainer.pack_sequences=false",), 50_000, 0),
     ],
