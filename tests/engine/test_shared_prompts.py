@@ -136,3 +136,23 @@ def test_segments_of_one_shape_in_one_call_equal_each_segment_alone(groups_kv):
     torch.testing.assert_close(out, want, atol=1e-6, rtol=0)
     for a, b in zip(got, torch.autograd.grad(want, (q, k, v), grad)):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_a_gathered_prompts_gradient_is_summed_in_float32_and_rounded_once():
+    """The shared layout gathers each prompt's keys and values in front of every response of its group
+    (`GatherRows`); the backward sums a row's copies in float32: in bfloat16 the exact sum rounded once, where
+    autograd's indexing backward (a bfloat16 store per copy) lands further from it."""
+    from engine.models.shared_prompt_attention import GatherRows
+
+    torch.manual_seed(0)
+    rows, copies = 64, 9
+    index = torch.arange(rows).repeat(copies)[torch.randperm(rows * copies)]
+    grad = torch.randn(rows * copies, 2, 16).bfloat16()
+    x = torch.randn(rows, 2, 16).bfloat16().requires_grad_()
+    out = GatherRows.apply(x, index)
+    assert torch.equal(out, x[index])
+    (got,) = torch.autograd.grad(out, x, grad)
+    (plain,) = torch.autograd.grad(x[index], x, grad)
+    exact = torch.zeros(rows, 2, 16, dtype=torch.float64).index_add_(0, index, grad.double())
+    assert got.dtype == torch.bfloat16 and torch.equal(got, exact.to(torch.bfloat16))
+    assert (plain.double() - exact).abs().mean() > 1.5 * (got.double() - exact).abs().mean()
