@@ -5,9 +5,9 @@ A micro-batch of this layout lies as segments back to back: a prompt, then each 
 micro-batch, then the next prompt and its responses, and last any padding (a pseudo-row of its own). A prompt
 segment attends causally to itself; a response segment's query i attends to its prompt and to its own first
 i + 1 tokens: the keys of each response segment are its prompt's followed by its own, gathered by `kv_index`
-(the gather's backward sums the responses' key/value gradients into the prompt's), and the causal mask is
-aligned to the end of the keys. Exactly the attention each row has when it lies alone with its prompt: the prompt's
-tokens attend only to the prompt, so they compute the same in every row of the group.
+(`GatherRows`, whose backward sums the responses' key/value gradients into the prompt's in float32), and the
+causal mask is aligned to the end of the keys. Exactly the attention each row has when it lies alone with its
+prompt: the prompt's tokens attend only to the prompt, so they compute the same in every row of the group.
 - CUDA, half precision, no dropout: FlashAttention-2 varlen with separate query and key boundaries (its causal
   mask is aligned to the bottom right where queries are fewer than keys, FlashAttention >= 2.1's rule).
 - Elsewhere: SDPA with that mask spelled out, the segments of one shape in one batched call
