@@ -12,7 +12,10 @@ Kernels (`--kernels`):
 - `uniform_sdpa`: SDPA on (rows, heads, length, dim) views (cuDNN's attention on an H200), micro-batches whose
   rows are all equally long only (else skipped);
 - `padded_sdpa`: every micro-batch copied into a zero-padded (rows, longest) layout (one index copy per tensor
-  each way), SDPA there, the rows' tokens copied back: cuDNN's rate on the padding's extra work.
+  each way), SDPA there, the rows' tokens copied back: cuDNN's rate on the padding's extra work;
+- `fa4`: FlashAttention-4's varlen kernel (`flash_attn.cute.flash_attn_varlen_func`, pip `flash-attn-4`: CuTe
+  DSL, with Hopper (SM90) forward and backward kernels) with the key/value groups as they are, where it is
+  installed (not a dependency; an `error` entry names what is missing).
 
 `--per-micro-batch`: first (before any other kernel, so shape-keyed plan builds count) each micro-batch alone
 through `flash_gqa` and `padded_sdpa`: its first call and the median of later ones (forward + backward), with
@@ -49,7 +52,7 @@ from workload import add_step_args, response_lengths  # noqa: E402
 from engine.models.packed_attention import segment_attention  # noqa: E402
 from engine.roles.dynamic_batch import pack_by_token_budget  # noqa: E402
 
-KERNELS = ("engine", "flash_gqa", "varlen_repeat", "uniform_sdpa", "padded_sdpa")
+KERNELS = ("engine", "flash_gqa", "varlen_repeat", "uniform_sdpa", "padded_sdpa", "fa4")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -122,6 +125,23 @@ def padded_sdpa(q, k, v, cu, longest, scale):
 
     out = uniform_rows_attention(pad(q), pad(k), pad(v), rows, scale, 0.0)
     return out.index_select(0, slot)
+
+
+def fa4(q, k, v, cu, longest, scale):
+    from flash_attn.cute import flash_attn_varlen_func
+
+    out, _ = flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_q=longest,
+        max_seqlen_k=longest,
+        softmax_scale=scale,
+        causal=True,
+    )
+    return out
 
 
 def inputs(lengths, heads, groups, dim, device, dtype, seed):
@@ -231,6 +251,7 @@ def main(argv=None) -> None:
             "varlen_repeat": varlen_repeat,
             "uniform_sdpa": uniform_sdpa,
             "padded_sdpa": padded_sdpa,
+            "fa4": fa4,
         }[name]
         try:
             err = parity(fn, batches[0], scale)
