@@ -30,6 +30,8 @@ CUDA in half precision) until the shape recurs, cuDNN from its `CUDNN_FROM_CALL`
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -129,7 +131,7 @@ def segment_attention(q, k, v, cu_q, cu_k, scale: float | None, dropout_p: float
     the segments of one (Q, K) shape in one batched call (one host sync for the lengths). Where the cheap
     kernels do not run (the CPU, float32): a fixed-length batch is a few calls instead of one per row."""
     q_lens, k_lens = cu_q.diff().tolist(), cu_k.diff().tolist()
-    q_starts, k_starts = cu_q[:-1].tolist(), cu_k[:-1].tolist()
+    q_starts, k_starts = ([0, *itertools.accumulate(n)][:-1] for n in (q_lens, k_lens))
     by_shape: dict[tuple[int, int], list[int]] = {}
     for i, shape in enumerate(zip(q_lens, k_lens)):
         if shape[0]:

@@ -8,7 +8,8 @@ modules swapped in, and fused kernels where megatron's own need TransformerEngin
   the engine lays every sequence out right-padded from position 0, so a causal mask is exact for the valid
   tokens and no padding mask is needed. Packed micro-batches (rows back to back, megatron's thd
   `PackedSeqParams`) attend causally within each row (engine/models/packed_attention.py: SDPA on views where
-  every row is as long as the longest, FlashAttention-2 varlen on CUDA in half precision, else row by row);
+  every row is as long as the longest, FlashAttention-2 varlen on CUDA in half precision, else SDPA with the
+  rows of one length in one call);
   micro-batches that hold each group's prompt once (`SharedPromptSeqParams`, trainer.share_prompts) through
   engine/models/shared_prompt_attention.py, whose RoPE positions `fused_rope_thd` takes from it.
 - `RMSNorm` replaces `WrappedTorchNorm`, which refuses sequence parallelism; ours tags its weight
