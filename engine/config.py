@@ -1,6 +1,5 @@
 """The typed configuration: one dataclass per group, registered with Hydra's ConfigStore, and the few values
-derived from it that several modules need (`max_response_tokens`, `needs_reference`, ...); the micro-batches'
-size rules are in engine/micro_batch_sizing.py.
+derived from it that several modules need (`max_response_tokens`, ...; micro-batch sizes: micro_batch_sizing).
 
 YAML under conf/ holds values only; every key a user can set is declared here with a one-line docstring.
 engine/config_load.py turns the composed config into a `TrainConfig`; engine/validate/ checks it and raises
@@ -67,6 +66,9 @@ class TrainerConfig:
     tokens) instead of padding them: to the batch's longest row with micro_batch_size rows, to the
     micro-batch's own longest with a token budget. Empty (null) = on (the padded layout computes the padding:
     at long-tailed lengths most of the update)."""
+    balance_batch: bool = True
+    """Over DP replicas, re-deal the step's prompt groups so that each holds near the same tokens in every
+    mini-batch (verl's key; engine/step/balance.py): the same update up to summation order, less waiting."""
     share_prompts: bool = False
     """Lay each group's prompt out once per packed micro-batch, its responses attending to that copy
     (engine/roles/shared_prompts.py): the same results, (n - 1) / n of the prompt tokens not computed."""
@@ -474,15 +476,13 @@ def needs_old_log_prob_forward(
 
 
 def needs_reference(alg: AlgorithmConfig) -> bool:
-    """Whether the run builds the frozen reference policy: a KL loss (algorithm.kl_loss_coef > 0) or a KL in
-    the reward (algorithm.kl_in_reward) needs its log-probs."""
+    """Whether the run builds the frozen reference: a KL loss (algorithm.kl_loss_coef > 0) or kl_in_reward."""
     return alg.kl_loss_coef > 0 or alg.kl_in_reward
 
 
 def max_response_tokens(rollout: RolloutConfig) -> int:
-    """The most tokens of one response, the length DAPO's overlong penalty ramps towards: rollout.max_new_tokens,
-    or with rollout.multi_turn.enable the episode's budget multi_turn.max_total_tokens, tool tokens included (as
-    verl's agent loop and its DAPO reward manager count an episode: tool results spend its room too)."""
+    """The most tokens of one response (where DAPO's overlong penalty ramps to): rollout.max_new_tokens, or under
+    rollout.multi_turn the episode's max_total_tokens, tool tokens included (as verl's agent loop counts)."""
     return rollout.multi_turn.max_total_tokens if rollout.multi_turn.enable else rollout.max_new_tokens
 
 

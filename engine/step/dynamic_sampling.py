@@ -59,7 +59,7 @@ class GroupSelector:
         return Responses.concat(parts), stats
 
 
-def _mini_batch_slices(num_groups: int, dp_rank: int, dp_size: int, num_mini_batches: int) -> list[int]:
+def mini_batch_slices(num_groups: int, dp_rank: int, dp_size: int, num_mini_batches: int) -> list[int]:
     """Positions in a global batch of `num_groups` groups that replica `dp_rank` holds: its consecutive share
     of each mini-batch's slice (engine/prompt_loader.py PromptLoader.next_batch's layout)."""
     per_mini = num_groups // num_mini_batches
@@ -74,11 +74,11 @@ def global_order(parts: list[Responses], num_mini_batches: int) -> Responses:
     share = num_groups // dp_size  # every replica draws the same number of prompts
     order = [0] * num_groups  # global position -> index in the concatenation of the parts
     for r in range(dp_size):
-        for g, pos in enumerate(_mini_batch_slices(num_groups, r, dp_size, num_mini_batches)):
+        for g, pos in enumerate(mini_batch_slices(num_groups, r, dp_size, num_mini_batches)):
             order[pos] = r * share + g
     return Responses.concat(parts).select(order)
 
 
 def replica_share(batch: Responses, dp_rank: int, dp_size: int, num_mini_batches: int) -> Responses:
     """Replica `dp_rank`'s groups of the chosen global batch, in the prompt loader's layout."""
-    return batch.select(_mini_batch_slices(batch.num_groups, dp_rank, dp_size, num_mini_batches))
+    return batch.select(mini_batch_slices(batch.num_groups, dp_rank, dp_size, num_mini_batches))

@@ -6,8 +6,9 @@ micro-batches) equal to transformers' scores, the forward-only paths (old/ref lo
 scores) with a short last micro-batch at PP=2 and PP=2 x VPP=2 equal to PP=1, then the loss/gradient parity of
 token-budget vs fixed micro-batches at TP=2 x PP=2 (stages exchange shapes), packed vs padded micro-batches
 (log-probs, entropy, values, scores, actor and critic gradients) at TP=2 x PP=2 with SP off and on and at
-PP=2 x VPP=2, then the advantages of the same 16 rows at DP=1 and DP=2 (whitening summed over DP with gloo),
-then two steps of model=tiny_moe at TP=2 (SP) x DP=2 and at PP=2 x DP=2 (rollout.tp=1) with parallel.ep=1
+PP=2 x VPP=2, then the advantages of the same 16 rows at DP=1 and DP=2 (whitening summed over DP with gloo), then
+one step at DP=4 with the groups re-dealt over the replicas by tokens (trainer.balance_batch) and without, then
+two steps of model=tiny_moe at TP=2 (SP) x DP=2 and at PP=2 x DP=2 (rollout.tp=1) with parallel.ep=1
 and 2 (same init, rollout and first update; at step 2 the TP ranks' replicated weights are equal and
 rollout_kl is small; the EP=2 jobs export the actor to Hugging Face format, checked against the trained
 experts and loaded by transformers).
@@ -76,6 +77,11 @@ def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp
     # gae, reinforce_pp (KL in the reward), reinforce_pp_baseline, grpo: float64 moments, float32 advantages
     dp_invariance = json.loads(out.split("dp_invariance ", 1)[1].splitlines()[0])
     assert max(dp_invariance.values()) <= 1e-6, dp_invariance
+    # groups re-dealt over 4 replicas by tokens: the same update (float32, summation order), less imbalance
+    balanced = json.loads(out.split("balance_batch ", 1)[1].splitlines()[0])
+    assert balanced["max_diff"] <= 1e-5 and balanced["keys"] > 20 and balanced["grad_norm"] > 0, balanced
+    assert balanced["imbalance"] < balanced["imbalance_rolled_out"] - 0.02, balanced
+    assert balanced["unbalanced_keys"] == 0.0, balanced
     # MoE at EP=2 vs EP=1: the same samples (rewards equal), gradients equal up to summation order (float32)
     moe_ep = json.loads(out.split("moe_ep ", 1)[1].splitlines()[0])
     assert moe_ep["reward_diff"] == 0.0 and moe_ep["same_keys"] == 1.0, moe_ep

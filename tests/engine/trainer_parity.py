@@ -341,6 +341,31 @@ def dp_advantage_invariance() -> dict[str, float]:
     return dict(zip(algs, maxima.tolist()))
 
 
+def balance_invariance(out_root: str) -> dict[str, float]:
+    """One GRPO step at DP=4 (8 prompts x 4, responses up to 48 tokens: the random policy's lengths differ)
+    with trainer.balance_batch true and false: the same rollouts, the groups re-dealt over the replicas in the
+    first (engine/step/balance.py). Returns the largest difference of any metric (timings, perf and memory
+    aside), relative where the value exceeds 1, and the balanced job's `perf/dp_imbalance*`."""
+    rows = {}
+    for balanced in (True, False):
+        out = os.path.join(out_root, f"balance_{balanced}")
+        overrides = ["data.batch_size=8", "rollout.max_new_tokens=48", f"trainer.balance_batch={balanced}"]
+        run_job([*overrides, "trainer.total_steps=1"], out, keep_process_group=True)
+        rows[balanced] = read_metrics(out)[0]
+    a, b = rows[True], rows[False]
+    skip = ("timing/", "perf/", "rollout_engine/", "memory/")
+    keys = [k for k in b if not k.startswith(skip) and isinstance(b[k], (int, float))]
+    diff = max(abs(a[k] - b[k]) / max(abs(b[k]), 1.0) for k in keys)
+    return {
+        "max_diff": diff,
+        "keys": len(keys),
+        "grad_norm": a["actor/grad_norm"],
+        "imbalance": a["perf/dp_imbalance"],
+        "imbalance_rolled_out": a["perf/dp_imbalance_rolled_out"],
+        "unbalanced_keys": float(any("dp_imbalance" in k for k in b)),
+    }
+
+
 MOE_TP2 = ("parallel.tp=2", "parallel.sp=true", "rollout.tp=2")
 MOE_PP2 = ("parallel.pp=2", "rollout.tp=1")
 

@@ -3,7 +3,8 @@ argument: every rank runs the same sequence of short jobs (tests/engine/trainer_
 finite metrics, then the checks of tests/engine/trainer_parity.py: the forward-only paths with a short last
 micro-batch at PP=2 (and VPP=2) against PP=1, the dynamic-batching gradient parity at TP=2 x PP=2 (fixed vs
 token-budget micro-batches), packed vs padded micro-batches at TP=2 x PP=2 with sequence parallelism off and
-on, the advantages of the same rows at DP=1 and DP=2, an MoE step at EP=1 vs EP=2. Rank 0 prints the results.
+on, the advantages of the same rows at DP=1 and DP=2, a step at DP=4 with and without the groups re-dealt
+over the replicas (trainer.balance_batch), an MoE step at EP=1 vs EP=2. Rank 0 prints the results.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from trainer_jobs import CRITIC_KEYS, check_finite, read_metrics, run_job
 from trainer_parity import (
     MOE_PP2,
+    balance_invariance,
     dp_advantage_invariance,
     dynamic_batch_parity,
     moe_expert_parallel_invariance,
@@ -29,7 +31,7 @@ from parallel.state import destroy_distributed
 def main(out_root: str) -> None:
     """World size 4: the jobs below in sequence (the last scored by a reward model at TP=2 x PP=2), then the
     dynamic-batching parity and the packing parity (SP off, on; no budget) at TP=2 x PP=2, then the DP=1 vs DP=2
-    advantages, then an MoE step at EP=1 vs EP=2 (TP=2, then PP=2 rolled out at rollout.tp=1)."""
+    advantages, then a DP=4 step balanced and not, then an MoE step at EP=1 vs EP=2 (TP=2, then PP=2 rolled out at rollout.tp=1)."""
     rank = int(os.environ.get("RANK", "0"))
     jobs = {
         "ppo_tp2_pp2": (
@@ -123,6 +125,9 @@ def main(out_root: str) -> None:
     dp_invariance = dp_advantage_invariance()
     if rank == 0:
         print("dp_invariance " + json.dumps(dp_invariance), flush=True)
+    balanced = balance_invariance(out_root)
+    if rank == 0:
+        print("balance_batch " + json.dumps(balanced), flush=True)
     moe_ep = moe_expert_parallel_invariance(out_root)
     if rank == 0:
         print("moe_ep " + json.dumps(moe_ep), flush=True)
