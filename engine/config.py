@@ -69,9 +69,9 @@ class TrainerConfig:
     balance_batch: bool = True
     """Over DP replicas, re-deal the step's prompt groups so that each holds near the same tokens in every
     mini-batch (verl's key; engine/step/balance.py): the same update up to summation order, less waiting."""
-    share_prompts: bool = False
-    """Lay each group's prompt out once per packed micro-batch, its responses attending to that copy
-    (engine/roles/shared_prompts.py): the same results, (n - 1) / n of the prompt tokens not computed."""
+    share_prompts: bool | None = None
+    """Each group's prompt once per packed micro-batch, its responses attending to it (roles/shared_prompts.py):
+    the same results, fewer tokens. Empty (null) = on where it runs, rollout.n > 1, no layers' CUDA graphs."""
     progress_bar: bool = True
     """Show a progress bar on the logging rank."""
     plot: bool = True

@@ -33,7 +33,7 @@ from engine.rollout import build_rollout_engine
 from engine.rollout.base import RolloutEngine
 from engine.tasks.embedded import build_embedded_tokenizer, write_embedded_dataset
 from engine.validate.built import built_model
-from engine.validate.run import layer_graphs_on
+from engine.validate.run import layer_graphs_on, prompts_shared
 from parallel.dims import ParallelDims
 from parallel.expert_gather import ExpertGather
 from parallel.hybrid_engine import HybridEngine
@@ -85,6 +85,8 @@ class Components:
     """Multi-turn episodes with tools (rollout.multi_turn.enable), else None: single-turn rollouts."""
     micro_batch_token_cap: int = 0
     """Tokens per micro-batch by rows at most (engine/roles/memory_cap.py); 0: no cap."""
+    share_prompts: bool = False
+    """Each group's prompt once per packed micro-batch (trainer.share_prompts resolved: validate/run.py)."""
     split: TrainerLink | None = None
     """Split placement: the exchange with the rollout ranks (engine/split/link.py), else None."""
 
@@ -376,6 +378,7 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
         reward_model=reward_model,
         episodes=episodes,
         micro_batch_token_cap=token_cap,
+        share_prompts=prompts_shared(cfg, built_model(cfg)),
     )
 
 

@@ -64,7 +64,9 @@ class Trainer:
         self.actor_optim_offload = RoleOffloader(c.actor, ("optimizer",), enabled=t.offload_optimizer)
         self.critic_optim_offload = RoleOffloader(c.critic, ("optimizer",), enabled=t.offload_optimizer)
         graphs = c.actor.layer_graphs is not None
-        self.batcher = trainer_batcher(t, c.groups.dims, c.groups.device, graphs, c.micro_batch_token_cap)
+        self.batcher = trainer_batcher(
+            t, c.groups.dims, c.groups.device, graphs, c.micro_batch_token_cap, c.share_prompts
+        )
         self.last_experience: Experience | None = None
         """The latest step's experience on this rank (for inspection and tests)."""
         self.engine_stats: dict[str, float] = {}

@@ -351,7 +351,12 @@ def micro_batch_shapes_vary(t: TrainerConfig, vpp: int) -> bool:
 
 
 def trainer_batcher(
-    t: TrainerConfig, dims: ParallelDims, device: torch.device, graphs: bool = False, token_cap: int = 0
+    t: TrainerConfig,
+    dims: ParallelDims,
+    device: torch.device,
+    graphs: bool = False,
+    token_cap: int = 0,
+    share_prompts: bool = False,
 ) -> MicroBatcher:
     """The MicroBatcher of the trainer's config `t` on a rank of layout `dims`: `micro_batch_rows` rows
     (packed: their tokens at the batch's width) or a token budget, packed unless
@@ -359,8 +364,9 @@ def trainer_batcher(
     and where the roles run their layers from CUDA graphs (`graphs`: engine/validate/run.py `layer_graphs_on`;
     one graph signature per call); without a budget, micro-batches of at most `token_cap` tokens (0: no cap;
     engine/roles/memory_cap.py), and where that cap is set and `sized_by_memory`, packed ones of at least
-    MEMORY_SIZED_TOKENS under it (engine/micro_batch_sizing.py); each group's prompt once with
-    trainer.share_prompts (engine/roles/shared_prompts.py)."""
+    MEMORY_SIZED_TOKENS under it (engine/micro_batch_sizing.py); each group's prompt once where
+    `share_prompts` (trainer.share_prompts resolved: engine/validate/run.py `prompts_shared`;
+    engine/roles/shared_prompts.py)."""
     fill = fill_tokens(t, device.type, dims.pp) if token_cap else 0  # only under a memory cap
     return MicroBatcher(
         micro_batch_rows(t),
@@ -371,5 +377,5 @@ def trainer_batcher(
         shapes="one" if dims.vpp > 1 else "graphs" if graphs else "free",
         token_cap=token_cap,
         fill_tokens=fill,
-        share_prompts=t.share_prompts,
+        share_prompts=share_prompts,
     )

@@ -40,6 +40,8 @@ from engine.split.link import recv_object, send_object
 from engine.step.context import StepContext
 from engine.step.losses import value_fn
 from engine.step.update import forward_rows, update_critic
+from engine.validate.built import built_model
+from engine.validate.run import prompts_shared
 from parallel.split_plan import SplitLayout
 from parallel.state import ProcessGroups
 
@@ -121,7 +123,11 @@ def build_critic_worker(
     if micro_batch_shapes_vary(t, groups.dims.vpp) and groups.dims.pp > 1:
         critic.config.variable_seq_lengths = True
     batcher = trainer_batcher(
-        t, groups.dims, groups.device, token_cap=trainer_token_cap(cfg, shape, groups, [critic])
+        t,
+        groups.dims,
+        groups.device,
+        token_cap=trainer_token_cap(cfg, shape, groups, [critic]),
+        share_prompts=prompts_shared(cfg, built_model(cfg)),
     )
     offload = RoleOffloader(critic, ("optimizer",), enabled=t.offload_optimizer)
     checkpointer = CriticRanksCheckpointer(cfg, groups, critic, output_dir)

@@ -131,7 +131,7 @@ def perf_metrics(
     response_lens = exp.response_mask.sum(-1).long()
     seq_lens = exp.prompt_lens + response_lens
     # the actor's head is "response": logits at response positions only
-    if c.cfg.trainer.share_prompts:  # the prompts computed once (engine/roles/shared_prompts.py)
+    if c.share_prompts:  # the prompts computed once (engine/roles/shared_prompts.py)
         groups = prompt_groups(exp, list(range(exp.num_rows)))
         flops = shared_prompt_train_flops(c.shape, exp.prompt_lens, response_lens, groups)
     else:
@@ -153,7 +153,7 @@ def perf_metrics(
         "perf/tokens_per_s_per_gpu": tokens / seconds["step"] / dist.get_world_size(),
         "perf/mfu/actor": 0.0,
     }
-    if c.cfg.trainer.share_prompts:
+    if c.share_prompts:
         out["perf/shared_prompt_fraction"] = 1.0 - real / row_tokens if row_tokens else 0.0
     if graphs is not None:  # the actor's layer calls (its forwards and update) replayed from CUDA graphs
         out["perf/cuda_graph_replayed_fraction"] = graph_calls[2] / max(sum(graph_calls), 1.0)

@@ -1,6 +1,7 @@
 """trainer.share_prompts (engine/roles/shared_prompts.py) around the layout, whose forward and backward
-tests/engine/test_dynamic_batch.py holds against packed whole rows: a training job against the same job
-without it, the FLOP count against hand-computed values, the grouping, and the refusals."""
+tests/engine/test_dynamic_batch.py holds against packed whole rows: a training job (sharing by default)
+against the same job without it, the FLOP count against hand-computed values, the grouping, where the default
+shares, and the refusals."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from engine.models.builder import resolve_shape
 from engine.roles import shared_prompts
 from engine.step.perf import shared_prompt_train_flops, train_flops
 from engine.validate.built import built_model
-from engine.validate.run import layer_graphs_on, validate_share_prompts
+from engine.validate.run import layer_graphs_on, prompts_shared, validate_share_prompts
 
 PPO = ["algorithm=ppo", "trainer.total_steps=1"]
 
@@ -26,10 +27,11 @@ def test_a_job_with_shared_prompts_trains_as_one_without(tmp_path):
     """PPO (actor, critic, GAE) on the default task, 4 prompts x 4 samples, one step: every loss, gradient
     norm and statistic of the update equal to the job without sharing within float32 summation order."""
     plain, shared = (str(tmp_path / name) for name in ("plain", "shared"))
-    run_job(PPO, plain)
-    run_job([*PPO, "trainer.share_prompts=true"], shared)
+    run_job([*PPO, "trainer.share_prompts=false"], plain)
+    run_job(PPO, shared)  # the default: on (`prompts_shared`)
     (a,), (b,) = read_metrics(plain), read_metrics(shared)
     assert b["perf/shared_prompt_fraction"] > 0.2, b  # 4 samples share each prompt
+    assert "perf/shared_prompt_fraction" not in a, a
     compared = [k for k in a if k.split("/")[0] in ("actor", "critic", "returns", "advantages")]
     assert len(compared) > 10, compared
     for key in compared:
@@ -85,6 +87,35 @@ def test_layouts_it_cannot_run_are_refused(overrides, needle):
         validate_share_prompts(cfg, built_model(cfg))
     assert needle in str(err.value) and "Fix:" in str(err.value)
     validate_share_prompts(composed(*overrides), built_model(cfg))  # off: nothing to refuse
+
+
+@pytest.mark.parametrize(
+    "overrides,cuda,on",
+    [
+        ([], False, True),  # the default job: packed, n = 8
+        ([], True, True),
+        (["model.dtype=bfloat16"], True, True),  # sized by memory: no layers' graphs by default
+        (["rollout.n=1"], False, False),  # nothing to share
+        (["trainer.pack_sequences=false"], False, False),
+        (["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"], False, False),
+        (["model=tiny_moe"], False, False),
+        (["trainer.share_prompts=false"], False, False),
+        (["trainer.share_prompts=true", "rollout.n=1"], False, True),  # as set
+        # micro-batches by rows on a GPU in bf16: the layers' graphs are on by default and win
+        (["model.dtype=bfloat16", "trainer.micro_batch_size=8"], True, False),
+        (["model.dtype=bfloat16", "trainer.micro_batch_size=8"], False, True),  # CPU: no graphs
+        (["model.dtype=bfloat16", "trainer.cuda_graphs=true"], True, False),
+        (["model.dtype=bfloat16", "trainer.max_tokens_per_micro_batch=4096"], True, True),
+    ],
+)
+def test_shared_by_default_where_it_runs(overrides, cuda, on):
+    """trainer.share_prompts left empty: on wherever validation would accept true, with more than one response
+    per prompt, unless the layers' CUDA graphs are on; set, as set (validation passes either way)."""
+    cfg = composed(*overrides)
+    if cuda:
+        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, device="cuda"))
+    validate_share_prompts(cfg, built_model(cfg))
+    assert prompts_shared(cfg, built_model(cfg)) is on
 
 
 def test_no_layer_graphs_by_default_with_shared_prompts():
