@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 from config_compose import composed
-from trainer_jobs import read_metrics, run_job
+from trainer_jobs import CALCULATOR_TASK, read_metrics, run_job
 from trainer_parity import skewed_experience
 
 from engine.config import ConfigError
@@ -23,17 +23,20 @@ from engine.validate.run import layer_graphs_on, prompts_shared, validate_share_
 PPO = ["algorithm=ppo", "trainer.total_steps=1"]
 
 
-def test_a_job_with_shared_prompts_trains_as_one_without(tmp_path):
-    """PPO (actor, critic, GAE) on the default task, 4 prompts x 4 samples, one step: every loss, gradient
-    norm and statistic of the update equal to the job without sharing within float32 summation order."""
+@pytest.mark.parametrize("job", ["ppo", "multi_turn"])
+def test_a_job_with_shared_prompts_trains_as_one_without(tmp_path, job):
+    """PPO (actor, critic, GAE) on the default task, and GRPO on calculator episodes (tool turns inside the
+    response, masked out of the loss), 4 prompts x 4 samples, one step: every loss, gradient norm and statistic
+    of the update equal to the job without sharing within float32 summation order."""
+    overrides = PPO if job == "ppo" else [*CALCULATOR_TASK, "trainer.total_steps=1"]
     plain, shared = (str(tmp_path / name) for name in ("plain", "shared"))
-    run_job([*PPO, "trainer.share_prompts=false"], plain)
-    run_job(PPO, shared)  # the default: on (`prompts_shared`)
+    run_job([*overrides, "trainer.share_prompts=false"], plain)
+    run_job(overrides, shared)  # the default: on (`prompts_shared`)
     (a,), (b,) = read_metrics(plain), read_metrics(shared)
     assert b["perf/shared_prompt_fraction"] > 0.2, b  # 4 samples share each prompt
     assert "perf/shared_prompt_fraction" not in a, a
     compared = [k for k in a if k.split("/")[0] in ("actor", "critic", "returns", "advantages")]
-    assert len(compared) > 10, compared
+    assert len(compared) > 10 and a["reward/mean"] == b["reward/mean"], compared
     for key in compared:
         assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
