@@ -32,9 +32,10 @@ def errors_only() -> None:
     logging.getLogger("megatron").setLevel(logging.ERROR)
 
 
-def kernels_line(device_type: str, layer_graphs: bool = False) -> str:
-    """One line naming the kernels the training forward/backward and the optimizer use on `device_type`, and
-    whether the layers run from CUDA graphs (`layer_graphs`: engine/validate/run.py `layer_graphs_on`)."""
+def kernels_line(device_type: str, layer_graphs: bool = False, shared_prompts: bool = False) -> str:
+    """One line naming the kernels the training forward/backward and the optimizer use on `device_type`,
+    whether the layers run from CUDA graphs (`layer_graphs`: engine/validate/run.py `layer_graphs_on`), and
+    whether micro-batches hold each group's prompt once (`shared_prompts`: `prompts_shared` there)."""
     te = importlib.util.find_spec("transformer_engine") is not None
     if device_type == "cuda":
         graphs = "from CUDA graphs" if layer_graphs else "eager"
@@ -48,4 +49,5 @@ def kernels_line(device_type: str, layer_graphs: bool = False) -> str:
     else:
         parts = ["attention torch SDPA", "RMSNorm torch", "RoPE eager", "output head chunked", "Adam torch"]
     installed = "Transformer Engine installed, not used" if te else "no Transformer Engine"
-    return f"kernels: {', '.join(parts)} ({installed}, no Apex: megatron-core's local fallbacks)"
+    layout = "; each group's prompt once per micro-batch (trainer.share_prompts)" if shared_prompts else ""
+    return f"kernels: {', '.join(parts)} ({installed}, no Apex: megatron-core's local fallbacks){layout}"

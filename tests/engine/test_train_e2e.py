@@ -93,7 +93,8 @@ def test_single_process_run(tmp_path):
     # a quiet start: one line names the kernels instead of megatron-core's fallback warnings
     assert [line for line in proc.stdout.splitlines() if line.startswith("kernels: ")] == [
         "kernels: attention torch SDPA, RMSNorm torch, RoPE eager, output head chunked, Adam torch "
-        "(no Transformer Engine, no Apex: megatron-core's local fallbacks)"
+        "(no Transformer Engine, no Apex: megatron-core's local fallbacks); each group's prompt once per "
+        "micro-batch (trainer.share_prompts)"
     ]
     assert "Apex" not in proc.stderr and "UserWarning" not in proc.stderr, proc.stderr[-2000:]
     # the picture of the run, written at the end
