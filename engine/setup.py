@@ -333,7 +333,8 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
     if cfg.reward.model_path:
         reward_model = build_reward_model(cfg, len(tokenizer), groups, tokenizer.pad_token_id)
     _variable_shapes([actor, reference, critic, reward_model and reward_model.role], cfg, dims)
-    if layer_graphs_on(cfg, built_model(cfg)):  # engine/models/layer_graphs.py
+    built = built_model(cfg)
+    if layer_graphs_on(cfg, built):  # engine/models/layer_graphs.py
         for role in (actor, reference, critic):
             if role is not None:
                 role.use_cuda_graphs()
@@ -378,7 +379,7 @@ def build_components(cfg: TrainConfig, groups: ProcessGroups, output_dir: str) -
         reward_model=reward_model,
         episodes=episodes,
         micro_batch_token_cap=token_cap,
-        share_prompts=prompts_shared(cfg, built_model(cfg)),
+        share_prompts=prompts_shared(cfg, built),
     )
 
 
