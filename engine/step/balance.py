@@ -77,6 +77,11 @@ def slowest_over_mean(tokens: list[int], slices: list[list[int]], num_mini_batch
     return slowest / max(mean, 1.0)
 
 
+def rolled_out_slices(num_groups: int, dp_size: int, num_mini_batches: int) -> list[list[int]]:
+    """Per replica, the positions in the global batch it rolled out (the prompt loader's layout)."""
+    return [mini_batch_slices(num_groups, r, dp_size, num_mini_batches) for r in range(dp_size)]
+
+
 def imbalance_metrics(
     tokens: list[int], rolled_out: list[list[int]], slices: list[list[int]], minis: int
 ) -> dict:
@@ -94,7 +99,7 @@ def balanced_share(
     `imbalance_metrics`."""
     tokens = group_tokens(batch).tolist()
     slices = balanced_slices(tokens, dp_size, num_mini_batches)
-    rolled_out = [mini_batch_slices(len(tokens), r, dp_size, num_mini_batches) for r in range(dp_size)]
+    rolled_out = rolled_out_slices(len(tokens), dp_size, num_mini_batches)
     return batch.select(slices[dp_rank]), imbalance_metrics(tokens, rolled_out, slices, num_mini_batches)
 
 
@@ -109,7 +114,7 @@ def balance(
     gathered = [torch.empty_like(mine) for _ in range(dp_size)]
     dist.all_gather(gathered, mine, group=groups.dp)
     num_groups = responses.num_groups * dp_size
-    rolled_out = [mini_batch_slices(num_groups, r, dp_size, num_mini_batches) for r in range(dp_size)]
+    rolled_out = rolled_out_slices(num_groups, dp_size, num_mini_batches)
     tokens = [0] * num_groups
     for r in range(dp_size):
         for pos, count in zip(rolled_out[r], gathered[r].tolist()):

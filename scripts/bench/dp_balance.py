@@ -21,17 +21,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from workload import add_step_args, response_lengths  # noqa: E402
 
-from engine.step.balance import balanced_slices, slowest_over_mean  # noqa: E402
-from engine.step.dynamic_sampling import mini_batch_slices  # noqa: E402
+from engine.step.balance import balanced_slices, imbalance_metrics, rolled_out_slices  # noqa: E402
 
 
 def layouts(tokens: list[int], dp: int, minis: int) -> tuple[float, float]:
     """(rolled out, re-dealt) `slowest_over_mean` of groups of `tokens` over `dp` replicas."""
-    rolled_out = [mini_batch_slices(len(tokens), r, dp, minis) for r in range(dp)]
-    return (
-        slowest_over_mean(tokens, rolled_out, minis),
-        slowest_over_mean(tokens, balanced_slices(tokens, dp, minis), minis),
-    )
+    slices = balanced_slices(tokens, dp, minis)
+    metrics = imbalance_metrics(tokens, rolled_out_slices(len(tokens), dp, minis), slices, minis)
+    return metrics["perf/dp_imbalance_rolled_out"], metrics["perf/dp_imbalance"]
 
 
 def main() -> None:
