@@ -1,13 +1,18 @@
 """Attention and RoPE positions for micro-batches that hold each group's prompt once (trainer.share_prompts;
 the layout: engine/roles/shared_prompts.py).
 
-A micro-batch of this layout lies as segments back to back: a prompt, then each of its responses in the
-micro-batch, then the next prompt and its responses, and last any padding (a pseudo-row of its own). A prompt
+A micro-batch of this layout lies as segments back to back: every unit's prompt, then each unit's responses
+in the same order, and last any padding (a pseudo-row of its own). A prompt
 segment attends causally to itself; a response segment's query i attends to its prompt and to its own first
 i + 1 tokens: the keys of each response segment are its prompt's followed by its own, gathered by `kv_index`
 (`GatherRows`, whose backward sums the responses' key/value gradients into the prompt's in float32), and the
 causal mask is aligned to the end of the keys. Exactly the attention each row has when it lies alone with its
 prompt: the prompt's tokens attend only to the prompt, so they compute the same in every row of the group.
+- CUDA, half precision, no dropout, every unit of one shape (`uniform`; a fixed-length step), once the shape
+  recurs (`RecurringShapes`: cuDNN builds a plan per shape), unless torch's deterministic algorithms are on
+  (cuDNN's attention backward is not one): the prompts and the responses as dense batches
+  through cuDNN, each response's two parts merged by their log-sum-exps (engine/models/shared_prompt_split.py;
+  where that does not run on this device, the next path).
 - CUDA, half precision, no dropout: FlashAttention-2 varlen with separate query and key boundaries (its causal
   mask is aligned to the bottom right where queries are fewer than keys, FlashAttention >= 2.1's rule).
 - Elsewhere: SDPA with that mask spelled out, the segments of one shape in one batched call
@@ -28,7 +33,8 @@ from dataclasses import dataclass
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from engine.models.packed_attention import FlashVarlen, flash_applies, segment_attention
+from engine.models.packed_attention import RECURRING, FlashVarlen, flash_applies, segment_attention
+from engine.models.shared_prompt_split import split_attention, split_available
 
 
 @dataclass
@@ -36,12 +42,15 @@ class SharedPromptSeqParams(PackedSeqParams):
     """megatron's thd `PackedSeqParams` (`cu_seqlens_q` = `cu_seqlens_kv`: the segments, which RoPE receives;
     `max_seqlen_q` = `max_seqlen_kv`: the longest row, prompt + response, for megatron's RoPE table) and the
     keys of each segment: `kv_index` (t_k,) token positions, bounded by `cu_seqlens_k`; `max_q`, `max_k` the
-    longest query and key segments."""
+    longest query and key segments; `uniform` (units, responses per unit, prompt length, response length)
+    where every unit has that shape and nothing pads the micro-batch (engine/roles/shared_prompts.py
+    `uniform_shape`), else None."""
 
     kv_index: torch.Tensor = None
     cu_seqlens_k: torch.Tensor = None
     max_q: int = 0
     max_k: int = 0
+    uniform: tuple[int, int, int, int] | None = None
 
 
 class SharedPositions:
@@ -86,6 +95,14 @@ def shared_prompt_attention(
             "trainer.share_prompts: the micro-batch's RoPE positions were not applied (the fused RoPE hook of "
             "engine/models/spec.py did not run): a response would be rotated from position 0"
         )
+    if (
+        params.uniform is not None
+        and flash_applies(q, dropout_p)
+        and not torch.are_deterministic_algorithms_enabled()
+    ):
+        shape = ("shared", *params.uniform, *q.shape[1:], k.shape[1], q.dtype, torch.is_grad_enabled())
+        if RECURRING(shape) and split_available(q, k):
+            return split_attention(q, k, v, params.uniform, scale)
     k_seg, v_seg = GatherRows.apply(k, params.kv_index), GatherRows.apply(v, params.kv_index)
     if flash_applies(q, dropout_p):
         check_flash_alignment(q.device, q.dtype)

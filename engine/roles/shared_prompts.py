@@ -2,9 +2,12 @@
 
 A GRPO-style step samples n responses per prompt, and packed as n full rows a micro-batch computes each
 prompt's tokens n times, though in a causal model they compute the same in every row (they attend only to
-the prompt). Here the rows of a micro-batch that share a prompt lie as one unit: the prompt's tokens once,
-then each response's tokens (its positions continuing from the prompt's end), and each response attends to
-that one copy of the prompt (engine/models/shared_prompt_attention.py). The model then skips (n - 1) / n
+the prompt). Here the rows of a micro-batch that share a prompt form one unit: the prompt's tokens once,
+each response's tokens (its positions continuing from the prompt's end), and each response attends to that
+one copy of the prompt (engine/models/shared_prompt_attention.py). A micro-batch lays out every unit's prompt
+first (the prompts block), then every unit's responses in the same unit order (the responses block), then any
+padding: where every unit has one shape the two blocks are dense batches, which cuDNN's attention takes as
+views (engine/models/shared_prompt_split.py). The model then skips (n - 1) / n
 of the prompt tokens for the same log-probs, values and gradients (the prompt's gradient is the sum of what
 its responses send back, as the rows' sum is). At 256-token prompts and 512-token responses, n = 8: 29%
 fewer tokens through every layer.
@@ -67,32 +70,34 @@ def shared_prompt_micro_batch(
     """One micro-batch of `units` (each: rows of one prompt), in the layout of the module docstring: the
     packed micro-batch dict of engine/roles/dynamic_batch.py, with `SharedPromptSeqParams`, `prompt_starts`
     and `row_prompt_lens`; `rows` in the order laid out."""
+    prompts = [int(exp.prompt_lens[unit[0]]) for unit in units]
     pieces, positions, q_lens, kv, k_lens = [], [], [], [], []
-    rows, row_starts, prompt_starts, prompt_lens = [], [], [], []
-    cursor = 0
-    for unit in units:
-        prompt = int(exp.prompt_lens[unit[0]])
+    prompt_starts_of = [0, *torch.tensor(prompts).cumsum(0).tolist()]
+    for unit, prompt, start in zip(units, prompts, prompt_starts_of):  # the prompts block
         pieces.append(exp.tokens[unit[0], :prompt])
         positions.append(torch.arange(prompt))
-        prompt_keys = torch.arange(cursor, cursor + prompt)
         if prompt:  # no empty segments: not every attention kernel takes them
             q_lens.append(prompt)
-            kv.append(prompt_keys)
+            kv.append(torch.arange(start, start + prompt))
             k_lens.append(prompt)
-        start, cursor = cursor, cursor + prompt
+    rows, row_starts, prompt_starts, prompt_lens, responses = [], [], [], [], []
+    cursor = prompt_starts_of[-1]
+    for unit, prompt, start in zip(units, prompts, prompt_starts_of):  # the responses block
         for r in unit:
             response = lengths[r] - prompt
             pieces.append(exp.tokens[r, prompt : lengths[r]])
             positions.append(torch.arange(prompt, lengths[r]))
             if response:
                 q_lens.append(response)
-                kv.append(torch.cat([prompt_keys, torch.arange(cursor, cursor + response)]))
+                kv.append(torch.cat([torch.arange(start, start + prompt), torch.arange(cursor, cursor + response)]))
                 k_lens.append(prompt + response)
             rows.append(r)
-            row_starts.append(cursor - prompt)
+            row_starts.append(cursor - prompt)  # may be negative: only response positions p >= prompt use it
             prompt_starts.append(start)
             prompt_lens.append(prompt)
+            responses.append(response)
             cursor += response
+    uniform = uniform_shape(units, prompts, responses)
     t = -(-cursor // multiple) * multiple
     if t > cursor:  # the padding: a pseudo-row of its own
         pieces.append(torch.zeros(t - cursor, dtype=exp.tokens.dtype))
@@ -100,6 +105,7 @@ def shared_prompt_micro_batch(
         q_lens.append(t - cursor)
         kv.append(torch.arange(cursor, t))
         k_lens.append(t - cursor)
+        uniform = None
     sel = torch.tensor(rows)
     row_lengths = torch.tensor([lengths[r] for r in rows])
     cu = torch.cumsum(torch.tensor([0, *q_lens]), 0).to(device=device, dtype=torch.int32)
@@ -120,6 +126,7 @@ def shared_prompt_micro_batch(
             cu_seqlens_k=cu_k,
             max_q=max(q_lens),
             max_k=max(k_lens),
+            uniform=uniform,
         ),
         "row_starts": torch.tensor(row_starts).to(device),
         "prompt_starts": torch.tensor(prompt_starts).to(device),
@@ -128,3 +135,16 @@ def shared_prompt_micro_batch(
         **row_fields(exp, sel, packed_response_index(exp, sel, row_lengths), keys, device),
     }
     return mb
+
+
+def uniform_shape(units: list[list[int]], prompts: list[int], responses: list[int]) -> tuple | None:
+    """(units, responses per unit, prompt length, response length) where every unit has that many responses,
+    every prompt that length and every response that length (none empty): the micro-batch's prompts block is
+    then a (units, prompt) batch and its responses a (units x responses, response) one
+    (engine/models/shared_prompt_split.py); else None."""
+    counts = {len(unit) for unit in units}
+    if len(counts) != 1 or len(set(prompts)) != 1 or len(set(responses)) != 1:
+        return None
+    if prompts[0] == 0 or responses[0] == 0:
+        return None
+    return (len(units), counts.pop(), prompts[0], responses[0])

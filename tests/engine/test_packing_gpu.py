@@ -12,7 +12,8 @@
   within 1.5x the largest error of torch's `varlen_attn` with the groups repeated per head (the path before)
   plus one bf16 ulp of the reference's scale.
 - trainer.share_prompts (each group's prompt once, FlashAttention-2 with separate query and key boundaries)
-  against packed whole rows, the same tolerances.
+  against packed whole rows, the same tolerances; at one shape, the split through cuDNN
+  (engine/models/shared_prompt_split.py) against float32 within 2x the gathered layout's error.
 - `padded_attention` (trainer.pack_sequences=false): no cuDNN kernel until its shape recurs, cuDNN from then
   on (the profiler's kernel names), both against float32 as above with SDPA's own choice as the path before.
 """
@@ -165,3 +166,55 @@ def test_padded_attention_takes_cudnn_only_for_a_recurring_shape(monkeypatch):
         for name, g, o, w in zip(("out", "dq", "dk", "dv"), got, old, want):
             ulp = float(w.abs().max()) * 2**-8
             assert g <= 1.5 * o + ulp, (name, g, o, call)
+
+
+def test_shared_split_runs_cudnn_within_the_gathered_error(monkeypatch):
+    """trainer.share_prompts at one shape (a fixed-length step): the prompts and the responses as dense
+    batches through cuDNN, each response's two parts merged by their log-sum-exps
+    (engine/models/shared_prompt_split.py), at 1.5B's heads, 4 prompts of 256 tokens x 8 responses of 512:
+    the device's check passes, `shared_prompt_attention` takes the split once the shape recurs (cuDNN's
+    kernels, no FlashAttention), and output and q/k/v gradients against float32 are within 2x the gathered
+    layout's FlashAttention-2 error plus one bf16 ulp of the reference's scale."""
+    from test_shared_prompt_split import experience
+
+    from engine.models import shared_prompt_attention as shared_module
+    from engine.models import shared_prompt_split as split_module
+    from engine.roles.dynamic_batch import MicroBatcher
+
+    exp = experience([256] * 4, [512] * 32, n=8)
+    (mb,) = MicroBatcher(8, 1 << 20, 1, torch.device("cuda"), pack=True, share_prompts=True)(
+        exp, torch.arange(32)
+    )
+    params, scale = mb["packed_seq_params"], 128**-0.5
+    assert params.uniform == (4, 8, 256, 512)
+    torch.manual_seed(0)
+    t = mb["tokens"].shape[1]
+    q, k, v, grad = (torch.randn(t, h, 128, device="cuda", dtype=torch.bfloat16) for h in (12, 2, 2, 12))
+    idx = params.kv_index
+    cu_q, cu_k = params.cu_seqlens_q, params.cu_seqlens_k
+    qf, kf, vf = (x.float().requires_grad_() for x in (q, k, v))
+    ref = packed_module.segment_attention(qf, kf[idx], vf[idx], cu_q, cu_k, scale, 0.0)
+    want = (ref.detach(), *torch.autograd.grad(ref, (qf, kf, vf), grad.float()))
+
+    def gathered(q, k, v):
+        k_seg, v_seg = shared_module.GatherRows.apply(k, idx), shared_module.GatherRows.apply(v, idx)
+        return packed_module.FlashVarlen.apply(q, k_seg, v_seg, cu_q, params.max_q, scale, cu_k, params.max_k)
+
+    old = _errors(gathered, q, k, v, grad, want)
+    split_module._AVAILABLE.clear()
+    assert split_module.split_available(q, k), "cuDNN's split attention failed its check on this device"
+    monkeypatch.setattr(packed_module, "RECURRING", packed_module.RecurringShapes())
+    monkeypatch.setattr(shared_module, "RECURRING", packed_module.RECURRING)
+    monkeypatch.setattr(packed_module, "CUDNN_FROM_CALL", 2)
+    shared_module.SHARED_POSITIONS.take(
+        cu_q
+    )  # the RoPE hook's mark (no model here): the micro-batch registered
+    attend = lambda q, k, v: shared_module.shared_prompt_attention(q, k, v, params, scale, 0.0)  # noqa: E731
+    for call, split in enumerate((False, True)):
+        got: list[float] = []
+        kernels = _cuda_kernels(lambda errors=got: errors.extend(_errors(attend, q, k, v, grad, want)))
+        assert any("cudnn" in n for n in kernels) == split, (call, kernels)
+        assert any("flash" in n and "cudnn" not in n for n in kernels) != split, (call, kernels)
+        for name, g, o, w in zip(("out", "dq", "dk", "dv"), got, old, want):
+            ulp = float(w.abs().max()) * 2**-8
+            assert g <= 2 * o + ulp, (name, g, o, call)

@@ -32,6 +32,20 @@ def skewed_experience(seed: int, rows: int, max_new_tokens: int, vocab: int, pad
     return exp
 
 
+def uniform_experience(seed: int, rows: int, max_new_tokens: int, vocab: int, pad_id: int, n: int = 2):
+    """`skewed_experience` at one shape: every prompt 8 tokens, every response `max_new_tokens`."""
+    from engine.step.batch import build_experience
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, vocab, (8,), generator=gen).tolist() for _ in range(rows // n)]
+    mask = torch.ones(rows, max_new_tokens)
+    response_ids = torch.randint(4, vocab, (rows, max_new_tokens), generator=gen)
+    exp = build_experience(prompts, response_ids, mask, list(range(rows // n)), n, pad_id)
+    exp.tensors["advantages"] = torch.randn(rows, max_new_tokens, generator=gen)
+    exp.tensors["rollout_log_probs"] = -torch.rand(rows, max_new_tokens, generator=gen)
+    return exp
+
+
 def dynamic_batch_parity(
     overrides: list[str], output_dir: str, budget: int, keep_process_group: bool = False
 ) -> dict[str, float]:
@@ -115,6 +129,7 @@ def packing_parity(
     keep_process_group: bool = False,
     one_layout: bool = False,
     shared: bool = False,
+    uniform: bool = False,
 ) -> dict[str, float]:
     """Padded vs packed token-budget micro-batches of the same rows (a PPO job: actor, critic with a random
     value head): forward-only log-probs, entropies, values and last-token scores (the reward model's head),
@@ -123,7 +138,8 @@ def packing_parity(
     `shared`: packed vs packed with each group's prompt once (trainer.share_prompts, 4 rows per prompt).
     `budget` 0, as the trainer's `trainer_batcher`: padded micro-batches of 4 rows; packed ones grouped up to
     4 x the batch's width in tokens, or under the interleaved schedule (parallel.vpp > 1) 4 rows padded to one
-    layout per call; `one_layout` pads packed micro-batches as for the layers' CUDA graphs (`shapes="graphs"`)."""
+    layout per call; `one_layout` pads packed micro-batches as for the layers' CUDA graphs (`shapes="graphs"`);
+    `uniform`: every prompt 8 tokens and every response 12 (a fixed-length step) instead of skewed lengths."""
     from dataclasses import replace
 
     import torch.distributed as dist
@@ -155,7 +171,8 @@ def packing_parity(
                     torch.randn(model.output_layer.weight.shape, generator=gen)
                 )
         n = 4 if shared else 2
-        exp = skewed_experience(100 + groups.dp_rank, 16, 12, c.shape.vocab_size, c.tokenizer.pad_token_id, n)
+        make = uniform_experience if uniform else skewed_experience
+        exp = make(100 + groups.dp_rank, 16, 12, c.shape.vocab_size, c.tokenizer.pad_token_id, n)
         mask = exp.response_mask
         exp.tensors["values"] = torch.randn(mask.shape, generator=gen) * mask
         exp.tensors["returns"] = torch.randn(mask.shape, generator=gen) * mask

@@ -1,0 +1,182 @@
+"""Benchmark the attention of the shared-prompt layout alone (trainer.share_prompts): one layer over a
+fixed-length GRPO step (every prompt `--prompt-len` tokens, `--n` responses of `--response-len` each), cut
+into micro-batches as the trainer cuts it (engine/roles/dynamic_batch.py `MicroBatcher`, `--max-tokens` per
+micro-batch), forward and backward, per kernel; prints one JSON object.
+
+Kernels (`--kernels`):
+- `gathered`: each response's keys a copy of its prompt's then its own (`GatherRows`), FlashAttention-2 varlen
+  with the causal mask aligned to the keys' end (engine/models/shared_prompt_attention.py): any layout;
+- `split`: the prompts and the responses as dense batches through cuDNN, each response's two parts merged by
+  their log-sum-exps (engine/models/shared_prompt_split.py): micro-batches of one shape (a unit count that
+  leaves a last, smaller micro-batch gives it a second shape);
+- `whole_rows`: the same rows packed whole (each prompt once per row) through SDPA on (rows, heads, length,
+  dim) views (cuDNN), at the same micro-batch count: the layout without sharing.
+
+Per kernel: forward and forward + backward milliseconds for the step (all micro-batches, one layer; median
+of `--iters` after a warm-up that builds cuDNN's plans), times the preset's layer count; parity on the first
+micro-batch: the largest absolute error of the output and of dq, dk, dv against float32 attention over the
+gathered keys. On CPU `gathered` (SDPA) and `split` (its float reference kernel, `MATH`) run, for the
+plumbing.
+
+    python scripts/bench/shared_attention.py --preset qwen2_5_1_5b
+    python scripts/bench/shared_attention.py --preset qwen2_5_0_5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from gpu_timing import event_ms  # noqa: E402
+from presets import model_preset  # noqa: E402
+
+from engine.models.packed_attention import FlashVarlen, segment_attention, uniform_rows_attention  # noqa: E402
+from engine.models.shared_prompt_attention import GatherRows  # noqa: E402
+from engine.models.shared_prompt_split import CUDNN, MATH, split_attention  # noqa: E402
+from engine.roles.dynamic_batch import MicroBatcher  # noqa: E402
+from engine.step.batch import build_experience  # noqa: E402
+
+KERNELS = ("gathered", "split", "whole_rows")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="qwen2_5_1_5b")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--response-len", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=32768, help="token budget per micro-batch")
+    ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument("--iters", type=int, default=5)
+    return ap.parse_args(argv)
+
+
+def shared_params(args, device: torch.device) -> list:
+    """The step's shared-prompt micro-batches' `SharedPromptSeqParams`, as the trainer builds them."""
+    rows = args.prompts * args.n
+    prompts = [[4 + p % 50] * args.prompt_len for p in range(args.prompts)]
+    mask = torch.ones(rows, args.response_len)
+    exp = build_experience(
+        prompts, torch.full((rows, args.response_len), 5), mask, list(range(args.prompts)), args.n, 0
+    )
+    exp.tensors["advantages"] = mask.clone()
+    batcher = MicroBatcher(args.n, args.max_tokens, 1, device, pack=True, share_prompts=True)
+    return [mb["packed_seq_params"] for mb in batcher(exp, torch.arange(rows), ("advantages",))]
+
+
+def gathered(q, k, v, p, scale):
+    k_seg, v_seg = GatherRows.apply(k, p.kv_index), GatherRows.apply(v, p.kv_index)
+    if q.is_cuda:
+        return FlashVarlen.apply(q, k_seg, v_seg, p.cu_seqlens_q, p.max_q, scale, p.cu_seqlens_k, p.max_k)
+    return segment_attention(q, k_seg, v_seg, p.cu_seqlens_q, p.cu_seqlens_k, scale, 0.0)
+
+
+def split(q, k, v, p, scale):
+    if p.uniform is None:
+        raise ValueError("a micro-batch of more than one shape")
+    return split_attention(q, k, v, p.uniform, scale, CUDNN if q.is_cuda else MATH)
+
+
+def whole_rows(q, k, v, p, scale):
+    return uniform_rows_attention(q, k, v, q.shape[0] // p.max_seqlen_q, scale, 0.0)
+
+
+def tokens(p, kernel: str) -> int:
+    """The micro-batch's tokens: shared, or its rows whole for `whole_rows`."""
+    if kernel != "whole_rows":
+        return int(p.cu_seqlens_q[-1])
+    g, n, prompt, response = p.uniform
+    return g * n * (prompt + response)
+
+
+def inputs(t: int, heads: int, groups: int, dim: int, device, dtype, seed: int):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [
+        torch.randn(t, h, dim, device=device, dtype=dtype, generator=gen)
+        for h in (heads, groups, groups, heads)
+    ]
+
+
+def run(fn, q, k, v, g, p, scale, backward: bool):
+    q, k, v = (x.detach().requires_grad_(backward) for x in (q, k, v))
+    out = fn(q, k, v, p, scale)
+    if backward:
+        return (out.detach(), *torch.autograd.grad(out, (q, k, v), g))
+    return (out.detach(),)
+
+
+def timed_ms(fn, batches, scale, backward: bool, iters: int) -> float:
+    def once():
+        for q, k, v, g, p in batches:
+            run(fn, q, k, v, g, p, scale, backward)
+
+    once()
+    return statistics.median(event_ms(once) for _ in range(iters))
+
+
+def parity(fn, batch, scale) -> dict:
+    q, k, v, g, p = batch
+    got = run(fn, q, k, v, g, p, scale, backward=True)
+    want = run(gathered, *(x.float() for x in (q, k, v, g)), p, scale, backward=True)
+    return {
+        name: float((a.float() - b).abs().max()) for name, a, b in zip(("out", "dq", "dk", "dv"), got, want)
+    }
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    m = model_preset(args.preset)
+    heads, groups = m["num_attention_heads"], m["num_query_groups"]
+    dim = m.get("head_dim") or m["hidden_size"] // heads
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    scale = dim**-0.5
+    params = shared_params(args, device)
+    result = {
+        "preset": args.preset,
+        "prompts": args.prompts,
+        "n": args.n,
+        "prompt_len": args.prompt_len,
+        "response_len": args.response_len,
+        "max_tokens": args.max_tokens,
+        "micro_batches": len(params),
+        "shapes": sorted({p.uniform for p in params}, key=str),
+        "heads": heads,
+        "groups": groups,
+        "dim": dim,
+        "layers": m["num_layers"],
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "kernels": {},
+    }
+    for name in args.kernels.split(","):
+        fn = {"gathered": gathered, "split": split, "whole_rows": whole_rows}[name]
+        batches = [
+            (*inputs(tokens(p, name), heads, groups, dim, device, dtype, i), p) for i, p in enumerate(params)
+        ]
+        try:
+            row = {"tokens": sum(tokens(p, name) for p in params)}
+            if name != "whole_rows":
+                row["max_abs_error"] = parity(fn, batches[0], scale)
+            if device.type == "cuda":
+                fwd, both = (timed_ms(fn, batches, scale, b, args.iters) for b in (False, True))
+                row.update(
+                    forward_ms=fwd, forward_backward_ms=both, update_ms_all_layers=both * m["num_layers"]
+                )
+        except Exception as e:  # noqa: BLE001 - a kernel the build refuses is a result, not a crash
+            row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        result["kernels"][name] = row
+    print(json.dumps(result, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()
