@@ -28,7 +28,8 @@ so every update gives both figures. Reported per variant (medians):
 - MFU = 6 x params x tokens / seconds / 989e12 (H100/H200 dense bf16 peak), params = every parameter of the
   model once (a tied embedding is the lm_head and counts once; untied, both count), tokens = the update's
   real tokens computed (rows x seq at fixed lengths; with `--share-prompts`, each group of `--n` rows' prompt
-  once: trainer.share_prompts);
+  once: trainer.share_prompts; at one shape its attention split through cuDNN as the trainer's, or with
+  `--gathered` each response's keys behind its prompt's through FlashAttention-2);
   attention score FLOPs not counted. `mfu_palm` adds them (not causal) and counts the output layer at the
   response positions only (engine/step/perf.py, the trainer's perf/mfu/actor);
 - `peak_memory_gb` (max allocated during the timed updates), `grad_norm` and `loss` of the first update
@@ -70,7 +71,7 @@ from workload import KINDS, response_lengths  # noqa: E402
 
 from algorithms.losses import loss_normalizer
 from engine.config import AlgorithmConfig, OptimConfig  # noqa: E402
-from engine.models import triton_rope  # noqa: E402
+from engine.models import shared_prompt_attention, triton_rope  # noqa: E402
 from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape  # noqa: E402
 from engine.models.spec import Fusions, RMSNorm, fused_rope, rope_reference  # noqa: E402
 from engine.roles.dynamic_batch import MicroBatcher  # noqa: E402
@@ -123,6 +124,12 @@ def parse_args() -> argparse.Namespace:
         "--share-prompts",
         action="store_true",
         help="each group's prompt once per micro-batch (trainer.share_prompts); packed, without --cuda-graphs",
+    )
+    ap.add_argument(
+        "--gathered",
+        action="store_true",
+        help="with --share-prompts: each response's keys gathered behind its prompt's (FlashAttention-2) even at "
+        "one shape, where the trainer splits them through cuDNN (engine/models/shared_prompt_split.py)",
     )
     ap.add_argument("--lengths", choices=KINDS, default="fixed", help="response lengths (workload.py)")
     ap.add_argument("--fresh-lengths", action="store_true", help="long_tail: a new draw for every update")
@@ -427,6 +434,8 @@ def model_shape(args) -> ModelShape:
 
 def main() -> None:
     args = parse_args()
+    if args.gathered:  # the path before the split, for a same-run comparison
+        shared_prompt_attention.split_available = lambda q, k: False
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "update.json")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
