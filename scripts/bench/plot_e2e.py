@@ -8,7 +8,8 @@ e2e_h200_long_tail_4096_1_5b_sampler.json, and after the inverse-CDF draw and fl
 e2e_h200_long_tail_4096_1_5b_flash_prefill.json, and after the RMSNorm kernels,
 e2e_h200_long_tail_4096_1_5b_rmsnorm.json, and at 613a159, e2e_h200_long_tail_4096_1_5b_sourced.json); the
 fixed panel adds the 613a159 call's runs (e2e_h200_fixed_{0_5b,1_5b}_sourced.json), the trainer's default
-micro-batches, and ours and TRL measured in one call at b453d9a. The long-tail panels mark
+micro-batches, ours and TRL measured in one call at b453d9a, and whole rows against each group's prompt once
+(trainer.share_prompts) at 90399ed, also at the long tails. The long-tail panels mark
 the issue's tight limit of the step (roofline.py: generation at the decode roofline + update at 70% MFU).
 
 pip install matplotlib && python scripts/bench/plot_e2e.py   # writes scripts/bench/results/e2e_h200.png
@@ -138,6 +139,18 @@ def same_call_pair(preset: str) -> tuple[dict, dict] | None:
     return json.load(open(ours)), json.load(open(trl))
 
 
+def prompts_once_runs(workload: str) -> list[tuple[str, dict]]:
+    """Whole rows and each group's prompt once (trainer.share_prompts, the default since da318f3), the
+    trainer's default micro-batches, one call at 90399ed (e2e_h200_<workload>_{whole_rows,share_prompts}_90399ed.json),
+    as (label, e2e.py report)."""
+    out = []
+    for name, label in (("whole_rows", "whole rows,\n90399ed"), ("share_prompts", "prompts once,\n90399ed")):
+        path = os.path.join(HERE, f"e2e_h200_{workload}_{name}_90399ed.json")
+        if os.path.exists(path):
+            out.append((label, json.load(open(path))))
+    return out
+
+
 def fixed_panel(ax) -> None:
     """Per preset: ours with the native rollout and with vLLM's (the fastest run of each per GPU), split by
     phase, and TRL's whole step; in GPU-seconds per step (step time x GPUs), so that a 2-GPU run and a 1-GPU
@@ -156,7 +169,9 @@ def fixed_panel(ax) -> None:
             ticks.append(x)
             labels.append(f"ours, {backend}\n{preset.removeprefix('qwen2_5_')}\n({run['gpus']} GPU)")
             x += 1
-        for key, run in later_fixed_runs(preset) + default_fixed_runs(preset):
+        size = preset.removeprefix("qwen2_5_")
+        later = later_fixed_runs(preset) + default_fixed_runs(preset) + prompts_once_runs(f"fixed_{size}")
+        for key, run in later:
             ours_bar(ax, x, run, legend_done)
             ticks.append(x)
             labels.append(f"ours, native\n{preset.removeprefix('qwen2_5_')}\n({key})")
@@ -196,6 +211,9 @@ def long_tail_panel(ax) -> None:
         ("verl 0.9.1\n(padded, no\nflash-attn)", verl, verl_bar),
     ]
     legend_done: set = set()
+    bars += [
+        (f"ours, native\n({label})", run, ours_bar) for label, run in prompts_once_runs("long_tail_1024_0_5b")
+    ]
     for x, (_, run, draw) in enumerate(bars):
         draw(ax, x, run, legend_done)
     tight_limit(ax, same_day, 0, len(bars) - 1)
@@ -221,20 +239,23 @@ def long_tail_4096_panel(ax) -> None:
     ours_bar(ax, 2, flash, legend_done)
     ours_bar(ax, 3, rmsnorm, legend_done)
     ours_bar(ax, 4, latest, legend_done)
-    trl_bar(ax, 5, trl, legend_done)
-    tight_limit(ax, latest, 0, 5)
     labels = ["ours, native\n(step 2; 9c04e90)", "ours, native\n(step 2; Triton\ndraw, 065f9e3)"]
     labels.append("ours, native\n(step 2; CDF draw,\nflash prefill,\nf8be0ad)")
     labels.append("ours, native\n(step 2; RMSNorm\nkernels, 4e743c9)")
     labels.append("ours, native\n(step 2; 613a159)")
-    ax.set_xticks(range(6), [*labels, "TRL, vLLM\n(colocated;\nstep 1 only)"], fontsize=7)
+    for label, later in prompts_once_runs("long_tail_4096_1_5b"):  # one call each
+        ours_bar(ax, len(labels), later, legend_done)
+        labels.append(f"ours, native\n(step 2; {label})")
+    trl_bar(ax, len(labels), trl, legend_done)
+    tight_limit(ax, latest, 0, len(labels))
+    ax.set_xticks(range(len(labels) + 1), [*labels, "TRL, vLLM\n(colocated;\nstep 1 only)"], fontsize=7)
     ax.set_title("long tail, qwen2_5_1_5b:\n64 x 8, 256 + up to 4,096 (mean 1,415)", fontsize=10)
     ax.legend(loc="upper left", fontsize=8)
 
 
 def main() -> None:
     fig, (fixed, tail, tail_4096) = plt.subplots(
-        1, 3, figsize=(26, 5.2), gridspec_kw={"width_ratios": [2.8, 1.4, 1.7]}
+        1, 3, figsize=(30, 5.6), gridspec_kw={"width_ratios": [3.2, 1.7, 2.0]}
     )
     fixed_panel(fixed)
     long_tail_panel(tail)
