@@ -120,6 +120,11 @@ def split_attention(
 ) -> torch.Tensor:
     """q (t, heads, dim), k/v (t, groups, dim) of a shared-prompt micro-batch of shape `uniform` (G units, n
     responses each, prompt P, response R; t = G x (P + n x R)) -> (t, heads, dim) (module docstring)."""
+    g, n, p, r = uniform
+    if q.shape[0] != g * (p + n * r):
+        raise ValueError(
+            f"split_attention: {q.shape[0]} tokens, not the {g * (p + n * r)} of shape {uniform}"
+        )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _SplitAttention.apply(q, k, v, uniform, scale, kernel)
 
@@ -226,8 +231,9 @@ def split_available(q: torch.Tensor, k: torch.Tensor, kernel: LseKernel = CUDNN)
     reference's scale)."""
     key = (q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2])
     if key not in _AVAILABLE:
-        try:
-            _AVAILABLE[key] = _check(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], kernel)
+        try:  # the first call may come from a forward without gradients (old log-probs): the check takes them
+            with torch.inference_mode(False), torch.enable_grad():
+                _AVAILABLE[key] = _check(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], kernel)
         except Exception as err:  # an op this torch or cuDNN lacks: the gathered kernels remain
             log.warning(
                 "shared-prompt split attention unavailable (%s: %s); gathered keys instead",
