@@ -80,6 +80,24 @@ class SharedPositions:
 SHARED_POSITIONS = SharedPositions()
 
 
+class SharedCalls:
+    """This process's shared-prompt attention calls by path: keys gathered behind their prompt's, or split
+    through cuDNN (engine/models/shared_prompt_split.py); the step's statistics read them
+    (`perf/shared_split_fraction`, engine/step/stats.py)."""
+
+    def __init__(self):
+        self.gathered = self.split = 0
+
+    def since_last(self) -> tuple[int, int]:
+        """(gathered, split) calls since the last read."""
+        counts = (self.gathered, self.split)
+        self.gathered = self.split = 0
+        return counts
+
+
+SHARED_CALLS = SharedCalls()
+
+
 def shared_prompt_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -102,7 +120,9 @@ def shared_prompt_attention(
     ):
         shape = ("shared", *params.uniform, *q.shape[1:], k.shape[1], q.dtype, torch.is_grad_enabled())
         if RECURRING(shape) and split_available(q, k):
+            SHARED_CALLS.split += 1
             return split_attention(q, k, v, params.uniform, scale)
+    SHARED_CALLS.gathered += 1
     k_seg, v_seg = GatherRows.apply(k, params.kv_index), GatherRows.apply(v, params.kv_index)
     if flash_applies(q, dropout_p):
         check_flash_alignment(q.device, q.dtype)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from engine.models.shared_prompt_attention import SHARED_CALLS
 from engine.roles.shared_prompts import prompt_groups
 from engine.step.batch import REWARD_EXTRA, Experience, response_lengths
 from engine.step.perf import mfu, shared_prompt_train_flops, train_flops
@@ -120,7 +121,9 @@ def perf_metrics(
     """`perf/*`: tokens, tokens/s per GPU of the job, the actor update's MFU (on the training ranks), the
     step's peak memory (CUDA), and from this replica's `update_tokens` (real, processed, micro-batches and the
     rows' tokens of the update's forwards), summed over DP: `perf/padding_fraction` (padding over the tokens
-    processed), with trainer.share_prompts `perf/shared_prompt_fraction` (the rows' tokens not computed), and
+    processed), with trainer.share_prompts `perf/shared_prompt_fraction` (the rows' tokens not computed) and
+    `perf/shared_split_fraction` (the share of the step's shared-prompt attention calls, every role's, split
+    through cuDNN: engine/models/shared_prompt_split.py), and
     `perf/tokens_per_micro_batch` (on a GPU, micro-batches of a few thousand tokens leave it waiting on the
     host's launches: scripts/bench/README.md, "Update"); where the layers run from CUDA graphs
     (trainer.cuda_graphs), the share of the actor's layer calls this step replayed,
@@ -128,6 +131,7 @@ def perf_metrics(
     g = c.groups
     graphs = c.actor.layer_graphs  # trainer.cuda_graphs
     graph_calls = graphs.counts_since_last() if graphs is not None else (0, 0, 0)
+    shared_calls = SHARED_CALLS.since_last()
     response_lens = exp.response_mask.sum(-1).long()
     seq_lens = exp.prompt_lens + response_lens
     # the actor's head is "response": logits at response positions only
@@ -138,12 +142,18 @@ def perf_metrics(
         flops = train_flops(c.shape, seq_lens, response_lens)
     flops *= c.cfg.algorithm.ppo_epochs
     sums = torch.tensor(
-        [float(seq_lens.sum()), flops, *map(float, update_tokens), *map(float, graph_calls)],
+        [
+            float(seq_lens.sum()),
+            flops,
+            *map(float, update_tokens),
+            *map(float, (*graph_calls, *shared_calls)),
+        ],
         dtype=torch.float64,
         device=g.device,
     )
     dist.all_reduce(sums, group=g.dp)
-    tokens, flops, real, processed, micro_batches, row_tokens, *graph_calls = sums.tolist()
+    tokens, flops, real, processed, micro_batches, row_tokens, *calls = sums.tolist()
+    graph_calls, (gathered, split) = calls[:3], calls[3:]
     world = g.dims.world_size  # the training ranks, where the actor's update runs
     out = {
         "perf/total_tokens": tokens,
@@ -155,6 +165,7 @@ def perf_metrics(
     }
     if c.share_prompts:
         out["perf/shared_prompt_fraction"] = 1.0 - real / row_tokens if row_tokens else 0.0
+        out["perf/shared_split_fraction"] = split / max(gathered + split, 1.0)
     if graphs is not None:  # the actor's layer calls (its forwards and update) replayed from CUDA graphs
         out["perf/cuda_graph_replayed_fraction"] = graph_calls[2] / max(sum(graph_calls), 1.0)
     if g.device.type == "cuda":

@@ -34,6 +34,7 @@ def test_a_job_with_shared_prompts_trains_as_one_without(tmp_path, job):
     run_job(overrides, shared)  # the default: on (`prompts_shared`)
     (a,), (b,) = read_metrics(plain), read_metrics(shared)
     assert b["perf/shared_prompt_fraction"] > 0.2, b  # 4 samples share each prompt
+    assert b["perf/shared_split_fraction"] == 0.0, b  # the CPU gathers keys (the split is CUDA's)
     assert "perf/shared_prompt_fraction" not in a, a
     compared = [k for k in a if k.split("/")[0] in ("actor", "critic", "returns", "advantages")]
     assert len(compared) > 10 and a["reward/mean"] == b["reward/mean"], compared
