@@ -2,9 +2,9 @@
 the layout: engine/roles/shared_prompts.py).
 
 A micro-batch of this layout lies as segments back to back: every unit's prompt, then each unit's responses
-in the same order, and last any padding (a pseudo-row of its own). A prompt
-segment attends causally to itself; a response segment's query i attends to its prompt and to its own first
-i + 1 tokens: the keys of each response segment are its prompt's followed by its own, gathered by `kv_index`
+in the same order, and last any padding (a pseudo-row of its own). A prompt segment attends causally to
+itself; a response segment's query i attends to its prompt and to its own first i + 1 tokens: the keys of
+each response segment are its prompt's followed by its own, gathered by `kv_index`
 (`GatherRows`, whose backward sums the responses' key/value gradients into the prompt's in float32), and the
 causal mask is aligned to the end of the keys. Exactly the attention each row has when it lies alone with its
 prompt: the prompt's tokens attend only to the prompt, so they compute the same in every row of the group.
