@@ -8,13 +8,16 @@ each response segment are its prompt's followed by its own, gathered by `kv_inde
 (`GatherRows`, whose backward sums the responses' key/value gradients into the prompt's in float32), and the
 causal mask is aligned to the end of the keys. Exactly the attention each row has when it lies alone with its
 prompt: the prompt's tokens attend only to the prompt, so they compute the same in every row of the group.
-- CUDA, half precision, no dropout, every unit of one shape (`uniform`; a fixed-length step), once the shape
-  recurs (`RecurringShapes`: cuDNN builds a plan per shape), unless torch's deterministic algorithms are on
-  (cuDNN's attention backward is not one): the prompts and the responses as dense batches
-  through cuDNN, each response's two parts merged by their log-sum-exps (engine/models/shared_prompt_split.py;
-  where that does not run on this device, the next path).
-- CUDA, half precision, no dropout: FlashAttention-2 varlen with separate query and key boundaries (its causal
-  mask is aligned to the bottom right where queries are fewer than keys, FlashAttention >= 2.1's rule).
+On CUDA in half precision without dropout the attention is split at each response's prompt instead, no
+keys gathered (engine/models/shared_prompt_split.py; each path only where its kernel passed its check on
+this device):
+- every unit of one shape (`uniform`; a fixed-length step), once the shape recurs (`RecurringShapes`: cuDNN
+  builds a plan per shape), unless torch's deterministic algorithms are on (cuDNN's attention backward is
+  not one): the prompts and the responses as dense batches through cuDNN;
+- else where `cross` is given (every unit with responses has a prompt): FlashAttention-2 varlen, all
+  segments over themselves and the responses over their prompts;
+- else the gathered keys: FlashAttention-2 varlen with separate query and key boundaries (its causal mask is
+  aligned to the bottom right where queries are fewer than keys, FlashAttention >= 2.1's rule).
 - Elsewhere: SDPA with that mask spelled out, the segments of one shape in one batched call
   (engine/models/packed_attention.py `segment_attention`; one host sync for the lengths).
 
@@ -33,8 +36,14 @@ from dataclasses import dataclass
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from engine.models.lse_kernels import CUDNN, FLASH_VARLEN
 from engine.models.packed_attention import RECURRING, FlashVarlen, flash_applies, segment_attention
-from engine.models.shared_prompt_split import split_attention, split_available
+from engine.models.shared_prompt_split import (
+    CrossSegments,
+    split_attention,
+    split_available,
+    varlen_split_attention,
+)
 
 
 @dataclass
@@ -44,13 +53,15 @@ class SharedPromptSeqParams(PackedSeqParams):
     keys of each segment: `kv_index` (t_k,) token positions, bounded by `cu_seqlens_k`; `max_q`, `max_k` the
     longest query and key segments; `uniform` (units, responses per unit, prompt length, response length)
     where every unit has that shape and nothing pads the micro-batch (engine/roles/shared_prompts.py
-    `uniform_shape`), else None."""
+    `uniform_shape`), else None; `cross` the responses' segments over their prompts' keys for the split
+    attention (engine/models/shared_prompt_split.py), None where it cannot run."""
 
     kv_index: torch.Tensor = None
     cu_seqlens_k: torch.Tensor = None
     max_q: int = 0
     max_k: int = 0
     uniform: tuple[int, int, int, int] | None = None
+    cross: CrossSegments | None = None
 
 
 class SharedPositions:
@@ -81,17 +92,22 @@ SHARED_POSITIONS = SharedPositions()
 
 
 class SharedCalls:
-    """This process's shared-prompt attention calls by path: keys gathered behind their prompt's, or split
-    through cuDNN (engine/models/shared_prompt_split.py); the step's statistics read them
-    (`perf/shared_split_fraction`, engine/step/stats.py)."""
+    """This process's shared-prompt attention calls by path: "cudnn" and "flash" (split at the prompt,
+    engine/models/shared_prompt_split.py), "gathered" (keys gathered behind their prompt's); the step's
+    statistics read them (engine/step/stats.py)."""
+
+    PATHS = ("cudnn", "flash", "gathered")
 
     def __init__(self):
-        self.gathered = self.split = 0
+        self.calls = dict.fromkeys(self.PATHS, 0)
 
-    def since_last(self) -> tuple[int, int]:
-        """(gathered, split) calls since the last read."""
-        counts = (self.gathered, self.split)
-        self.gathered = self.split = 0
+    def count(self, path: str) -> None:
+        self.calls[path] += 1
+
+    def since_last(self) -> tuple[int, ...]:
+        """Calls per path (`PATHS` order) since the last read."""
+        counts = tuple(self.calls.values())
+        self.calls = dict.fromkeys(self.PATHS, 0)
         return counts
 
 
@@ -113,16 +129,17 @@ def shared_prompt_attention(
             "trainer.share_prompts: the micro-batch's RoPE positions were not applied (the fused RoPE hook of "
             "engine/models/spec.py did not run): a response would be rotated from position 0"
         )
-    if (
-        params.uniform is not None
-        and flash_applies(q, dropout_p)
-        and not torch.are_deterministic_algorithms_enabled()
-    ):
-        shape = ("shared", *params.uniform, *q.shape[1:], k.shape[1], q.dtype, torch.is_grad_enabled())
-        if RECURRING(shape) and split_available(q, k):
-            SHARED_CALLS.split += 1
-            return split_attention(q, k, v, params.uniform, scale)
-    SHARED_CALLS.gathered += 1
+    if flash_applies(q, dropout_p):
+        if params.uniform is not None and not torch.are_deterministic_algorithms_enabled():
+            shape = ("shared", *params.uniform, *q.shape[1:], k.shape[1], q.dtype, torch.is_grad_enabled())
+            if RECURRING(shape) and split_available(q, k, CUDNN):
+                SHARED_CALLS.count("cudnn")
+                return split_attention(q, k, v, params.uniform, scale, CUDNN)
+        if params.cross is not None and split_available(q, k, FLASH_VARLEN):
+            SHARED_CALLS.count("flash")
+            cu, longest = params.cu_seqlens_q, params.max_q
+            return varlen_split_attention(q, k, v, cu, longest, params.cross, scale, FLASH_VARLEN)
+    SHARED_CALLS.count("gathered")
     k_seg, v_seg = GatherRows.apply(k, params.kv_index), GatherRows.apply(v, params.kv_index)
     if flash_applies(q, dropout_p):
         check_flash_alignment(q.device, q.dtype)

@@ -1,29 +1,35 @@
-"""Attention of a shared-prompt micro-batch of one shape (engine/roles/shared_prompts.py `uniform_shape`) as
-dense batches: cuDNN's attention on views, no gathered keys.
+"""Attention of a shared-prompt micro-batch (engine/roles/shared_prompts.py) split at each response's
+prompt: no keys gathered behind a copy of the prompt's.
 
-The micro-batch holds G prompts of P tokens (the prompts block), then G x n responses of R tokens (the
-responses block). A response token attends to its prompt's P keys and to its own first tokens, a softmax over
-the union of two key sets; each part is a dense batch of one shape:
-- self: (G x n, R) queries over their own R keys, causal (a square: cuDNN's top-left mask is the right one);
-- cross: each prompt's n x R response queries (its responses lie back to back) over its P keys, no mask;
-- the prompts themselves: (G, P), causal.
-The two parts of a response token merge by their log-sum-exps: with l = logaddexp(l_self, l_cross) the
-softmax over the union is each part's softmax weighted by exp(l_part - l), so the output is
+A micro-batch holds every unit's prompt (the prompts block), then every unit's responses in the same order
+(the responses block), then any padding. A response token attends to its prompt's keys and to its own first
+tokens, a softmax over the union of two key sets; each is one attention call over the whole micro-batch:
+- self: every segment (prompts, responses, padding) over its own keys, causal (square segments, so a mask
+  aligned to either corner is the right one);
+- cross: each unit's responses, back to back in the responses block, over its prompt's keys, no mask.
+A response token's two parts merge by their log-sum-exps: with l = logaddexp(l_self, l_cross) the softmax
+over the union is each part's softmax weighted by exp(l_part - l), so the output is
 exp(l_self - l) o_self + exp(l_cross - l) o_cross (float32, rounded once). The backward runs each part's own
-backward with the merged output and log-sum-exp (what a flash backward reads: P = exp(S - l), and
-D = rowsum(dO x O)), which gives each part's share of the union's gradient, as ring attention does; query
-gradients of the two parts add in float32.
+backward with the merged output and log-sum-exp (engine/models/lse_kernels.py), which gives each part's share
+of the union's gradient, as ring attention does; the two parts' gradients of a token add in float32.
 
-Why: the gathered layout (engine/models/shared_prompt_attention.py) puts each response's keys after a copy
-of its prompt's and needs a causal mask aligned to the keys' end, which FlashAttention-2 has and cuDNN's
-attention in torch has not; cuDNN takes 0.60-0.65x FlashAttention-2's time on equal rows
-(engine/models/packed_attention.py). Kernels (`LseKernel`): cuDNN through torch's aten ops on CUDA
-(`CUDNN`), and a float32 reference of the same contract (`MATH`: the CPU tests of the split, and the check on
-a device's first use, `split_available`).
+Two forms:
+- `split_attention`: where every unit has one shape (`uniform`: G prompts of P, G x n responses of R; a
+  fixed-length step) the parts are dense batches, cuDNN's attention on views (`CUDNN`): the prompts (G, P)
+  and the responses (G x n, R) causal, each unit's n x R response queries over its P keys. cuDNN takes
+  0.60-0.65x FlashAttention-2's time on equal rows (engine/models/packed_attention.py) but its causal mask
+  in torch is aligned to the keys' start, which the gathered layout's responses (fewer queries than keys)
+  cannot use.
+- `varlen_split_attention`: any micro-batch whose every unit with responses has a prompt (`CrossSegments`):
+  FlashAttention-2 varlen for both parts (`FLASH_VARLEN`); against the gathered keys it saves their copies
+  (the forward's gather, the saved copies, the backward's float32 scatter-add).
+`split_available` checks a device's kernel once on a small case against the float32 reference kernels;
+where it raises or strays the gathered layout's kernels run (engine/models/shared_prompt_attention.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -31,83 +37,95 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.models.lse_kernels import (
+    CUDNN,
+    MATH,
+    MATH_VARLEN,
+    LseKernel,
+    VarlenLseKernel,
+    in_layout,
+    wide,
+)
+
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class LseKernel:
-    """Attention over (b, heads, s, dim) views with key/value groups dividing the heads, causal (s_q = s_k) or
-    unmasked: `forward(q, k, v, causal, scale) -> (out, lse, state)`, out like q, lse (b, heads, s_q[, 1])
-    float32 natural-log; `backward(dout, q, k, v, out, lse, state, causal, scale) -> (dq, dk, dv)` from any
-    `out` and `lse` of those layouts (the merged ones)."""
+class CrossSegments:
+    """The responses block's queries over their prompts' keys: tokens [prompt_tokens, prompt_tokens +
+    response_tokens) of the micro-batch, unit by unit (`cu_q`, relative to the block's start; units without
+    responses left out), each over its prompt's keys (`cu_k`, positions in the prompts block); `max_q`,
+    `max_k` the longest of each."""
 
-    forward: Callable
-    backward: Callable
-
-
-def _math_forward(q, k, v, causal: bool, scale: float):
-    scores, vv = _scores(q, k, causal, scale), _wide(_repeat(v, q.shape[1]))
-    lse = scores.logsumexp(-1, keepdim=True)  # (b, heads, s_q, 1)
-    return ((scores - lse).exp() @ vv).to(q.dtype), lse, None
+    prompt_tokens: int
+    response_tokens: int
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
 
 
-def _math_backward(dout, q, k, v, out, lse, state, causal: bool, scale: float):
-    groups = k.shape[1]
-    kk, vv = _wide(_repeat(k, q.shape[1])), _wide(_repeat(v, q.shape[1]))
-    p = (_scores(q, k, causal, scale) - lse.reshape(*lse.shape[:3], 1)).exp()  # the merged softmax's share
-    do = _wide(dout)
-    dv = p.transpose(-1, -2) @ do
-    ds = p * (do @ vv.transpose(-1, -2) - (do * _wide(out)).sum(-1, keepdim=True))
-    dq, dk = (ds @ kk) * scale, (ds.transpose(-1, -2) @ _wide(q)) * scale
-
-    def per_group(x):  # (b, heads, s, dim) -> (b, groups, s, dim): each group's heads summed
-        return x.unflatten(1, (groups, -1)).sum(2)
-
-    return dq.to(q.dtype), per_group(dk).to(k.dtype), per_group(dv).to(v.dtype)
+def _merged(o_self, l_self, o_cross, l_cross) -> tuple[torch.Tensor, torch.Tensor]:
+    """The union's output (float32 or float64; token-major (..., heads, dim) parts) and log-sum-exp
+    (..., heads) from two parts' (module docstring)."""
+    merged = torch.logaddexp(l_self, l_cross)
+    weight = (l_self - merged).exp().unsqueeze(-1)  # the self part's share of each token's softmax
+    return torch.lerp(wide(o_cross), wide(o_self), weight), merged
 
 
-def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
-    s = (_wide(q) @ _wide(_repeat(k, q.shape[1])).transpose(-1, -2)) * scale  # (b, heads, s_q, s_k)
-    if causal:
-        s = s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).triu(1), float("-inf"))
-    return s
+def varlen_split_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    cross: CrossSegments,
+    scale: float | None,
+    kernel: VarlenLseKernel,
+) -> torch.Tensor:
+    """q (t, heads, dim), k/v (t, groups, dim) of a shared-prompt micro-batch whose segments are bounded by
+    `cu_seqlens` (none longer than `max_seqlen`) -> (t, heads, dim) (module docstring)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _VarlenSplit.apply(q, k, v, cu_seqlens, max_seqlen, cross, scale, kernel)
 
 
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    """float32, or float64 where x is."""
-    return x if x.dtype == torch.float64 else x.float()
+class _VarlenSplit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu, longest, cross, scale, kernel):
+        tp, tr = cross.prompt_tokens, cross.response_tokens
+        out, lse, state = kernel.forward(q, k, v, cu, cu, longest, longest, True, scale)  # lse (heads, t)
+        cross_args = (cross.cu_q, cross.cu_k, cross.max_q, cross.max_k, False, scale)
+        oc, lc, state_c = kernel.forward(q[tp : tp + tr], k[:tp], v[:tp], *cross_args)
+        ls_t, lc_t = lse[:, tp : tp + tr].T, lc.T  # (responses' tokens, heads) views
+        o, merged = _merged(out[tp : tp + tr], ls_t, oc, lc_t)
+        out[tp : tp + tr] = o
+        ls_t.copy_(merged)  # both parts' log-sum-exps now the union's
+        lc_t.copy_(merged)
+        ctx.save_for_backward(q, k, v, out, lse, lc, cu)
+        ctx.args = (longest, cross, scale, kernel, state, state_c)
+        return out
 
-
-def _repeat(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-MATH = LseKernel(_math_forward, _math_backward)
-
-
-def _cudnn_forward(q, k, v, causal: bool, scale: float):
-    out, lse, cu_q, cu_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True, 0.0, causal, False, scale=scale
-    )
-    return out, lse, (cu_q, cu_k, max_q, max_k, seed, offset)
-
-
-def _cudnn_backward(dout, q, k, v, out, lse, state, causal: bool, scale: float):
-    cu_q, cu_k, max_q, max_k, seed, offset = state
-    dout = in_strides(dout, out)  # cuDNN reads the output's gradient in the output's layout
-    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout, q, k, v, out, lse, seed, offset, None, cu_q, cu_k, max_q, max_k, 0.0, causal, scale=scale
-    )
-
-
-CUDNN = LseKernel(_cudnn_forward, _cudnn_backward)
-
-
-def in_strides(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`x` laid out with `like`'s strides (x itself where it already is)."""
-    if x.stride() == like.stride():
-        return x
-    return torch.empty_strided(like.shape, like.stride(), dtype=x.dtype, device=x.device).copy_(x)
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, lc, cu = ctx.saved_tensors
+        longest, cross, scale, kernel, state, state_c = ctx.args
+        tp, tr = cross.prompt_tokens, cross.response_tokens
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, state, cu, cu, longest, longest, True, scale)
+        responses = slice(tp, tp + tr)
+        dqc, dkc, dvc = kernel.backward(
+            dout[responses],
+            q[responses],
+            k[:tp],
+            v[:tp],
+            out[responses],
+            lc,
+            state_c,
+            *(cross.cu_q, cross.cu_k, cross.max_q, cross.max_k, False, scale),
+        )
+        dq[responses] = wide(dq[responses]) + wide(dqc)
+        dk[:tp] = wide(dk[:tp]) + wide(dkc)
+        dv[:tp] = wide(dv[:tp]) + wide(dvc)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def split_attention(
@@ -126,7 +144,7 @@ def split_attention(
             f"split_attention: {q.shape[0]} tokens, not the {g * (p + n * r)} of shape {uniform}"
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _SplitAttention.apply(q, k, v, uniform, scale, kernel)
+    return _DenseSplit.apply(q, k, v, uniform, scale, kernel)
 
 
 def _views(x: torch.Tensor, uniform) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -154,7 +172,19 @@ def _lse(lse: torch.Tensor) -> torch.Tensor:
     return lse[..., 0] if lse.dim() == 4 else lse
 
 
-class _SplitAttention(torch.autograd.Function):
+def _prompts(x: torch.Tensor, uniform) -> torch.Tensor:
+    """A (t, heads, dim) tensor's prompts block as a (G, P, heads, dim) view."""
+    g, _, p, _ = uniform
+    return x[: g * p].unflatten(0, (g, p))
+
+
+def _responses(x: torch.Tensor, uniform) -> torch.Tensor:
+    """A (t, heads, dim) tensor's responses block as a (G, n, R, heads, dim) view."""
+    g, n, p, r = uniform
+    return x[g * p :].unflatten(0, (g, n, r))
+
+
+class _DenseSplit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, uniform, scale, kernel):
         (qp, qs, qc), (kp, ks, _), (vp, vs, _) = (_views(x, uniform) for x in (q, k, v))
@@ -167,10 +197,8 @@ class _SplitAttention(torch.autograd.Function):
             _by_token(_lse(ls), uniform, False),
             _by_token(_lse(lc), uniform, True),
         )  # (G, n, R, heads)
-        merged = torch.logaddexp(ls_t, lc_t)
-        weight = (ls_t - merged).exp().unsqueeze(-1)  # the self part's share of each token's softmax
-        os_t, oc_t = _wide(_by_token(os_, uniform, False)), _wide(_by_token(oc, uniform, True))
-        _responses(out, uniform).copy_(torch.lerp(oc_t, os_t, weight))
+        o, merged = _merged(_by_token(os_, uniform, False), ls_t, _by_token(oc, uniform, True), lc_t)
+        _responses(out, uniform).copy_(o)
         ls_t.copy_(merged)  # each part's log-sum-exp buffer now holds the union's, in that part's layout
         lc_t.copy_(merged)
         ctx.save_for_backward(q, k, v, out, lp, ls, lc)
@@ -193,48 +221,28 @@ class _SplitAttention(torch.autograd.Function):
         dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
         _prompts(dq, uniform).copy_(dqp.transpose(1, 2))
         _responses(dq, uniform).copy_(
-            _wide(_by_token(dqs, uniform, False)) + _wide(_by_token(dqc, uniform, True))
+            wide(_by_token(dqs, uniform, False)) + wide(_by_token(dqc, uniform, True))
         )
         for grad, own, prompt, cross in ((dk, dks, dkp, dkc), (dv, dvs, dvp, dvc)):
-            _prompts(grad, uniform).copy_(_wide(prompt.transpose(1, 2)) + _wide(cross.transpose(1, 2)))
+            _prompts(grad, uniform).copy_(wide(prompt.transpose(1, 2)) + wide(cross.transpose(1, 2)))
             _responses(grad, uniform).copy_(_by_token(own, uniform, False))
         return dq, dk, dv, None, None, None
-
-
-def _prompts(x: torch.Tensor, uniform) -> torch.Tensor:
-    """A (t, heads, dim) tensor's prompts block as a (G, P, heads, dim) view."""
-    g, _, p, _ = uniform
-    return x[: g * p].unflatten(0, (g, p))
-
-
-def _responses(x: torch.Tensor, uniform) -> torch.Tensor:
-    """A (t, heads, dim) tensor's responses block as a (G, n, R, heads, dim) view."""
-    g, n, p, r = uniform
-    return x[g * p :].unflatten(0, (g, n, r))
-
-
-def in_layout(x: torch.Tensor, layout: tuple) -> torch.Tensor:
-    """`x` with the (shape, strides) `layout` (x itself where it has them)."""
-    shape, strides = layout
-    if x.stride() == strides:
-        return x
-    return torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device).copy_(x)
 
 
 _AVAILABLE: dict[tuple, bool] = {}
 
 
-def split_available(q: torch.Tensor, k: torch.Tensor, kernel: LseKernel = CUDNN) -> bool:
-    """Once per device, dtype and (heads, groups, dim): `split_attention` with `kernel` on a small case of
-    the layout against `MATH` in float32, forward and backward; False (logged, and the gathered layout's
-    kernels run) where the kernel raises or strays past bf16 rounding (largest error over 5% of the
-    reference's scale)."""
-    key = (q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2])
+def split_available(q: torch.Tensor, k: torch.Tensor, kernel: LseKernel | VarlenLseKernel = CUDNN) -> bool:
+    """Once per kernel, device, dtype and (heads, groups, dim): the split with `kernel` on a small case of the
+    layout against the float32 reference kernel, forward and backward; False (logged, and the gathered
+    layout's kernels run) where the kernel raises or strays past half-precision rounding (largest error
+    over 5% of the reference's scale)."""
+    key = (kernel, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2])
     if key not in _AVAILABLE:
         try:  # the first call may come from a forward without gradients (old log-probs): the check takes them
             with torch.inference_mode(False), torch.enable_grad():
                 _AVAILABLE[key] = _check(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], kernel)
-        except Exception as err:  # an op this torch or cuDNN lacks: the gathered kernels remain
+        except Exception as err:  # an op this torch or device lacks: the gathered kernels remain
             log.warning(
                 "shared-prompt split attention unavailable (%s: %s); gathered keys instead",
                 type(err).__name__,
@@ -244,17 +252,50 @@ def split_available(q: torch.Tensor, k: torch.Tensor, kernel: LseKernel = CUDNN)
     return _AVAILABLE[key]
 
 
-def _check(device, dtype, heads: int, groups: int, dim: int, kernel: LseKernel) -> bool:
-    uniform = (2, 3, 16, 24)
-    t = 2 * (16 + 3 * 24)
+CHECK_UNIFORM = (2, 3, 16, 24)
+"""The dense check's shape: 2 prompts of 16 tokens, 3 responses of 24 each."""
+
+CHECK_LENGTHS = ([5, 3], [[4, 2], [6]], 3)
+"""The varlen check's micro-batch: prompts of 5 and 3 tokens, the first's responses of 4 and 2, the second's of
+6, then 3 tokens of padding."""
+
+
+def check_case(kernel) -> tuple[int, Callable]:
+    """(tokens, attend(q, k, v, kernel)) of the check's micro-batch for `kernel`'s form."""
+    if isinstance(kernel, LseKernel):
+        g, n, p, r = CHECK_UNIFORM
+        return g * (p + n * r), lambda q, k, v, kern: split_attention(q, k, v, CHECK_UNIFORM, None, kern)
+    prompts, responses, pad = CHECK_LENGTHS
+    segments = [*prompts, *(r for unit in responses for r in unit), pad]
+    cu = torch.tensor([0, *torch.tensor(segments).cumsum(0).tolist()], dtype=torch.int32)
+    totals = [sum(unit) for unit in responses]
+    cross = CrossSegments(
+        sum(prompts),
+        sum(totals),
+        torch.tensor([0, *torch.tensor(totals).cumsum(0).tolist()], dtype=torch.int32),
+        torch.tensor([0, *torch.tensor(prompts).cumsum(0).tolist()], dtype=torch.int32),
+        max(totals),
+        max(prompts),
+    )
+
+    def attend(q, k, v, kern):
+        moved = dataclasses.replace(cross, cu_q=cross.cu_q.to(q.device), cu_k=cross.cu_k.to(q.device))
+        return varlen_split_attention(q, k, v, cu.to(q.device), max(segments), moved, None, kern)
+
+    return int(cu[-1]), attend
+
+
+def _check(device, dtype, heads: int, groups: int, dim: int, kernel) -> bool:
+    t, attend = check_case(kernel)
+    reference = MATH if isinstance(kernel, LseKernel) else MATH_VARLEN
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v, grad = (
         torch.randn(t, h, dim, device=device, generator=gen) for h in (heads, groups, groups, heads)
     )
     results = []
-    for kern, cast in ((kernel, dtype), (MATH, torch.float32)):
+    for kern, cast in ((kernel, dtype), (reference, torch.float32)):
         leaves = [x.to(cast).requires_grad_() for x in (q, k, v)]
-        out = split_attention(*leaves, uniform, None, kern)
+        out = attend(*leaves, kern)
         results.append([out.float(), *(x.float() for x in torch.autograd.grad(out, leaves, grad.to(cast)))])
     ok = all((a - b).abs().max() <= 0.05 * b.abs().max() for a, b in zip(*results))
     if not ok:

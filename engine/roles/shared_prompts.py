@@ -22,9 +22,12 @@ were its prompt in front of it: a response token at row-local position p >= P li
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from engine.models.shared_prompt_attention import SHARED_POSITIONS, SharedPromptSeqParams
+from engine.models.shared_prompt_split import CrossSegments
 from engine.step.batch import Experience, packed_response_index, row_fields
 
 
@@ -89,7 +92,9 @@ def shared_prompt_micro_batch(
             positions.append(torch.arange(prompt, lengths[r]))
             if response:
                 q_lens.append(response)
-                kv.append(torch.cat([torch.arange(start, start + prompt), torch.arange(cursor, cursor + response)]))
+                kv.append(
+                    torch.cat([torch.arange(start, start + prompt), torch.arange(cursor, cursor + response)])
+                )
                 k_lens.append(prompt + response)
             rows.append(r)
             row_starts.append(cursor - prompt)  # may be negative: only response positions p >= prompt use it
@@ -98,6 +103,7 @@ def shared_prompt_micro_batch(
             responses.append(response)
             cursor += response
     uniform = uniform_shape(units, prompts, responses)
+    cross = cross_segments(units, prompts, responses, device)
     t = -(-cursor // multiple) * multiple
     if t > cursor:  # the padding: a pseudo-row of its own
         pieces.append(torch.zeros(t - cursor, dtype=exp.tokens.dtype))
@@ -127,6 +133,7 @@ def shared_prompt_micro_batch(
             max_q=max(q_lens),
             max_k=max(k_lens),
             uniform=uniform,
+            cross=cross,
         ),
         "row_starts": torch.tensor(row_starts).to(device),
         "prompt_starts": torch.tensor(prompt_starts).to(device),
@@ -148,3 +155,36 @@ def uniform_shape(units: list[list[int]], prompts: list[int], responses: list[in
     if prompts[0] == 0 or responses[0] == 0:
         return None
     return (len(units), counts.pop(), prompts[0], responses[0])
+
+
+def cross_segments(
+    units: list[list[int]], prompts: list[int], responses: list[int], device: torch.device
+) -> CrossSegments | None:
+    """The responses block's queries over their prompts' keys, unit by unit (units without responses left
+    out), for the split attention (engine/models/shared_prompt_split.py); None where a unit with responses has
+    no prompt (its queries would have no keys there)."""
+    totals, spans, row = [], [], 0
+    for unit, prompt, start in zip(units, prompts, [0, *itertools.accumulate(prompts)]):
+        total = sum(responses[row : row + len(unit)])
+        row += len(unit)
+        if total == 0:
+            continue
+        if prompt == 0:
+            return None
+        totals.append(total)
+        spans.append((start, start + prompt))
+    if not totals:
+        return None
+    cu_k = [spans[0][0]]
+    for first, last in spans:
+        if first != cu_k[-1]:  # a unit without responses between two with them: its prompt in no segment
+            return None
+        cu_k.append(last)
+    return CrossSegments(
+        prompt_tokens=sum(prompts),
+        response_tokens=sum(totals),
+        cu_q=torch.tensor([0, *itertools.accumulate(totals)], dtype=torch.int32).to(device),
+        cu_k=torch.tensor(cu_k, dtype=torch.int32).to(device),
+        max_q=max(totals),
+        max_k=max(last - first for first, last in spans),
+    )

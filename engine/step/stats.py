@@ -122,8 +122,9 @@ def perf_metrics(
     step's peak memory (CUDA), and from this replica's `update_tokens` (real, processed, micro-batches and the
     rows' tokens of the update's forwards), summed over DP: `perf/padding_fraction` (padding over the tokens
     processed), with trainer.share_prompts `perf/shared_prompt_fraction` (the rows' tokens not computed) and
-    `perf/shared_split_fraction` (the share of the step's shared-prompt attention calls, every role's, split
-    through cuDNN: engine/models/shared_prompt_split.py), and
+    `perf/shared_split_fraction` and `perf/shared_cudnn_fraction` (the shares of the step's shared-prompt
+    attention calls, every role's, split at the prompt, and of those through cuDNN:
+    engine/models/shared_prompt_split.py), and
     `perf/tokens_per_micro_batch` (on a GPU, micro-batches of a few thousand tokens leave it waiting on the
     host's launches: scripts/bench/README.md, "Update"); where the layers run from CUDA graphs
     (trainer.cuda_graphs), the share of the actor's layer calls this step replayed,
@@ -153,7 +154,7 @@ def perf_metrics(
     )
     dist.all_reduce(sums, group=g.dp)
     tokens, flops, real, processed, micro_batches, row_tokens, *calls = sums.tolist()
-    graph_calls, (gathered, split) = calls[:3], calls[3:]
+    graph_calls, (cudnn, flash, gathered) = calls[:3], calls[3:]
     world = g.dims.world_size  # the training ranks, where the actor's update runs
     out = {
         "perf/total_tokens": tokens,
@@ -165,7 +166,9 @@ def perf_metrics(
     }
     if c.share_prompts:
         out["perf/shared_prompt_fraction"] = 1.0 - real / row_tokens if row_tokens else 0.0
-        out["perf/shared_split_fraction"] = split / max(gathered + split, 1.0)
+        shared_calls = max(cudnn + flash + gathered, 1.0)
+        out["perf/shared_split_fraction"] = (cudnn + flash) / shared_calls
+        out["perf/shared_cudnn_fraction"] = cudnn / shared_calls
     if graphs is not None:  # the actor's layer calls (its forwards and update) replayed from CUDA graphs
         out["perf/cuda_graph_replayed_fraction"] = graph_calls[2] / max(sum(graph_calls), 1.0)
     if g.device.type == "cuda":

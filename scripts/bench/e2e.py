@@ -213,9 +213,8 @@ def run_ours(args, out_dir: str) -> dict:
         "peak_memory_gb": med.get("perf/max_memory_allocated_gb"),
         "padding_fraction": med.get("perf/padding_fraction"),  # of the update's forwards
         "shared_prompt_fraction": med.get("perf/shared_prompt_fraction"),  # trainer.share_prompts
-        "shared_split_fraction": med.get(
-            "perf/shared_split_fraction"
-        ),  # engine/models/shared_prompt_split.py
+        "shared_split_fraction": med.get("perf/shared_split_fraction"),  # shared_prompt_split.py
+        "shared_cudnn_fraction": med.get("perf/shared_cudnn_fraction"),
         "tokens_per_micro_batch": med.get("perf/tokens_per_micro_batch"),
         "cuda_graph_replayed_fraction": med.get("perf/cuda_graph_replayed_fraction"),  # trainer.cuda_graphs
         "rollout_engine": engine,

@@ -1,25 +1,27 @@
-"""Benchmark the attention of the shared-prompt layout alone (trainer.share_prompts): one layer over a
-fixed-length GRPO step (every prompt `--prompt-len` tokens, `--n` responses of `--response-len` each), cut
-into micro-batches as the trainer cuts it (engine/roles/dynamic_batch.py `MicroBatcher`, `--max-tokens` per
-micro-batch), forward and backward, per kernel; prints one JSON object.
+"""Benchmark the attention of the shared-prompt layout alone (trainer.share_prompts): one layer over a GRPO
+step (every prompt `--prompt-len` tokens, `--n` responses each of `--response-len`, or long-tailed lengths,
+one per prompt, as `workload.py` draws them), cut into micro-batches as the trainer cuts it
+(engine/roles/dynamic_batch.py `MicroBatcher`, `--max-tokens` per micro-batch), forward and backward, per
+kernel; prints one JSON object.
 
 Kernels (`--kernels`):
 - `gathered`: each response's keys a copy of its prompt's then its own (`GatherRows`), FlashAttention-2 varlen
-  with the causal mask aligned to the keys' end (engine/models/shared_prompt_attention.py): any layout;
-- `split`: the prompts and the responses as dense batches through cuDNN, each response's two parts merged by
-  their log-sum-exps (engine/models/shared_prompt_split.py): micro-batches of one shape (a unit count that
-  leaves a last, smaller micro-batch gives it a second shape);
+  with the causal mask aligned to the keys' end (engine/models/shared_prompt_attention.py): the path before
+  the split;
+- `split_cudnn`: the prompts and the responses as dense batches through cuDNN, each response's two parts
+  merged by their log-sum-exps (engine/models/shared_prompt_split.py `split_attention`): micro-batches of one
+  shape only (a unit count that leaves a last, smaller micro-batch gives it a second shape);
+- `split_flash`: the same split through FlashAttention-2 varlen (`varlen_split_attention`): any micro-batch;
 - `whole_rows`: the same rows packed whole (each prompt once per row) through SDPA on (rows, heads, length,
-  dim) views (cuDNN), at the same micro-batch count: the layout without sharing.
+  dim) views (cuDNN), fixed lengths only: the layout without sharing.
 
 Per kernel: forward and forward + backward milliseconds for the step (all micro-batches, one layer; median
 of `--iters` after a warm-up that builds cuDNN's plans), times the preset's layer count; parity on the first
 micro-batch: the largest absolute error of the output and of dq, dk, dv against float32 attention over the
-gathered keys. On CPU `gathered` (SDPA) and `split` (its float reference kernel, `MATH`) run, for the
-plumbing.
+gathered keys. On CPU the kernels run their float references (SDPA, `MATH`, `MATH_VARLEN`), for the plumbing.
 
     python scripts/bench/shared_attention.py --preset qwen2_5_1_5b
-    python scripts/bench/shared_attention.py --preset qwen2_5_0_5b
+    python scripts/bench/shared_attention.py --preset qwen2_5_1_5b --lengths long_tail --response-len 4096
 """
 
 from __future__ import annotations
@@ -37,14 +39,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from gpu_timing import event_ms  # noqa: E402
 from presets import model_preset  # noqa: E402
+from workload import KINDS, response_lengths  # noqa: E402
 
+from engine.models.lse_kernels import CUDNN, FLASH_VARLEN, MATH, MATH_VARLEN  # noqa: E402
 from engine.models.packed_attention import FlashVarlen, segment_attention, uniform_rows_attention  # noqa: E402
 from engine.models.shared_prompt_attention import GatherRows  # noqa: E402
-from engine.models.shared_prompt_split import CUDNN, MATH, split_attention  # noqa: E402
+from engine.models.shared_prompt_split import split_attention, varlen_split_attention  # noqa: E402
 from engine.roles.dynamic_batch import MicroBatcher  # noqa: E402
 from engine.step.batch import build_experience  # noqa: E402
 
-KERNELS = ("gathered", "split", "whole_rows")
+KERNELS = ("gathered", "split_cudnn", "split_flash", "whole_rows")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--response-len", type=int, default=512)
+    ap.add_argument("--lengths", choices=KINDS, default="fixed", help="response lengths (workload.py)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the lengths")
     ap.add_argument("--max-tokens", type=int, default=32768, help="token budget per micro-batch")
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--iters", type=int, default=5)
@@ -64,9 +70,16 @@ def shared_params(args, device: torch.device) -> list:
     """The step's shared-prompt micro-batches' `SharedPromptSeqParams`, as the trainer builds them."""
     rows = args.prompts * args.n
     prompts = [[4 + p % 50] * args.prompt_len for p in range(args.prompts)]
-    mask = torch.ones(rows, args.response_len)
+    per_prompt = response_lengths(args.lengths, args.prompts, args.response_len, args.seed)
+    lengths = torch.tensor(per_prompt).repeat_interleave(args.n)
+    mask = (torch.arange(args.response_len) < lengths[:, None]).float()
     exp = build_experience(
-        prompts, torch.full((rows, args.response_len), 5), mask, list(range(args.prompts)), args.n, 0
+        prompts,
+        torch.full((rows, args.response_len), 5) * mask.long(),
+        mask,
+        list(range(args.prompts)),
+        args.n,
+        0,
     )
     exp.tensors["advantages"] = mask.clone()
     batcher = MicroBatcher(args.n, args.max_tokens, 1, device, pack=True, share_prompts=True)
@@ -80,19 +93,26 @@ def gathered(q, k, v, p, scale):
     return segment_attention(q, k_seg, v_seg, p.cu_seqlens_q, p.cu_seqlens_k, scale, 0.0)
 
 
-def split(q, k, v, p, scale):
+def split_cudnn(q, k, v, p, scale):
     if p.uniform is None:
         raise ValueError("a micro-batch of more than one shape")
     return split_attention(q, k, v, p.uniform, scale, CUDNN if q.is_cuda else MATH)
 
 
+def split_flash(q, k, v, p, scale):
+    kernel = FLASH_VARLEN if q.is_cuda else MATH_VARLEN
+    return varlen_split_attention(q, k, v, p.cu_seqlens_q, p.max_q, p.cross, scale, kernel)
+
+
 def whole_rows(q, k, v, p, scale):
+    if p.uniform is None:
+        raise ValueError("rows of different lengths")
     return uniform_rows_attention(q, k, v, q.shape[0] // p.max_seqlen_q, scale, 0.0)
 
 
 def tokens(p, kernel: str) -> int:
-    """The micro-batch's tokens: shared, or its rows whole for `whole_rows`."""
-    if kernel != "whole_rows":
+    """The micro-batch's tokens: shared, or its rows whole for `whole_rows` (fixed lengths)."""
+    if kernel != "whole_rows" or p.uniform is None:
         return int(p.cu_seqlens_q[-1])
     g, n, prompt, response = p.uniform
     return g * n * (prompt + response)
@@ -147,6 +167,7 @@ def main(argv=None) -> None:
         "n": args.n,
         "prompt_len": args.prompt_len,
         "response_len": args.response_len,
+        "lengths": args.lengths,
         "max_tokens": args.max_tokens,
         "micro_batches": len(params),
         "shapes": sorted({p.uniform for p in params}, key=str),
@@ -159,7 +180,12 @@ def main(argv=None) -> None:
         "kernels": {},
     }
     for name in args.kernels.split(","):
-        fn = {"gathered": gathered, "split": split, "whole_rows": whole_rows}[name]
+        fn = {
+            "gathered": gathered,
+            "split_cudnn": split_cudnn,
+            "split_flash": split_flash,
+            "whole_rows": whole_rows,
+        }[name]
         batches = [
             (*inputs(tokens(p, name), heads, groups, dim, device, dtype, i), p) for i, p in enumerate(params)
         ]

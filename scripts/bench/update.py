@@ -28,8 +28,8 @@ so every update gives both figures. Reported per variant (medians):
 - MFU = 6 x params x tokens / seconds / 989e12 (H100/H200 dense bf16 peak), params = every parameter of the
   model once (a tied embedding is the lm_head and counts once; untied, both count), tokens = the update's
   real tokens computed (rows x seq at fixed lengths; with `--share-prompts`, each group of `--n` rows' prompt
-  once: trainer.share_prompts; at one shape its attention split through cuDNN as the trainer's, or with
-  `--gathered` each response's keys behind its prompt's through FlashAttention-2);
+  once: trainer.share_prompts; its attention split at the prompt as the trainer's, or with `--gathered` each
+  response's keys behind its prompt's through FlashAttention-2);
   attention score FLOPs not counted. `mfu_palm` adds them (not causal) and counts the output layer at the
   response positions only (engine/step/perf.py, the trainer's perf/mfu/actor);
 - `peak_memory_gb` (max allocated during the timed updates), `grad_norm` and `loss` of the first update
@@ -128,8 +128,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--gathered",
         action="store_true",
-        help="with --share-prompts: each response's keys gathered behind its prompt's (FlashAttention-2) even at "
-        "one shape, where the trainer splits them through cuDNN (engine/models/shared_prompt_split.py)",
+        help="with --share-prompts: each response's keys gathered behind its prompt's (FlashAttention-2), where "
+        "the trainer splits the attention at the prompt (engine/models/shared_prompt_split.py)",
     )
     ap.add_argument("--lengths", choices=KINDS, default="fixed", help="response lengths (workload.py)")
     ap.add_argument("--fresh-lengths", action="store_true", help="long_tail: a new draw for every update")
@@ -435,7 +435,7 @@ def model_shape(args) -> ModelShape:
 def main() -> None:
     args = parse_args()
     if args.gathered:  # the path before the split, for a same-run comparison
-        shared_prompt_attention.split_available = lambda q, k: False
+        shared_prompt_attention.split_available = lambda q, k, kernel: False
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "update.json")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"

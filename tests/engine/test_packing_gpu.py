@@ -169,16 +169,17 @@ def test_padded_attention_takes_cudnn_only_for_a_recurring_shape(monkeypatch):
 
 
 def test_shared_split_runs_cudnn_within_the_gathered_error(monkeypatch):
-    """trainer.share_prompts at one shape (a fixed-length step): the prompts and the responses as dense
-    batches through cuDNN, each response's two parts merged by their log-sum-exps
-    (engine/models/shared_prompt_split.py), at 1.5B's heads, 4 prompts of 256 tokens x 8 responses of 512:
-    the device's check passes, `shared_prompt_attention` takes the split once the shape recurs (cuDNN's
-    kernels, no FlashAttention), and output and q/k/v gradients against float32 are within 2x the gathered
-    layout's FlashAttention-2 error plus one bf16 ulp of the reference's scale."""
+    """trainer.share_prompts at one shape (a fixed-length step), at 1.5B's heads, 4 prompts of 256 tokens x 8
+    responses of 512: both split kernels pass the device's check; `shared_prompt_attention` splits at the
+    prompt through FlashAttention-2 on the shape's first call and as dense batches through cuDNN once it
+    recurs (engine/models/shared_prompt_split.py; the profiler's kernel names), and output and q/k/v
+    gradients against float32 are within 2x the gathered layout's FlashAttention-2 error plus one bf16 ulp of
+    the reference's scale."""
     from test_shared_prompt_split import experience
 
     from engine.models import shared_prompt_attention as shared_module
     from engine.models import shared_prompt_split as split_module
+    from engine.models.lse_kernels import CUDNN, FLASH_VARLEN
     from engine.roles.dynamic_batch import MicroBatcher
 
     exp = experience([256] * 4, [512] * 32, n=8)
@@ -202,7 +203,8 @@ def test_shared_split_runs_cudnn_within_the_gathered_error(monkeypatch):
 
     old = _errors(gathered, q, k, v, grad, want)
     split_module._AVAILABLE.clear()
-    assert split_module.split_available(q, k), "cuDNN's split attention failed its check on this device"
+    for kernel in (CUDNN, FLASH_VARLEN):
+        assert split_module.split_available(q, k, kernel), f"{kernel} failed its check on this device"
     monkeypatch.setattr(packed_module, "RECURRING", packed_module.RecurringShapes())
     monkeypatch.setattr(shared_module, "RECURRING", packed_module.RECURRING)
     monkeypatch.setattr(packed_module, "CUDNN_FROM_CALL", 2)
@@ -218,3 +220,53 @@ def test_shared_split_runs_cudnn_within_the_gathered_error(monkeypatch):
         for name, g, o, w in zip(("out", "dq", "dk", "dv"), got, old, want):
             ulp = float(w.abs().max()) * 2**-8
             assert g <= 2 * o + ulp, (name, g, o, call)
+
+
+def test_varlen_split_within_the_gathered_error_on_long_tailed_rows():
+    """The split through FlashAttention-2 varlen (engine/models/shared_prompt_split.py
+    `varlen_split_attention`) on micro-batches the trainer cuts from long-tailed rows (prompts of 100 to 300
+    tokens, responses of 1 to 1,500, 8 per prompt, padding to a multiple of 64), at 1.5B's heads: output and
+    q/k/v gradients against float32 within 2x the gathered layout's error plus one bf16 ulp."""
+    from test_shared_prompt_split import experience
+
+    from engine.models import shared_prompt_attention as shared_module
+    from engine.models.lse_kernels import FLASH_VARLEN
+    from engine.models.shared_prompt_split import varlen_split_attention
+    from engine.roles.dynamic_batch import MicroBatcher
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(100, 301, (6,), generator=gen).tolist()
+    exp = experience(prompts, torch.randint(1, 1501, (48,), generator=gen).tolist(), n=8)
+    mbs = MicroBatcher(8, 12288, 64, torch.device("cuda"), pack=True, share_prompts=True)(
+        exp, torch.arange(48)
+    )
+    assert len(mbs) > 1
+    scale = 128**-0.5
+    for i, mb in enumerate(mbs):
+        p = mb["packed_seq_params"]
+        assert p.cross is not None and p.uniform is None
+        torch.manual_seed(i)
+        t = mb["tokens"].shape[1]
+        q, k, v, grad = (torch.randn(t, h, 128, device="cuda", dtype=torch.bfloat16) for h in (12, 2, 2, 12))
+        idx, cu_q, cu_k = p.kv_index, p.cu_seqlens_q, p.cu_seqlens_k
+        qf, kf, vf = (x.float().requires_grad_() for x in (q, k, v))
+        ref = packed_module.segment_attention(qf, kf[idx], vf[idx], cu_q, cu_k, scale, 0.0)
+        want = (ref.detach(), *torch.autograd.grad(ref, (qf, kf, vf), grad.float()))
+
+        def gathered(q, k, v, p=p):
+            k_seg, v_seg = (
+                shared_module.GatherRows.apply(k, p.kv_index),
+                shared_module.GatherRows.apply(v, p.kv_index),
+            )
+            return packed_module.FlashVarlen.apply(
+                q, k_seg, v_seg, p.cu_seqlens_q, p.max_q, scale, p.cu_seqlens_k, p.max_k
+            )
+
+        def split(q, k, v, p=p):
+            return varlen_split_attention(q, k, v, p.cu_seqlens_q, p.max_q, p.cross, scale, FLASH_VARLEN)
+
+        old = _errors(gathered, q, k, v, grad, want)
+        got = _errors(split, q, k, v, grad, want)
+        for name, g, o, w in zip(("out", "dq", "dk", "dv"), got, old, want):
+            ulp = float(w.abs().max()) * 2**-8
+            assert g <= 2 * o + ulp, (name, g, o, i)

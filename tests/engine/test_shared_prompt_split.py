@@ -1,8 +1,10 @@
-"""The shared-prompt layout's dense split (engine/models/shared_prompt_split.py) on the CPU with its float
-reference kernel (`MATH`): against the gathered layout's attention (each response's keys its prompt's copy
-then its own, the CPU path of engine/models/shared_prompt_attention.py) on micro-batches the trainer builds
-(engine/roles/shared_prompts.py), forward and backward; both kernel layouts (the output in q's strides as
-cuDNN writes it, or contiguous); the device check that falls back; and where the layout is uniform."""
+"""The shared-prompt layout's split at each response's prompt (engine/models/shared_prompt_split.py) on the
+CPU with the float reference kernels (engine/models/lse_kernels.py `MATH`, `MATH_VARLEN`): against the gathered
+layout's attention (each response's keys its prompt's copy then its own, the CPU path of
+engine/models/shared_prompt_attention.py) on micro-batches the trainer builds (engine/roles/shared_prompts.py),
+forward and backward, dense (one shape) and varlen; both dense kernel layouts (the output in q's strides as
+cuDNN writes it, or contiguous); the device check that falls back; the layout's blocks, shape and cross
+segments; and a trainer's update through the real model with the split."""
 
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ import pytest
 import torch
 
 from engine.models import shared_prompt_split as split_module
+from engine.models.lse_kernels import MATH, MATH_VARLEN, LseKernel, in_strides
 from engine.models.packed_attention import segment_attention
-from engine.models.shared_prompt_split import MATH, LseKernel, in_strides, split_attention, split_available
+from engine.models.shared_prompt_split import split_attention, split_available, varlen_split_attention
 from engine.roles.dynamic_batch import MicroBatcher
+from engine.roles.shared_prompts import cross_segments
 from engine.step.batch import build_experience
 
 CPU = torch.device("cpu")
@@ -34,10 +38,12 @@ def experience(prompt_lens: list[int], response_lens: list[int], n: int, vocab: 
 
 
 def micro_batches(exp, multiple: int = 1, budget: int = 4096) -> list[dict]:
-    return MicroBatcher(4, budget, multiple, CPU, pack=True, share_prompts=True)(exp, torch.arange(exp.num_rows))
+    return MicroBatcher(4, budget, multiple, CPU, pack=True, share_prompts=True)(
+        exp, torch.arange(exp.num_rows)
+    )
 
 
-def test_prompts_first_then_responses_and_the_uniform_shape():
+def test_prompts_first_then_responses_the_uniform_shape_and_the_cross_segments():
     exp = experience([5, 5, 5], [4] * 6, n=2)
     (mb,) = micro_batches(exp)
     params, tokens = mb["packed_seq_params"], mb["tokens"][0]
@@ -48,10 +54,28 @@ def test_prompts_first_then_responses_and_the_uniform_shape():
     for i, r in enumerate(rows):
         assert tokens[15 + 4 * i : 19 + 4 * i].tolist() == exp.tokens[r, 5:9].tolist()
     assert mb["positions"][0, 15:19].tolist() == [5, 6, 7, 8]
+    cross = params.cross
+    assert (cross.prompt_tokens, cross.response_tokens, cross.max_q, cross.max_k) == (15, 24, 8, 5)
+    assert cross.cu_q.tolist() == [0, 8, 16, 24] and cross.cu_k.tolist() == [0, 5, 10, 15]
     # a response of another length, a prompt of another length, padding: no single shape
-    assert micro_batches(experience([5, 5, 5], [4, 4, 4, 3, 4, 4], n=2))[0]["packed_seq_params"].uniform is None
+    assert (
+        micro_batches(experience([5, 5, 5], [4, 4, 4, 3, 4, 4], n=2))[0]["packed_seq_params"].uniform is None
+    )
     assert micro_batches(experience([5, 6, 5], [4] * 6, n=2))[0]["packed_seq_params"].uniform is None
-    assert micro_batches(exp, multiple=8)[0]["packed_seq_params"].uniform is None
+    padded = micro_batches(exp, multiple=8)[0]["packed_seq_params"]
+    assert padded.uniform is None and padded.cross.response_tokens == 24  # the padding is in no cross segment
+
+
+def test_cross_segments_leave_out_units_without_responses_and_refuse_what_they_cannot_express():
+    units = [[0, 1], [2], [3, 4]]
+    cross = cross_segments(units, [4, 2, 3], [5, 0, 2, 0, 0], CPU)  # the last unit without responses
+    assert cross.cu_q.tolist() == [0, 5, 7] and cross.cu_k.tolist() == [0, 4, 6]
+    assert (cross.prompt_tokens, cross.response_tokens, cross.max_q, cross.max_k) == (9, 7, 5, 4)
+    cross = cross_segments(units, [4, 2, 3], [5, 0, 0, 1, 2], CPU)
+    assert cross is None  # a unit without responses between two with them: its prompt's keys in no segment
+    cross = cross_segments(units, [4, 2, 3], [0, 0, 1, 2, 3], CPU)  # the first without: keys from 4
+    assert cross.cu_q.tolist() == [0, 1, 6] and cross.cu_k.tolist() == [4, 6, 9]
+    assert cross_segments(units, [4, 0, 3], [5, 0, 1, 2, 2], CPU) is None  # responses without a prompt
 
 
 def gathered(q, k, v, params, scale):
@@ -84,7 +108,7 @@ def strided_like_q(kernel: LseKernel) -> LseKernel:
 
 @pytest.mark.parametrize("groups", [4, 2])
 @pytest.mark.parametrize("layout", ["contiguous", "like_q"])
-def test_split_equals_gathered_keys(groups, layout):
+def test_dense_split_equals_gathered_keys(groups, layout):
     """float64, 4 query heads: output and q/k/v gradients equal the gathered layout's within 1e-10."""
     exp = experience([5, 5, 5], [7] * 9, n=3)
     (mb,) = micro_batches(exp)
@@ -98,16 +122,49 @@ def test_split_equals_gathered_keys(groups, layout):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=name)
 
 
-def test_split_in_bfloat16_rounds_near_the_gathered_keys():
-    """bfloat16 in, the reference kernel computing in float32 and rounding its output: each part rounded once,
-    then merged in float32 and rounded again. Against float64 the split's largest error stays within twice
-    the gathered layout's plus one bf16 ulp of the output's scale."""
-    (mb,) = micro_batches(experience([6, 6], [10] * 8, n=4))
+def varlen(q, k, v, params, scale, kernel=MATH_VARLEN):
+    p = params
+    return varlen_split_attention(q, k, v, p.cu_seqlens_q, p.max_q, p.cross, scale, kernel)
+
+
+@pytest.mark.parametrize("groups", [4, 2])
+@pytest.mark.parametrize("multiple", [1, 8])  # 8: padding after the responses block
+def test_varlen_split_equals_gathered_keys(groups, multiple):
+    """Prompts of 3 to 9 tokens, responses of 1 to 11, groups of 3 cut over two micro-batches, one with a
+    prompt's responses split off (a budget below its group's tokens): float64, 4 query heads, output and
+    q/k/v gradients equal the gathered layout's within 1e-10."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = torch.randint(3, 10, (5,), generator=gen).tolist()
+    exp = experience(prompts, torch.randint(1, 12, (15,), generator=gen).tolist(), n=3)
+    mbs = micro_batches(exp, multiple, budget=60)
+    assert len(mbs) > 1 and all(mb["packed_seq_params"].uniform is None for mb in mbs)
+    for mb in mbs:
+        params = mb["packed_seq_params"]
+        assert params.cross is not None
+        leaves, grad = inputs(mb["tokens"].shape[1], 4, groups, 8, torch.float64)
+        got = run(lambda q, k, v, p=params: varlen(q, k, v, p, 0.3), leaves, grad)
+        want = run(lambda q, k, v, p=params: gathered(q, k, v, p, 0.3), leaves, grad)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("form", ["dense", "varlen"])
+def test_split_in_bfloat16_rounds_near_the_gathered_keys(form):
+    """bfloat16 in, the reference kernels computing in float32 and rounding their outputs: each part rounded
+    once, then merged in float32 and rounded again. Against float64 the split's largest error stays within
+    twice the gathered layout's plus one bf16 ulp of the output's scale."""
+    lengths = [10] * 8 if form == "dense" else [10, 3, 7, 1, 9, 10, 2, 5]
+    (mb,) = micro_batches(experience([6, 6], lengths, n=4))
     params = mb["packed_seq_params"]
+    assert (params.uniform is None) == (form == "varlen")
     leaves, grad = inputs(mb["tokens"].shape[1], 4, 2, 16, torch.float64, seed=1)
     exact = run(lambda q, k, v: gathered(q, k, v, params, None), leaves, grad)
     low = [x.detach().bfloat16().requires_grad_() for x in leaves]
-    split = run(lambda q, k, v: split_attention(q, k, v, params.uniform, None, MATH), low, grad.bfloat16())
+    if form == "dense":
+        fn = lambda q, k, v: split_attention(q, k, v, params.uniform, None, MATH)  # noqa: E731
+    else:
+        fn = lambda q, k, v: varlen(q, k, v, params, None)  # noqa: E731
+    split = run(fn, low, grad.bfloat16())
     gather = run(lambda q, k, v: gathered(q, k, v, params, None), low, grad.bfloat16())
     for name, s, g, e in zip(("out", "dq", "dk", "dv"), split, gather, exact):
         ulp = e.abs().max().item() * 2**-8
@@ -115,22 +172,31 @@ def test_split_in_bfloat16_rounds_near_the_gathered_keys():
         assert err_split <= 2 * err_gather + ulp, (name, err_split, err_gather)
 
 
-def test_a_kernel_that_strays_or_raises_is_not_used(caplog):
+def skewed_kernel(kernel):
+    """`kernel` with its output 20% off: what the device check must catch."""
+
+    def forward(*args):
+        out, lse, state = kernel.forward(*args)
+        return out * 1.2, lse, state
+
+    return type(kernel)(forward, kernel.backward)
+
+
+def missing_kernel(kernel):
+    def forward(*args):
+        raise RuntimeError("no such op")
+
+    return type(kernel)(forward, kernel.backward)
+
+
+@pytest.mark.parametrize("reference", [MATH, MATH_VARLEN])
+def test_a_kernel_that_strays_or_raises_is_not_used(caplog, reference):
     q, k = torch.zeros(4, 6, 16), torch.zeros(4, 3, 16)
     split_module._AVAILABLE.clear()
     try:
         with torch.no_grad():  # as from the old log-probs' forward
-            assert split_available(q, k, MATH)
-
-        def skewed(q, k, v, causal, scale):
-            out, lse, state = MATH.forward(q, k, v, causal, scale)
-            return out * 1.2, lse, state
-
-        def missing(*args):
-            raise RuntimeError("no such op")
-
-        for kernel in (LseKernel(skewed, MATH.backward), LseKernel(missing, MATH.backward)):
-            split_module._AVAILABLE.clear()
+            assert split_available(q, k, reference)
+        for kernel in (skewed_kernel(reference), missing_kernel(reference)):
             with caplog.at_level(logging.WARNING, logger=split_module.__name__):
                 assert not split_available(q, k, kernel)
         assert "no such op" in caplog.text and "strays" in caplog.text
@@ -138,28 +204,29 @@ def test_a_kernel_that_strays_or_raises_is_not_used(caplog):
         split_module._AVAILABLE.clear()
 
 
-def test_the_trainer_with_the_split_equals_packed_rows(tmp_path, monkeypatch):
-    """A fixed-length step (8-token prompts, 12-token responses, 4 rows per prompt, two prompts per
-    micro-batch) through the real model with every shared micro-batch's attention split (the reference kernel
-    standing in for cuDNN): log-probs, entropies, values, last-token scores, the actor's and critic's loss and
-    gradients against the same rows packed whole, float32, the tolerances of the gathered layout's test
-    (tests/engine/test_dynamic_batch.py)."""
+@pytest.mark.parametrize("lengths", ["uniform", "skewed"])
+def test_the_trainer_with_the_split_equals_packed_rows(tmp_path, monkeypatch, lengths):
+    """One step's micro-batches through the real model (a PPO job's actor and critic) with every shared
+    micro-batch's attention split, the reference kernels standing in for the device's (cuDNN, FlashAttention-2),
+    against the same rows packed whole: log-probs, entropies, values, last-token scores, the actor's and
+    critic's loss and gradients, float32, the tolerances of the gathered layout's test
+    (tests/engine/test_dynamic_batch.py). `uniform`: 8-token prompts, 12-token responses, two prompts of 4
+    rows per micro-batch (dense: cuDNN's form); `skewed`: prompts of 2 to 24 tokens, responses of 1 to 12
+    (varlen: FlashAttention-2's form)."""
     from trainer_parity import packing_parity
 
     from engine.models import shared_prompt_attention as shared_module
 
-    calls = []
-
-    def split(q, k, v, uniform, scale):
-        calls.append(uniform)
-        return split_attention(q, k, v, uniform, scale, MATH)
-
     monkeypatch.setattr(shared_module, "flash_applies", lambda q, dropout_p: True)
     monkeypatch.setattr(shared_module, "RECURRING", lambda shape: True)
-    monkeypatch.setattr(shared_module, "split_available", lambda q, k: True)
-    monkeypatch.setattr(shared_module, "split_attention", split)
-    parity = packing_parity([], str(tmp_path), 112, shared=True, uniform=True)
-    assert calls and set(calls) == {(2, 4, 8, 12)}, set(calls)
+    monkeypatch.setattr(shared_module, "split_available", lambda q, k, kernel: True)
+    monkeypatch.setattr(shared_module, "CUDNN", MATH)
+    monkeypatch.setattr(shared_module, "FLASH_VARLEN", MATH_VARLEN)
+    shared_module.SHARED_CALLS.since_last()
+    uniform = lengths == "uniform"
+    parity = packing_parity([], str(tmp_path), 112 if uniform else 64, shared=True, uniform=uniform)
+    cudnn, flash, gathered_calls = shared_module.SHARED_CALLS.since_last()
+    assert gathered_calls == 0 and (cudnn > 0, flash > 0) == (uniform, not uniform), (cudnn, flash)
     for key in ("log_probs", "entropy", "values", "scores"):
         assert parity[key] <= 2e-5, parity
     for key in ("actor_grad_rel", "actor_loss_rel", "critic_grad_rel", "critic_loss_rel"):
