@@ -132,10 +132,10 @@ def shared_prompt_attention(
     if flash_applies(q, dropout_p):
         if params.uniform is not None and not torch.are_deterministic_algorithms_enabled():
             shape = ("shared", *params.uniform, *q.shape[1:], k.shape[1], q.dtype, torch.is_grad_enabled())
-            if RECURRING(shape) and split_available(q, k, CUDNN):
+            if RECURRING(shape) and split_available(q, k, v, CUDNN):
                 SHARED_CALLS.count("cudnn")
                 return split_attention(q, k, v, params.uniform, scale, CUDNN)
-        if params.cross is not None and split_available(q, k, FLASH_VARLEN):
+        if params.cross is not None and split_available(q, k, v, FLASH_VARLEN):
             SHARED_CALLS.count("flash")
             cu, longest = params.cu_seqlens_q, params.max_q
             return varlen_split_attention(q, k, v, cu, longest, params.cross, scale, FLASH_VARLEN)

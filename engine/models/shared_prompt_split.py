@@ -86,7 +86,13 @@ def varlen_split_attention(
     """q (t, heads, dim), k/v (t, groups, dim) of a shared-prompt micro-batch whose segments are bounded by
     `cu_seqlens` (none longer than `max_seqlen`) -> (t, heads, dim) (module docstring)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q, k, v = (unit_stride(x) for x in (q, k, v))
     return _VarlenSplit.apply(q, k, v, cu_seqlens, max_seqlen, cross, scale, kernel)
+
+
+def unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """x with a unit stride over its last dimension (both kernels' need; x itself where it has one)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 class _VarlenSplit(torch.autograd.Function):
@@ -144,6 +150,7 @@ def split_attention(
             f"split_attention: {q.shape[0]} tokens, not the {g * (p + n * r)} of shape {uniform}"
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q, k, v = (unit_stride(x) for x in (q, k, v))
     return _DenseSplit.apply(q, k, v, uniform, scale, kernel)
 
 
@@ -232,16 +239,18 @@ class _DenseSplit(torch.autograd.Function):
 _AVAILABLE: dict[tuple, bool] = {}
 
 
-def split_available(q: torch.Tensor, k: torch.Tensor, kernel: LseKernel | VarlenLseKernel = CUDNN) -> bool:
-    """Once per kernel, device, dtype and (heads, groups, dim): the split with `kernel` on a small case of the
-    layout against the float32 reference kernel, forward and backward; False (logged, and the gathered
-    layout's kernels run) where the kernel raises or strays past half-precision rounding (largest error
-    over 5% of the reference's scale)."""
-    key = (kernel, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2])
+def split_available(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: LseKernel | VarlenLseKernel = CUDNN
+) -> bool:
+    """Once per kernel, device, dtype, (heads, groups, dim) and q/k/v strides: the split with `kernel` on a
+    small case of the layout, its inputs laid out with q's, k's and v's strides, against the float32
+    reference kernel, forward and backward; False (logged, and the gathered layout's kernels run) where the
+    kernel raises or strays past half-precision rounding (largest error over 5% of the reference's scale)."""
+    key = (kernel, q.device, q.dtype, q.shape[1:], k.shape[1:], q.stride(), k.stride(), v.stride())
     if key not in _AVAILABLE:
         try:  # the first call may come from a forward without gradients (old log-probs): the check takes them
             with torch.inference_mode(False), torch.enable_grad():
-                _AVAILABLE[key] = _check(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], kernel)
+                _AVAILABLE[key] = _check(q, k, v, kernel)
         except Exception as err:  # an op this torch or device lacks: the gathered kernels remain
             log.warning(
                 "shared-prompt split attention unavailable (%s: %s); gathered keys instead",
@@ -285,18 +294,29 @@ def check_case(kernel) -> tuple[int, Callable]:
     return int(cu[-1]), attend
 
 
-def _check(device, dtype, heads: int, groups: int, dim: int, kernel) -> bool:
+def _laid_out_like(x: torch.Tensor, t: int, gen: torch.Generator) -> Callable[[torch.dtype], torch.Tensor]:
+    """Random values for a (t, *x.shape[1:]) input, as a leaf in a given dtype with x's strides where they lay
+    rows out one after another (a view into a wider row, as megatron's fused QKV projection hands them out),
+    else contiguous: the same values in each dtype."""
+    shape = (t, *x.shape[1:])
+    rows_apart = x.stride(0) >= x.shape[1] * x.stride(1) and x.stride(1) >= x.shape[2] * x.stride(2)
+    strides = x.stride() if rows_apart and x.stride(2) == 1 else torch.empty(shape, device="meta").stride()
+    values = torch.randn(t * strides[0], device=x.device, generator=gen)
+    return lambda dtype: values.to(dtype).as_strided(shape, strides).requires_grad_()
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel) -> bool:
     t, attend = check_case(kernel)
     reference = MATH if isinstance(kernel, LseKernel) else MATH_VARLEN
-    gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v, grad = (
-        torch.randn(t, h, dim, device=device, generator=gen) for h in (heads, groups, groups, heads)
-    )
+    gen = torch.Generator(device=q.device).manual_seed(0)
+    inputs = [_laid_out_like(x, t, gen) for x in (q, k, v)]
+    grad = torch.randn(t, *q.shape[1:], device=q.device, generator=gen)
     results = []
-    for kern, cast in ((kernel, dtype), (reference, torch.float32)):
-        leaves = [x.to(cast).requires_grad_() for x in (q, k, v)]
+    for kern, dtype in ((kernel, q.dtype), (reference, torch.float32)):
+        leaves = [make(dtype) for make in inputs]
         out = attend(*leaves, kern)
-        results.append([out.float(), *(x.float() for x in torch.autograd.grad(out, leaves, grad.to(cast)))])
+        grads = torch.autograd.grad(out, leaves, grad.to(dtype))
+        results.append([out.float(), *(g.float() for g in grads)])
     ok = all((a - b).abs().max() <= 0.05 * b.abs().max() for a, b in zip(*results))
     if not ok:
         log.warning("shared-prompt split attention strays from its reference here; gathered keys instead")

@@ -435,7 +435,7 @@ def model_shape(args) -> ModelShape:
 def main() -> None:
     args = parse_args()
     if args.gathered:  # the path before the split, for a same-run comparison
-        shared_prompt_attention.split_available = lambda q, k, kernel: False
+        shared_prompt_attention.split_available = lambda q, k, v, kernel: False
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "update.json")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"

@@ -204,7 +204,7 @@ def test_shared_split_runs_cudnn_within_the_gathered_error(monkeypatch):
     old = _errors(gathered, q, k, v, grad, want)
     split_module._AVAILABLE.clear()
     for kernel in (CUDNN, FLASH_VARLEN):
-        assert split_module.split_available(q, k, kernel), f"{kernel} failed its check on this device"
+        assert split_module.split_available(q, k, v, kernel), f"{kernel} failed its check on this device"
     monkeypatch.setattr(packed_module, "RECURRING", packed_module.RecurringShapes())
     monkeypatch.setattr(shared_module, "RECURRING", packed_module.RECURRING)
     monkeypatch.setattr(packed_module, "CUDNN_FROM_CALL", 2)

@@ -191,14 +191,15 @@ def missing_kernel(kernel):
 
 @pytest.mark.parametrize("reference", [MATH, MATH_VARLEN])
 def test_a_kernel_that_strays_or_raises_is_not_used(caplog, reference):
-    q, k = torch.zeros(4, 6, 16), torch.zeros(4, 3, 16)
+    qkv = torch.zeros(4, 6 + 3 + 3, 16)  # views into one projection, as megatron's: rows 192 elements apart
+    q, k, v = qkv.split([6, 3, 3], dim=1)
     split_module._AVAILABLE.clear()
     try:
         with torch.no_grad():  # as from the old log-probs' forward
-            assert split_available(q, k, reference)
+            assert split_available(q, k, v, reference)
         for kernel in (skewed_kernel(reference), missing_kernel(reference)):
             with caplog.at_level(logging.WARNING, logger=split_module.__name__):
-                assert not split_available(q, k, kernel)
+                assert not split_available(q, k, v, kernel)
         assert "no such op" in caplog.text and "strays" in caplog.text
     finally:
         split_module._AVAILABLE.clear()
@@ -219,7 +220,7 @@ def test_the_trainer_with_the_split_equals_packed_rows(tmp_path, monkeypatch, le
 
     monkeypatch.setattr(shared_module, "flash_applies", lambda q, dropout_p: True)
     monkeypatch.setattr(shared_module, "RECURRING", lambda shape: True)
-    monkeypatch.setattr(shared_module, "split_available", lambda q, k, kernel: True)
+    monkeypatch.setattr(shared_module, "split_available", lambda q, k, v, kernel: True)
     monkeypatch.setattr(shared_module, "CUDNN", MATH)
     monkeypatch.setattr(shared_module, "FLASH_VARLEN", MATH_VARLEN)
     shared_module.SHARED_CALLS.since_last()
