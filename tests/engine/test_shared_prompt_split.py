@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.models import shared_prompt_split as split_module
-from engine.models.lse_kernels import MATH, MATH_VARLEN, LseKernel, in_strides
+from engine.models.lse_kernels import MATH, MATH_VARLEN, LseKernel, in_layout
 from engine.models.packed_attention import segment_attention
 from engine.models.shared_prompt_split import split_attention, split_available, varlen_split_attention
 from engine.roles.dynamic_batch import MicroBatcher
@@ -101,7 +101,7 @@ def strided_like_q(kernel: LseKernel) -> LseKernel:
 
     def forward(q, k, v, causal, scale):
         out, lse, state = kernel.forward(q, k, v, causal, scale)
-        return in_strides(out, q), lse[..., 0].clone(), state
+        return in_layout(out, (out.shape, q.stride())), lse[..., 0].clone(), state
 
     return LseKernel(forward, kernel.backward)
 
