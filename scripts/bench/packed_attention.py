@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from gpu_timing import event_ms  # noqa: E402
-from presets import model_preset  # noqa: E402
+from presets import attention_dims  # noqa: E402
 from workload import add_step_args, response_lengths  # noqa: E402
 
 from engine.models.packed_attention import segment_attention  # noqa: E402
@@ -203,18 +203,40 @@ def parity(fn, batch, scale) -> dict:
     ref_out = segment_attention(qf, kf, vf, cu, cu, scale, 0.0)
     ref_out.backward(g.float())
     ref = (ref_out, qf.grad, kf.grad, vf.grad)
+    return max_errors(got, ref)
+
+
+def max_errors(got, want) -> dict[str, float]:
+    """The largest absolute error of the output and of dq, dk, dv."""
     return {
-        name: float((a.float() - b).abs().max()) for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref)
+        name: float((a.float() - b).abs().max()) for name, a, b in zip(("out", "dq", "dk", "dv"), got, want)
     }
+
+
+def layer_fields(preset: str, device: torch.device, dtype: torch.dtype) -> dict:
+    """The JSON's description of one layer's attention: its dims, dtype and device."""
+    heads, groups, dim, layers = attention_dims(preset)
+    return {
+        "heads": heads,
+        "groups": groups,
+        "dim": dim,
+        "layers": layers,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    }
+
+
+def device_and_dtype() -> tuple[torch.device, torch.dtype]:
+    """CUDA in bfloat16 where there is a GPU, else the CPU in float32 (the plumbing)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    m = model_preset(args.preset)
-    heads, groups = m["num_attention_heads"], m["num_query_groups"]
-    dim = m.get("head_dim") or m["hidden_size"] // heads
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    heads, groups, dim, layers = attention_dims(args.preset)
+    device, dtype = device_and_dtype()
     scale = dim**-0.5
     mbs = micro_batch_lengths(args)
     batches = []
@@ -223,7 +245,6 @@ def main(argv=None) -> None:
         batches.append((q, k, v, g, offsets(lengths, device), max(lengths)))
     sum_sq = sum(n * (n + 1) // 2 for lengths in mbs for n in lengths)
     fwd_flops = 2 * 2 * heads * dim * sum_sq
-    layers = m["num_layers"]
     result = {
         "preset": args.preset,
         "lengths": args.lengths,
@@ -232,12 +253,7 @@ def main(argv=None) -> None:
         "tokens": sum(map(sum, mbs)),
         "micro_batches": len(mbs),
         "max_tokens": args.max_tokens,
-        "heads": heads,
-        "groups": groups,
-        "dim": dim,
-        "layers": layers,
-        "dtype": str(dtype).removeprefix("torch."),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        **layer_fields(args.preset, device, dtype),
         "kernels": {},
     }
     if args.per_micro_batch and device.type == "cuda":

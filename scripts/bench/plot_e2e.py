@@ -120,12 +120,14 @@ def default_fixed_runs(preset: str) -> list[tuple[str, dict]]:
     layers' CUDA graphs, the default since 979bb6f (e2e_h200_fixed_<size>_8_rows_auto_graphs_{eager,null}.json,
     one call), as (label, e2e.py report)."""
     size = preset.removeprefix("qwen2_5_")
-    out = []
-    for name, label in (("eager", "8 rows, eager"), ("null", "8 rows, graphs\n(the default)")):
-        path = os.path.join(HERE, f"e2e_h200_fixed_{size}_8_rows_auto_graphs_{name}.json")
-        if os.path.exists(path):
-            out.append((label, json.load(open(path))))
-    return out
+    labels = {"eager": "8 rows, eager", "null": "8 rows, graphs\n(the default)"}
+    return labelled_runs(f"e2e_h200_fixed_{size}_8_rows_auto_graphs_{{}}.json", labels)
+
+
+def labelled_runs(pattern: str, labels: dict[str, str]) -> list[tuple[str, dict]]:
+    """(label, e2e.py report) of results/<pattern with each name of `labels`>.json, where it exists."""
+    paths = {name: os.path.join(HERE, pattern.format(name)) for name in labels}
+    return [(labels[name], json.load(open(path))) for name, path in paths.items() if os.path.exists(path)]
 
 
 def same_call_pair(preset: str) -> tuple[dict, dict] | None:
@@ -143,12 +145,8 @@ def prompts_once_runs(workload: str) -> list[tuple[str, dict]]:
     """Whole rows and each group's prompt once (trainer.share_prompts, the default since da318f3), the
     trainer's default micro-batches, one call at 90399ed (e2e_h200_<workload>_{whole_rows,share_prompts}_90399ed.json),
     as (label, e2e.py report)."""
-    out = []
-    for name, label in (("whole_rows", "whole rows,\n90399ed"), ("share_prompts", "prompts once,\n90399ed")):
-        path = os.path.join(HERE, f"e2e_h200_{workload}_{name}_90399ed.json")
-        if os.path.exists(path):
-            out.append((label, json.load(open(path))))
-    return out
+    labels = {"whole_rows": "whole rows,\n90399ed", "share_prompts": "prompts once,\n90399ed"}
+    return labelled_runs(f"e2e_h200_{workload}_{{}}_90399ed.json", labels)
 
 
 def fixed_panel(ax) -> None:

@@ -14,6 +14,13 @@ def model_preset(name: str) -> dict:
         return yaml.safe_load(f)
 
 
+def attention_dims(name: str) -> tuple[int, int, int, int]:
+    """(query heads, key/value groups, head dim, layers) of a preset."""
+    m = model_preset(name)
+    heads = m["num_attention_heads"]
+    return heads, m["num_query_groups"], m.get("head_dim") or m["hidden_size"] // heads, m["num_layers"]
+
+
 def model_config(name: str, **overrides):
     """conf/model/<name>.yaml as the engine's typed `ModelConfig`, with fields replaced by `overrides`."""
     from dataclasses import replace

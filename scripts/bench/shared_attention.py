@@ -38,8 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from gpu_timing import event_ms  # noqa: E402
-from presets import model_preset  # noqa: E402
-from workload import KINDS, response_lengths  # noqa: E402
+from packed_attention import device_and_dtype, layer_fields, max_errors  # noqa: E402
+from presets import attention_dims  # noqa: E402
+from workload import add_step_args, response_lengths  # noqa: E402
 
 from engine.models.lse_kernels import CUDNN, FLASH_VARLEN, MATH, MATH_VARLEN  # noqa: E402
 from engine.models.packed_attention import FlashVarlen, segment_attention, uniform_rows_attention  # noqa: E402
@@ -54,12 +55,7 @@ KERNELS = ("gathered", "split_cudnn", "split_flash", "whole_rows")
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="qwen2_5_1_5b")
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--response-len", type=int, default=512)
-    ap.add_argument("--lengths", choices=KINDS, default="fixed", help="response lengths (workload.py)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the lengths")
+    add_step_args(ap)
     ap.add_argument("--max-tokens", type=int, default=32768, help="token budget per micro-batch")
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--iters", type=int, default=5)
@@ -147,18 +143,13 @@ def parity(fn, batch, scale) -> dict:
     q, k, v, g, p = batch
     got = run(fn, q, k, v, g, p, scale, backward=True)
     want = run(gathered, *(x.float() for x in (q, k, v, g)), p, scale, backward=True)
-    return {
-        name: float((a.float() - b).abs().max()) for name, a, b in zip(("out", "dq", "dk", "dv"), got, want)
-    }
+    return max_errors(got, want)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    m = model_preset(args.preset)
-    heads, groups = m["num_attention_heads"], m["num_query_groups"]
-    dim = m.get("head_dim") or m["hidden_size"] // heads
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    heads, groups, dim, layers = attention_dims(args.preset)
+    device, dtype = device_and_dtype()
     scale = dim**-0.5
     params = shared_params(args, device)
     result = {
@@ -171,12 +162,7 @@ def main(argv=None) -> None:
         "max_tokens": args.max_tokens,
         "micro_batches": len(params),
         "shapes": sorted({p.uniform for p in params}, key=str),
-        "heads": heads,
-        "groups": groups,
-        "dim": dim,
-        "layers": m["num_layers"],
-        "dtype": str(dtype).removeprefix("torch."),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        **layer_fields(args.preset, device, dtype),
         "kernels": {},
     }
     for name in args.kernels.split(","):
@@ -195,9 +181,7 @@ def main(argv=None) -> None:
                 row["max_abs_error"] = parity(fn, batches[0], scale)
             if device.type == "cuda":
                 fwd, both = (timed_ms(fn, batches, scale, b, args.iters) for b in (False, True))
-                row.update(
-                    forward_ms=fwd, forward_backward_ms=both, update_ms_all_layers=both * m["num_layers"]
-                )
+                row.update(forward_ms=fwd, forward_backward_ms=both, update_ms_all_layers=both * layers)
         except Exception as e:  # noqa: BLE001 - a kernel the build refuses is a result, not a crash
             row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         result["kernels"][name] = row
