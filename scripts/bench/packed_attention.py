@@ -56,14 +56,21 @@ KERNELS = ("engine", "flash_gqa", "varlen_repeat", "uniform_sdpa", "padded_sdpa"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = attention_bench_parser(__doc__, KERNELS)
+    ap.add_argument("--per-micro-batch", action="store_true")
+    return ap.parse_args(argv)
+
+
+def attention_bench_parser(doc: str, kernels: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The options of an attention benchmark (this one, shared_attention.py): a preset, the step's workload,
+    the micro-batch budget, the kernels and the timed iterations."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--preset", default="qwen2_5_1_5b")
     add_step_args(ap)
     ap.add_argument("--max-tokens", type=int, default=32768, help="token budget per micro-batch")
-    ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument("--kernels", default=",".join(kernels))
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--per-micro-batch", action="store_true")
-    return ap.parse_args(argv)
+    return ap
 
 
 def micro_batch_lengths(args) -> list[list[int]]:

@@ -38,9 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from gpu_timing import event_ms  # noqa: E402
-from packed_attention import device_and_dtype, layer_fields, max_errors  # noqa: E402
+from packed_attention import attention_bench_parser, device_and_dtype, layer_fields, max_errors  # noqa: E402
 from presets import attention_dims  # noqa: E402
-from workload import add_step_args, response_lengths  # noqa: E402
+from workload import response_lengths  # noqa: E402
 
 from engine.models.lse_kernels import CUDNN, FLASH_VARLEN, MATH, MATH_VARLEN  # noqa: E402
 from engine.models.packed_attention import FlashVarlen, segment_attention, uniform_rows_attention  # noqa: E402
@@ -53,13 +53,7 @@ KERNELS = ("gathered", "split_cudnn", "split_flash", "whole_rows")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="qwen2_5_1_5b")
-    add_step_args(ap)
-    ap.add_argument("--max-tokens", type=int, default=32768, help="token budget per micro-batch")
-    ap.add_argument("--kernels", default=",".join(KERNELS))
-    ap.add_argument("--iters", type=int, default=5)
-    return ap.parse_args(argv)
+    return attention_bench_parser(__doc__, KERNELS).parse_args(argv)
 
 
 def shared_params(args, device: torch.device) -> list:
