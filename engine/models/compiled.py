@@ -3,7 +3,7 @@
 Small op chains (a norm, a gated activation, the rotary embedding, a softmax statistic) run as one fused
 Triton kernel on CUDA instead of one kernel per op; the same Python function runs eagerly on CPU, where
 torch.compile would need a C++ toolchain and buys little. Each use site names an environment switch
-(`ENGINE_COMPILE_LOGPROBS`, `ENGINE_COMPILE_ROLLOUT`) that turns its kernels off when set to 0, for
+(`ENGINE_COMPILE_LOGPROBS`, `ENGINE_COMPILE_ROLLOUT`, `ENGINE_COMPILE_ATTENTION`) that turns its kernels off when set to 0, for
 benchmarks' baselines and for debugging a suspected compiler problem.
 """
 
@@ -18,6 +18,8 @@ LOGPROBS = "ENGINE_COMPILE_LOGPROBS"
 """Switch of the fused output head's kernels (engine/models/fused_logprobs.py)."""
 ROLLOUT = "ENGINE_COMPILE_ROLLOUT"
 """Switch of the native rollout engine's kernels (engine/rollout/model.py, engine/rollout/sampler.py)."""
+ATTENTION = "ENGINE_COMPILE_ATTENTION"
+"""Switch of the split shared-prompt attention's merge (engine/models/shared_prompt_split.py)."""
 
 _compiled: dict[tuple[str, str], Callable] = {}
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.models.compiled import ATTENTION, cuda_kernel
 from engine.models.lse_kernels import (
     CUDNN,
     MATH,
@@ -65,12 +66,20 @@ class CrossSegments:
     max_k: int
 
 
-def _merged(o_self, l_self, o_cross, l_cross) -> tuple[torch.Tensor, torch.Tensor]:
-    """The union's output (float32 or float64; token-major (..., heads, dim) parts) and log-sum-exp
-    (..., heads) from two parts' (module docstring)."""
+def merge_parts(o_self, l_self, o_cross, l_cross, out) -> None:
+    """Write the union's output into `out` (o_self's dtype) and its log-sum-exp into `l_self` and `l_cross`
+    from two parts' outputs (token-major (..., heads, dim) views) and log-sum-exps ((..., heads) views),
+    computed in float32 (float64 for float64 parts) and rounded once (module docstring); `out` may be
+    o_self. One fused kernel on CUDA (engine/models/compiled.py `ATTENTION`)."""
     merged = torch.logaddexp(l_self, l_cross)
     weight = (l_self - merged).exp().unsqueeze(-1)  # the self part's share of each token's softmax
-    return torch.lerp(wide(o_cross), wide(o_self), weight), merged
+    out.copy_(torch.lerp(wide(o_cross), wide(o_self), weight))
+    l_self.copy_(merged)
+    l_cross.copy_(merged)
+
+
+def _merge(device: torch.device) -> Callable:
+    return cuda_kernel(merge_parts, device, ATTENTION, dynamic=None)
 
 
 def varlen_split_attention(
@@ -102,11 +111,8 @@ class _VarlenSplit(torch.autograd.Function):
         out, lse, state = kernel.forward(q, k, v, cu, cu, longest, longest, True, scale)  # lse (heads, t)
         cross_args = (cross.cu_q, cross.cu_k, cross.max_q, cross.max_k, False, scale)
         oc, lc, state_c = kernel.forward(q[tp : tp + tr], k[:tp], v[:tp], *cross_args)
-        ls_t, lc_t = lse[:, tp : tp + tr].T, lc.T  # (responses' tokens, heads) views
-        o, merged = _merged(out[tp : tp + tr], ls_t, oc, lc_t)
-        out[tp : tp + tr] = o
-        ls_t.copy_(merged)  # both parts' log-sum-exps now the union's
-        lc_t.copy_(merged)
+        responses = out[tp : tp + tr]
+        _merge(q.device)(responses, lse[:, tp : tp + tr].T, oc, lc.T, responses)  # lse views (tokens, heads)
         ctx.save_for_backward(q, k, v, out, lse, lc, cu)
         ctx.args = (longest, cross, scale, kernel, state, state_c)
         return out
@@ -128,9 +134,9 @@ class _VarlenSplit(torch.autograd.Function):
             state_c,
             *(cross.cu_q, cross.cu_k, cross.max_q, cross.max_k, False, scale),
         )
-        dq[responses] = wide(dq[responses]) + wide(dqc)
-        dk[:tp] = wide(dk[:tp]) + wide(dkc)
-        dv[:tp] = wide(dv[:tp]) + wide(dvc)
+        dq[responses] += dqc  # the exact sum of two half-precision values, rounded once
+        dk[:tp] += dkc
+        dv[:tp] += dvc
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -200,14 +206,13 @@ class _DenseSplit(torch.autograd.Function):
         oc, lc, state_c = kernel.forward(qc, kp, vp, False, scale)
         out = q.new_empty(q.shape)  # (t, heads, dim)
         _prompts(out, uniform).copy_(op.transpose(1, 2))
-        ls_t, lc_t = (
-            _by_token(_lse(ls), uniform, False),
+        _merge(q.device)(  # each part's log-sum-exp buffer then holds the union's, in that part's layout
+            _by_token(os_, uniform, False),
+            _by_token(_lse(ls), uniform, False),  # (G, n, R, heads)
+            _by_token(oc, uniform, True),
             _by_token(_lse(lc), uniform, True),
-        )  # (G, n, R, heads)
-        o, merged = _merged(_by_token(os_, uniform, False), ls_t, _by_token(oc, uniform, True), lc_t)
-        _responses(out, uniform).copy_(o)
-        ls_t.copy_(merged)  # each part's log-sum-exp buffer now holds the union's, in that part's layout
-        lc_t.copy_(merged)
+            _responses(out, uniform),
+        )
         ctx.save_for_backward(q, k, v, out, lp, ls, lc)
         ctx.uniform, ctx.scale, ctx.kernel = uniform, scale, kernel
         ctx.states = (state_p, state_s, state_c)
@@ -227,11 +232,10 @@ class _DenseSplit(torch.autograd.Function):
         dqc, dkc, dvc = kernel.backward(doc, qc, kp, vp, outs[2], lc, state_c, False, scale)
         dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
         _prompts(dq, uniform).copy_(dqp.transpose(1, 2))
-        _responses(dq, uniform).copy_(
-            wide(_by_token(dqs, uniform, False)) + wide(_by_token(dqc, uniform, True))
-        )
+        # sums of two half-precision values: exact, rounded once
+        torch.add(_by_token(dqs, uniform, False), _by_token(dqc, uniform, True), out=_responses(dq, uniform))
         for grad, own, prompt, cross in ((dk, dks, dkp, dkc), (dv, dvs, dvp, dvc)):
-            _prompts(grad, uniform).copy_(wide(prompt.transpose(1, 2)) + wide(cross.transpose(1, 2)))
+            torch.add(prompt.transpose(1, 2), cross.transpose(1, 2), out=_prompts(grad, uniform))
             _responses(grad, uniform).copy_(_by_token(own, uniform, False))
         return dq, dk, dv, None, None, None
 
