@@ -107,7 +107,8 @@ class VarlenLseKernel:
     queries cu_q[i]:cu_q[i+1] over the keys cu_k[i]:cu_k[i+1] (none empty), causal (square segments) or
     unmasked: `forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> (out, lse, state)`, out
     (t_q, heads, dim), lse (heads, t_q) float32; `backward(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q,
-    max_k, causal, scale) -> (dq, dk, dv)`."""
+    max_k, causal, scale) -> (dq, dk, dv)`; gradient rows of keys (or queries) in no segment are undefined
+    (FlashAttention-2 leaves them unwritten; `MATH_VARLEN` makes them NaN)."""
 
     forward: Callable
     backward: Callable
@@ -165,7 +166,11 @@ def _math_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale:
 
 
 def _math_varlen_backward(dout, q, k, v, out, lse, state, cu_q, cu_k, max_q, max_k, causal: bool, scale):
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # rows in no segment NaN: FlashAttention-2 leaves them unwritten, and a caller must not read them
+    dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+    for x, cu in ((dq, cu_q), (dk, cu_k), (dv, cu_k)):
+        for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:]):
+            x[a:b] = 0
     for q0, q1, k0, k1 in _segments(cu_q, cu_k):
         grads = _math_backward(
             _dense(dout[q0:q1]),

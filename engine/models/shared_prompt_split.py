@@ -56,7 +56,8 @@ class CrossSegments:
     """The responses block's queries over their prompts' keys: tokens [prompt_tokens, prompt_tokens +
     response_tokens) of the micro-batch, unit by unit (`cu_q`, relative to the block's start; units without
     responses left out), each over its prompt's keys (`cu_k`, positions in the prompts block); `max_q`,
-    `max_k` the longest of each."""
+    `max_k` the longest of each; `keys` (cu_k[0], cu_k[-1]): the prompts block's rows in some segment (a
+    kernel leaves the others' gradients unwritten)."""
 
     prompt_tokens: int
     response_tokens: int
@@ -64,6 +65,7 @@ class CrossSegments:
     cu_k: torch.Tensor
     max_q: int
     max_k: int
+    keys: tuple[int, int]
 
 
 def merge_parts(o_self, l_self, o_cross, l_cross, out) -> None:
@@ -135,8 +137,9 @@ class _VarlenSplit(torch.autograd.Function):
             *(cross.cu_q, cross.cu_k, cross.max_q, cross.max_k, False, scale),
         )
         dq[responses] += dqc  # the exact sum of two half-precision values, rounded once
-        dk[:tp] += dkc
-        dv[:tp] += dvc
+        first, last = cross.keys  # prompts of units without responses: in no segment, their rows unwritten
+        dk[first:last] += dkc[first:last]
+        dv[first:last] += dvc[first:last]
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -289,6 +292,7 @@ def check_case(kernel) -> tuple[int, Callable]:
         torch.tensor([0, *torch.tensor(prompts).cumsum(0).tolist()], dtype=torch.int32),
         max(totals),
         max(prompts),
+        (0, sum(prompts)),
     )
 
     def attend(q, k, v, kern):

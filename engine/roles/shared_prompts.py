@@ -187,4 +187,5 @@ def cross_segments(
         cu_k=torch.tensor(cu_k, dtype=torch.int32).to(device),
         max_q=max(totals),
         max_k=max(last - first for first, last in spans),
+        keys=(cu_k[0], cu_k[-1]),
     )

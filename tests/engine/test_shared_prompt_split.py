@@ -69,12 +69,12 @@ def test_prompts_first_then_responses_the_uniform_shape_and_the_cross_segments()
 def test_cross_segments_leave_out_units_without_responses_and_refuse_what_they_cannot_express():
     units = [[0, 1], [2], [3, 4]]
     cross = cross_segments(units, [4, 2, 3], [5, 0, 2, 0, 0], CPU)  # the last unit without responses
-    assert cross.cu_q.tolist() == [0, 5, 7] and cross.cu_k.tolist() == [0, 4, 6]
+    assert cross.cu_q.tolist() == [0, 5, 7] and cross.cu_k.tolist() == [0, 4, 6] and cross.keys == (0, 6)
     assert (cross.prompt_tokens, cross.response_tokens, cross.max_q, cross.max_k) == (9, 7, 5, 4)
     cross = cross_segments(units, [4, 2, 3], [5, 0, 0, 1, 2], CPU)
     assert cross is None  # a unit without responses between two with them: its prompt's keys in no segment
     cross = cross_segments(units, [4, 2, 3], [0, 0, 1, 2, 3], CPU)  # the first without: keys from 4
-    assert cross.cu_q.tolist() == [0, 1, 6] and cross.cu_k.tolist() == [4, 6, 9]
+    assert cross.cu_q.tolist() == [0, 1, 6] and cross.cu_k.tolist() == [4, 6, 9] and cross.keys == (4, 9)
     assert cross_segments(units, [4, 0, 3], [5, 0, 1, 2, 2], CPU) is None  # responses without a prompt
 
 
@@ -146,6 +146,21 @@ def test_varlen_split_equals_gathered_keys(groups, multiple):
         want = run(lambda q, k, v, p=params: gathered(q, k, v, p, 0.3), leaves, grad)
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=name)
+
+
+def test_varlen_split_with_prompts_in_no_cross_segment():
+    """The first and the last prompt's responses all empty (their units in no cross segment: the reference
+    kernel's gradient rows for their keys are NaN, as FlashAttention-2 leaves them unwritten): float64,
+    output and q/k/v gradients equal the gathered layout's."""
+    (mb,) = micro_batches(experience([10, 4, 6], [0, 0, 3, 2, 0, 0], n=2))  # laid out by cost: 10, 4 + 5, 6
+    params = mb["packed_seq_params"]
+    assert params.cross.keys == (10, 14) and params.cross.prompt_tokens == 20
+    assert params.cross.cu_q.tolist() == [0, 5]
+    leaves, grad = inputs(mb["tokens"].shape[1], 4, 2, 8, torch.float64)
+    got = run(lambda q, k, v: varlen(q, k, v, params, 0.3), leaves, grad)
+    want = run(lambda q, k, v: gathered(q, k, v, params, 0.3), leaves, grad)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("form", ["dense", "varlen"])
