@@ -14,8 +14,8 @@ this device):
 - every unit of one shape (`uniform`; a fixed-length step), once the shape recurs (`RecurringShapes`: cuDNN
   builds a plan per shape), unless torch's deterministic algorithms are on (cuDNN's attention backward is
   not one): the prompts and the responses as dense batches through cuDNN;
-- else where `cross` is given (every unit with responses has a prompt): FlashAttention-2 varlen, all
-  segments over themselves and the responses over their prompts;
+- with `SPLIT_VARLEN` (off) where `cross` is given (every unit with responses has a prompt):
+  FlashAttention-2 varlen, all segments over themselves and the responses over their prompts;
 - else the gathered keys: FlashAttention-2 varlen with separate query and key boundaries (its causal mask is
   aligned to the bottom right where queries are fewer than keys, FlashAttention >= 2.1's rule).
 - Elsewhere: SDPA with that mask spelled out, the segments of one shape in one batched call
@@ -90,6 +90,13 @@ class SharedPositions:
 
 SHARED_POSITIONS = SharedPositions()
 
+SPLIT_VARLEN = False
+"""The split through FlashAttention-2 varlen where a micro-batch has no single shape: off until measured
+against the gathered keys on a GPU. It saves the keys' gathers and float32 scatter-adds but adds passes over
+the responses' queries and outputs, six times the keys' size at Qwen2.5's 12 heads in 2 groups (the cross
+part's query reads and output writes, the merge, the query-gradient add); `scripts/bench/shared_attention.py`
+(`split_flash` against `gathered`) and `update.py --varlen-split` measure it."""
+
 
 class SharedCalls:
     """This process's shared-prompt attention calls by path: "cudnn" and "flash" (split at the prompt,
@@ -135,7 +142,7 @@ def shared_prompt_attention(
             if RECURRING(shape) and split_available(q, k, v, CUDNN):
                 SHARED_CALLS.count("cudnn")
                 return split_attention(q, k, v, params.uniform, scale, CUDNN)
-        if params.cross is not None and split_available(q, k, v, FLASH_VARLEN):
+        if SPLIT_VARLEN and params.cross is not None and split_available(q, k, v, FLASH_VARLEN):
             SHARED_CALLS.count("flash")
             cu, longest = params.cu_seqlens_q, params.max_q
             return varlen_split_attention(q, k, v, cu, longest, params.cross, scale, FLASH_VARLEN)

@@ -131,6 +131,12 @@ def parse_args() -> argparse.Namespace:
         help="with --share-prompts: each response's keys gathered behind its prompt's (FlashAttention-2), where "
         "the trainer splits the attention at the prompt (engine/models/shared_prompt_split.py)",
     )
+    ap.add_argument(
+        "--varlen-split",
+        action="store_true",
+        help="with --share-prompts: the attention split at the prompt through FlashAttention-2 varlen where a "
+        "micro-batch has no single shape (engine/models/shared_prompt_attention.py SPLIT_VARLEN, off by default)",
+    )
     ap.add_argument("--lengths", choices=KINDS, default="fixed", help="response lengths (workload.py)")
     ap.add_argument("--fresh-lengths", action="store_true", help="long_tail: a new draw for every update")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -436,6 +442,7 @@ def main() -> None:
     args = parse_args()
     if args.gathered:  # the path before the split, for a same-run comparison
         shared_prompt_attention.split_available = lambda q, k, v, kernel: False
+    shared_prompt_attention.SPLIT_VARLEN = args.varlen_split
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "update.json")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"

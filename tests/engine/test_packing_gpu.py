@@ -170,9 +170,9 @@ def test_padded_attention_takes_cudnn_only_for_a_recurring_shape(monkeypatch):
 
 def test_shared_split_runs_cudnn_within_the_gathered_error(monkeypatch):
     """trainer.share_prompts at one shape (a fixed-length step), at 1.5B's heads, 4 prompts of 256 tokens x 8
-    responses of 512: both split kernels pass the device's check; `shared_prompt_attention` splits at the
-    prompt through FlashAttention-2 on the shape's first call and as dense batches through cuDNN once it
-    recurs (engine/models/shared_prompt_split.py; the profiler's kernel names), and output and q/k/v
+    responses of 512: both split kernels pass the device's check; `shared_prompt_attention` gathers the keys
+    (FlashAttention-2) on the shape's first call and splits at the prompt as dense batches through cuDNN once
+    it recurs (engine/models/shared_prompt_split.py; the profiler's kernel names), and output and q/k/v
     gradients against float32 are within 2x the gathered layout's FlashAttention-2 error plus one bf16 ulp of
     the reference's scale."""
     from test_shared_prompt_split import experience
