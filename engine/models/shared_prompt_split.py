@@ -11,7 +11,8 @@ A response token's two parts merge by their log-sum-exps: with l = logaddexp(l_s
 over the union is each part's softmax weighted by exp(l_part - l), so the output is
 exp(l_self - l) o_self + exp(l_cross - l) o_cross (float32, rounded once). The backward runs each part's own
 backward with the merged output and log-sum-exp (engine/models/lse_kernels.py), which gives each part's share
-of the union's gradient, as ring attention does; the two parts' gradients of a token add in float32.
+of the union's gradient, as ring attention does; the two parts' gradients of a token add in their own
+precision (the exact sum of two values, rounded once). The merge is one compiled kernel on CUDA.
 
 Two forms:
 - `split_attention`: where every unit has one shape (`uniform`: G prompts of P, G x n responses of R; a
@@ -22,7 +23,8 @@ Two forms:
   cannot use.
 - `varlen_split_attention`: any micro-batch whose every unit with responses has a prompt (`CrossSegments`):
   FlashAttention-2 varlen for both parts (`FLASH_VARLEN`); against the gathered keys it saves their copies
-  (the forward's gather, the saved copies, the backward's float32 scatter-add).
+  (the forward's gather, the saved copies, the backward's float32 scatter-add) and costs passes over the
+  queries and outputs (engine/models/shared_prompt_attention.py `SPLIT_VARLEN`: off until measured).
 `split_available` checks a device's kernel once on a small case against the float32 reference kernels;
 where it raises or strays the gathered layout's kernels run (engine/models/shared_prompt_attention.py).
 """
