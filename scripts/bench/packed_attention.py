@@ -3,9 +3,10 @@ into micro-batches by the trainer's token budget and laid back to back (thd, `en
 forward and backward, per kernel; prints one JSON object.
 
 Kernels (`--kernels`):
-- `engine`: what the trainer runs (`engine.models.packed_attention.packed_attention`: SDPA on views where every
-  row of a micro-batch is as long as the longest, else FlashAttention-2 varlen with the key/value groups as
-  they are);
+- `engine`: what the trainer runs in its steady state (`engine.models.packed_attention.packed_attention`:
+  SDPA on views where every row of a micro-batch is as long as the longest, else FlashAttention-2 varlen with
+  the key/value groups as they are); equal rows take SDPA from a shape's first call here (the trainer from
+  its `CUDNN_FROM_CALL`-th, a few steps into a run), the warm-up call building cuDNN's plans;
 - `flash_gqa`: that FlashAttention-2 varlen path alone (`FlashVarlen`), for every micro-batch;
 - `varlen_repeat`: torch's `varlen_attn` (FlashAttention-2 varlen) with the key/value groups repeated per query
   head, as torch 2.11's has no `enable_gqa`: the engine's path before;
@@ -49,6 +50,7 @@ from gpu_timing import event_ms  # noqa: E402
 from presets import attention_dims  # noqa: E402
 from workload import add_step_args, response_lengths  # noqa: E402
 
+from engine.models import packed_attention as packed_module  # noqa: E402
 from engine.models.packed_attention import segment_attention  # noqa: E402
 from engine.roles.dynamic_batch import pack_by_token_budget  # noqa: E402
 
@@ -242,6 +244,7 @@ def device_and_dtype() -> tuple[torch.device, torch.dtype]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    packed_module.CUDNN_FROM_CALL = 1  # `engine`'s steady state: every shape past its plan build (docstring)
     heads, groups, dim, layers = attention_dims(args.preset)
     device, dtype = device_and_dtype()
     scale = dim**-0.5
