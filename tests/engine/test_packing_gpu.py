@@ -208,9 +208,8 @@ def test_shared_split_runs_cudnn_within_the_gathered_error(monkeypatch):
     monkeypatch.setattr(packed_module, "RECURRING", packed_module.RecurringShapes())
     monkeypatch.setattr(shared_module, "RECURRING", packed_module.RECURRING)
     monkeypatch.setattr(packed_module, "CUDNN_FROM_CALL", 2)
-    shared_module.SHARED_POSITIONS.take(
-        cu_q
-    )  # the RoPE hook's mark (no model here): the micro-batch registered
+    # the RoPE hook's mark (no model here); the micro-batch registered its positions
+    shared_module.SHARED_POSITIONS.take(cu_q)
     attend = lambda q, k, v: shared_module.shared_prompt_attention(q, k, v, params, scale, 0.0)  # noqa: E731
     for call, split in enumerate((False, True)):
         got: list[float] = []
