@@ -75,7 +75,7 @@ def shared_prompt_micro_batch(
     and `row_prompt_lens`; `rows` in the order laid out."""
     prompts = [int(exp.prompt_lens[unit[0]]) for unit in units]
     pieces, positions, q_lens, kv, k_lens = [], [], [], [], []
-    prompt_starts_of = [0, *torch.tensor(prompts).cumsum(0).tolist()]
+    prompt_starts_of = [0, *itertools.accumulate(prompts)]
     for unit, prompt, start in zip(units, prompts, prompt_starts_of):  # the prompts block
         pieces.append(exp.tokens[unit[0], :prompt])
         positions.append(torch.arange(prompt))
