@@ -8,13 +8,13 @@ each response segment are its prompt's followed by its own, gathered by `kv_inde
 (`GatherRows`, whose backward sums the responses' key/value gradients into the prompt's in float32), and the
 causal mask is aligned to the end of the keys. Exactly the attention each row has when it lies alone with its
 prompt: the prompt's tokens attend only to the prompt, so they compute the same in every row of the group.
-On CUDA in half precision without dropout the attention is split at each response's prompt instead, no
-keys gathered (engine/models/shared_prompt_split.py; each path only where its kernel passed its check on
+On CUDA in half precision without dropout the first of these that applies runs (a split at each response's
+prompt, no keys gathered: engine/models/shared_prompt_split.py, only where its kernel passed its check on
 this device):
 - every unit of one shape (`uniform`; a fixed-length step), once the shape recurs (`RecurringShapes`: cuDNN
   builds a plan per shape), unless torch's deterministic algorithms are on (cuDNN's attention backward is
-  not one): the prompts and the responses as dense batches through cuDNN;
-- with `SPLIT_VARLEN` (off) where `cross` is given (every unit with responses has a prompt):
+  not one): split, the prompts and the responses as dense batches through cuDNN;
+- with `SPLIT_VARLEN` (off) where `cross` is given (every unit with responses has a prompt): split through
   FlashAttention-2 varlen, all segments over themselves and the responses over their prompts;
 - else the gathered keys: FlashAttention-2 varlen with separate query and key boundaries (its causal mask is
   aligned to the bottom right where queries are fewer than keys, FlashAttention >= 2.1's rule).
