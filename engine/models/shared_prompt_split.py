@@ -17,10 +17,10 @@ precision (the exact sum of two values, rounded once). The merge is one compiled
 Two forms:
 - `split_attention`: where every unit has one shape (`uniform`: G prompts of P, G x n responses of R; a
   fixed-length step) the parts are dense batches, cuDNN's attention on views (`CUDNN`): the prompts (G, P)
-  and the responses (G x n, R) causal, each unit's n x R response queries over its P keys. cuDNN takes
-  0.60-0.65x FlashAttention-2's time on equal rows (engine/models/packed_attention.py) but its causal mask
-  in torch is aligned to the keys' start, which the gathered layout's responses (fewer queries than keys)
-  cannot use.
+  and the responses (G x n, R) causal, each unit's n x R response queries over its P keys. cuDNN is faster
+  than FlashAttention-2 on equal rows (engine/models/packed_attention.py; scripts/bench/README.md) but its
+  causal mask in torch is aligned to the keys' start, which the gathered layout's responses (fewer queries
+  than keys) cannot use.
 - `varlen_split_attention`: any micro-batch whose every unit with responses has a prompt (`CrossSegments`):
   FlashAttention-2 varlen for both parts (`FLASH_VARLEN`); against the gathered keys it saves their copies
   (the forward's gather, the saved copies, the backward's float32 scatter-add) and costs passes over the

@@ -18,10 +18,7 @@ over DP: every replica receives the whole batch's responses, then keeps its shar
 layout differs from the rolled-out one. Dynamic sampling already holds the global batch
 (engine/step/collect.py) and deals it without a further exchange.
 
-Measured (scripts/bench/README.md, "DP balance"): 64 prompts x 8, long tail to 4,096 tokens, the slowest
-replica's tokens over the mean, median of 50 seeds: DP=4 1.174 as rolled out, 1.002 re-dealt; DP=8 with 4
-mini-batches 1.720 and 1.384 (two groups per replica and mini-batch leave little to deal). On the CPU, the
-default job at DP=2 with 96-token responses: 1.045 -> 1.004, the actor update 0.156 -> 0.150 s per step.
+Measured: scripts/bench/README.md, "DP balance" (`scripts/bench/dp_balance.py`).
 """
 
 from __future__ import annotations

@@ -57,10 +57,9 @@ def prompts_shared(cfg: TrainConfig, built: ModelConfig) -> bool:
     """Whether each group's prompt is laid out once per packed micro-batch (trainer.share_prompts): as set, or
     where it is empty, wherever nothing blocks it (`share_prompts_blockers`), the rollout samples more than one
     response per prompt, and the layers do not run from CUDA graphs (`layer_graphs_on`: on by default where
-    micro-batches are cut by rows on a GPU, whose fixed layouts sharing would change). One H200, GRPO steps
-    of 64 prompts x 8, 256-token prompts, the default micro-batches, each pair in one call (scripts/bench/
-    README.md "End to end", 2026-12-05): fixed 512-token responses 1.5B 8.71 -> 7.67 s, 0.5B 4.62 -> 3.75 s;
-    the same results (tests at TP=2 x PP=2 with SP and on the GPU against whole rows)."""
+    micro-batches are cut by rows on a GPU, whose fixed layouts sharing would change). The same results
+    (tests at TP=2 x PP=2 with SP and on the GPU against whole rows), fewer tokens; measured in
+    scripts/bench/README.md, "End to end"."""
     setting = cfg.trainer.share_prompts
     if setting is not None:
         return setting
