@@ -51,3 +51,13 @@ def kernels_line(device_type: str, layer_graphs: bool = False, shared_prompts: b
     installed = "Transformer Engine installed, not used" if te else "no Transformer Engine"
     layout = "; each group's prompt once per micro-batch (trainer.share_prompts)" if shared_prompts else ""
     return f"kernels: {', '.join(parts)} ({installed}, no Apex: megatron-core's local fallbacks){layout}"
+
+
+def run_kernels_line(cfg, device_type: str) -> str:
+    """`kernels_line` of a run's config `cfg` (TrainConfig): its layers' CUDA graphs and prompt layout as
+    resolved (engine/validate/run.py `layer_graphs_on`, `prompts_shared`)."""
+    from engine.validate.built import built_model
+    from engine.validate.run import layer_graphs_on, prompts_shared
+
+    built = built_model(cfg)
+    return kernels_line(device_type, layer_graphs_on(cfg, built), prompts_shared(cfg, built))

@@ -23,13 +23,11 @@ from engine.config_load import to_dataclass
 from engine.errors import exit_on_user_error
 from engine.hydra_errors import report_user_errors
 from engine.metrics import run_header
-from engine.startup import errors_only, kernels_line
+from engine.startup import errors_only, run_kernels_line
 from engine.tools.plot import plot_at_end
 from engine.validate import validate
-from engine.validate.built import built_model
 from engine.validate.checkpoint import checkpoint_conflict_warnings
 from engine.validate.ignored import ignored_key_warnings
-from engine.validate.run import layer_graphs_on, prompts_shared
 from parallel.launch import explain_rank_failures, read_launch_env
 from parallel.state import destroy_distributed, init_distributed, world_size_from_env
 
@@ -68,11 +66,7 @@ def main(raw: DictConfig) -> None:
             with claimed_output_dir(output_dir, cfg.trainer, groups):
                 if groups.rank == 0:  # once the directory is ours: a refused run prints only its error
                     print(run_header(cfg, dims, output_dir, warnings), flush=True)
-                    built = built_model(cfg)
-                    line = kernels_line(
-                        groups.device.type, layer_graphs_on(cfg, built), prompts_shared(cfg, built)
-                    )
-                    print(line, flush=True)
+                    print(run_kernels_line(cfg, groups.device.type), flush=True)
                 Trainer(build_components(cfg, groups, output_dir)).fit()
                 if cfg.trainer.plot and groups.is_logging_rank:
                     print(plot_at_end(output_dir), flush=True)

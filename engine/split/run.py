@@ -16,11 +16,9 @@ import torch.distributed as dist
 from engine.checkpoint.run_dir import claimed_output_dir_over
 from engine.config import TrainConfig
 from engine.metrics import run_header
-from engine.startup import kernels_line
+from engine.startup import run_kernels_line
 from engine.tools.plot import plot_at_end
-from engine.validate.built import built_model
 from engine.validate.placement import critic_dims
-from engine.validate.run import layer_graphs_on, prompts_shared
 from parallel.dims import ParallelDims
 from parallel.launch import explain_rank_failures
 from parallel.rollout_weights import global_param_names
@@ -67,9 +65,7 @@ def run_split(
                         + _critic_line(critic, dims.world_size),
                         flush=True,
                     )
-                    built = built_model(cfg)
-                    line = kernels_line(device.type, layer_graphs_on(cfg, built), prompts_shared(cfg, built))
-                    print(line, flush=True)
+                    print(run_kernels_line(cfg, device.type), flush=True)
                 if groups is None:
                     _serve(cfg, layout, rank, everyone, device, output_dir)
                 elif side == "critic":
