@@ -31,7 +31,8 @@ where it raises or strays the gathered layout's kernels run (engine/models/share
 
 from __future__ import annotations
 
-import dataclasses
+import functools
+import itertools
 import logging
 import math
 from collections.abc import Callable
@@ -56,18 +57,40 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class CrossSegments:
     """The responses block's queries over their prompts' keys: tokens [prompt_tokens, prompt_tokens +
-    response_tokens) of the micro-batch, unit by unit (`cu_q`, relative to the block's start; units without
-    responses left out), each over its prompt's keys (`cu_k`, positions in the prompts block); `max_q`,
-    `max_k` the longest of each; `keys` (cu_k[0], cu_k[-1]): the prompts block's rows in some segment (a
-    kernel leaves the others' gradients unwritten)."""
+    response_tokens) of the micro-batch, unit by unit (`q_bounds`, relative to the block's start; units
+    without responses left out), each over its prompt's keys (`k_bounds`, positions in the prompts block), on
+    `device`. Host integers; the kernels' boundary tensors are made on first use (`cu_q`, `cu_k`), so a
+    micro-batch that never splits costs no copy to the device."""
 
     prompt_tokens: int
-    response_tokens: int
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    max_q: int
-    max_k: int
-    keys: tuple[int, int]
+    q_bounds: tuple[int, ...]
+    k_bounds: tuple[int, ...]
+    device: torch.device
+
+    @property
+    def response_tokens(self) -> int:
+        return self.q_bounds[-1]
+
+    @property
+    def max_q(self) -> int:
+        return max(b - a for a, b in itertools.pairwise(self.q_bounds))
+
+    @property
+    def max_k(self) -> int:
+        return max(b - a for a, b in itertools.pairwise(self.k_bounds))
+
+    @property
+    def keys(self) -> tuple[int, int]:
+        """The prompts block's rows in some segment (a kernel leaves the others' gradients unwritten)."""
+        return self.k_bounds[0], self.k_bounds[-1]
+
+    @functools.cached_property
+    def cu_q(self) -> torch.Tensor:
+        return torch.tensor(self.q_bounds, dtype=torch.int32).to(self.device)
+
+    @functools.cached_property
+    def cu_k(self) -> torch.Tensor:
+        return torch.tensor(self.k_bounds, dtype=torch.int32).to(self.device)
 
 
 def merge_parts(o_self, l_self, o_cross, l_cross, out) -> None:
@@ -287,19 +310,12 @@ def check_case(kernel) -> tuple[int, Callable]:
     segments = [*prompts, *(r for unit in responses for r in unit), pad]
     cu = torch.tensor([0, *torch.tensor(segments).cumsum(0).tolist()], dtype=torch.int32)
     totals = [sum(unit) for unit in responses]
-    cross = CrossSegments(
-        sum(prompts),
-        sum(totals),
-        torch.tensor([0, *torch.tensor(totals).cumsum(0).tolist()], dtype=torch.int32),
-        torch.tensor([0, *torch.tensor(prompts).cumsum(0).tolist()], dtype=torch.int32),
-        max(totals),
-        max(prompts),
-        (0, sum(prompts)),
-    )
+    q_bounds = tuple(itertools.accumulate(totals, initial=0))
+    k_bounds = tuple(itertools.accumulate(prompts, initial=0))
 
     def attend(q, k, v, kern):
-        moved = dataclasses.replace(cross, cu_q=cross.cu_q.to(q.device), cu_k=cross.cu_k.to(q.device))
-        return varlen_split_attention(q, k, v, cu.to(q.device), max(segments), moved, None, kern)
+        cross = CrossSegments(sum(prompts), q_bounds, k_bounds, q.device)
+        return varlen_split_attention(q, k, v, cu.to(q.device), max(segments), cross, None, kern)
 
     return int(cu[-1]), attend
 

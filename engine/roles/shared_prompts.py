@@ -175,17 +175,11 @@ def cross_segments(
         spans.append((start, start + prompt))
     if not totals:
         return None
-    cu_k = [spans[0][0]]
+    k_bounds = [spans[0][0]]
     for first, last in spans:
-        if first != cu_k[-1]:  # a unit without responses between two with them: its prompt in no segment
+        if first != k_bounds[-1]:  # a unit without responses between two with them: its prompt in no segment
             return None
-        cu_k.append(last)
+        k_bounds.append(last)
     return CrossSegments(
-        prompt_tokens=sum(prompts),
-        response_tokens=sum(totals),
-        cu_q=torch.tensor([0, *itertools.accumulate(totals)], dtype=torch.int32).to(device),
-        cu_k=torch.tensor(cu_k, dtype=torch.int32).to(device),
-        max_q=max(totals),
-        max_k=max(last - first for first, last in spans),
-        keys=(cu_k[0], cu_k[-1]),
+        sum(prompts), tuple(itertools.accumulate(totals, initial=0)), tuple(k_bounds), device
     )
