@@ -42,7 +42,7 @@ class TrainerConfig:
     unless trainer.overwrite=true; a branch into a new output_dir keeps both histories."""
     overwrite: bool = False
     """Let a fresh run (resume=off, or resume=auto finding no usable checkpoint) start in an output_dir that
-    holds an earlier run's metrics.jsonl or checkpoints: they (and its tensorboard/, hf_actor/) are removed
+    holds an earlier run's metrics.jsonl or checkpoints: they (and its tensorboard/, hf_actor/, profile/) are removed
     first; and let resume=PATH branch from an older checkpoint of this output_dir: the checkpoints after it
     are deleted and `latest` names it before the first step (metrics.jsonl keeps lines up to its step)."""
     export_hf: bool = False
@@ -80,6 +80,9 @@ class TrainerConfig:
     off_policy_steps: int = 0
     """placement.mode=split: how many steps the rollout may run ahead of the update (0 = on-policy, the same
     results as colocated)."""
+    profile_steps: list[int] = field(default_factory=list)
+    """Steps (1-based, as logged) to run under torch.profiler: a Chrome trace per rank in output_dir/profile/
+    and, on CUDA, `perf/gpu_busy/<phase>` (engine/step_profiler.py). Slows the steps it profiles."""
     cuda_graphs: bool | None = None
     """The transformer layers' forward and backward from CUDA graphs (engine/models/layer_graphs.py): no host
     launch time for small micro-batches. Needs CUDA, pp=1, tp=1, no recompute or MoE, half precision if packed

@@ -32,7 +32,8 @@ def run_header(cfg, dims, output_dir: str, warnings: list[str]) -> str:
 class PhaseTimer:
     """Wall-clock seconds per phase of a step (`timing/<phase>`), device-synchronised on GPU; on CUDA also
     the peak allocated memory of each phase (`perf/max_memory_allocated_gb/<phase>`: the peak statistics
-    are reset when a phase starts, so a phase's number is its own peak, not the step's so far)."""
+    are reset when a phase starts, so a phase's number is its own peak, not the step's so far). Each phase is
+    annotated `phase/<name>` for the profiler (engine/step_profiler.py)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -47,7 +48,8 @@ class PhaseTimer:
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"phase/{name}"):  # trainer.profile_steps' traces
+                yield
         finally:
             if cuda:
                 torch.cuda.synchronize(self.device)

@@ -39,6 +39,7 @@ from engine.step.losses import log_prob_fn, value_fn
 from engine.step.stats import multi_turn_metrics, perf_metrics, rollout_metrics
 from engine.step.update import forward_rows, update_actor, update_critic
 from engine.step.validation import validate, validation_due
+from engine.step_profiler import StepProfiler
 from engine.tools.export import export_after_fit
 
 
@@ -156,8 +157,11 @@ class Trainer:
             if t.val_before_train and self.step == 0 and c.val_batches:  # the starting model, as step 0
                 c.logger.log(0, self.validate())
             save_metrics: dict[str, float] = {}  # the save after a step, logged on the next step's line
+            profiler = StepProfiler(t.profile_steps, c.output_dir, c.groups.rank, c.groups.device)
             while self.step < t.total_steps:
-                metrics = self.train_step()
+                with profiler.step(self.step + 1) as profiled:
+                    metrics = self.train_step()
+                metrics.update(profiled)
                 if validation_due(t, self.step) and c.val_batches:
                     metrics.update(self.validate())
                 metrics.update(save_metrics)

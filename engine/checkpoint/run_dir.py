@@ -36,8 +36,9 @@ if TYPE_CHECKING:
 
 LOCK_FILE = "run.lock"
 METRICS_FILE = "metrics.jsonl"
-# what an earlier run leaves that a fresh run would mix with its own (embedded/ data is rebuilt identically)
-RUN_OUTPUTS = (METRICS_FILE, CHECKPOINTS_DIR, "tensorboard", "hf_actor")
+# what an earlier run leaves that a fresh run would mix with its own (embedded/ data is rebuilt identically;
+# profile/: engine/step_profiler.py's traces)
+RUN_OUTPUTS = (METRICS_FILE, CHECKPOINTS_DIR, "tensorboard", "hf_actor", "profile")
 
 
 class OutputDirError(UserError, RuntimeError):

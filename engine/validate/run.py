@@ -168,6 +168,14 @@ def validate_trainer(cfg: TrainConfig) -> None:
     ):
         if value < 0:
             fail(key, value, "must be >= 0", "use 0 to turn it off")
+    outside = [s for s in t.profile_steps if not 1 <= s <= t.total_steps]
+    if outside:
+        fail(
+            "trainer.profile_steps",
+            list(t.profile_steps),
+            f"names steps outside 1..trainer.total_steps={t.total_steps}: {outside}",
+            "name steps as the log counts them, from 1",
+        )
     if t.output_dir and os.path.exists(t.output_dir) and not os.path.isdir(t.output_dir):
         fail(
             "trainer.output_dir",

@@ -36,6 +36,11 @@ BAD = [
     (["optim.adam_eps=-1"], 1, "optim.adam_eps"),
     (["optim.weight_decay=-0.1"], 1, "optim.weight_decay"),
     (["trainer.seed=-1"], 1, "trainer.seed=-1: must be >= 0"),
+    (
+        ["trainer.total_steps=3", "trainer.profile_steps=[0,3,4]"],
+        1,
+        "trainer.profile_steps=[0, 3, 4]: names steps outside 1..trainer.total_steps=3: [0, 4]",
+    ),
     (["rollout.max_num_seqs=0"], 1, "rollout.max_num_seqs"),
     (["model.head_dim=3"], 1, "model.head_dim=3"),
     (["model.vocab_size=-5"], 1, "model.vocab_size"),
