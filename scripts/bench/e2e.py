@@ -20,7 +20,10 @@ step spent on weight sync and vLLM's sleep/wake (`sync_share`), the issue's tigh
 generation at the decode roofline + update at 70% MFU; `bound_s`, `step_over_bound`, with its two parts; the
 rollout phase's `generation_roofline_fraction`), the looser limit of the earlier tables (generation at the
 vLLM anchor's speed + update at 50% MFU; `anchor_bound_s`, `step_over_anchor_bound`) and the TRL baseline with
-`--baseline trl` (transformers generate) or `trl_vllm` (TRL's colocated vLLM) (needs trl; one GPU).
+`--baseline trl` (transformers generate) or `trl_vllm` (TRL's colocated vLLM) (needs trl; one GPU). With
+`--gpu-busy`, one step more runs under torch.profiler (`trainer.profile_steps`), not timed: `gpu_busy` holds
+the share of each phase's wall time in which the GPU had work (`gen`: the rollout's), and the trace lands in
+the run's profile/ directory.
 
     python scripts/bench/e2e.py --preset qwen2_5_0_5b --gpus 1 --baseline trl
     python scripts/bench/e2e.py --preset qwen2_5_0_5b --lengths long_tail --response-len 4096 --backend vllm
@@ -113,7 +116,8 @@ def run_ours(args, out_dir: str) -> dict:
         *([] if args.micro_batch is None else [f"trainer.micro_batch_size={args.micro_batch}"]),
         f"trainer.max_tokens_per_micro_batch={args.max_tokens}",
         f"rollout.max_num_seqs={args.max_num_seqs}",
-        f"trainer.total_steps={args.steps}",
+        f"trainer.total_steps={args.steps + args.gpu_busy}",
+        *([f"trainer.profile_steps=[{args.steps + 1}]"] if args.gpu_busy else []),
         "trainer.test_freq=0",
         "trainer.loggers=[jsonl]",
         "trainer.progress_bar=false",
@@ -136,6 +140,7 @@ def run_ours(args, out_dir: str) -> dict:
         return {"system": "ours", "error": (proc.stdout + proc.stderr)[-4000:]}
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
+    rows, profiled = rows[: args.steps], rows[args.steps :]  # --gpu-busy: the profiled step, not timed
     steady = list(zip(rows, per_step))[1:] or list(zip(rows, per_step))
     med = {
         k: statistics.median(r[k] for r, _ in steady)
@@ -218,6 +223,16 @@ def run_ours(args, out_dir: str) -> dict:
         "tokens_per_micro_batch": med.get("perf/tokens_per_micro_batch"),
         "cuda_graph_replayed_fraction": med.get("perf/cuda_graph_replayed_fraction"),  # trainer.cuda_graphs
         "rollout_engine": engine,
+        # --gpu-busy: the share of each phase's wall time with work on the GPU (engine/step_profiler.py), of
+        # one more step under the profiler (at --fresh-lengths it takes the first step's prompts again)
+        "gpu_busy": {
+            k.removeprefix("perf/gpu_busy/"): v
+            for k, v in profiled[0].items()
+            if k.startswith("perf/gpu_busy/")
+        }
+        if profiled
+        else None,
+        "profile_dir": os.path.join(out_dir, "profile") if profiled else None,
         # the "weight sync plus sleep/wake" share: train -> rollout layout and back, and vLLM's wake-up +
         # weight copy + sleep (inside timing/gen); the native engine reads the regrouped weights in place
         "sync_share": (
@@ -282,6 +297,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument(
         "--fresh-lengths", action="store_true", help="long_tail: each step its own prompts and length draw"
+    )
+    ap.add_argument(
+        "--gpu-busy",
+        action="store_true",
+        help="one step more, under torch.profiler (trainer.profile_steps), untimed: the GPU's busy share per phase",
     )
     ap.add_argument(
         "--vllm-tokens-per-s",

@@ -1,7 +1,8 @@
 """scripts/bench/e2e.py on CPU (one torchrun job of the tiny preset, ~15 s): `--fresh-lengths` gives every
 step its own prompts and long-tailed length draw, and the trainer trains exactly those (its own token count
 per timed step equals the one the bench computes from the draws: rows taken in order, per-prompt limits
-honoured). Speed is for the GPU; this checks the plumbing."""
+honoured); `--gpu-busy` profiles one step more, outside those figures. Speed is for the GPU; this checks the
+plumbing."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_fresh_lengths_train_each_steps_own_draw():
 
     args = ["--cluster", "cpu", "--preset", "tiny", "--prompts", "2", "--n", "2", "--prompt-len", "16"]
     args += ["--response-len", "12", "--lengths", "long_tail", "--fresh-lengths", "--steps", "3"]
-    args += ["--max-tokens", "0", "--micro-batch", "2", "trainer.share_prompts=true"]
+    args += ["--max-tokens", "0", "--micro-batch", "2", "--gpu-busy", "trainer.share_prompts=true"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -39,3 +40,6 @@ def test_fresh_lengths_train_each_steps_own_draw():
     assert ours["fresh_lengths"] and ours["tokens_all"] == want
     assert want[1] != want[2]  # the timed steps differ, so the trainer's count below can disagree
     assert ours["tokens_trained"] == ours["tokens"] == (want[1] + want[2]) / 2  # median of the timed steps
+    # --gpu-busy: a fourth step under the profiler, left out of the figures above; no GPU, no busy shares
+    assert len(ours["step_s_all"]) == 3 and ours["gpu_busy"] == {}, ours
+    assert os.listdir(ours["profile_dir"]) == ["step_4_rank0.json"]
