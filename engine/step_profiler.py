@@ -38,40 +38,49 @@ def trace_path(output_dir: str, step: int, rank: int) -> str:
     return os.path.join(output_dir, PROFILE_DIR, f"step_{step}_rank{rank}.json")
 
 
-def busy_fractions(events: list[dict]) -> dict[str, float]:
-    """Per phase annotated in a Chrome trace's `traceEvents`: the share of its wall time covered by the union
-    of the device's work intervals (`DEVICE_WORK`), over all its occurrences. Phases of zero duration are
-    left out; a trace without device work gives zeros."""
-    work = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in DEVICE_WORK and "dur" in e)
+def device_work(events: list[dict]) -> tuple[list[float], list[float]]:
+    """The device's work in a Chrome trace's `traceEvents` (`DEVICE_WORK`) as disjoint intervals: (starts,
+    ends), sorted, overlapping work (other streams) merged."""
     starts: list[float] = []
     ends: list[float] = []
-    for a, b in work:  # merged: disjoint, sorted
+    for a, b in sorted(
+        (e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in DEVICE_WORK and "dur" in e
+    ):
         if ends and a <= ends[-1]:
             ends[-1] = max(ends[-1], b)
         else:
             starts.append(a)
             ends.append(b)
-    covered = [0.0]
-    for a, b in zip(starts, ends):
-        covered.append(covered[-1] + b - a)
+    return starts, ends
 
-    def busy(a: float, b: float) -> float:
-        """Device time inside [a, b): the whole intervals between, less the parts of the two at its edges."""
-        i, j = bisect.bisect_right(ends, a), bisect.bisect_left(starts, b)
-        if i >= j:
-            return 0.0
-        return covered[j] - covered[i] - max(0.0, a - starts[i]) - max(0.0, ends[j - 1] - b)
 
+def work_inside(starts: list[float], ends: list[float], a: float, b: float) -> list[tuple[float, float]]:
+    """The parts of the disjoint sorted intervals (`device_work`) inside [a, b)."""
+    i, j = bisect.bisect_right(ends, a), bisect.bisect_left(starts, b)
+    return [(max(s, a), min(e, b)) for s, e in zip(starts[i:j], ends[i:j])]
+
+
+def phase_windows(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """Each phase's occurrences (`phase/<name>` annotations) as (start, end), by name without the prefix."""
     spans: dict[str, list[tuple[float, float]]] = {}
     for e in events:
         name = e.get("name", "")
         if e.get("cat") == "user_annotation" and name.startswith(PHASE) and "dur" in e:
             spans.setdefault(name.removeprefix(PHASE), []).append((e["ts"], e["ts"] + e["dur"]))
+    return spans
+
+
+def busy_fractions(events: list[dict]) -> dict[str, float]:
+    """Per phase annotated in a Chrome trace's `traceEvents`: the share of its wall time covered by the union
+    of the device's work intervals (`DEVICE_WORK`), over all its occurrences. Phases of zero duration are
+    left out; a trace without device work gives zeros."""
+    starts, ends = device_work(events)
     out = {}
-    for name, windows in spans.items():
+    for name, windows in phase_windows(events).items():
         wall = sum(b - a for a, b in windows)
         if wall > 0:
-            out[name] = sum(busy(a, b) for a, b in windows) / wall
+            busy = sum(e - s for a, b in windows for s, e in work_inside(starts, ends, a, b))
+            out[name] = busy / wall
     return out
 
 
