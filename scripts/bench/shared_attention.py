@@ -16,9 +16,12 @@ Kernels (`--kernels`):
   dim) views (cuDNN), fixed lengths only: the layout without sharing.
 
 Per kernel: forward and forward + backward milliseconds for the step (all micro-batches, one layer; median
-of `--iters` after a warm-up that builds cuDNN's plans), times the preset's layer count; parity on the first
-micro-batch: the largest absolute error of the output and of dq, dk, dv against float32 attention over the
-gathered keys. On CPU the kernels run their float references (SDPA, `MATH`, `MATH_VARLEN`), for the plumbing.
+of `--iters` after a warm-up that builds cuDNN's plans), times the preset's layer count; on CUDA what the
+first use costs once, in wall milliseconds: the split's device check (`check_ms`, `split_available`) and the
+first forward and backward over the step's micro-batches (`first_forward_backward_ms`: plan builds and the
+merge's compile, run in this order: `gathered`, `split_cudnn`, `split_flash`, `whole_rows`, so the merge
+compiles under `split_cudnn`); parity on the first micro-batch: the largest absolute error of the output
+and of dq, dk, dv against float32 attention over the gathered keys. On CPU the kernels run their float references (SDPA, `MATH`, `MATH_VARLEN`), for the plumbing.
 
     python scripts/bench/shared_attention.py --preset qwen2_5_1_5b
     python scripts/bench/shared_attention.py --preset qwen2_5_1_5b --lengths long_tail --response-len 4096
@@ -31,6 +34,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -45,7 +49,11 @@ from workload import response_lengths  # noqa: E402
 from engine.models.lse_kernels import CUDNN, FLASH_VARLEN, MATH, MATH_VARLEN  # noqa: E402
 from engine.models.packed_attention import FlashVarlen, segment_attention, uniform_rows_attention  # noqa: E402
 from engine.models.shared_prompt_attention import GatherRows  # noqa: E402
-from engine.models.shared_prompt_split import split_attention, varlen_split_attention  # noqa: E402
+from engine.models.shared_prompt_split import (  # noqa: E402
+    split_attention,
+    split_available,
+    varlen_split_attention,
+)
 from engine.roles.dynamic_batch import MicroBatcher  # noqa: E402
 from engine.step.batch import build_experience  # noqa: E402
 
@@ -59,7 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def shared_params(args, device: torch.device) -> list:
     """The step's shared-prompt micro-batches' `SharedPromptSeqParams`, as the trainer builds them."""
     rows = args.prompts * args.n
-    prompts = [[4 + p % 50] * args.prompt_len for p in range(args.prompts)]
+    # distinct prompts (the trainer groups rows by their prompt's tokens): p's base-50 digits, then padding
+    prompts = [[4 + (p // 50**j) % 50 for j in range(args.prompt_len)] for p in range(args.prompts)]
     per_prompt = response_lengths(args.lengths, args.prompts, args.response_len, args.seed)
     lengths = torch.tensor(per_prompt).repeat_interleave(args.n)
     mask = (torch.arange(args.response_len) < lengths[:, None]).float()
@@ -133,11 +142,40 @@ def timed_ms(fn, batches, scale, backward: bool, iters: int) -> float:
     return statistics.median(event_ms(once) for _ in range(iters))
 
 
+def reference(q, k, v, p, scale):
+    """Float32 attention over the gathered keys, segment by segment (any device)."""
+    k_seg, v_seg = k[p.kv_index], v[p.kv_index]
+    return segment_attention(q, k_seg, v_seg, p.cu_seqlens_q, p.cu_seqlens_k, scale, 0.0)
+
+
 def parity(fn, batch, scale) -> dict:
     q, k, v, g, p = batch
     got = run(fn, q, k, v, g, p, scale, backward=True)
-    want = run(gathered, *(x.float() for x in (q, k, v, g)), p, scale, backward=True)
+    want = run(reference, *(x.float() for x in (q, k, v, g)), p, scale, backward=True)
     return max_errors(got, want)
+
+
+def first_call_ms(fn, batches, scale) -> float:
+    """Wall milliseconds of the kernel's first forward and backward over the step's micro-batches: what a run
+    pays once (cuDNN's plans, the merge's compile, FlashAttention's first launch) plus one step's work."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for q, k, v, g, p in batches:
+        run(fn, q, k, v, g, p, scale, backward=True)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def check_ms(kernel, batch) -> float:
+    """Wall milliseconds of the split's device check (`split_available`, once per kernel and layout)."""
+    q, k, v = batch[:3]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    ok = split_available(q, k, v, kernel)
+    torch.cuda.synchronize()
+    if not ok:
+        raise RuntimeError(f"{kernel} failed split_available's check on this device")
+    return (time.perf_counter() - start) * 1e3
 
 
 def main(argv=None) -> None:
@@ -174,6 +212,9 @@ def main(argv=None) -> None:
             if name != "whole_rows":
                 row["max_abs_error"] = parity(fn, batches[0], scale)
             if device.type == "cuda":
+                if name in ("split_cudnn", "split_flash"):
+                    row["check_ms"] = check_ms(CUDNN if name == "split_cudnn" else FLASH_VARLEN, batches[0])
+                row["first_forward_backward_ms"] = first_call_ms(fn, batches, scale)
                 fwd, both = (timed_ms(fn, batches, scale, b, args.iters) for b in (False, True))
                 row.update(forward_ms=fwd, forward_backward_ms=both, update_ms_all_layers=both * layers)
         except Exception as e:  # noqa: BLE001 - a kernel the build refuses is a result, not a crash

@@ -1,6 +1,7 @@
 """trainer.profile_steps (engine/step_profiler.py): the GPU's busy share per phase against hand-computed
 intervals; a profiled CPU job's trace holds the step's phases (no busy metrics without a GPU); on CUDA
-(marked `gpu`) every phase's busy share lies in (0, 1] and the unprofiled steps report none."""
+(marked `gpu`) every phase's busy share lies in [0, 1], those that compute on the GPU above 0, and the
+unprofiled steps report none."""
 
 from __future__ import annotations
 
@@ -69,8 +70,8 @@ def test_profiled_cuda_step_reports_how_busy_the_gpu_was_per_phase(tmp_path):
     )
     rows = read_metrics(out)
     busy = {k.removeprefix("perf/gpu_busy/"): v for k, v in rows[1].items() if k.startswith("perf/gpu_busy/")}
-    assert {"step", "gen", "update_actor"} <= busy.keys(), busy
-    assert all(0.0 < v <= 1.0 for v in busy.values()), busy
+    assert all(0.0 <= v <= 1.0 for v in busy.values()), busy
+    assert all(busy[phase] > 0.0 for phase in ("step", "gen", "update_actor")), busy  # reward: the host's
     assert not any(k.startswith("perf/gpu_busy/") for r in (rows[0], rows[2]) for k in r)
     with open(trace_path(out, 2, 0)) as f:
         assert any(e.get("cat") == "kernel" for e in json.load(f)["traceEvents"])
