@@ -105,8 +105,16 @@ def merge_parts(o_self, l_self, o_cross, l_cross, out) -> None:
     l_cross.copy_(merged)
 
 
-def _merge(device: torch.device) -> Callable:
-    return cuda_kernel(merge_parts, device, ATTENTION, dynamic=None)
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _merge(device: torch.device, dtype: torch.dtype) -> Callable:
+    """`merge_parts` for parts of `dtype`: compiled for half precision on CUDA with symbolic sizes, one compile
+    (seconds, once) for the device check's small case and every micro-batch shape after it; eager for float32
+    and float64 parts (the check's reference kernels), whose speed does not matter."""
+    if dtype not in HALF:
+        return merge_parts
+    return cuda_kernel(merge_parts, device, ATTENTION, dynamic=True)
 
 
 def varlen_split_attention(
@@ -139,7 +147,9 @@ class _VarlenSplit(torch.autograd.Function):
         cross_args = (cross.cu_q, cross.cu_k, cross.max_q, cross.max_k, False, scale)
         oc, lc, state_c = kernel.forward(q[tp : tp + tr], k[:tp], v[:tp], *cross_args)
         responses = out[tp : tp + tr]
-        _merge(q.device)(responses, lse[:, tp : tp + tr].T, oc, lc.T, responses)  # lse views (tokens, heads)
+        _merge(q.device, q.dtype)(
+            responses, lse[:, tp : tp + tr].T, oc, lc.T, responses
+        )  # lse views (tokens, heads)
         ctx.save_for_backward(q, k, v, out, lse, lc, cu)
         ctx.args = (longest, cross, scale, kernel, state, state_c)
         return out
@@ -234,7 +244,9 @@ class _DenseSplit(torch.autograd.Function):
         oc, lc, state_c = kernel.forward(qc, kp, vp, False, scale)
         out = q.new_empty(q.shape)  # (t, heads, dim)
         _prompts(out, uniform).copy_(op.transpose(1, 2))
-        _merge(q.device)(  # each part's log-sum-exp buffer then holds the union's, in that part's layout
+        _merge(
+            q.device, q.dtype
+        )(  # each part's log-sum-exp buffer then holds the union's, in that part's layout
             _by_token(os_, uniform, False),
             _by_token(_lse(ls), uniform, False),  # (G, n, R, heads)
             _by_token(oc, uniform, True),
@@ -293,12 +305,16 @@ def split_available(
     return _AVAILABLE[key]
 
 
-CHECK_UNIFORM = (2, 3, 16, 24)
-"""The dense check's shape: 2 prompts of 16 tokens, 3 responses of 24 each."""
+CHECK_UNIFORM = (3, 5, 17, 23)
+"""The dense check's shape: 3 prompts of 17 tokens, 5 responses of 23 each. The check compiles the merge
+(`_merge`) for every shape after it; torch.compile gives equal sizes one symbol and guards on that, so no size
+here (nor 3 x 5, the rows) equals another or a model's heads, groups or head dim: a real micro-batch's
+shape would break such a guard and compile again."""
 
-CHECK_LENGTHS = ([5, 3], [[4, 2], [6]], 3)
-"""The varlen check's micro-batch: prompts of 5 and 3 tokens, the first's responses of 4 and 2, the second's of
-6, then 3 tokens of padding."""
+CHECK_LENGTHS = ([5, 4], [[4, 3], [6]], 3)
+"""The varlen check's micro-batch: prompts of 5 and 4 tokens, the first's responses of 4 and 3, the second's of
+6, then 3 tokens of padding (9 prompt and 13 response tokens: sizes of the merge, apart from a model's, as
+above)."""
 
 
 def check_case(kernel) -> tuple[int, Callable]:

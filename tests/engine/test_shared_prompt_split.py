@@ -220,6 +220,37 @@ def test_a_kernel_that_strays_or_raises_is_not_used(caplog, reference):
         split_module._AVAILABLE.clear()
 
 
+def test_the_merge_compiles_once_for_the_check_and_every_shape(monkeypatch):
+    """On CUDA the merge is compiled (engine/models/compiled.py) and each compile costs seconds, once. The
+    device check's half-precision case and real micro-batches of other shapes share one graph (symbolic sizes)
+    and the check's float32 reference merges eagerly; with the sizes specialised they compiled three times.
+    torch.compile's front end with its `eager` backend (graphs, no kernels) stands in for CUDA's here."""
+    import torch._dynamo
+
+    compiled = {}
+
+    def cpu_kernel(fn, device, switch, dynamic=True):
+        return compiled.setdefault(fn.__qualname__, torch.compile(fn, dynamic=dynamic, backend="eager"))
+
+    monkeypatch.setattr(split_module, "cuda_kernel", cpu_kernel)
+    torch._dynamo.reset()
+    stats = torch._dynamo.utils.counters["stats"]
+    stats.clear()
+    qkv = torch.zeros(4, 4 + 2 + 2, 16, dtype=torch.bfloat16)  # views into one projection, as megatron's
+    q, k, v = qkv.split([4, 2, 2], dim=1)
+    split_module._AVAILABLE.clear()
+    try:
+        assert split_available(q, k, v, MATH)  # bf16 split and its float32 reference
+        for g, n, p, r in ((3, 4, 8, 12), (2, 2, 5, 7)):
+            t = g * (p + n * r)
+            leaves = [torch.randn(t, h, 16, dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2)]
+            split_attention(*leaves, (g, n, p, r), None, MATH).float().sum().backward()
+        assert stats["unique_graphs"] == 1, dict(stats)
+    finally:
+        split_module._AVAILABLE.clear()
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("lengths", ["uniform", "skewed"])
 def test_the_trainer_with_the_split_equals_packed_rows(tmp_path, monkeypatch, lengths):
     """One step's micro-batches through the real model (a PPO job's actor and critic) with every shared
