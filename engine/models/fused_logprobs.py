@@ -7,16 +7,18 @@ unfused path materialises bf16 logits for every position of the sequence (prompt
 of the response window, then several fp32 passes each for the log-softmax, the entropy and their backward,
 and keeps those tensors alive until the backward. Here only the (rows, hidden) hidden states are saved;
 each chunk's logits are recomputed in the backward (one extra matmul of the output layer, on response
-positions only), and the elementwise work of a chunk (max; sums; gradient of the logits) runs as three
-torch.compile'd kernels on CUDA, each one pass over the chunk's bf16 logits (speed and memory against the
-unfused path: scripts/bench/logprobs.py, figures in scripts/bench/README.md).
+positions only), and the elementwise work of a chunk runs as two kernels on CUDA, each one pass over the
+chunk's bf16 logits: the forward's statistics (max, sums, the target's logit) and the backward's gradient of
+the logits (Triton, engine/models/triton_logprobs.py; torch.compile'd op chains where Triton does not run;
+speed and memory against the unfused path: scripts/bench/logprobs.py, figures in scripts/bench/README.md).
 
 Math, for one row with temperature t, z = (h @ W^T) / t over the full vocabulary (split across the TP
 group; rows of W padded for TP get z = -1e30), m = max z, S = sum exp(z - m), A = sum exp(z - m)(z - m):
     log p(target) = z_target - m - log S,      entropy H = log S - A / S,
     dlogp/dz_j = [j = target] - p_j,           dH/dz_j = -p_j (log p_j + H).
-Per chunk the forward needs two small all-reduces over the TP group (max; then S, A and the target logit),
-the backward none: the partial gradient of h (this rank's vocabulary slice) is summed by the TP mapping the
+Each TP rank computes m, S and A over its own vocabulary slice; the forward's two small all-reduces per chunk
+(max; then S, A rescaled to the global max and the target logit: `_combine`) join them, the backward needs
+none: the partial gradient of h (this rank's vocabulary slice) is summed by the TP mapping the
 caller applies to h (engine/models/output_head.py), as megatron's ColumnParallelLinear does for its input.
 The weight's gradient is summed over the chunks in float32 by the GEMMs themselves (engine/models/wgrad.py),
 straight into megatron DDP's `main_grad` when the weight has one (then no bf16 gradient is returned at all).
@@ -60,17 +62,41 @@ def _masked(z: torch.Tensor, pad_from: int) -> torch.Tensor:
     return torch.where(col < pad_from, z, MASKED_LOGIT)
 
 
-def _row_max(logits: torch.Tensor, inv_t: float, pad_from: int) -> torch.Tensor:
-    """Per-row max of this rank's scaled fp32 logits."""
-    return _masked(logits.float() * inv_t, pad_from).max(dim=-1).values
-
-
-def _row_sums(logits, m, local_t, in_shard, inv_t: float, pad_from: int) -> torch.Tensor:
-    """(3, rows): S = sum exp(z - m), A = sum exp(z - m)(z - m), and z_target - m (0 off this shard)."""
-    z = _masked(logits.float() * inv_t, pad_from) - m[:, None]
-    e = z.exp()
+def _local_stats(logits, local_t, in_shard, inv_t: float, pad_from: int) -> torch.Tensor:
+    """(4, rows) float32 of this rank's vocabulary slice: the max m of the scaled logits z, S = sum exp(z - m),
+    A = sum exp(z - m)(z - m), and the target's z (0 off this shard). The op chain: compiled on CUDA where
+    the Triton kernel does not run (`_local_stats_fn`), eager on the CPU."""
+    z = _masked(logits.float() * inv_t, pad_from)
+    m = z.max(dim=-1).values
+    d = z - m[:, None]
+    e = d.exp()
     z_t = z.gather(1, local_t[:, None])[:, 0] * in_shard
-    return torch.stack([e.sum(-1), (e * z).sum(-1), z_t])
+    return torch.stack([m, e.sum(-1), (e * d).sum(-1), z_t])
+
+
+def _local_stats_fn(device: torch.device, dtype: torch.dtype):
+    """`_local_stats` as one pass over a chunk: the Triton kernel (engine/models/triton_logprobs.py) where it
+    runs, else compiled on CUDA; eager with ENGINE_COMPILE_LOGPROBS=0 and on CPU."""
+    if switched_on(LOGPROBS) and triton_logprobs.supported(device, dtype):
+        return triton_logprobs.row_stats
+    return _kernel(_local_stats, device)
+
+
+def _combine(stats: torch.Tensor, in_shard: torch.Tensor, tp_group) -> tuple[torch.Tensor, ...]:
+    """(m, S, A, z_target - m) over the whole vocabulary from each TP rank's `_local_stats`: m the largest
+    local max, each rank's sums rescaled to it (exp(m_r - m) S_r; exp(m_r - m)(A_r + (m_r - m) S_r)) and
+    summed, the target's logit from the rank that holds it. Two small all-reduces (max, then sums); without
+    TP the local statistics themselves."""
+    m_local, s, a, z_t = stats
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return m_local, s, a, (z_t - m_local) * in_shard
+    m = m_local.clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+    shift = m_local - m
+    w = shift.exp()
+    sums = torch.stack([w * s, w * (a + shift * s), (z_t - m) * in_shard])
+    dist.all_reduce(sums, group=tp_group)
+    return m, *sums
 
 
 def _grad_logits(logits, shift, ent, g_logp, g_ent, local_t, in_shard, inv_t: float, pad_from: int):
@@ -92,7 +118,6 @@ class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, vocab_size, tp_group, rows_per_chunk):
         tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-        tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         v_local = weight.shape[0]
         start = tp_rank * v_local
         pad_from = max(0, min(v_local, vocab_size - start))  # local columns >= pad_from are TP padding
@@ -107,17 +132,12 @@ class _LinearLogProbs(torch.autograd.Function):
             torch.empty_like(m_all),
             torch.empty_like(m_all),
         )
-        row_max, row_sums = _kernel(_row_max, hidden.device), _kernel(_row_sums, hidden.device)
+        local_stats = _local_stats_fn(hidden.device, hidden.dtype)
         for rows in chunk_slices(n, rows_per_chunk):
             logits = hidden[rows] @ weight.t()
-            m = row_max(logits, inv_t, pad_from)
-            if tp_size > 1:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-            stats = row_sums(logits, m, local_t[rows], in_shard[rows], inv_t, pad_from)
+            stats = local_stats(logits, local_t[rows], in_shard[rows], inv_t, pad_from)
             del logits
-            if tp_size > 1:
-                dist.all_reduce(stats, group=tp_group)
-            s, a, zt = stats
+            m, s, a, zt = _combine(stats, in_shard[rows], tp_group)
             log_s = s.log()
             m_all[rows], log_s_all[rows] = m, log_s
             logp_all[rows] = zt - log_s

@@ -315,12 +315,49 @@ def test_head_gradient_kernel_matches_the_op_chain():
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-4, rtol=1e-3)
 
 
+def test_head_statistics_kernel_matches_the_op_chain():
+    """The fused output head's forward kernel (engine/models/triton_logprobs.py `row_stats`, an online
+    log-sum-exp over blocks) against `_local_stats` run eagerly on the same float16 chunk: rows whose largest
+    logit lies in a late block (the running max rescales the sums), TP-padding columns, targets on and off
+    this rank's slice; and two vocabulary halves merged as two TP ranks' (`_combine`'s rescaling, here by
+    hand) equal the whole."""
+    from engine.models import triton_logprobs
+    from engine.models.fused_logprobs import _local_stats
+
+    g = torch.Generator().manual_seed(7)
+    block = triton_logprobs.STATS_BLOCK
+    rows, vocab, pad_from, inv_t = 5, 2 * block + 37, 2 * block + 30, 1 / 0.7
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(DT)
+    logits[1, 2 * block + 5] = 40.0  # the max in the last block: the first two blocks' sums rescale
+    logits[2, 3] = 40.0
+    local_t = torch.randint(0, pad_from, (rows,), generator=g)
+    in_shard = torch.tensor([True, False, True, True, False])
+    got = triton_logprobs.row_stats(logits, local_t, in_shard, inv_t, pad_from)
+    want = _local_stats(logits, local_t, in_shard, inv_t, pad_from)
+    assert got.shape == (4, rows) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    halves = [(0, block + 11), (block + 11, vocab)]
+    parts = [
+        triton_logprobs.row_stats(
+            logits[:, a:b], local_t - a, in_shard & (local_t >= a) & (local_t < b), inv_t, pad_from - a
+        )
+        for a, b in halves
+    ]
+    m = torch.maximum(parts[0][0], parts[1][0])
+    w = [(p[0] - m).exp() for p in parts]
+    s = sum(wi * p[1] for wi, p in zip(w, parts))
+    a = sum(wi * (p[2] + (p[0] - m) * p[1]) for wi, p in zip(w, parts))
+    torch.testing.assert_close(torch.stack([m, s, a]), want[:3], atol=1e-4, rtol=1e-5)
+
+
 def test_output_head_backward_through_the_triton_kernel():
-    """linear_log_probs in float16 under the interpreter takes the Triton backward kernel; its gradients match
-    the float64 log-softmax's within float16 rounding (1e-2 of the largest entry)."""
+    """linear_log_probs in float16 under the interpreter takes the Triton kernels; its log-probs and entropies
+    match the float64 log-softmax's within 1e-3 and its gradients within float16 rounding (1e-2 of the
+    largest entry)."""
     from engine.models import fused_logprobs, triton_logprobs
 
     assert fused_logprobs._grad_logits_fn(torch.device("cpu"), DT) is triton_logprobs.grad_logits
+    assert fused_logprobs._local_stats_fn(torch.device("cpu"), DT) is triton_logprobs.row_stats
     g = torch.Generator().manual_seed(6)
     rows, hidden, vocab = 40, 32, 3000
     h = (torch.randn(rows, hidden, generator=g) * 0.5).to(DT).requires_grad_()
@@ -335,6 +372,8 @@ def test_output_head_backward_through_the_triton_kernel():
         (ls.exp() * ls).sum(-1) * g_ent.double()
     ).sum()
     rgh, rgw = torch.autograd.grad(ref, (h64, w64))
+    assert (logp.double() - ls.gather(1, t[:, None])[:, 0]).abs().max() < 1e-3
+    assert (ent.double() + (ls.exp() * ls).sum(-1)).abs().max() < 1e-3
     for a, b in ((gh, rgh), (gw, rgw)):
         assert (a.double() - b).abs().max() < 1e-2 * b.abs().max()
 

@@ -5,7 +5,7 @@ MegatronRole are checked by tests/parallel/model_parity_script.py."""
 import pytest
 import torch
 
-from engine.models.fused_logprobs import _row_max, chunk_rows, chunk_slices, linear_log_probs
+from engine.models.fused_logprobs import _local_stats, chunk_rows, chunk_slices, linear_log_probs
 
 N, H, V, VOCAB = 13, 8, 12, 10  # 2 padded vocabulary rows
 
@@ -147,19 +147,25 @@ def test_chunk_kernels_compile_once_for_every_row_count():
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    row_max = torch.compile(_row_max, dynamic=True, backend="eager")
-    row_max(torch.randn(7, V), 1.0, VOCAB)  # warm-up
+    stats = torch.compile(_local_stats, dynamic=True, backend="eager")
+
+    def call(x: torch.Tensor) -> None:
+        rows = x.shape[0]
+        stats(x, torch.zeros(rows, dtype=torch.long), torch.ones(rows, dtype=torch.bool), 1.0, VOCAB)
+
+    call(torch.randn(7, V))  # warm-up
     graphs = counters["stats"]["unique_graphs"]
     for n in (65, 64, 129, 3):  # e.g. valid response tokens of four micro-batches
         for rows in chunk_slices(n, 64):
-            row_max(torch.randn(n, V)[rows], 1.0, VOCAB)
+            call(torch.randn(n, V)[rows])
     assert counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_kernels_on_gpu_match_full_logits_bf16():
-    """On CUDA the elementwise parts run torch.compile'd; Qwen-sized vocabulary, bf16 weights, 3 chunks.
+    """On CUDA the chunk's statistics and gradient run as Triton kernels; Qwen-sized vocabulary, bf16 weights,
+    3 chunks.
     Reference: log_softmax of the same bf16 matmul in float32. Tolerances: values 1e-4 absolute; gradients
     (bf16 matmuls) 2e-2 relative to their largest entry."""
     g = torch.Generator(device="cuda").manual_seed(0)
