@@ -82,7 +82,8 @@ class TrainerConfig:
     results as colocated)."""
     profile_steps: list[int] = field(default_factory=list)
     """Steps (1-based, as logged) to run under torch.profiler: a Chrome trace per rank in output_dir/profile/
-    and, on CUDA, `perf/gpu_busy/<phase>` (engine/step_profiler.py). Slows the steps it profiles."""
+    and, on CUDA, `perf/gpu_busy/<phase>` (engine/step_profiler.py). Slows the steps it profiles. With
+    placement.mode=split the training ranks' steps only (the rollout ranks' generation is not traced)."""
     cuda_graphs: bool | None = None
     """The transformer layers' forward and backward from CUDA graphs (engine/models/layer_graphs.py): no host
     launch time for small micro-batches. Needs CUDA, pp=1, tp=1, no recompute or MoE, half precision if packed
