@@ -147,9 +147,8 @@ class _VarlenSplit(torch.autograd.Function):
         cross_args = (cross.cu_q, cross.cu_k, cross.max_q, cross.max_k, False, scale)
         oc, lc, state_c = kernel.forward(q[tp : tp + tr], k[:tp], v[:tp], *cross_args)
         responses = out[tp : tp + tr]
-        _merge(q.device, q.dtype)(
-            responses, lse[:, tp : tp + tr].T, oc, lc.T, responses
-        )  # lse views (tokens, heads)
+        merge = _merge(q.device, q.dtype)
+        merge(responses, lse[:, tp : tp + tr].T, oc, lc.T, responses)  # lse views (tokens, heads)
         ctx.save_for_backward(q, k, v, out, lse, lc, cu)
         ctx.args = (longest, cross, scale, kernel, state, state_c)
         return out
@@ -244,9 +243,8 @@ class _DenseSplit(torch.autograd.Function):
         oc, lc, state_c = kernel.forward(qc, kp, vp, False, scale)
         out = q.new_empty(q.shape)  # (t, heads, dim)
         _prompts(out, uniform).copy_(op.transpose(1, 2))
-        _merge(
-            q.device, q.dtype
-        )(  # each part's log-sum-exp buffer then holds the union's, in that part's layout
+        merge = _merge(q.device, q.dtype)
+        merge(  # each part's log-sum-exp buffer then holds the union's, in that part's layout
             _by_token(os_, uniform, False),
             _by_token(_lse(ls), uniform, False),  # (G, n, R, heads)
             _by_token(oc, uniform, True),
