@@ -2,9 +2,8 @@
 independent references: decode attention against SDPA in float32, the paged cache against the contiguous one,
 the Triton split merge against `merge_splits`, the fused RoPE/K-V write against `_rope` and indexed writes, and
 the native engine's decode forward with them (engine/rollout/model.py picks them under the interpreter) against
-its SDPA path and a float32 forward, on tiny Hugging Face checkpoints; and the update's kernels: the fused
-output head's backward (engine/models/triton_logprobs.py) and the MLP's SwiGLU (engine/models/triton_swiglu.py)
-against their float32 op chains.
+its SDPA path and a float32 forward, on tiny Hugging Face checkpoints; the Triton draw. The update's kernels:
+interpreted_training_kernels.py.
 
 Not collected by the test run itself (the name does not start with test_): tests/engine/test_triton_cpu.py
 runs this file in a subprocess with the interpreter switched on, which Triton reads when the kernels are
@@ -14,7 +13,6 @@ bfloat16 in tests/engine/test_rollout_gpu.py. Sizes are small: the interpreter r
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
@@ -24,7 +22,6 @@ import torch.nn.functional as F
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/engine/test_triton_cpu.py"
 
 import hf_tiny  # noqa: E402
-from norm_check import assert_no_further_than_torch  # noqa: E402
 from test_rollout_native import rollout_weights_from_hf  # noqa: E402
 
 from engine.rollout import triton_decode, triton_rope_kv  # noqa: E402
@@ -292,119 +289,6 @@ def test_samples_of_a_prompt_read_it_from_one_copy(paged, tmp_path):
     assert any(len(s) > 1 for g, s in readers.items() if g >> 32 > 1), readers  # (in a later chunk too)
 
 
-def test_head_gradient_kernel_matches_the_op_chain():
-    """The fused output head's backward kernel (engine/models/triton_logprobs.py) against `_grad_logits` run
-    eagerly on the same float16 chunk: columns past a block boundary, TP-padding columns, targets on and off
-    this rank's slice."""
-    from engine.models import triton_logprobs
-    from engine.models.fused_logprobs import _grad_logits
-
-    g = torch.Generator().manual_seed(5)
-    rows, vocab, pad_from, inv_t = 6, 2 * triton_logprobs.BLOCK + 37, 2 * triton_logprobs.BLOCK + 30, 1 / 0.7
-    logits = (torch.randn(rows, vocab, generator=g) * 3).to(DT)
-    z = logits.float() * inv_t
-    shift = z[:, :pad_from].logsumexp(-1)
-    ent, g_logp, g_ent = (torch.randn(rows, generator=g) for _ in range(3))
-    local_t = torch.randint(0, pad_from, (rows,), generator=g)
-    in_shard = torch.tensor([True, False, True, True, False, True])
-    args = (logits, shift, ent, g_logp, g_ent, local_t, in_shard, inv_t, pad_from)
-    out = triton_logprobs.grad_logits(*args)
-    ref = _grad_logits(*args)
-    assert out.dtype == DT and out.shape == logits.shape
-    assert out[:, pad_from:].abs().max() == 0
-    torch.testing.assert_close(out.float(), ref.float(), atol=1e-4, rtol=1e-3)
-
-
-def test_head_statistics_kernel_matches_the_op_chain():
-    """The fused output head's forward kernel (engine/models/triton_logprobs.py `row_stats`, an online
-    log-sum-exp over blocks) against `_local_stats` run eagerly on the same float16 chunk: rows whose largest
-    logit lies in a late block (the running max rescales the sums), TP-padding columns, targets on and off
-    this rank's slice; and two vocabulary halves merged as two TP ranks' (`_combine`'s rescaling, here by
-    hand) equal the whole."""
-    from engine.models import triton_logprobs
-    from engine.models.fused_logprobs import _local_stats
-
-    g = torch.Generator().manual_seed(7)
-    block = triton_logprobs.STATS_BLOCK
-    rows, vocab, pad_from, inv_t = 5, 2 * block + 37, 2 * block + 30, 1 / 0.7
-    logits = (torch.randn(rows, vocab, generator=g) * 3).to(DT)
-    logits[1, 2 * block + 5] = 40.0  # the max in the last block: the first two blocks' sums rescale
-    logits[2, 3] = 40.0
-    local_t = torch.randint(0, pad_from, (rows,), generator=g)
-    in_shard = torch.tensor([True, False, True, True, False])
-    got = triton_logprobs.row_stats(logits, local_t, in_shard, inv_t, pad_from)
-    want = _local_stats(logits, local_t, in_shard, inv_t, pad_from)
-    assert got.shape == (4, rows) and got.dtype == torch.float32
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
-    halves = [(0, block + 11), (block + 11, vocab)]
-    parts = [
-        triton_logprobs.row_stats(
-            logits[:, a:b], local_t - a, in_shard & (local_t >= a) & (local_t < b), inv_t, pad_from - a
-        )
-        for a, b in halves
-    ]
-    m = torch.maximum(parts[0][0], parts[1][0])
-    w = [(p[0] - m).exp() for p in parts]
-    s = sum(wi * p[1] for wi, p in zip(w, parts))
-    a = sum(wi * (p[2] + (p[0] - m) * p[1]) for wi, p in zip(w, parts))
-    torch.testing.assert_close(torch.stack([m, s, a]), want[:3], atol=1e-4, rtol=1e-5)
-
-
-def test_output_head_backward_through_the_triton_kernel():
-    """linear_log_probs in float16 under the interpreter takes the Triton kernels; its log-probs and entropies
-    match the float64 log-softmax's within 1e-3 and its gradients within float16 rounding (1e-2 of the
-    largest entry)."""
-    from engine.models import fused_logprobs, triton_logprobs
-
-    assert fused_logprobs._grad_logits_fn(torch.device("cpu"), DT) is triton_logprobs.grad_logits
-    assert fused_logprobs._local_stats_fn(torch.device("cpu"), DT) is triton_logprobs.row_stats
-    g = torch.Generator().manual_seed(6)
-    rows, hidden, vocab = 40, 32, 3000
-    h = (torch.randn(rows, hidden, generator=g) * 0.5).to(DT).requires_grad_()
-    w = (torch.randn(vocab, hidden, generator=g) * 0.2).to(DT).requires_grad_()
-    t = torch.randint(0, vocab, (rows,), generator=g)
-    g_logp, g_ent = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
-    logp, ent = fused_logprobs.linear_log_probs(h, w, t, vocab_size=vocab, rows_per_chunk=16)
-    gh, gw = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), (h, w))
-    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    ls = (h64 @ w64.t()).log_softmax(-1)
-    ref = (ls.gather(1, t[:, None])[:, 0] * g_logp.double()).sum() - (
-        (ls.exp() * ls).sum(-1) * g_ent.double()
-    ).sum()
-    rgh, rgw = torch.autograd.grad(ref, (h64, w64))
-    assert (logp.double() - ls.gather(1, t[:, None])[:, 0]).abs().max() < 1e-3
-    assert (ent.double() + (ls.exp() * ls).sum(-1)).abs().max() < 1e-3
-    for a, b in ((gh, rgh), (gw, rgw)):
-        assert (a.double() - b).abs().max() < 1e-2 * b.abs().max()
-
-
-def test_swiglu_kernels_match_the_float32_chain():
-    """The MLP's SwiGLU forward and backward kernels (engine/models/triton_swiglu.py) against silu(y1) * y2 and
-    its autograd in float32 on the same float16 input, columns past a block boundary; and megatron's MLP hook
-    routes a bias-free input through them."""
-    from megatron.core.transformer import mlp
-
-    from engine.models import triton_swiglu
-
-    g = torch.Generator().manual_seed(7)
-    half = triton_swiglu.BLOCK + 37
-    y = (torch.randn(2, 3, 2 * half, generator=g) * 2).to(DT).requires_grad_()
-    grad = torch.randn(2, 3, half, generator=g).to(DT)
-    out = triton_swiglu.swiglu(y)
-    (dy,) = torch.autograd.grad(out, (y,), grad)
-    y32 = y.detach().float().requires_grad_()
-    y1, y2 = y32.chunk(2, -1)
-    ref = F.silu(y1) * y2
-    (ref_dy,) = torch.autograd.grad(ref, (y32,), grad.float())
-    assert out.dtype == DT and out.shape == (2, 3, half) and dy.dtype == DT
-    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(dy.float(), ref_dy, atol=2e-3, rtol=2e-3)
-    triton_swiglu.install_swiglu_kernels()
-    triton_swiglu.install_swiglu_kernels()  # idempotent: one wrapper
-    assert mlp.bias_swiglu_impl.engine_swiglu
-    assert torch.equal(mlp.bias_swiglu_impl(y.detach(), None), out.detach())
-
-
 def test_triton_draw_follows_the_distribution_with_full_vocab_log_probs():
     """The two-level inverse-CDF draw (engine/rollout/triton_sample.py) over 384 rows of one five-token
     distribution at temperature 0.5 across four tiles (a tile's first and last columns, the vocabulary's last,
@@ -457,53 +341,3 @@ def test_triton_draw_merges_a_row_cut_into_chunks():
         drawn += tokens.tolist()
         torch.testing.assert_close(logp, view.float().log_softmax(-1).gather(1, tokens[:, None]).squeeze(1))
     assert set(drawn) == set(support)
-
-
-@pytest.mark.parametrize("hidden", [64, 96])
-def test_rms_norm_kernels_match_float32_autograd(hidden):
-    """engine/models/triton_rms_norm.py (37 rows, more than the backward's programs: each loops over rows; a
-    width that is not a power of two) against a float32 autograd of the reference norm times the weight: y, dx
-    and the weight's gradient at least as close (within 1.5x, largest and mean error) as torch's path on the
-    same float16 inputs; the forward equals torch's path but for the mean's summation order."""
-    from engine.models import triton_rms_norm
-
-    g = torch.Generator().manual_seed(hidden)
-    x = (torch.randn(37, 1, hidden, generator=g) * 3).to(DT)
-    w = (1 + 0.2 * torch.randn(hidden, generator=g)).to(DT)
-    grad = torch.randn(37, 1, hidden, generator=g).to(DT)
-    assert triton_rms_norm.supported(x, w) and not triton_rms_norm.supported(x, w.float())
-    fused = functools.partial(triton_rms_norm.rms_norm, eps=1e-6)
-    assert_no_further_than_torch(x, w, grad, fused, slack_max=1e-3, slack_mean=1e-4)
-    y = triton_rms_norm.rms_norm(x, w, 1e-6)
-    torch.testing.assert_close(y, w * F.rms_norm(x, (hidden,), eps=1e-6), atol=2e-3, rtol=2.0**-9)
-
-
-def test_training_rope_kernel_matches_the_reference_both_ways():
-    """engine/models/triton_rope.py against `rope_reference` in float32 on the same float16 input: sbhd on a
-    strided view (6 of 8 heads of a projection), angles whose halves differ (the kernel reads both), forward
-    and the gradient through it; packed rows by position (`positions` from cu_seqlens) against the reference
-    on the gathered angles."""
-    from engine.models import triton_rope
-    from engine.models.spec import packed_positions, rope_reference
-
-    g = torch.Generator().manual_seed(11)
-    s, b, dim = 5, 3, 32
-    big = torch.randn(s, b, 8, dim, generator=g).to(DT)
-    t = big[:, :, :6].requires_grad_()
-    freqs = torch.rand(9, 1, 1, dim, generator=g) * 6
-    assert triton_rope.supported(t, freqs) and not t.is_contiguous()
-    grad = torch.randn(s, b, 6, dim, generator=g).to(DT)
-    out = triton_rope.rope(t, freqs)
-    (dt,) = torch.autograd.grad(out, (t,), grad)
-    t32 = t.detach().float().requires_grad_()
-    ref = rope_reference(t32, freqs[:s])
-    (ref_dt,) = torch.autograd.grad(ref, (t32,), grad.float())
-    assert out.dtype == DT and dt.dtype == DT
-    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(dt.float(), ref_dt, atol=2e-3, rtol=2e-3)
-    packed = torch.randn(7, 2, dim, generator=g).to(DT)
-    positions = packed_positions(torch.tensor([0, 3, 7]), 7)
-    assert positions.tolist() == [0, 1, 2, 0, 1, 2, 3]
-    got = triton_rope.rope(packed[:, None], freqs, positions)[:, 0]
-    want = rope_reference(packed[:, None].float(), freqs[positions])[:, 0]
-    torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)

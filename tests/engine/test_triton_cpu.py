@@ -1,6 +1,6 @@
-"""The Triton kernels (rollout and update) on the CPU: tests/engine/interpreted_triton.py run under Triton's
-interpreter in a subprocess (TRITON_INTERPRET=1 must be set before the kernels are defined, and this process has
-defined them already), so CI, which has no GPU, checks the kernels the GPU decodes and trains with against
+"""The Triton kernels (rollout and update) on the CPU: tests/engine/interpreted_triton.py and
+interpreted_training_kernels.py run under Triton's interpreter in a subprocess (TRITON_INTERPRET=1 must be
+set before the kernels are defined, and this process has defined them already), so CI, which has no GPU, checks the kernels the GPU decodes and trains with against
 independent references.
 
 Needs the `triton` package (the [test] extra installs it on Linux x86_64; a CUDA build of torch brings its own).
@@ -58,6 +58,7 @@ def test_triton_kernels_under_the_interpreter():
         "-p",
         "no:cacheprovider",
         "interpreted_triton.py",
+        "interpreted_training_kernels.py",
     ]
     run = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
