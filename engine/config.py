@@ -42,7 +42,7 @@ class TrainerConfig:
     unless trainer.overwrite=true; a branch into a new output_dir keeps both histories."""
     overwrite: bool = False
     """Let a fresh run (resume=off, or resume=auto finding no usable checkpoint) start in an output_dir that
-    holds an earlier run's metrics.jsonl or checkpoints: they (and its tensorboard/, hf_actor/, profile/) are removed
+    holds an earlier run's metrics.jsonl or checkpoints: they (and tensorboard/, hf_actor/, profile/) are removed
     first; and let resume=PATH branch from an older checkpoint of this output_dir: the checkpoints after it
     are deleted and `latest` names it before the first step (metrics.jsonl keeps lines up to its step)."""
     export_hf: bool = False
@@ -81,9 +81,8 @@ class TrainerConfig:
     """placement.mode=split: how many steps the rollout may run ahead of the update (0 = on-policy, the same
     results as colocated)."""
     profile_steps: list[int] = field(default_factory=list)
-    """Steps (1-based, as logged) to run under torch.profiler: a Chrome trace per rank in output_dir/profile/
-    and, on CUDA, `perf/gpu_busy/<phase>` (engine/step_profiler.py). Slows the steps it profiles. With
-    placement.mode=split the training ranks' steps only (the rollout ranks' generation is not traced)."""
+    """Steps (from 1) to run, slower, under torch.profiler: traces in output_dir/profile/, `perf/gpu_busy/<phase>`
+    on CUDA (engine/step_profiler.py; split placement: the training ranks only)."""
     cuda_graphs: bool | None = None
     """The transformer layers' forward and backward from CUDA graphs (engine/models/layer_graphs.py): no host
     launch time for small micro-batches. Needs CUDA, pp=1, tp=1, no recompute or MoE, half precision if packed
@@ -464,38 +463,6 @@ def register_configs() -> None:
     """Register the schema so conf/train.yaml composes onto typed nodes (typos in keys fail at compose)."""
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
-
-
-def needs_old_log_prob_forward(
-    alg: AlgorithmConfig, rollout_log_probs: bool = True, off_policy_steps: int = 0
-) -> bool:
-    """Whether a step runs the actor's old-log-prob forward: when the actor takes more than one optimizer step
-    per batch (with a single on-policy step the old log-probs equal the current ones), or when the KL in the
-    reward needs the policy's log-probs and the rollout's are not them: it returns none
-    (`rollout.log_probs=false`; one forward costs less than vLLM charges for returning them, scripts/bench/
-    README.md "Rollout"), or it generated with older weights (`trainer.off_policy_steps` > 0: the penalty
-    would lag the policy by a step, as would the adaptive KL controller that reads it)."""
-    stale_or_missing = not rollout_log_probs or off_policy_steps > 0
-    return alg.ppo_epochs > 1 or alg.num_mini_batches > 1 or (alg.kl_in_reward and stale_or_missing)
-
-
-def needs_reference(alg: AlgorithmConfig) -> bool:
-    """Whether the run builds the frozen reference: a KL loss (algorithm.kl_loss_coef > 0) or kl_in_reward."""
-    return alg.kl_loss_coef > 0 or alg.kl_in_reward
-
-
-def max_response_tokens(rollout: RolloutConfig) -> int:
-    """The most tokens of one response (where DAPO's overlong penalty ramps to): rollout.max_new_tokens, or under
-    rollout.multi_turn the episode's max_total_tokens, tool tokens included (as verl's agent loop counts)."""
-    return rollout.multi_turn.max_total_tokens if rollout.multi_turn.enable else rollout.max_new_tokens
-
-
-def overlong_buffer_tokens(alg: AlgorithmConfig, max_new_tokens: int) -> int:
-    """The overlong buffer in tokens: algorithm.overlong_buffer_len, else overlong_buffer_frac of max_new_tokens
-    (`max_response_tokens`)."""
-    if alg.overlong_buffer_len > 0 or alg.overlong_buffer_frac <= 0:
-        return alg.overlong_buffer_len
-    return max(1, int(alg.overlong_buffer_frac * max_new_tokens))
 
 
 class ConfigError(UserError, ValueError):

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from algorithms.advantages import advantage_traits
-from engine.config import ConfigError, ModelConfig, TrainConfig, needs_reference
+from engine.config import ConfigError, ModelConfig, TrainConfig
+from engine.config_rules import needs_reference
 from engine.data import PromptRecord, load_prompt_dataset, load_tokenizer, refuse_row_caps
 from engine.metrics import MetricsLogger
 from engine.models.builder import (

@@ -7,7 +7,7 @@ reward, dynamic sampling, advantages, update, statistics); this module sequences
 metrics. It makes no collective call of its own.
 
 The old-log-prob forward runs when the actor takes more than one optimizer step per batch
-(engine/config.py `needs_old_log_prob_forward`): with a single step the old log-probs equal the current
+(engine/config_rules.py `needs_old_log_prob_forward`): with a single step the old log-probs equal the current
 ones, so the ratio is 1 by construction (actor/ppo_kl = 0, actor/pg_clipfrac = 0) and actor/rollout_kl
 reports the rollout-vs-training gap instead. A KL in the reward also needs it when the rollout's log-probs
 are not the policy's: none returned (below), or generated with older weights (trainer.off_policy_steps).
@@ -26,7 +26,7 @@ import torch
 
 from algorithms.kl import make_kl_controller
 from engine.checkpoint.checkpoint import Checkpointer
-from engine.config import max_response_tokens, needs_old_log_prob_forward
+from engine.config_rules import max_response_tokens, needs_old_log_prob_forward
 from engine.metrics import PhaseTimer
 from engine.roles.dynamic_batch import trainer_batcher
 from engine.roles.offload import RoleOffloader

@@ -11,7 +11,7 @@ Which policy log-probs the KL in the reward uses: the old-log-prob forward when 
 (ppo_epochs == 1 and num_mini_batches == 1, on-policy, where that forward is skipped) the rollout engine's
 log-probs of the same weights, which differ from the training forward by numerics only (with
 rollout.log_probs=false, or off-policy rollouts of older weights, the trainer runs the forward instead:
-engine/config.py `needs_old_log_prob_forward`).
+engine/config_rules.py `needs_old_log_prob_forward`).
 
 `advantages` is the step's phase: `compute_advantages` over all DP replicas, the advantages' statistics, and
 the KL controller's update from the batch's KL in the reward.
@@ -39,7 +39,7 @@ def policy_log_probs(exp: Experience) -> torch.Tensor:
     if "rollout_log_probs" not in exp.tensors:  # the trainer runs the forward when the rollout returns none
         raise RuntimeError(
             "the KL in the reward needs the policy's log-probs: no old-log-prob forward ran and the rollout "
-            "returned none; run the old-log-prob forward (engine/config.py needs_old_log_prob_forward)"
+            "returned none; run the old-log-prob forward (engine/config_rules.py needs_old_log_prob_forward)"
         )
     return exp.tensors["rollout_log_probs"]
 

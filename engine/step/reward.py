@@ -9,7 +9,7 @@ import torch
 
 from algorithms.advantages import advantage_traits
 from algorithms.dapo import overlong_penalty
-from engine.config import max_response_tokens, overlong_buffer_tokens
+from engine.config_rules import max_response_tokens, overlong_buffer_tokens
 from engine.roles.dynamic_batch import MicroBatcher
 from engine.rollout.base import RolloutOutput
 from engine.step.batch import Responses, response_lengths
@@ -58,7 +58,7 @@ def score(
         scores = scores + c.reward_model(prompts, out.response_ids, out.response_mask, n, batcher)
     penalty = None
     buffer = overlong_buffer_tokens(alg, max_len)
-    if buffer > 0:  # an episode's length counts its tool turns (engine/config.py max_response_tokens)
+    if buffer > 0:  # an episode's length counts its tool turns (engine/config_rules.py max_response_tokens)
         lengths = (
             response_lengths(out.response_mask) if out.episodes is not None else out.response_mask.sum(-1)
         )

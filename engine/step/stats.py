@@ -49,7 +49,7 @@ def rollout_metrics(
     `response_length/mean|std|min|max` count the trained (generated) tokens of each response (verl's count a
     multi-turn episode's tool tokens too).
     `response_length/clip_ratio` is verl's: the fraction of responses whose length equals `max_response_len`,
-    the configured most tokens of one response (engine/config.py `max_response_tokens`: rollout.max_new_tokens,
+    the configured most tokens of one response (engine/config_rules.py `max_response_tokens`: rollout.max_new_tokens,
     or with multi-turn rollout.multi_turn.max_total_tokens, against the episode's length with its tool turns,
     as verl's response width holds a whole episode). Only that global maximum counts: a response cut earlier by
     its prompt's own `max_new_tokens` (the dataset column) or an episode ended for want of room for a tool turn

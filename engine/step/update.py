@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from algorithms.losses import loss_normalizer
-from engine.config import AlgorithmConfig, TrainConfig, max_response_tokens
+from engine.config import AlgorithmConfig, TrainConfig
+from engine.config_rules import max_response_tokens
 from engine.models.builder import ModelShape
 from engine.roles.dynamic_batch import MicroBatcher
 from engine.roles.policy import LossFn, MegatronRole

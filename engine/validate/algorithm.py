@@ -8,7 +8,8 @@ import os
 from algorithms.advantages import advantage_estimator_names, advantage_traits
 from algorithms.kl import KL_CONTROLLERS, KL_CONTROLLERS_WITH_TARGET, kl_estimator_names
 from algorithms.losses import LOSS_AGG_MODES, TIS_MODES, policy_loss_names, policy_loss_traits
-from engine.config import ModelConfig, TrainConfig, max_response_tokens, overlong_buffer_tokens
+from engine.config import ModelConfig, TrainConfig
+from engine.config_rules import max_response_tokens, overlong_buffer_tokens
 from engine.validate.built import model_key
 from engine.validate.model import validate_checkpoint_positions
 from engine.validate.rules import fail, one_of, positive

@@ -8,13 +8,8 @@ from functools import reduce
 from algorithms.advantages import advantage_traits
 from algorithms.kl import KL_CONTROLLERS_WITH_TARGET
 from algorithms.losses import policy_loss_traits
-from engine.config import (
-    MultiTurnConfig,
-    TrainConfig,
-    max_response_tokens,
-    needs_reference,
-    overlong_buffer_tokens,
-)
+from engine.config import MultiTurnConfig, TrainConfig
+from engine.config_rules import max_response_tokens, needs_reference, overlong_buffer_tokens
 
 Rule = tuple[str, bool, str]
 """(key, whether this combination of settings ignores it, why)."""

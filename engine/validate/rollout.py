@@ -166,7 +166,7 @@ def validate_vllm_log_probs(cfg: TrainConfig) -> None:
 
 def validate_without_rollout_log_probs(cfg: TrainConfig) -> None:
     """rollout.log_probs=false: refuse the settings that need the rollout's own log-probs (a KL in the reward
-    takes the old-log-prob forward's instead: engine/config.py `needs_old_log_prob_forward`)."""
+    takes the old-log-prob forward's instead: engine/config_rules.py `needs_old_log_prob_forward`)."""
     a = cfg.algorithm
     if a.tis_cap > 0:
         fail(

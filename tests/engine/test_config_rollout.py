@@ -101,9 +101,9 @@ def test_vllm_log_probs_with_truncation_need_temperature_one():
 
 def test_rollout_log_probs_off_runs_the_old_forward_for_a_kl_in_the_reward_and_refuses_tis():
     """Without rollout log-probs a KL in the reward gets the policy's log-probs from the old-log-prob forward
-    (engine/config.py needs_old_log_prob_forward, the rule the trainer applies); only TIS, which needs the
+    (engine/config_rules.py needs_old_log_prob_forward, the rule the trainer applies); only TIS, which needs the
     rollout's own, is refused."""
-    from engine.config import needs_old_log_prob_forward
+    from engine.config_rules import needs_old_log_prob_forward
 
     validate(composed("rollout.log_probs=false"), world_size=1)  # grpo: a KL loss, no TIS
     validate(composed("rollout.log_probs=false", "algorithm=dapo", "rollout.max_new_tokens=6"), world_size=1)
