@@ -82,7 +82,7 @@ class TrainerConfig:
     results as colocated)."""
     profile_steps: list[int] = field(default_factory=list)
     """Steps (from 1) to run, slower, under torch.profiler: traces in output_dir/profile/, `perf/gpu_busy/<phase>`
-    on CUDA (engine/step_profiler.py; split placement: the training ranks only)."""
+    on CUDA (engine/step_profiler.py; split placement's rollout ranks send theirs for `gen` and `reward`)."""
     cuda_graphs: bool | None = None
     """The transformer layers' forward and backward from CUDA graphs (engine/models/layer_graphs.py): no host
     launch time for small micro-batches. Needs CUDA, pp=1, tp=1, no recompute or MoE, half precision if packed

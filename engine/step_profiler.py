@@ -1,9 +1,10 @@
 """trainer.profile_steps: chosen steps run under torch.profiler, each writing a Chrome trace per rank and, on
 CUDA, how busy the GPU was in each phase of the step.
 
-A profiled step N writes `output_dir/profile/step_{N}_rank{R}.json` on every rank (open it in
-https://ui.perfetto.dev or chrome://tracing): the host's ops, the GPU's kernels, copies and memsets (those
-replayed from CUDA graphs too), and each phase of the step as a `phase/<name>` annotation (engine/metrics.py
+A profiled step N writes `output_dir/profile/step_{N}_rank{R}.json` on every rank, to open in
+https://ui.perfetto.dev or chrome://tracing (a split placement rollout rank traces the step's first round and
+the weights' arrival, and sends its phases' busy shares with the step's metrics: engine/split/worker.py): the
+host's ops, the GPU's kernels, copies and memsets (those replayed from CUDA graphs too), and each phase of the step as a `phase/<name>` annotation (engine/metrics.py
 `PhaseTimer`; `phase/step` spans the whole step). From the same trace, on CUDA, the logging rank's
 `perf/gpu_busy/<phase>`: the share of the phase's wall time in which at least one kernel, copy or memset ran on
 this process's GPU (the union of their intervals, so overlapping streams count once; a phase that runs twice
@@ -32,6 +33,8 @@ PHASE = "phase/"
 DEVICE_WORK = frozenset(("kernel", "gpu_memcpy", "gpu_memset"))
 """Chrome trace categories of work on the GPU (kineto's names)."""
 PROFILE_DIR = "profile"
+STEP = "step"
+"""The phase annotation that spans a profiled step (or, on a split placement rollout rank, its profiled part)."""
 
 
 def trace_path(output_dir: str, step: int, rank: int) -> str:
@@ -84,6 +87,12 @@ def busy_fractions(events: list[dict]) -> dict[str, float]:
     return out
 
 
+def rollout_side_busy(busy: dict[str, float]) -> dict[str, float]:
+    """A split placement rollout rank's busy shares to send with its step's metrics: its phases (`gen`,
+    `reward`), not its profiled window (`perf/gpu_busy/step`), which would stand for the training rank's."""
+    return {k: v for k, v in busy.items() if k != f"perf/gpu_busy/{STEP}"}
+
+
 class StepProfiler:
     """Runs the steps named in `steps` (1-based, as logged) under torch.profiler (module docstring)."""
 
@@ -106,7 +115,7 @@ class StepProfiler:
         if cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as prof:
-            with torch.profiler.record_function(f"{PHASE}step"):
+            with torch.profiler.record_function(f"{PHASE}{STEP}"):
                 yield metrics
             if cuda:
                 torch.cuda.synchronize(self.device)

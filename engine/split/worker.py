@@ -62,6 +62,7 @@ from engine.step.rollout import (
     share_bounds,
 )
 from engine.step.validation import row_scores, validation_due
+from engine.step_profiler import StepProfiler, rollout_side_busy
 from parallel.rollout_weights import RolloutWeights
 from parallel.split_plan import SplitLayout
 from parallel.split_transfer import SplitTransfer
@@ -95,6 +96,8 @@ class RolloutWorker:
     """The actor's weights the engine generates with (the latest received)."""
     val_batches: dict[int, list] | None = None
     """The validation batches of each served training replica (as `Components.val_batches` there)."""
+    output_dir: str = ""
+    """The run's output directory: trainer.profile_steps' traces go to its profile/ (engine/step_profiler.py)."""
     weights_step: int = 0
     """The step at whose start the trainers held `weights`."""
     wait_train: float = 0.0
@@ -122,18 +125,25 @@ class RolloutWorker:
         step k - 1's batch, then the weights of step k arrive and the batch goes out (the first step after the
         start is on-policy; the last step's weights are not sent, nothing would use them, unless validation
         after step k - 1 needs them). Validation after k steps runs on the weights of step k as soon as they
-        arrive (`_receive`); dynamic sampling's further rounds follow the first (`_more_rounds`)."""
+        arrive (`_receive`); dynamic sampling's further rounds follow the first (`_more_rounds`).
+
+        A step of trainer.profile_steps runs its first round (and the weights' arrival) under the profiler: a
+        trace per rank as the training ranks write theirs, and on CUDA the rollout phases' busy shares
+        (`perf/gpu_busy/gen`, `perf/gpu_busy/reward`) sent with the step's other metrics."""
         start, total = self._start_step(), self.cfg.trainer.total_steps
         ahead = self.cfg.trainer.off_policy_steps
+        profiler = StepProfiler(self.cfg.trainer.profile_steps, self.output_dir, self.rank, self.device)
         for step in range(start, total):
             timer, engine_stats = PhaseTimer(self.device), {}
-            if not ahead or step == start:
-                self._receive(step, start)
-                ready = self._generate(step, 0, timer, engine_stats)
-            else:
-                ready = self._generate(step, 0, timer, engine_stats)
-                if step < total - 1 or self._validates_at(step):
+            with profiler.step(step + 1) as busy:
+                if not ahead or step == start:
                     self._receive(step, start)
+                    ready = self._generate(step, 0, timer, engine_stats)
+                else:
+                    ready = self._generate(step, 0, timer, engine_stats)
+                    if step < total - 1 or self._validates_at(step):
+                        self._receive(step, start)
+            engine_stats.update(rollout_side_busy(busy))
             self._send(ready, timer, engine_stats)
             self._more_rounds(step, timer, engine_stats)
         if start < total and self._validates_at(total):
@@ -300,5 +310,6 @@ def build_rollout_worker(
         shares,
         shape.tie_embeddings,
         val_batches=val_batches if any(val_batches.values()) else {},
+        output_dir=output_dir,
         episodes=build_episodes(cfg, tools, tokenizer, shape, records + val_records),
     )

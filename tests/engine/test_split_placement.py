@@ -35,6 +35,7 @@ from distributed import run_torchrun
 from trainer_jobs import CALCULATOR_TASK
 
 from engine.checkpoint.store import latest_checkpoint
+from engine.step_profiler import phase_windows, trace_path
 from engine.tasks.embedded import EMBEDDED_VOCAB, write_embedded_dataset
 from parallel.layout import TrainLayout
 from parallel.split_plan import SplitLayout
@@ -192,13 +193,24 @@ def test_split_tp2_train_2_rollout_replicas_equals_colocated_micro_dp(tmp_path):
     ]
     short += ["algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3", *_validation(tmp_path, 1)]
     colocated = _train(2, tmp_path / "colocated", *short)
-    split = _train(4, tmp_path / "split", *short, "placement.mode=split", "placement.rollout_ranks=2")
+    profiled = "trainer.profile_steps=[2]"  # every rank traces step 2, the rollout ranks too
+    split = _train(
+        4, tmp_path / "split", *short, "placement.mode=split", "placement.rollout_ranks=2", profiled
+    )
     assert sorted(split) == [1, 2]
     for step, row in split.items():
         assert _comparable(row) == _comparable(colocated[step]), step
         assert "val/reward_mean" in row and "val/embedded/copy/mean@2" in row, step
         assert "reward/extra/acc" in row and "val/embedded/copy/extra/acc/mean@2" in row, step
     assert max(row["dynamic_sampling/rounds"] for row in split.values()) > 1  # further rounds ran
+    phases = {}
+    for rank in range(4):
+        with open(trace_path(str(tmp_path / "split"), 2, rank)) as f:
+            phases[rank] = set(phase_windows(json.load(f)["traceEvents"]))
+    assert {"step", "wait_rollout", "update_actor"} <= phases[0] and "gen" not in phases[0], phases[0]
+    for rank in (2, 3):  # the rollout ranks: the generation and the rule's scoring
+        assert {"step", "gen", "reward"} <= phases[rank] and "update_actor" not in phases[rank], phases[rank]
+    assert not any(k.startswith("perf/gpu_busy") for k in split[2])  # on CUDA only
 
 
 def test_split_moe_equals_colocated(tmp_path):

@@ -11,7 +11,7 @@ import os
 import pytest
 from trainer_jobs import read_metrics, run_job
 
-from engine.step_profiler import busy_fractions, trace_path
+from engine.step_profiler import busy_fractions, rollout_side_busy, trace_path
 
 
 def _event(cat: str, name: str, ts: float, dur: float) -> dict:
@@ -44,6 +44,9 @@ def test_busy_share_is_the_union_of_device_work_inside_each_phase():
     window_inside_one_interval = [_event("kernel", "k", 0, 100), _event("user_annotation", "phase/x", 10, 5)]
     assert busy_fractions(window_inside_one_interval) == {"x": 1.0}
     assert busy_fractions([_event("user_annotation", "phase/x", 0, 5)]) == {"x": 0.0}
+    # a split placement rollout rank sends its phases, not its window as the step's (the training rank's)
+    sent = rollout_side_busy({f"perf/gpu_busy/{k}": v for k, v in got.items()})
+    assert sent == {"perf/gpu_busy/gen": got["gen"], "perf/gpu_busy/adv": 0.5, "perf/gpu_busy/idle": 0.0}
 
 
 def test_profiled_cpu_step_writes_a_trace_of_its_phases(tmp_path):
