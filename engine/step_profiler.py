@@ -5,9 +5,9 @@ A profiled step N writes `output_dir/profile/step_{N}_rank{R}.json` on every ran
 https://ui.perfetto.dev or chrome://tracing (a split placement rollout rank traces the step's first round and
 the weights' arrival, and sends its phases' busy shares with the step's metrics: engine/split/worker.py): the
 host's ops, the GPU's kernels, copies and memsets (those replayed from CUDA graphs too), and each phase of the
-step as a `phase/<name>` annotation (engine/metrics.py `PhaseTimer`; `phase/step` spans the whole step). From the same trace, on CUDA, the logging rank's
-`perf/gpu_busy/<phase>`: the share of the phase's wall time in which at least one kernel, copy or memset ran on
-this process's GPU (the union of their intervals, so overlapping streams count once; a phase that runs twice
+step as a `phase/<name>` annotation (engine/metrics.py `PhaseTimer`; `phase/step` spans the whole step).
+From the same trace, on CUDA, the logging rank's `perf/gpu_busy/<phase>`: the share of the phase's wall time
+in which at least one kernel, copy or memset ran on this process's GPU (the union of their intervals, so overlapping streams count once; a phase that runs twice
 in a step, as `reshard` does, counts both). `perf/gpu_busy/gen` is the rollout's: what the GPU does while
 the rollout waits on the host (launches, sampling decisions, admitting rows) or on a few long rows is idle.
 The phases synchronise the device at their ends, so a phase's window holds its own GPU work.
@@ -34,7 +34,7 @@ DEVICE_WORK = frozenset(("kernel", "gpu_memcpy", "gpu_memset"))
 """Chrome trace categories of work on the GPU (kineto's names)."""
 PROFILE_DIR = "profile"
 STEP = "step"
-"""The phase annotation that spans a profiled step (or, on a split placement rollout rank, its profiled part)."""
+"""The annotation that spans a profiled step (on a split placement rollout rank, its profiled part)."""
 
 
 def trace_path(output_dir: str, step: int, rank: int) -> str:

@@ -97,7 +97,7 @@ class RolloutWorker:
     val_batches: dict[int, list] | None = None
     """The validation batches of each served training replica (as `Components.val_batches` there)."""
     output_dir: str = ""
-    """The run's output directory: trainer.profile_steps' traces go to its profile/ (engine/step_profiler.py)."""
+    """The run's output directory: trainer.profile_steps' traces go to its profile/ (step_profiler.py)."""
     weights_step: int = 0
     """The step at whose start the trainers held `weights`."""
     wait_train: float = 0.0
