@@ -5,12 +5,13 @@ A profiled step N writes `output_dir/profile/step_{N}_rank{R}.json` on every ran
 https://ui.perfetto.dev or chrome://tracing (a split placement rollout rank traces the step's first round and
 the weights' arrival, and sends its phases' busy shares with the step's metrics: engine/split/worker.py): the
 host's ops, the GPU's kernels, copies and memsets (those replayed from CUDA graphs too), and each phase of the
-step as a `phase/<name>` annotation (engine/metrics.py `PhaseTimer`; `phase/step` spans the whole step).
-From the same trace, on CUDA, the logging rank's `perf/gpu_busy/<phase>`: the share of the phase's wall time
-in which at least one kernel, copy or memset ran on this process's GPU (the union of their intervals, so
+step as a `phase/<name>` annotation (engine/metrics.py `PhaseTimer`; `phase/step` spans the whole step). From
+the same trace, on CUDA, the logging rank's `perf/gpu_busy/<phase>`: the share of the phase's wall time in
+which at least one kernel, copy or memset ran on this process's GPU (the union of their intervals, so
 overlapping streams count once; a phase that runs twice in a step, as `reshard` does, counts both).
-`perf/gpu_busy/gen` is the rollout's: what the GPU does while the rollout waits on the host (launches, sampling decisions, admitting rows) or on a few long rows is idle.
-The phases synchronise the device at their ends, so a phase's window holds its own GPU work.
+`perf/gpu_busy/gen` is the rollout's: what the GPU does while the rollout waits on the host (launches,
+sampling decisions, admitting rows) or on a few long rows is idle. The phases synchronise the device at their
+ends, so a phase's window holds its own GPU work.
 
 Profiling costs time (the host records every op; the trace is written after the step) and host memory (a
 long-tailed rollout records a kernel per layer op per decode step: a 1.5B step to 4,096 tokens holds about a
