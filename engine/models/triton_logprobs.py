@@ -99,20 +99,26 @@ def supported(device: torch.device, dtype: torch.dtype) -> bool:
     return elementwise_supported(device, dtype)
 
 
+def _targets(local_t: torch.Tensor, in_shard: torch.Tensor) -> torch.Tensor:
+    """Each row's target column on this rank's vocabulary slice, -1 where it is on another rank's (both
+    kernels' convention)."""
+    return torch.where(in_shard, local_t, -1).contiguous()
+
+
 def grad_logits(logits, shift, ent, g_logp, g_ent, local_t, in_shard, inv_t: float, pad_from: int):
     """fused_logprobs `_grad_logits`: dL/dlogits (rows, vocab_local) in the logits' dtype, for contiguous
     logits and per-row (rows,) float32 statistics and gradients (already divided by the temperature)."""
     rows, cols = logits.shape
     logits = logits.contiguous()
     out = torch.empty_like(logits)
-    target = torch.where(in_shard, local_t, -1)  # -1: the target is on another rank's vocabulary slice
+    target = _targets(local_t, in_shard)
     per_row = [t.float().contiguous() for t in (shift, ent, g_logp, g_ent)]
     grid = (rows, triton.cdiv(cols, BLOCK))
     _grad_logits_kernel[grid](
         logits,
         out,
         *per_row,
-        target.contiguous(),
+        target,
         inv_t,
         pad_from,
         cols,
@@ -136,7 +142,7 @@ def row_stats(logits, local_t, in_shard, inv_t: float, pad_from: int) -> torch.T
     rows, cols = logits.shape
     logits = logits.contiguous()
     stats = torch.empty(4, rows, dtype=torch.float32, device=logits.device)
-    target = torch.where(in_shard, local_t, -1).contiguous()
+    target = _targets(local_t, in_shard)
     _row_stats_kernel[(rows,)](
         logits,
         stats,
