@@ -26,9 +26,27 @@ KLEstimator = Callable[[Tensor, Tensor, Tensor], Tensor]
 _KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator", "kl_estimator")
 
 
-def register_kl_estimator(name: str) -> Callable[[KLEstimator], KLEstimator]:
-    """Decorator: register `fn(log_probs_bt, ref_log_probs_bt, mask_bt) -> kl_bt` under `name`."""
-    return _KL_ESTIMATORS.register(name)
+_TOKEN_LOCAL: set[str] = set()
+
+
+def register_kl_estimator(name: str, token_local: bool = False) -> Callable[[KLEstimator], KLEstimator]:
+    """Decorator: register `fn(log_probs_bt, ref_log_probs_bt, mask_bt) -> kl_bt` under `name`. `token_local`:
+    each token's KL depends on that token's log-probs only (see losses.PolicyLossTraits.token_local)."""
+    register = _KL_ESTIMATORS.register(name)
+
+    def decorator(fn: KLEstimator) -> KLEstimator:
+        fn = register(fn)
+        if token_local:
+            _TOKEN_LOCAL.add(name)
+        return fn
+
+    return decorator
+
+
+def kl_estimator_is_token_local(name: str) -> bool:
+    """Whether the KL estimator `name` was registered token-local; ValueError listing the known names otherwise."""
+    _KL_ESTIMATORS.get(name)
+    return name in _TOKEN_LOCAL
 
 
 def get_kl_estimator(name: str) -> KLEstimator:
@@ -49,25 +67,25 @@ def _log_ratio(log_probs_bt: Tensor, ref_log_probs_bt: Tensor, mask_bt: Tensor) 
     return mask_bt, torch.where(mask_bt, log_probs_bt - torch.where(mask_bt, ref_log_probs_bt, zero), zero)
 
 
-@register_kl_estimator("k1")
+@register_kl_estimator("k1", token_local=True)
 def kl_k1(log_probs_bt: Tensor, ref_log_probs_bt: Tensor, mask_bt: Tensor) -> Tensor:
     _, d_bt = _log_ratio(log_probs_bt, ref_log_probs_bt, mask_bt)
     return d_bt
 
 
-@register_kl_estimator("abs")
+@register_kl_estimator("abs", token_local=True)
 def kl_abs(log_probs_bt: Tensor, ref_log_probs_bt: Tensor, mask_bt: Tensor) -> Tensor:
     _, d_bt = _log_ratio(log_probs_bt, ref_log_probs_bt, mask_bt)
     return d_bt.abs()
 
 
-@register_kl_estimator("k2")
+@register_kl_estimator("k2", token_local=True)
 def kl_k2(log_probs_bt: Tensor, ref_log_probs_bt: Tensor, mask_bt: Tensor) -> Tensor:
     _, d_bt = _log_ratio(log_probs_bt, ref_log_probs_bt, mask_bt)
     return 0.5 * d_bt.square()
 
 
-@register_kl_estimator("k3")
+@register_kl_estimator("k3", token_local=True)
 def kl_k3(log_probs_bt: Tensor, ref_log_probs_bt: Tensor, mask_bt: Tensor) -> Tensor:
     mask_bt, d_bt = _log_ratio(log_probs_bt, ref_log_probs_bt, mask_bt)
     ref_minus_actor_bt = (-d_bt).clamp(-20.0, 20.0)

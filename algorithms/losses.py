@@ -50,6 +50,12 @@ class PolicyLossTraits:
     """Takes `clip_ratio_c` (the dual clip of negative advantages)."""
     sequence_ratio: bool = False
     """Clips a per-sequence importance ratio instead of per-token ratios."""
+    token_local: bool = False
+    """Each token's loss depends on that token's own inputs only (its log-prob, old and rollout log-probs,
+    advantage), so its gradient is known as soon as its log-prob is: the engine's output head then computes
+    the loss's gradient in its forward, from logits it has not yet freed (engine/models/fused_logprobs.py
+    `linear_log_probs_one_pass`). Off unless a loss says so: a loss with any statistic over several tokens
+    (a sequence ratio, a batch mean) must leave it off."""
 
 
 _POLICY_LOSS_TRAITS: dict[str, PolicyLossTraits] = {}
@@ -199,7 +205,7 @@ def _finish(
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
-@register_policy_loss("ppo")
+@register_policy_loss("ppo", PolicyLossTraits(token_local=True))
 def ppo_policy_loss(
     log_probs_bt: Tensor,
     old_log_probs_bt: Tensor,

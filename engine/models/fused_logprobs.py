@@ -26,6 +26,8 @@ straight into megatron DDP's `main_grad` when the weight has one (then no bf16 g
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -114,35 +116,68 @@ def _kernel(fn, device: torch.device):
     return cuda_kernel(fn, device, LOGPROBS)
 
 
+def _shard(weight, targets, vocab_size: int, tp_group):
+    """This rank's view of the targets: (local column of each target (0 off this shard), in_shard, pad_from:
+    the first local column that is TP padding)."""
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    v_local = weight.shape[0]
+    start = tp_rank * v_local
+    pad_from = max(0, min(v_local, vocab_size - start))  # local columns >= pad_from are TP padding
+    local_t = targets - start
+    in_shard = (local_t >= 0) & (local_t < v_local)
+    return torch.where(in_shard, local_t, torch.zeros_like(local_t)), in_shard, pad_from
+
+
+def _chunk_stats(logits, local_stats, local_t, in_shard, inv_t: float, pad_from: int, tp_group):
+    """(shift = m + log S, log p(target), entropy) of one chunk's rows from its logits, over the whole
+    vocabulary (the TP group's `_combine`)."""
+    stats = local_stats(logits, local_t, in_shard, inv_t, pad_from)
+    m, s, a, zt = _combine(stats, in_shard, tp_group)
+    log_s = s.log()
+    return m + log_s, zt - log_s, log_s - a / s
+
+
+class _WeightGrad:
+    """The output weight's gradient summed over a head's chunks: straight into megatron DDP's float32
+    `main_grad` when the weight has one (its hook then adds only what other uses of the weight left in .grad,
+    e.g. a tied embedding's lookup, and the head returns no bf16 gradient at all); else, over several chunks,
+    summed in float32 and rounded once; else one chunk's product."""
+
+    def __init__(self, weight: torch.Tensor, main_grad: torch.Tensor | None, needed: bool, chunks: int):
+        self.weight, self.needed, self.into_main = weight, needed, needed and main_grad is not None
+        self.sum = main_grad if self.into_main else None
+        if needed and not self.into_main and chunks > 1:
+            self.sum = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        self.grad = None
+
+    def add(self, g: torch.Tensor, h: torch.Tensor) -> None:
+        """Add the chunk's g^T @ h, g its (rows, vocab_local) gradient of the logits, h its hidden rows."""
+        if self.sum is not None:
+            accumulate_matmul(self.sum, g.t(), h)
+        elif self.needed:
+            self.grad = g.t() @ h
+
+    def result(self) -> torch.Tensor | None:
+        """What the head's backward returns for the weight (None when it went into `main_grad`)."""
+        if self.sum is not None and not self.into_main:
+            return self.sum.to(self.weight.dtype)
+        return self.grad
+
+
 class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, vocab_size, tp_group, rows_per_chunk):
-        tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-        v_local = weight.shape[0]
-        start = tp_rank * v_local
-        pad_from = max(0, min(v_local, vocab_size - start))  # local columns >= pad_from are TP padding
-        local_t = targets - start
-        in_shard = (local_t >= 0) & (local_t < v_local)
-        local_t = torch.where(in_shard, local_t, torch.zeros_like(local_t))
+        local_t, in_shard, pad_from = _shard(weight, targets, vocab_size, tp_group)
         inv_t = 1.0 / temperature
-        n = hidden.shape[0]
-        m_all = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        log_s_all, ent_all, logp_all = (
-            torch.empty_like(m_all),
-            torch.empty_like(m_all),
-            torch.empty_like(m_all),
-        )
+        shift_all, logp_all, ent_all = (hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in "sle")
         local_stats = _local_stats_fn(hidden.device, hidden.dtype)
-        for rows in chunk_slices(n, rows_per_chunk):
+        for rows in chunk_slices(hidden.shape[0], rows_per_chunk):
             logits = hidden[rows] @ weight.t()
-            stats = local_stats(logits, local_t[rows], in_shard[rows], inv_t, pad_from)
+            shift_all[rows], logp_all[rows], ent_all[rows] = _chunk_stats(
+                logits, local_stats, local_t[rows], in_shard[rows], inv_t, pad_from, tp_group
+            )
             del logits
-            m, s, a, zt = _combine(stats, in_shard[rows], tp_group)
-            log_s = s.log()
-            m_all[rows], log_s_all[rows] = m, log_s
-            logp_all[rows] = zt - log_s
-            ent_all[rows] = log_s - a / s
-        ctx.save_for_backward(hidden, weight, local_t, in_shard, m_all + log_s_all, ent_all)
+        ctx.save_for_backward(hidden, weight, local_t, in_shard, shift_all, ent_all)
         # megatron DDP's float32 gradient buffer of the weight, kept on ctx as its linear layers keep it
         ctx.main_grad = getattr(weight, "main_grad", None)
         ctx.inv_t, ctx.pad_from, ctx.rows_per_chunk = inv_t, pad_from, rows_per_chunk
@@ -158,17 +193,9 @@ class _LinearLogProbs(torch.autograd.Function):
         g_logp = grad_logp * ctx.inv_t if grad_logp is not None else torch.zeros_like(shift)
         g_ent = grad_ent * ctx.inv_t if grad_ent is not None else torch.zeros_like(shift)
         grad_logits = _grad_logits_fn(hidden.device, hidden.dtype)
-        n = hidden.shape[0]
-        chunks = chunk_slices(n, ctx.rows_per_chunk)
+        chunks = chunk_slices(hidden.shape[0], ctx.rows_per_chunk)
         grad_h = torch.empty_like(hidden) if need_h else None
-        # the weight's gradient: straight into megatron DDP's float32 `main_grad` (its hook then adds only what
-        # other uses of the weight left in .grad, e.g. a tied embedding's lookup); else, over several chunks,
-        # summed in float32 and rounded once
-        into_main = need_w and ctx.main_grad is not None
-        sum_w = ctx.main_grad if into_main else None
-        if need_w and not into_main and len(chunks) > 1:
-            sum_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_w = None
+        grad_w = _WeightGrad(weight, ctx.main_grad, need_w, len(chunks))
         for rows in chunks:
             g = grad_logits(
                 hidden[rows] @ weight.t(),
@@ -183,14 +210,73 @@ class _LinearLogProbs(torch.autograd.Function):
             )
             if need_h:
                 grad_h[rows] = g @ weight
-            if sum_w is not None:
-                accumulate_matmul(sum_w, g.t(), hidden[rows])
-            elif need_w:
-                grad_w = g.t() @ hidden[rows]
+            grad_w.add(g, hidden[rows])
             del g
-        if sum_w is not None and not into_main:
-            grad_w = sum_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w.result(), None, None, None, None, None
+
+
+TokenGrads = Callable[[slice, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""`(rows, logp, ent) -> (dL/dlogp, dL/dent)`, float32, for the head's rows `rows` (a slice of its flattened
+tokens) given their log-probs and entropies: the gradient of a loss in which each token's term depends on
+that token's own log-prob and entropy only (engine/step/losses.py `make_actor_loss`'s `token_grads`)."""
+
+
+class _LinearLogProbsOnePass(torch.autograd.Function):
+    """The head and the loss's gradient in one pass: each chunk's logits give its log-probs and entropies,
+    then (from `token_grads`) the loss's gradient of each, then, from the same logits still in memory, the
+    gradients of the hidden rows and of the weight. No logits are recomputed in the backward (the two-pass
+    head's third vocab x hidden GEMM per token). The weight's gradient is summed in the forward (into
+    `main_grad` when it has one); the backward hands back what the forward computed."""
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, targets, temperature, vocab_size, tp_group, rows_per_chunk, token_grads, scale
+    ):
+        local_t, in_shard, pad_from = _shard(weight, targets, vocab_size, tp_group)
+        inv_t = 1.0 / temperature
+        logp_all, ent_all = (hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in "le")
+        local_stats = _local_stats_fn(hidden.device, hidden.dtype)
+        grad_logits = _grad_logits_fn(hidden.device, hidden.dtype)
+        chunks = chunk_slices(hidden.shape[0], rows_per_chunk)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = _WeightGrad(weight, getattr(weight, "main_grad", None), need_w, len(chunks))
+        scale_t = scale * inv_t  # the backward's loss scale, and dz/dlogits = 1 / temperature
+        for rows in chunks:
+            h = hidden[rows]
+            logits = h @ weight.t()
+            shift, logp, ent = _chunk_stats(
+                logits, local_stats, local_t[rows], in_shard[rows], inv_t, pad_from, tp_group
+            )
+            logp_all[rows], ent_all[rows] = logp, ent
+            if not (need_h or need_w):
+                continue
+            g_logp, g_ent = token_grads(rows, logp, ent)
+            g = grad_logits(
+                logits,
+                shift,
+                ent,
+                g_logp * scale_t,
+                g_ent * scale_t,
+                local_t[rows],
+                in_shard[rows],
+                inv_t,
+                pad_from,
+            )
+            del logits
+            if need_h:
+                grad_h[rows] = g @ weight
+            grad_w.add(g, h)
+            del g
+        ctx.grad_h, ctx.grad_w = grad_h, grad_w.result()
+        ctx.mark_non_differentiable(logp_all, ent_all)
+        return hidden.new_zeros((), dtype=torch.float32), logp_all, ent_all
+
+    @staticmethod
+    def backward(ctx, grad_anchor, grad_logp, grad_ent):
+        grad_h, grad_w = ctx.grad_h, ctx.grad_w
+        ctx.grad_h = ctx.grad_w = None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def _grad_logits_fn(device: torch.device, dtype: torch.dtype):
@@ -226,3 +312,39 @@ def linear_log_probs(
     rows = rows_per_chunk or chunk_rows(weight.shape[0])
     logp, ent = _LinearLogProbs.apply(h, weight, t, float(temperature), vocab_size, tp_group, rows)
     return logp.view(lead), ent.view(lead)
+
+
+def linear_log_probs_one_pass(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    token_grads: TokenGrads,
+    *,
+    grad_scale: torch.Tensor | float = 1.0,
+    temperature: float = 1.0,
+    vocab_size: int,
+    tp_group: dist.ProcessGroup | None = None,
+    rows_per_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(anchor, log p(target), entropy) for flat hidden states (n, hidden) and targets (n,): `linear_log_probs`
+    with the loss's gradient computed in the forward from `token_grads` (over the n rows in order). The
+    log-probs and entropies carry no gradient; the float32 zero `anchor` carries the loss's: add it to the
+    loss computed from them. Its backward returns the gradients of `grad_scale` x the loss, computed here,
+    whatever gradient the anchor receives: the backward must bring `grad_scale` (megatron's schedule
+    multiplies the loss by `config.grad_scale_func`'s scale, engine/roles/policy.py passes the same)."""
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"linear_log_probs_one_pass: hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}"
+        )
+    rows = rows_per_chunk or chunk_rows(weight.shape[0])
+    return _LinearLogProbsOnePass.apply(
+        hidden,
+        weight,
+        targets.long(),
+        float(temperature),
+        vocab_size,
+        tp_group,
+        rows,
+        token_grads,
+        grad_scale,
+    )

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from engine.models.fused_logprobs import linear_log_probs
+from engine.models.fused_logprobs import linear_log_probs, linear_log_probs_one_pass
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -106,6 +106,37 @@ def unpack_rows(x: torch.Tensor, mb: dict) -> torch.Tensor:
     return gather_rows(x, mb, torch.minimum(steps[None], lengths[:, None] - 1))
 
 
+def _head_rows(hidden: torch.Tensor, mb: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(hidden rows, their targets, valid) the head runs on: with `response_valid` the valid response tokens
+    in flat (b, T) order, else every (row, step) entry; `valid` as in mb (None: every entry)."""
+    index = mb["response_index"]
+    valid = mb.get("response_valid")
+    if valid is None:
+        h = gather_rows(hidden, mb, index)
+        if "row_starts" in mb:
+            target_index = torch.minimum(index + 1, mb["row_lengths"][:, None] - 1)
+        else:
+            target_index = index + 1
+        targets = gather_rows(mb["tokens"], mb, target_index)
+        return h.reshape(-1, h.shape[-1]), targets.reshape(-1), None
+    rows = valid // index.shape[1]  # (valid,) row of each valid token
+    pos = index.reshape(-1)[valid]  # (valid,) its row-local position
+    if "row_starts" in mb:
+        h = hidden[0][packed_at(mb, pos, rows)]
+        targets = mb["tokens"][0][packed_at(mb, torch.minimum(pos + 1, mb["row_lengths"][rows] - 1), rows)]
+    else:
+        h = hidden[rows, pos]
+        targets = mb["tokens"][rows, pos + 1]
+    return h, targets, valid
+
+
+def _as_response(x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """The head's flat per-token values as (b, T): 0 at the entries it did not run on."""
+    if valid is None:
+        return x.view(index.shape)
+    return x.new_zeros(index.numel()).index_copy(0, valid, x).view(index.shape)
+
+
 def response_token_stats(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -120,28 +151,38 @@ def response_token_stats(
     `hidden` is (b, s, hidden), or (1, t, hidden) for a packed micro-batch. With `response_valid` (the flat
     indices of the response mask's True entries, engine/roles/dynamic_batch.py) the head runs on those
     tokens only and the other entries are 0: rows that end early cost no output-layer work past their end."""
-    index = mb["response_index"]
-    valid = mb.get("response_valid")
-    if valid is None:
-        h = gather_rows(hidden, mb, index)
-        if "row_starts" in mb:
-            target_index = torch.minimum(index + 1, mb["row_lengths"][:, None] - 1)
-        else:
-            target_index = index + 1
-        targets = gather_rows(mb["tokens"], mb, target_index)
-        return linear_log_probs(
-            h, weight, targets, temperature=temperature, vocab_size=vocab_size, tp_group=tp_group
-        )
-    rows = valid // index.shape[1]  # (valid,) row of each valid token
-    pos = index.reshape(-1)[valid]  # (valid,) its row-local position
-    if "row_starts" in mb:
-        h = hidden[0][packed_at(mb, pos, rows)]
-        targets = mb["tokens"][0][packed_at(mb, torch.minimum(pos + 1, mb["row_lengths"][rows] - 1), rows)]
-    else:
-        h = hidden[rows, pos]
-        targets = mb["tokens"][rows, pos + 1]
+    h, targets, valid = _head_rows(hidden, mb)
     logp, ent = linear_log_probs(
         h, weight, targets, temperature=temperature, vocab_size=vocab_size, tp_group=tp_group
     )
-    flat = logp.new_zeros(index.numel())
-    return tuple(flat.index_copy(0, valid, x).view(index.shape) for x in (logp, ent))
+    return tuple(_as_response(x, mb["response_index"], valid) for x in (logp, ent))
+
+
+def response_token_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    mb: dict,
+    token_grads,
+    *,
+    grad_scale: torch.Tensor | float,
+    temperature: float,
+    vocab_size: int,
+    tp_group,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`response_token_stats` with the loss's gradient in the same pass (engine/models/fused_logprobs.py
+    `linear_log_probs_one_pass`): (log-probs, entropies, anchor), the first two without gradient, the anchor a
+    float32 zero to add to the loss. `token_grads(mb, valid)` builds the loss's per-token gradient over the
+    head's tokens: `valid` (mb's `response_valid`) or, when None, every (row, step) entry in order."""
+    h, targets, valid = _head_rows(hidden, mb)
+    anchor, logp, ent = linear_log_probs_one_pass(
+        h,
+        weight,
+        targets,
+        token_grads(mb, valid),
+        grad_scale=grad_scale,
+        temperature=temperature,
+        vocab_size=vocab_size,
+        tp_group=tp_group,
+    )
+    index = mb["response_index"]
+    return _as_response(logp, index, valid), _as_response(ent, index, valid), anchor

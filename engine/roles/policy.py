@@ -34,11 +34,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from engine.config import OptimConfig
 from engine.models.builder import ModelShape
+from engine.models.compiled import switched_on
 from engine.models.layer_graphs import LayerGraphs
 from engine.models.logprobs import mask_padded_vocab
 from engine.models.output_head import (
     hidden_states_output,
     output_weight,
+    response_token_grads,
     response_token_stats,
     unpack_rows,
 )
@@ -53,6 +55,11 @@ from parallel.state import ProcessGroups
 #   "values":   (b, s, 1) float32 values (critic, reward model)
 HEADS = ("response", "logits", "values")
 LossFn = Callable[[object, dict], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""`loss_fn(output, mb) -> (loss, metrics)`. A "response" head's loss_fn may carry `token_grads`
+(engine/step/losses.py `make_actor_loss`): then a training `run` computes the loss's gradient in the head's
+forward (engine/models/output_head.py `response_token_grads`) unless ENGINE_ONE_PASS_HEAD=0."""
+ONE_PASS_HEAD = "ENGINE_ONE_PASS_HEAD"
+"""Switch of the one-pass output head (on unless "0"): for benchmarks' baselines and debugging."""
 
 
 @dataclass
@@ -202,6 +209,13 @@ class MegatronRole:
         if self.router_losses is not None and not forward_only:
             self.router_losses.for_step(len(micro_batches), g.dims.dp)
         check_pipeline_micro_batches(micro_batches, g.dims.pp, g.dims.vpp, self.config.variable_seq_lengths)
+        token_grads = getattr(loss_fn, "token_grads", None)
+        one_pass = (
+            self.head == "response"
+            and not forward_only
+            and token_grads is not None
+            and switched_on(ONE_PASS_HEAD)
+        )
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -211,15 +225,25 @@ class MegatronRole:
             out = model(mb["tokens"], mb["positions"], None, packed_seq_params=mb.get("packed_seq_params"))
 
             def loss_func(output):
+                anchor = None
                 if self.head == "response":
-                    logp, ent = response_token_stats(
-                        output,
-                        output_weight(getattr(model, "module", model)),
-                        mb,
+                    head = dict(
                         temperature=temperature,
                         vocab_size=self.shape.vocab_size,
                         tp_group=g.tp if g.dims.tp > 1 else None,
                     )
+                    weight = output_weight(getattr(model, "module", model))
+                    if one_pass:  # the loss's gradient in the head's forward: no logits recomputed
+                        logp, ent, anchor = response_token_grads(
+                            output,
+                            weight,
+                            mb,
+                            token_grads,
+                            grad_scale=self.optimizer.get_loss_scale(),
+                            **head,
+                        )
+                    else:
+                        logp, ent = response_token_stats(output, weight, mb, **head)
                     output = ResponseStats(logp, ent)
                 elif self.head == "logits":
                     output = unpack_rows(output, mb)
@@ -227,6 +251,8 @@ class MegatronRole:
                 else:
                     output = unpack_rows(output, mb).float()
                 loss, metrics = loss_fn(output, mb)
+                if anchor is not None:
+                    loss = loss + anchor
                 return loss, torch.zeros((), dtype=torch.int, device=loss.device), metrics
 
             return out, loss_func

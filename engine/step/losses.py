@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.kl import get_kl_estimator
+from algorithms.kl import get_kl_estimator, kl_estimator_is_token_local
 from algorithms.losses import agg_loss, get_policy_loss, policy_loss_traits, value_loss
 from engine.config import AlgorithmConfig
 from engine.roles.policy import ResponseStats
@@ -108,7 +108,66 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, kl_ref: bool, rollo
             metrics["tis_weight"] = m["tis_weight_mean"] * tokens
         return loss, metrics
 
+    token_local = policy_loss_traits(alg.policy_loss).token_local and (
+        kl_fn is None or alg.kl_loss_coef == 0 or kl_estimator_is_token_local(alg.kl_estimator)
+    )
+    loss_fn.token_grads = _token_grads(alg, normalizer, policy_loss, kl_fn, clip) if token_local else None
     return loss_fn
+
+
+def _token_grads(alg: AlgorithmConfig, normalizer: float, policy_loss, kl_fn, clip: dict):
+    """`token_grads(mb, valid)`: the actor loss's gradient per token over the head's tokens (mb's
+    `response_valid`, or every (row, step) entry when None), as engine/models/fused_logprobs.py's `TokenGrads`.
+    Only for token-local losses: there dL/dlogp_t = w_t * d(l_t)/dlogp_t, with l_t the token's policy loss
+    (+ kl_loss_coef x its KL) and w_t its weight in the aggregation (`agg_loss` is linear in the per-token
+    losses: its gradient at any point); dL/dent_t = -entropy_coef * w_t. The per-token derivatives come from
+    autograd through the same registered functions `loss_fn` calls, on each chunk's tokens as a (n, 1) batch."""
+
+    def token_grads(mb: dict, valid: torch.Tensor | None):
+        def flat(x: torch.Tensor) -> torch.Tensor:
+            x = x.reshape(-1)
+            return x if valid is None else x[valid]
+
+        mask_bt = mb["response_mask"]
+        with torch.enable_grad():
+            probe = torch.zeros(
+                mask_bt.shape, dtype=mb["advantages"].dtype, device=mask_bt.device, requires_grad=True
+            )
+            (w_bt,) = torch.autograd.grad(agg_loss(probe, mask_bt, alg.loss_agg_mode, normalizer), probe)
+        weight, mask, adv = flat(w_bt), flat(mask_bt.bool()), flat(mb["advantages"])
+        old = flat(mb["old_log_probs"]) if "old_log_probs" in mb else None
+        ref = flat(mb["ref_log_probs"]) if kl_fn is not None and alg.kl_loss_coef > 0 else None
+        rollout = flat(mb["rollout_log_probs"]) if alg.tis_cap > 0 else None
+
+        def grads(rows: slice, logp: torch.Tensor, ent: torch.Tensor):
+            col = lambda x: None if x is None else x[rows][:, None]  # noqa: E731
+            m = col(mask)
+            with torch.enable_grad():
+                lp = logp.detach()[:, None].requires_grad_()
+                total, _ = policy_loss(
+                    lp,
+                    lp.detach() if old is None else col(old),  # on-policy single pass, as loss_fn
+                    col(adv),
+                    m,
+                    loss_agg_mode="seq-mean-token-sum",  # with normaliser 1: the sum of the token losses
+                    global_normalizer=1.0,
+                    clip_ratio_low=alg.clip_ratio_low,
+                    clip_ratio_high=alg.clip_ratio_high,
+                    rollout_log_probs_bt=col(rollout),
+                    tis_cap=alg.tis_cap,
+                    tis_mode=alg.tis_mode,
+                    **clip,
+                )
+                if ref is not None:
+                    kl = kl_fn(lp, col(ref), m)
+                    total = total + alg.kl_loss_coef * torch.where(m, kl, 0.0).sum()
+                (g,) = torch.autograd.grad(total, lp)
+            w = weight[rows]
+            return g[:, 0] * w, (-alg.entropy_coef if alg.entropy_coef > 0 else 0.0) * w
+
+        return grads
+
+    return token_grads
 
 
 def response_values(values_local: torch.Tensor, mb: dict) -> torch.Tensor:

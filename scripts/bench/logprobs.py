@@ -1,14 +1,18 @@
-"""The actor's output head alone: per-token log-probs + entropy of response tokens and their backward, the
-fused chunked head (engine/models/fused_logprobs.py) versus the unfused path it replaced (bf16 logits of
-every position from the output layer, an fp32 copy of the response window, megatron's
-vocab_parallel_cross_entropy and engine/models/logprobs.token_entropy), same inputs, one process, one run.
+"""The actor's output head alone: per-token log-probs + entropy of response tokens, the actor's loss on them
+(PPO, token-mean, entropy bonus 0.01: engine/step/losses.py) and the backward, three ways, same inputs, one
+process, one run: the fused chunked head (engine/models/fused_logprobs.py), the same head computing the loss's
+gradient in its forward (`one_pass`: no logits recomputed in the backward; the trainer's default for token-local
+losses), and the unfused path the fused head replaced (bf16 logits of every position from the output layer, an
+fp32 copy of the response window, megatron's vocab_parallel_cross_entropy and
+engine/models/logprobs.token_entropy).
 
     python scripts/bench/logprobs.py --preset qwen2_5_0_5b --rows 21        # Qwen2.5-0.5B head, one GPU
     python scripts/bench/logprobs.py --hidden 1536 --vocab 151936           # Qwen2.5-1.5B's head, by size
     python scripts/bench/logprobs.py --rows 4 --prompt-len 8 --response-len 16 --hidden 32 --vocab 512  # CPU
 
-Prints one JSON object: per method the median seconds of forward + backward (CUDA-synchronised), peak memory
-above the inputs (GPU), and the largest differences of log-probs / entropies / gradients between the two.
+Prints one JSON object: per method the median seconds of forward + loss + backward (CUDA-synchronised), peak
+memory above the inputs (GPU), and the largest differences of log-probs / entropies / gradients against the
+fused head (`max_diff`: the unfused path; `one_pass_max_diff`).
 """
 
 from __future__ import annotations
@@ -28,8 +32,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy  # noqa: E402
 from presets import model_preset  # noqa: E402
 
-from engine.models.fused_logprobs import linear_log_probs  # noqa: E402
+from engine.config import AlgorithmConfig  # noqa: E402
+from engine.models.fused_logprobs import linear_log_probs, linear_log_probs_one_pass  # noqa: E402
 from engine.models.logprobs import token_entropy  # noqa: E402
+from engine.roles.policy import ResponseStats  # noqa: E402
+from engine.step.losses import make_actor_loss  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
 from parallel.state import init_distributed  # noqa: E402
 
@@ -40,12 +47,23 @@ def unfused(h_sbh, w, targets, prompt_len, group):
     window = logits[:, prompt_len - 1 : -1].float()
     ent = token_entropy(window, group)  # first: the cross entropy overwrites its input
     logp = -vocab_parallel_cross_entropy(window.contiguous(), targets.contiguous())
-    return logp, ent
+    return logp, ent, 0.0
 
 
 def fused(h_sbh, w, targets, prompt_len, group):
     h = h_sbh.transpose(0, 1)[:, prompt_len - 1 : -1]
-    return linear_log_probs(h, w, targets, vocab_size=w.shape[0], tp_group=None)
+    return (*linear_log_probs(h, w, targets, vocab_size=w.shape[0], tp_group=None), 0.0)
+
+
+def one_pass(h_sbh, w, targets, prompt_len, group):
+    h = h_sbh.transpose(0, 1)[:, prompt_len - 1 : -1].reshape(-1, h_sbh.shape[-1])
+    grads = LOSS.token_grads(MB, None)
+    anchor, logp, ent = linear_log_probs_one_pass(h, w, targets.reshape(-1), grads, vocab_size=w.shape[0])
+    return logp.view(targets.shape), ent.view(targets.shape), anchor
+
+
+LOSS = None  # the actor's loss over the micro-batch's tokens (token-mean), set in main
+MB: dict = {}  # its micro-batch (mask, advantages, old log-probs), set in main
 
 
 def timed(fn, args, iters, device):
@@ -57,8 +75,8 @@ def timed(fn, args, iters, device):
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
-        logp, ent = fn(h, w, *args[2:])
-        (logp.sum() + 0.01 * ent.sum()).backward()
+        logp, ent, anchor = fn(h, w, *args[2:])
+        (LOSS(ResponseStats(logp, ent), MB)[0] + anchor).backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
             peak = max(peak, torch.cuda.max_memory_allocated() - base)
@@ -97,6 +115,16 @@ def main() -> None:
     h = torch.randn(s, args.rows, args.hidden, device=device, generator=g).to(dtype)
     w = (torch.randn(args.vocab, args.hidden, device=device, generator=g) * 0.02).to(dtype)
     targets = torch.randint(0, args.vocab, (args.rows, args.response_len), device=device, generator=g)
+    shape = (args.rows, args.response_len)
+    global LOSS
+    LOSS = make_actor_loss(
+        AlgorithmConfig(entropy_coef=0.01), float(shape[0] * shape[1]), kl_ref=False, rollout_log_probs=False
+    )
+    MB.update(
+        response_mask=torch.ones(shape, dtype=torch.bool, device=device),
+        advantages=torch.randn(shape, device=device, generator=g),
+        old_log_probs=-torch.rand(shape, device=device, generator=g) * 12,  # near log(1 / vocab): some clip
+    )
     out = {
         "rows": args.rows,
         "tokens": args.rows * args.response_len,
@@ -104,7 +132,7 @@ def main() -> None:
         "vocab": args.vocab,
     }
     results = {}
-    for name, fn in (("unfused", unfused), ("fused", fused)):
+    for name, fn in (("unfused", unfused), ("fused", fused), ("one_pass", one_pass)):
         try:
             results[name] = timed(fn, (h, w, targets, args.prompt_len, group), args.iters, device)
             sec, peak = results[name][:2]
@@ -120,6 +148,15 @@ def main() -> None:
             "grad_weight_rel": ((a[4][1] - b[4][1]).abs().max() / a[4][1].abs().max()).item(),
         }
         out["speedup"] = a[0] / b[0]
+    if "one_pass" in results and "fused" in results:
+        a, b = results["one_pass"], results["fused"]
+        out["one_pass_max_diff"] = {
+            "logp": (a[2] - b[2]).abs().max().item(),
+            "entropy": (a[3] - b[3]).abs().max().item(),
+            "grad_hidden_rel": ((a[4][0] - b[4][0]).abs().max() / b[4][0].abs().max()).item(),
+            "grad_weight_rel": ((a[4][1] - b[4][1]).abs().max() / b[4][1].abs().max()).item(),
+        }
+        out["one_pass_speedup"] = b[0] / a[0]
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()
 

@@ -1,11 +1,19 @@
 """engine/models/fused_logprobs.py against log_softmax / entropy / autograd on the full logits (float64
-reference; the fused op computes in float32: tolerance 1e-5). Vocab-parallel (TP=2) and the integration in
+reference; the fused op computes in float32: tolerance 1e-5), the one-pass head (the loss's gradient in the
+forward) included. Vocab-parallel (TP=2) and the integration in
 MegatronRole are checked by tests/parallel/model_parity_script.py."""
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
-from engine.models.fused_logprobs import _local_stats, chunk_rows, chunk_slices, linear_log_probs
+from engine.models.fused_logprobs import (
+    _local_stats,
+    chunk_rows,
+    chunk_slices,
+    linear_log_probs,
+    linear_log_probs_one_pass,
+)
 
 N, H, V, VOCAB = 13, 8, 12, 10  # 2 padded vocabulary rows
 
@@ -186,3 +194,86 @@ def test_compiled_kernels_on_gpu_match_full_logits_bf16():
     assert (logp - ref_logp).abs().max() < 1e-4 and (ent - ref_ent).abs().max() < 1e-4
     for a, b in ((gh, rgh), (gw, rgw)):
         assert ((a.float() - b.float()).abs().max() / b.float().abs().max()) < 2e-2
+    # the one-pass head (the loss's gradient in the forward, float32 main_grad as megatron DDP's), same kernels
+    w1 = w.detach().clone().requires_grad_()
+    w1.main_grad = torch.zeros(w1.shape, dtype=torch.float32, device="cuda")
+    h1 = h.detach().clone().requires_grad_()
+    anchor, logp1, ent1 = linear_log_probs_one_pass(
+        h1,
+        w1,
+        t,
+        lambda rows, lp, e: (g_logp[rows], g_ent[rows]),
+        temperature=0.9,
+        vocab_size=vocab,
+        rows_per_chunk=400,
+    )
+    anchor.backward()
+    assert torch.equal(logp1, logp.detach()) and torch.equal(ent1, ent.detach())
+    for a, b in ((h1.grad, rgh), (w1.main_grad, rgw)):
+        assert ((a.float() - b.float()).abs().max() / b.float().abs().max()) < 2e-2
+
+
+@pytest.mark.parametrize("rows_per_chunk", [4, 64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_one_pass_gradients_match_full_logits(rows_per_chunk, temperature, main_grad):
+    """`linear_log_probs_one_pass` with a token-local loss (sum of a(t) tanh(logp) + b(t) ent^2: its per-token
+    gradient depends on the token's own values) against autograd through the full logits: values, the
+    anchor's gradients of hidden and weight (into `main_grad` when the weight has one), scaled by grad_scale."""
+    h, w, t, a, b = inputs(5)
+    scale = 3.0
+
+    def loss_of(logp, ent):
+        return (a * logp.tanh() + b * ent.square()).sum()
+
+    def token_grads(rows, logp, ent):
+        return a[rows] / logp.double().cosh().square(), 2 * b[rows] * ent.double()
+
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    if main_grad:
+        ww.main_grad = torch.full_like(w, 0.25)
+    anchor, logp, ent = linear_log_probs_one_pass(
+        hh,
+        ww,
+        t,
+        token_grads,
+        grad_scale=scale,
+        temperature=temperature,
+        vocab_size=VOCAB,
+        rows_per_chunk=rows_per_chunk,
+    )
+    assert not logp.requires_grad and not ent.requires_grad and anchor.item() == 0
+    (loss_of(logp, ent) + anchor).backward(torch.tensor(scale))
+    rh, rw = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref_logp, ref_ent = reference(rh, rw, t, temperature)
+    (scale * loss_of(ref_logp, ref_ent)).backward()
+    gw = ww.main_grad - 0.25 if main_grad else ww.grad
+    assert not main_grad or ww.grad is None
+    for name, x, ref in (
+        ("logp", logp, ref_logp),
+        ("ent", ent, ref_ent),
+        ("h", hh.grad, rh.grad),
+        ("w", gw, rw.grad),
+    ):
+        assert torch.allclose(x.double(), ref.detach(), atol=1e-5, rtol=1e-5), (
+            f"{name}: {(x - ref).abs().max()}"
+        )
+
+
+def test_one_pass_backward_runs_no_matmul():
+    """The one-pass head's three GEMMs per chunk (logits, dh, dW) all run in the forward; its backward hands
+    back what the forward computed: no logits are recomputed (the two-pass head's backward runs three)."""
+    h, w, t, _, _ = inputs(6)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    gemm = 2 * N * H * V
+    with FlopCounterMode(display=False) as forward:
+        anchor, _, _ = linear_log_probs_one_pass(
+            hh, ww, t, lambda rows, lp, e: (torch.ones_like(lp), e), vocab_size=VOCAB, rows_per_chunk=4
+        )
+    with FlopCounterMode(display=False) as backward:
+        anchor.backward()
+    assert forward.get_total_flops() == 3 * gemm and backward.get_total_flops() == 0
+    logp, ent = linear_log_probs(hh, ww, t, vocab_size=VOCAB, rows_per_chunk=4)
+    with FlopCounterMode(display=False) as two_pass:
+        (logp.sum() + (ent * ent.detach()).sum()).backward()
+    assert two_pass.get_total_flops() == 3 * gemm

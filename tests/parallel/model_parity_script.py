@@ -7,7 +7,9 @@ tiny mixture-of-experts model (4 experts, top-2, a gated shared expert) at tp2 d
 tp2 pp2 ep2 (experts split over the TP pair; TP with sequence parallelism, as megatron's MoE requires) against the same MoE model at EP=1 (no aux/z loss: those are
 statistics of a micro-batch, which the reference's one forward does not split the same way). Each
 layout runs both output heads of MegatronRole: "logits" and the fused "response" head
-(engine/models/fused_logprobs.py), with temperature 0.8 and a loss of log-likelihood plus an entropy bonus.
+(engine/models/fused_logprobs.py), the latter twice: the loss's gradient through the head's backward, and
+computed in the head's forward from the loss's per-token gradient (`token_grads`: the one-pass head), with
+temperature 0.8 and a loss of log-likelihood plus an entropy bonus.
 Tolerance: float32, |diff| <= 2e-5 on logits, log-probs and entropies, relative 1e-4 on gradients.
 The sharded layouts run with megatron's global process groups destroyed: every group comes from the engine.
 """
@@ -124,14 +126,26 @@ def sharded(name: str, dims: ParallelDims, tied: bool, ref, moe: bool = False) -
         logp, ent = stats.log_probs, stats.entropy
         return loss_of(logp, ent, mb["w"]), {"logp": logp.detach(), "ent": ent.detach(), "rows": mb["rows"]}
 
+    def one_pass_loss(stats, mb):
+        return response_loss(stats, mb)
+
+    def token_grads(mb, valid):
+        """loss_of's gradient per token, over every (row, step) entry in order (no response_valid here)."""
+        assert valid is None
+        w = mb["w"].reshape(-1) * (-1.0 / (ROWS * (SEQ - 1)))
+        return lambda rows, logp, ent: (w[rows], ENTROPY_COEF * w[rows])
+
+    one_pass_loss.token_grads = token_grads  # the one-pass head (`response_token_grads`)
     figures = []
-    for head, loss_fn in (("logits", logits_loss), ("response", response_loss)):
+    for head, loss_fn in (("logits", logits_loss), ("response", response_loss), ("one_pass", one_pass_loss)):
         chunks = build_gpt_chunks(shape, groups, init_std=0.05, recompute=False)
         local = global_param_names(chunks, layout.layers(groups.pp_rank, LAYERS), offset)
         for pname, param in local.items():
             src = "embedding.word_embeddings.weight" if pname == "output_layer.weight" and tied else pname
             param.data.copy_(megatron_shard(state[src], partition_kind(pname), dims.tp, groups.tp_rank))
-        role = MegatronRole(chunks, groups, shape, OptimConfig(), head=head)
+        role = MegatronRole(
+            chunks, groups, shape, OptimConfig(), head="logits" if head == "logits" else "response"
+        )
         outs = role.run(mbs, loss_fn, forward_only=False, temperature=TEMPERATURE)
         worst = {"logits": 0.0, "logp": 0.0, "ent": 0.0}
         for o in outs:

@@ -1,4 +1,4 @@
-"""scripts/bench/logprobs.py on CPU with tiny sizes: both heads run and agree (float32)."""
+"""scripts/bench/logprobs.py on CPU with tiny sizes: the three heads run and agree (float32)."""
 
 import json
 import os
@@ -26,3 +26,6 @@ def test_logprobs_bench_runs_and_heads_agree():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["tokens"] == 21 and out["unfused"]["seconds"] > 0 and out["fused"]["seconds"] > 0
     assert max(out["max_diff"].values()) < 1e-5, out["max_diff"]
+    assert out["one_pass"]["seconds"] > 0 and max(out["one_pass_max_diff"].values()) < 1e-5, out[
+        "one_pass_max_diff"
+    ]
