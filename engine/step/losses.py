@@ -13,11 +13,14 @@ the reference (0 without a KL loss); `loss` the total that is back-propagated.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from algorithms.kl import get_kl_estimator, kl_estimator_is_token_local
 from algorithms.losses import agg_loss, get_policy_loss, policy_loss_traits, value_loss
 from engine.config import AlgorithmConfig
+from engine.models.compiled import LOGPROBS, switched_on
 from engine.roles.policy import ResponseStats
 
 # names ending in "loss": shares of a mini-batch loss term (summed over micro-batches); the others: sums
@@ -111,20 +114,90 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, kl_ref: bool, rollo
     token_local = policy_loss_traits(alg.policy_loss).token_local and (
         kl_fn is None or alg.kl_loss_coef == 0 or kl_estimator_is_token_local(alg.kl_estimator)
     )
-    loss_fn.token_grads = _token_grads(alg, normalizer, policy_loss, kl_fn, clip) if token_local else None
+    loss_fn.token_grads = _token_grads(alg, normalizer, kl_ref) if token_local else None
     return loss_fn
 
 
-def _token_grads(alg: AlgorithmConfig, normalizer: float, policy_loss, kl_fn, clip: dict):
+@dataclass(frozen=True)
+class _TokenLoss:
+    """The actor loss's per-token terms (a token-local policy loss, its KL term), as one pure function of a
+    chunk's log-probs: `logp_grad`, compiled into one kernel on CUDA (`_logp_grad_fn`)."""
+
+    policy_loss: str
+    clip: tuple[tuple[str, float], ...]
+    tis_cap: float
+    tis_mode: str
+    kl_estimator: str | None
+    kl_loss_coef: float
+
+    def logp_grad(self, logp, old, adv, mask, weight, ref, rollout) -> torch.Tensor:
+        """weight_t * d(l_t)/d(logp_t) for 1-D per-token inputs, l_t the token's policy loss (+ kl_loss_coef x
+        its KL): the gradient of their sum (the registered functions `loss_fn` calls, on a (n, 1) batch)."""
+
+        def col(x):
+            return None if x is None else x[:, None]
+
+        def total(x):
+            loss, _ = get_policy_loss(self.policy_loss)(
+                x[:, None],
+                col(old),
+                col(adv),
+                col(mask),
+                loss_agg_mode="seq-mean-token-sum",  # with normaliser 1: the sum of the token losses
+                global_normalizer=1.0,
+                rollout_log_probs_bt=col(rollout),
+                tis_cap=self.tis_cap,
+                tis_mode=self.tis_mode,
+                **dict(self.clip),
+            )
+            if self.kl_estimator is not None:
+                kl = get_kl_estimator(self.kl_estimator)(x[:, None], col(ref), col(mask))
+                loss = loss + self.kl_loss_coef * torch.where(col(mask), kl, 0.0).sum()
+            return loss
+
+        return torch.func.grad(total)(logp) * weight
+
+
+_LOGP_GRAD_KERNELS: dict[_TokenLoss, object] = {}
+
+
+def _logp_grad_fn(loss: _TokenLoss, device: torch.device):
+    """`loss.logp_grad` compiled (one kernel per setting, every chunk size) on CUDA; eager on CPU and with
+    ENGINE_COMPILE_LOGPROBS=0. On the host the eager function costs ~70 ops per chunk, which at 0.5B
+    outweighs the GEMM the one-pass head saves."""
+    if device.type != "cuda" or not switched_on(LOGPROBS):
+        return loss.logp_grad
+    if loss not in _LOGP_GRAD_KERNELS:
+        _LOGP_GRAD_KERNELS[loss] = torch.compile(loss.logp_grad, dynamic=True)
+    return _LOGP_GRAD_KERNELS[loss]
+
+
+def _token_grads(alg: AlgorithmConfig, normalizer: float, kl_ref: bool):
     """`token_grads(mb, valid)`: the actor loss's gradient per token over the head's tokens (mb's
     `response_valid`, or every (row, step) entry when None), as engine/models/fused_logprobs.py's `TokenGrads`.
     Only for token-local losses: there dL/dlogp_t = w_t * d(l_t)/dlogp_t, with l_t the token's policy loss
     (+ kl_loss_coef x its KL) and w_t its weight in the aggregation (`agg_loss` is linear in the per-token
-    losses: its gradient at any point); dL/dent_t = -entropy_coef * w_t. The per-token derivatives come from
-    autograd through the same registered functions `loss_fn` calls, on each chunk's tokens as a (n, 1) batch."""
+    losses: its gradient at any point); dL/dent_t = -entropy_coef * w_t (with an entropy bonus)."""
+    kl = kl_ref and alg.kl_loss_coef > 0
+    dual = policy_loss_traits(alg.policy_loss).dual_clip
+    loss = _TokenLoss(
+        policy_loss=alg.policy_loss,
+        clip=(
+            ("clip_ratio_low", alg.clip_ratio_low),
+            ("clip_ratio_high", alg.clip_ratio_high),
+            *((("clip_ratio_c", alg.clip_ratio_c),) if dual else ()),
+        ),
+        tis_cap=alg.tis_cap,
+        tis_mode=alg.tis_mode,
+        kl_estimator=alg.kl_estimator if kl else None,
+        kl_loss_coef=alg.kl_loss_coef if kl else 0.0,
+    )
+    ent_coef = alg.entropy_coef if alg.entropy_coef > 0 else 0.0
 
     def token_grads(mb: dict, valid: torch.Tensor | None):
-        def flat(x: torch.Tensor) -> torch.Tensor:
+        def flat(x: torch.Tensor | None) -> torch.Tensor | None:
+            if x is None:
+                return None
             x = x.reshape(-1)
             return x if valid is None else x[valid]
 
@@ -134,36 +207,31 @@ def _token_grads(alg: AlgorithmConfig, normalizer: float, policy_loss, kl_fn, cl
                 mask_bt.shape, dtype=mb["advantages"].dtype, device=mask_bt.device, requires_grad=True
             )
             (w_bt,) = torch.autograd.grad(agg_loss(probe, mask_bt, alg.loss_agg_mode, normalizer), probe)
-        weight, mask, adv = flat(w_bt), flat(mask_bt.bool()), flat(mb["advantages"])
-        old = flat(mb["old_log_probs"]) if "old_log_probs" in mb else None
-        ref = flat(mb["ref_log_probs"]) if kl_fn is not None and alg.kl_loss_coef > 0 else None
+        weight, mask, adv, old = (
+            flat(w_bt),
+            flat(mask_bt.bool()),
+            flat(mb["advantages"]),
+            flat(mb.get("old_log_probs")),
+        )
+        ref = flat(mb["ref_log_probs"]) if kl else None
         rollout = flat(mb["rollout_log_probs"]) if alg.tis_cap > 0 else None
+        logp_grad = _logp_grad_fn(loss, mask_bt.device)
 
         def grads(rows: slice, logp: torch.Tensor, ent: torch.Tensor):
-            col = lambda x: None if x is None else x[rows][:, None]  # noqa: E731
-            m = col(mask)
-            with torch.enable_grad():
-                lp = logp.detach()[:, None].requires_grad_()
-                total, _ = policy_loss(
-                    lp,
-                    lp.detach() if old is None else col(old),  # on-policy single pass, as loss_fn
-                    col(adv),
-                    m,
-                    loss_agg_mode="seq-mean-token-sum",  # with normaliser 1: the sum of the token losses
-                    global_normalizer=1.0,
-                    clip_ratio_low=alg.clip_ratio_low,
-                    clip_ratio_high=alg.clip_ratio_high,
-                    rollout_log_probs_bt=col(rollout),
-                    tis_cap=alg.tis_cap,
-                    tis_mode=alg.tis_mode,
-                    **clip,
-                )
-                if ref is not None:
-                    kl = kl_fn(lp, col(ref), m)
-                    total = total + alg.kl_loss_coef * torch.where(m, kl, 0.0).sum()
-                (g,) = torch.autograd.grad(total, lp)
-            w = weight[rows]
-            return g[:, 0] * w, (-alg.entropy_coef if alg.entropy_coef > 0 else 0.0) * w
+            def at(x):
+                return None if x is None else x[rows]
+
+            # on-policy single pass (no old log-probs): old == current, as loss_fn (not differentiated)
+            g = logp_grad(
+                logp,
+                logp if old is None else old[rows],
+                adv[rows],
+                mask[rows],
+                weight[rows],
+                at(ref),
+                at(rollout),
+            )
+            return g, -ent_coef * weight[rows]
 
         return grads
 
