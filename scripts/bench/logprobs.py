@@ -150,15 +150,15 @@ def main() -> None:
             out[name] = {"seconds": sec, "peak_extra_gb": peak / 1e9 if device.type == "cuda" else None}
         except torch.OutOfMemoryError as err:
             out[name] = {"error": f"out of memory: {str(err)[:200]}"}
-    fused = results.get("fused")
-    if fused and "unfused" in results:  # speedup: the fused head's over the unfused path
+    two = results.get("fused")
+    if two and "unfused" in results:  # speedup: the fused head's over the unfused path
         out["max_diff"], out["speedup"] = (
-            max_diff(results["unfused"], fused),
-            results["unfused"][0] / fused[0],
+            max_diff(results["unfused"], two),
+            results["unfused"][0] / two[0],
         )
-    if fused and "one_pass" in results:  # one_pass_speedup: the one-pass head's over the fused (two-pass) one
+    if two and "one_pass" in results:  # one_pass_speedup: the one-pass head's over the fused (two-pass) one
         one = results["one_pass"]
-        out["one_pass_max_diff"], out["one_pass_speedup"] = max_diff(one, fused), fused[0] / one[0]
+        out["one_pass_max_diff"], out["one_pass_speedup"] = max_diff(one, two), two[0] / one[0]
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()
 
