@@ -162,7 +162,7 @@ _LOGP_GRAD_KERNELS: dict[_TokenLoss, object] = {}
 
 
 def _logp_grad_fn(loss: _TokenLoss, device: torch.device):
-    """`loss.logp_grad` compiled (one kernel per setting, every chunk size) on CUDA; eager on CPU and with
+    """`loss.logp_grad` compiled (one graph per setting, symbolic in the chunk size) on CUDA; eager on CPU and with
     ENGINE_COMPILE_LOGPROBS=0. On the host the eager function costs ~70 ops per chunk, which at 0.5B
     outweighs the GEMM the one-pass head saves."""
     if device.type != "cuda" or not switched_on(LOGPROBS):
