@@ -90,7 +90,14 @@ def test_clipping_is_active_in_the_settings():
     assert m["clipfrac"] > 0 and m["clipfrac_lower"] > 0
 
 
-def test_losses_that_are_not_token_local_get_none():
+def test_losses_that_are_not_token_local_get_none(monkeypatch):
+    import algorithms.kl as kl
+    import algorithms.losses as losses
+
+    # the registrations below go into copies of the registries, put back after the test
+    monkeypatch.setattr(losses._POLICY_LOSSES, "_fns", dict(losses._POLICY_LOSSES._fns))
+    monkeypatch.setattr(losses, "_POLICY_LOSS_TRAITS", dict(losses._POLICY_LOSS_TRAITS))
+    monkeypatch.setattr(kl._KL_ESTIMATORS, "_fns", dict(kl._KL_ESTIMATORS._fns))
     assert (
         make_actor_loss(replace(AlgorithmConfig(), policy_loss="gspo"), 1.0, kl_ref=False).token_grads is None
     )
