@@ -58,8 +58,9 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, kl_ref: bool, rollo
     """Loss for one micro-batch of an actor mini-batch whose global normaliser is `normalizer`; its metrics are
     `actor_metric_names(rollout_log_probs)` (micro-batches carry `rollout_log_probs` exactly when it is true)."""
     policy_loss = get_policy_loss(alg.policy_loss)
-    kl_fn = get_kl_estimator(alg.kl_estimator) if kl_ref else None
-    clip = {"clip_ratio_c": alg.clip_ratio_c} if policy_loss_traits(alg.policy_loss).dual_clip else {}
+    kl_on = kl_ref and alg.kl_loss_coef > 0
+    kl_fn = get_kl_estimator(alg.kl_estimator) if kl_on else None
+    kwargs = dict(_policy_kwargs(alg))
 
     def loss_fn(stats: ResponseStats, mb: dict):
         mask = mb["response_mask"]
@@ -75,12 +76,8 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, kl_ref: bool, rollo
             mask,
             loss_agg_mode=alg.loss_agg_mode,
             global_normalizer=normalizer,
-            clip_ratio_low=alg.clip_ratio_low,
-            clip_ratio_high=alg.clip_ratio_high,
             rollout_log_probs_bt=mb.get("rollout_log_probs") if alg.tis_cap > 0 else None,
-            tis_cap=alg.tis_cap,
-            tis_mode=alg.tis_mode,
-            **clip,
+            **kwargs,
         )
         loss = pg_loss
         entropy_loss = agg_loss(
@@ -89,7 +86,7 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, kl_ref: bool, rollo
         if alg.entropy_coef > 0:
             loss = loss - alg.entropy_coef * entropy_loss
         kl_loss = torch.zeros((), device=logp.device)
-        if kl_fn is not None and alg.kl_loss_coef > 0:
+        if kl_fn is not None:
             kl = kl_fn(logp, mb["ref_log_probs"], mask)
             kl_loss = agg_loss(kl, mask, alg.loss_agg_mode, normalizer)
             loss = loss + alg.kl_loss_coef * kl_loss
@@ -112,10 +109,23 @@ def make_actor_loss(alg: AlgorithmConfig, normalizer: float, kl_ref: bool, rollo
         return loss, metrics
 
     token_local = policy_loss_traits(alg.policy_loss).token_local and (
-        kl_fn is None or alg.kl_loss_coef == 0 or kl_estimator_is_token_local(alg.kl_estimator)
+        not kl_on or kl_estimator_is_token_local(alg.kl_estimator)
     )
-    loss_fn.token_grads = _token_grads(alg, normalizer, kl_ref) if token_local else None
+    loss_fn.token_grads = _token_grads(alg, normalizer, kl_on) if token_local else None
     return loss_fn
+
+
+def _policy_kwargs(alg: AlgorithmConfig) -> tuple[tuple[str, object], ...]:
+    """The policy loss's settings from `alg` (clip ranges, the dual clip where the loss takes one, importance
+    weights), as (name, value) pairs: hashable, for `_TokenLoss`."""
+    dual = (("clip_ratio_c", alg.clip_ratio_c),) if policy_loss_traits(alg.policy_loss).dual_clip else ()
+    return (
+        ("clip_ratio_low", alg.clip_ratio_low),
+        ("clip_ratio_high", alg.clip_ratio_high),
+        ("tis_cap", alg.tis_cap),
+        ("tis_mode", alg.tis_mode),
+        *dual,
+    )
 
 
 @dataclass(frozen=True)
@@ -124,9 +134,8 @@ class _TokenLoss:
     chunk's log-probs: `logp_grad`, compiled into one kernel on CUDA (`_logp_grad_fn`)."""
 
     policy_loss: str
-    clip: tuple[tuple[str, float], ...]
-    tis_cap: float
-    tis_mode: str
+    kwargs: tuple[tuple[str, object], ...]
+    """`_policy_kwargs`."""
     kl_estimator: str | None
     kl_loss_coef: float
 
@@ -146,9 +155,7 @@ class _TokenLoss:
                 loss_agg_mode="seq-mean-token-sum",  # with normaliser 1: the sum of the token losses
                 global_normalizer=1.0,
                 rollout_log_probs_bt=col(rollout),
-                tis_cap=self.tis_cap,
-                tis_mode=self.tis_mode,
-                **dict(self.clip),
+                **dict(self.kwargs),
             )
             if self.kl_estimator is not None:
                 kl = get_kl_estimator(self.kl_estimator)(x[:, None], col(ref), col(mask))
@@ -172,23 +179,16 @@ def _logp_grad_fn(loss: _TokenLoss, device: torch.device):
     return _LOGP_GRAD_KERNELS[loss]
 
 
-def _token_grads(alg: AlgorithmConfig, normalizer: float, kl_ref: bool):
+def _token_grads(alg: AlgorithmConfig, normalizer: float, kl: bool):
     """`token_grads(mb, valid)`: the actor loss's gradient per token over the head's tokens (mb's
     `response_valid`, or every (row, step) entry when None), as engine/models/fused_logprobs.py's `TokenGrads`.
     Only for token-local losses: there dL/dlogp_t = w_t * d(l_t)/dlogp_t, with l_t the token's policy loss
     (+ kl_loss_coef x its KL) and w_t its weight in the aggregation (`agg_loss` is linear in the per-token
-    losses: its gradient at any point); dL/dent_t = -entropy_coef * w_t (with an entropy bonus)."""
-    kl = kl_ref and alg.kl_loss_coef > 0
-    dual = policy_loss_traits(alg.policy_loss).dual_clip
+    losses: its gradient at any point); dL/dent_t = -entropy_coef * w_t (with an entropy bonus). `kl`: the
+    loss has a KL term."""
     loss = _TokenLoss(
         policy_loss=alg.policy_loss,
-        clip=(
-            ("clip_ratio_low", alg.clip_ratio_low),
-            ("clip_ratio_high", alg.clip_ratio_high),
-            *((("clip_ratio_c", alg.clip_ratio_c),) if dual else ()),
-        ),
-        tis_cap=alg.tis_cap,
-        tis_mode=alg.tis_mode,
+        kwargs=_policy_kwargs(alg),
         kl_estimator=alg.kl_estimator if kl else None,
         kl_loss_coef=alg.kl_loss_coef if kl else 0.0,
     )

@@ -18,11 +18,13 @@ fused head (`max_diff`: the unfused path; `one_pass_max_diff`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -41,7 +43,7 @@ from parallel.dims import ParallelDims  # noqa: E402
 from parallel.state import init_distributed  # noqa: E402
 
 
-def unfused(h_sbh, w, targets, prompt_len, group):
+def unfused(h_sbh, w, targets, prompt_len, group, loss):
     """What MegatronRole ran before: logits of every position, fp32 window, CE + entropy on it."""
     logits = (h_sbh @ w.t()).transpose(0, 1)  # (b, s, vocab) like GPTModel's output
     window = logits[:, prompt_len - 1 : -1].float()
@@ -50,20 +52,25 @@ def unfused(h_sbh, w, targets, prompt_len, group):
     return logp, ent, 0.0
 
 
-def fused(h_sbh, w, targets, prompt_len, group):
+def fused(h_sbh, w, targets, prompt_len, group, loss):
     h = h_sbh.transpose(0, 1)[:, prompt_len - 1 : -1]
     return (*linear_log_probs(h, w, targets, vocab_size=w.shape[0], tp_group=None), 0.0)
 
 
-def one_pass(h_sbh, w, targets, prompt_len, group):
+def one_pass(h_sbh, w, targets, prompt_len, group, loss):
     h = h_sbh.transpose(0, 1)[:, prompt_len - 1 : -1].reshape(-1, h_sbh.shape[-1])
-    grads = LOSS.token_grads(MB, None)
+    grads = loss.fn.token_grads(loss.mb, None)
     anchor, logp, ent = linear_log_probs_one_pass(h, w, targets.reshape(-1), grads, vocab_size=w.shape[0])
     return logp.view(targets.shape), ent.view(targets.shape), anchor
 
 
-LOSS = None  # the actor's loss over the micro-batch's tokens (token-mean), set in main
-MB: dict = {}  # its micro-batch (mask, advantages, old log-probs), set in main
+@dataclasses.dataclass
+class Loss:
+    """The actor's loss over the micro-batch's tokens (token-mean) and its micro-batch (mask, advantages, old
+    log-probs)."""
+
+    fn: Callable
+    mb: dict
 
 
 def timed(fn, args, iters, device):
@@ -76,7 +83,8 @@ def timed(fn, args, iters, device):
             base = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
         logp, ent, anchor = fn(h, w, *args[2:])
-        (LOSS(ResponseStats(logp, ent), MB)[0] + anchor).backward()
+        loss = args[-1]
+        (loss.fn(ResponseStats(logp, ent), loss.mb)[0] + anchor).backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
             peak = max(peak, torch.cuda.max_memory_allocated() - base)
@@ -127,14 +135,19 @@ def main() -> None:
     w = (torch.randn(args.vocab, args.hidden, device=device, generator=g) * 0.02).to(dtype)
     targets = torch.randint(0, args.vocab, (args.rows, args.response_len), device=device, generator=g)
     shape = (args.rows, args.response_len)
-    global LOSS
-    LOSS = make_actor_loss(
-        AlgorithmConfig(entropy_coef=0.01), float(shape[0] * shape[1]), kl_ref=False, rollout_log_probs=False
-    )
-    MB.update(
-        response_mask=torch.ones(shape, dtype=torch.bool, device=device),
-        advantages=torch.randn(shape, device=device, generator=g),
-        old_log_probs=-torch.rand(shape, device=device, generator=g) * 12,  # near log(1 / vocab): some clip
+    loss = Loss(
+        make_actor_loss(
+            AlgorithmConfig(entropy_coef=0.01),
+            float(shape[0] * shape[1]),
+            kl_ref=False,
+            rollout_log_probs=False,
+        ),
+        dict(
+            response_mask=torch.ones(shape, dtype=torch.bool, device=device),
+            advantages=torch.randn(shape, device=device, generator=g),
+            old_log_probs=-torch.rand(shape, device=device, generator=g)
+            * 12,  # near log(1 / vocab): some clip
+        ),
     )
     out = {
         "rows": args.rows,
@@ -145,7 +158,7 @@ def main() -> None:
     results = {}
     for name, fn in (("unfused", unfused), ("fused", fused), ("one_pass", one_pass)):
         try:
-            results[name] = timed(fn, (h, w, targets, args.prompt_len, group), args.iters, device)
+            results[name] = timed(fn, (h, w, targets, args.prompt_len, group, loss), args.iters, device)
             sec, peak = results[name][:2]
             out[name] = {"seconds": sec, "peak_extra_gb": peak / 1e9 if device.type == "cuda" else None}
         except torch.OutOfMemoryError as err:
