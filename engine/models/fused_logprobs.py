@@ -43,13 +43,25 @@ from engine.models.compiled import LOGPROBS, cuda_kernel, switched_on
 from engine.models.logprobs import MASKED_LOGIT
 from engine.models.wgrad import accumulate_matmul
 
-# transient bytes per chunk: fp32 logits + fp32 probabilities + the low-precision gradient (backward)
+# transient bytes of one chunk's logits and their gradient
 CHUNK_BYTES = 2 << 30
+# per logit: the Triton kernels read the low-precision logits and write their gradient (2 + 2 bytes); the
+# compiled or eager op chains also hold float32 copies (logits and probabilities, 4 + 4) next to them
+TRITON_BYTES_PER_LOGIT = 4
+OP_CHAIN_BYTES_PER_LOGIT = 10
 
 
-def chunk_rows(vocab_local: int, budget_bytes: int = CHUNK_BYTES) -> int:
-    """Rows per chunk so that one chunk's fp32 logits, probabilities and gradient fit `budget_bytes`."""
-    return max(64, budget_bytes // (vocab_local * 10))
+def chunk_rows(vocab_local: int, budget_bytes: int = CHUNK_BYTES, bytes_per_logit: int = 10) -> int:
+    """Rows per chunk so that one chunk's transient tensors (`bytes_per_logit` per logit) fit `budget_bytes`."""
+    return max(64, budget_bytes // (vocab_local * bytes_per_logit))
+
+
+def _default_chunk_rows(weight: torch.Tensor, hidden: torch.Tensor) -> int:
+    """`chunk_rows` for the kernels that will run on this weight and these hidden rows: 2.5x more rows per
+    chunk where both Triton kernels run (fewer, larger GEMMs and fewer per-chunk launches)."""
+    triton = switched_on(LOGPROBS) and triton_logprobs.supported(hidden.device, hidden.dtype)
+    per_logit = TRITON_BYTES_PER_LOGIT if triton else OP_CHAIN_BYTES_PER_LOGIT
+    return chunk_rows(weight.shape[0], bytes_per_logit=per_logit)
 
 
 def chunk_slices(n: int, rows_per_chunk: int) -> list[slice]:
@@ -316,7 +328,7 @@ def linear_log_probs(
     t = targets.reshape(-1).long()
     if h.shape[0] != t.shape[0]:
         raise ValueError(f"linear_log_probs: {h.shape[0]} hidden rows but {t.shape[0]} targets")
-    rows = rows_per_chunk or chunk_rows(weight.shape[0])
+    rows = rows_per_chunk or _default_chunk_rows(weight, h)
     logp, ent = _LinearLogProbs.apply(h, weight, t, float(temperature), vocab_size, tp_group, rows)
     return logp.view(lead), ent.view(lead)
 
@@ -343,7 +355,7 @@ def linear_log_probs_one_pass(
         raise ValueError(
             f"linear_log_probs_one_pass: hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}"
         )
-    rows = rows_per_chunk or chunk_rows(weight.shape[0])
+    rows = rows_per_chunk or _default_chunk_rows(weight, hidden)
     return _LinearLogProbsOnePass.apply(
         hidden,
         weight,

@@ -8,6 +8,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from engine.models.fused_logprobs import (
+    CHUNK_BYTES,
+    OP_CHAIN_BYTES_PER_LOGIT,
+    TRITON_BYTES_PER_LOGIT,
+    _default_chunk_rows,
     _local_stats,
     chunk_rows,
     chunk_slices,
@@ -135,7 +139,11 @@ def test_saves_no_logits_for_backward():
 
 def test_chunk_rows_respects_budget_and_shape_errors():
     assert chunk_rows(151_936, budget_bytes=2 << 30) * 151_936 * 10 <= 2 << 30
+    assert chunk_rows(151_936, bytes_per_logit=4) * 151_936 * 4 <= CHUNK_BYTES
     assert chunk_rows(10**9) == 64
+    # the CPU runs the op chains (float32 copies of the chunk): 10 bytes per logit
+    w, h = torch.zeros(151_936, 4), torch.zeros(3, 4)
+    assert _default_chunk_rows(w, h) == chunk_rows(151_936, bytes_per_logit=OP_CHAIN_BYTES_PER_LOGIT)
     with pytest.raises(ValueError, match="hidden rows"):
         linear_log_probs(torch.zeros(3, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long), vocab_size=5)
 
@@ -211,6 +219,39 @@ def test_compiled_kernels_on_gpu_match_full_logits_bf16():
     assert torch.equal(logp1, logp.detach()) and torch.equal(ent1, ent.detach())
     for a, b in ((h1.grad, rgh), (w1.main_grad, rgw)):
         assert ((a.float() - b.float()).abs().max() / b.float().abs().max()) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_chunks_stay_within_their_memory_budget():
+    """On the Triton path a chunk holds its bf16 logits and their bf16 gradient (4 bytes per logit), so the
+    default chunks are sized for that: the peak memory of the one-pass head and of the two-pass head's
+    forward and backward over 3 default chunks at Qwen's vocabulary stays within the budget plus the
+    inputs' and outputs' own sizes (the weight's float32 main_grad, the hidden rows' gradient)."""
+    vocab, hidden = 151_936, 896
+    w = torch.randn(vocab, hidden, device="cuda").bfloat16().requires_grad_()
+    w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device="cuda")
+    rows = _default_chunk_rows(w, torch.empty(1, hidden, device="cuda", dtype=torch.bfloat16))
+    assert rows == chunk_rows(vocab, bytes_per_logit=TRITON_BYTES_PER_LOGIT)
+    h = torch.randn(3 * rows, hidden, device="cuda").bfloat16().requires_grad_()
+    t = torch.randint(0, vocab, (3 * rows,), device="cuda")
+    ones = torch.ones(3 * rows, device="cuda")
+    slack = 64 << 20  # per-row float32 vectors, the GEMMs' workspaces
+    for one_pass in (False, True):
+        h.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        if one_pass:
+            anchor, _, _ = linear_log_probs_one_pass(
+                h, w, t, lambda r, lp, e: (ones[r], ones[r]), vocab_size=vocab
+            )
+            anchor.backward()
+        else:
+            logp, ent = linear_log_probs(h, w, t, vocab_size=vocab)
+            (logp.sum() + ent.sum()).backward()
+        peak = torch.cuda.max_memory_allocated() - base
+        assert peak <= CHUNK_BYTES + h.numel() * 2 + slack, (one_pass, peak / 2**30)
 
 
 @pytest.mark.parametrize("rows_per_chunk", [4, 64])
