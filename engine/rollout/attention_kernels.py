@@ -95,6 +95,12 @@ class DecodeKernels:
     (engine/rollout/triton_rope_kv.py; not with QK-norm), and the Triton kernel's split merge as one Triton
     kernel. False: the compiled RoPE, two indexed writes, the compiled merge (the baseline of
     scripts/bench/rollout.py's `native_unfused`)."""
+    rope_in_attention: bool = True
+    """With `fused` and the Triton decode attention: RoPE of the step's query heads and key, and the K/V cache
+    writes, inside the attention kernel (engine/rollout/triton_decode.py `rope`): one launch per layer and
+    step instead of two (at narrow batches each is a few microseconds of launch and ramp). False: the separate
+    RoPE/K-V kernel (engine/rollout/triton_rope_kv.py; the baseline of scripts/bench/rollout.py's
+    `native_rope_kernel`)."""
     sampler: bool = True
     """Temperature sampling without top-k/top-p as a two-level inverse CDF in two Triton kernels, on the decode
     step's logits in the model's dtype (engine/rollout/triton_sample.py). False: the torch draw on float32

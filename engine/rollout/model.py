@@ -6,8 +6,7 @@ Llama-3 scaling, SDPA core attention, SwiGLU [gate; up] or a mixture of experts 
 router's top-k and weights as megatron computes them; the experts as grouped GEMMs where that runs without
 host syncs: engine/rollout/moe_experts.py), tied or untied output layer) because the rollout
 TP size differs from the training modules'. Parity with the training forward is tested
-(tests/engine/test_rollout_native.py), not assumed. Nothing here allocates per-sequence state: the KV cache
-and the batch bookkeeping belong to engine/rollout/native.py.
+(tests/engine/test_rollout_native.py), not assumed. The KV cache and the batch bookkeeping: engine/rollout/native.py.
 
 Three entry points:
 - `prefill`: left-padded prompts (u, s) -> logits of the last position, K/V written into cache rows;
@@ -15,8 +14,7 @@ Three entry points:
   attending over the row's cache and each other, causally -> logits of the last position;
 - `decode`: one token per cache row, each row at its own cache position `cur[r]` (a device tensor, so that the
   step can be captured in a CUDA graph), attending over the row's written positions.
-The KV cache of a layer is (rows, positions, groups, head_dim): a row's keys are contiguous, so the flash
-kernel can read them in place as one variable-length sequence per row.
+The KV cache of a layer is (rows, positions, groups, head_dim): a row's keys are contiguous (flash reads them).
 
 Kernels (`DecodeKernels`; CUDA only, the attention kernels in half precision; CPU runs the plain path):
 - decode attention, first that applies: the Triton flash-decoding kernel of engine/rollout/triton_decode.py
@@ -27,7 +25,7 @@ Kernels (`DecodeKernels`; CUDA only, the attention kernels in half precision; CP
   query heads folded the same way (memory-efficient or cuDNN kernel on GPU);
 - the elementwise chains compiled into one kernel each (torch.compile): residual add + RMSNorm, SwiGLU, RoPE;
 - with the Triton or flash attention (`DecodeKernels.fused`): a decode step's RoPE and K/V cache writes as one
-  Triton kernel (engine/rollout/triton_rope_kv.py; models without QK-norm), the split merge as another;
+  Triton kernel (triton_rope_kv.py; inside the Triton attention's: `rope_in_attention`), the merge another;
 - with `DecodeKernels.sampler` where Triton runs, decode's logits stay in the model's dtype (`upcast=False`,
   as the engine asks) for the Triton draw (engine/rollout/triton_sample.py), which reads them once.
 Prefill attention: FlashAttention-2 varlen, causal, over each prompt's real tokens (the GQA heads as they are,
@@ -211,9 +209,10 @@ class RolloutModel:
         """`decode` takes a `prefix`: rows that hold a prompt's K/V read it from one row's copy."""
         self.fused_sampler = kernels.sampler and elementwise_supported(dev, self.dtype)
         """The engine draws with engine/rollout/triton_sample.py: decode returns logits in the model's dtype."""
-        self.fused_rope_kv = (
-            self.fused and triton_rope_kv.triton is not None and all(la.q_norm is None for la in self.layers)
-        )
+        no_qk_norm = all(la.q_norm is None for la in self.layers)
+        self.fused_rope_kv = self.fused and triton_rope_kv.triton is not None and no_qk_norm
+        in_triton = self.attention == "triton" and kernels.rope_in_attention
+        self.rope_in_attention = self.fused_rope_kv and in_triton  # RoPE and K/V writes in its kernel
 
     def _layer(self, p: dict[str, torch.Tensor], i: int) -> _Layer:
         pre = f"decoder.layers.{i}."
@@ -467,7 +466,10 @@ class RolloutModel:
                 keys_at = positions_at(table, num_keys, page)  # (b, num_keys)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
-            if self.fused_rope_kv:  # q: the raw projection (b, 1, groups, per group + 2, dim)
+            rope = None
+            if self.rope_in_attention:  # q: the raw projection; RoPE and the K/V writes in the attention
+                q, rope = q[:, 0], (cos_bd, sin_bd)
+            elif self.fused_rope_kv:  # q: the raw projection (b, 1, groups, per group + 2, dim)
                 at = cur if table is None else write
                 q = triton_rope_kv.rope_write_kv(
                     q[:, 0], cos_bd, sin_bd, cache_k[i], cache_v[i], at, table is not None
@@ -480,8 +482,9 @@ class RolloutModel:
             if self.attention == "triton":
                 paged = {} if table is None else {"table": table, "page": page}
                 out = triton_decode.decode_attention(
-                    q, cache_k[i], cache_v[i], pad_b, cur, triton_merge=self.fused, sourced=prefix, **paged
-                )
+                    q, cache_k[i], cache_v[i], pad_b, cur, triton_merge=self.fused, sourced=prefix, rope=rope,
+                    **paged,
+                )  # fmt: skip
             elif self.attention == "flash":
                 out = flash_varlen_decode(q, cache_k[i], cache_v[i], cum_q, cum_k, used_k)
             else:

@@ -16,6 +16,11 @@ CUDA graph fixes at capture (cutting the capacity instead left a 3,600-key row i
 Each program writes its partial softmax state (max, sum, weighted values) in float32, and `decode_attention`
 merges them (`_merge_splits`, one more Triton kernel, all splits of a head as one tile; or `merge_splits` compiled).
 With one split (rows x groups fill the GPU alone: wide batches) the program writes the normalised output itself.
+With `rope` the kernel also does what engine/rollout/triton_rope_kv.py's kernel did before it, one launch fewer
+per layer and step: each program reads its row's raw query heads from the fused QKV projection and rotates them,
+and the program whose span holds the step's new position rotates the key, writes it and the value into the
+cache, and attends to that key from registers (the cache's keys stop before it: nothing is read that this launch
+writes).
 
 The samples of one prompt (GRPO's group) hold the same K/V at the prompt's positions, each in its own row; with
 `sourced` every row's program reads the prompt's positions from its group's first row and the rest from its
@@ -70,6 +75,22 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
+    def _attend_new_key(q, k, v, holds, m_i, l_i, acc, scale):
+        """The online softmax of `_attend` over one more key held in registers (k, v: (dim,)), where `holds`
+        (this program's span has the step's new position); otherwise the state unchanged. The score as
+        `tl.dot` computes it (products of the half-precision values summed in float32), the probability rounded
+        to the values' dtype before it weights them, as `_attend` rounds it."""
+        s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * (scale * 1.4426950408889634)
+        s = tl.where(holds, s, float("-inf"))
+        m_new = tl.maximum(m_i, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet and none added: (-inf) - (-inf)
+        p = tl.exp2(s - m_safe)
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
+        return m_new, l_i, acc
+
+    @triton.jit
     def _decode_partials(
         q_ptr,
         k_ptr,
@@ -97,6 +118,9 @@ if triton is not None:
         stride_vb,
         stride_vl,
         stride_vg,
+        cos_ptr,
+        sin_ptr,
+        stride_cb,
         groups,
         splits,
         scale,
@@ -108,6 +132,7 @@ if triton is not None:
         PAGE: tl.constexpr,
         DIRECT: tl.constexpr,
         SOURCED: tl.constexpr,
+        ROPE: tl.constexpr,
     ):
         row_group = tl.program_id(0)
         split = tl.program_id(1)
@@ -124,16 +149,40 @@ if triton is not None:
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, HEAD_DIM)
         head_ok = offs_h < PER_GROUP
-        q = tl.load(
-            q_ptr + row * stride_qb + group * stride_qg + offs_h[:, None] * stride_qh + offs_d[None, :],
-            mask=head_ok[:, None],
-            other=0.0,
-        )
+        q_src = q_ptr + row * stride_qb + group * stride_qg
+        q = tl.load(q_src + offs_h[:, None] * stride_qh + offs_d[None, :], mask=head_ok[:, None], other=0.0)
         m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_H, HEAD_DIM), dtype=tl.float32)
         k_row = k_ptr + row.to(tl.int64) * stride_kb + group * stride_kg  # paged: stride_kb = 0
         v_row = v_ptr + row.to(tl.int64) * stride_vb + group * stride_vg
+        if (
+            ROPE
+        ):  # q_ptr: the raw projection (each group's query heads, key, value); RoPE and the K/V write here
+            pos = end - 1  # the step's new position: its key attended from registers, written to the cache
+            holds = (lo <= pos) & (pos < hi)
+            rolled = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # roll(x, dim / 2)[d] = x[(d + dim / 2) mod dim]
+            cos = tl.load(cos_ptr + row * stride_cb + offs_d).to(tl.float32)
+            sin = tl.load(sin_ptr + row * stride_cb + offs_d).to(tl.float32)
+            q_rolled = tl.load(
+                q_src + offs_h[:, None] * stride_qh + rolled[None, :], mask=head_ok[:, None], other=0.0
+            )
+            q = (q.to(tl.float32) * cos[None, :] + q_rolled.to(tl.float32) * sin[None, :]).to(q.dtype)
+            k_src = q_src + PER_GROUP * stride_qh
+            k_new = (
+                tl.load(k_src + offs_d).to(tl.float32) * cos + tl.load(k_src + rolled).to(tl.float32) * sin
+            )
+            k_new = k_new.to(q.dtype)
+            v_new = tl.load(k_src + stride_qh + offs_d)
+            m_i, l_i, acc = _attend_new_key(q, k_new, v_new, holds, m_i, l_i, acc, scale)
+            if holds:
+                if PAGE > 0:
+                    at = tl.load(table_ptr + row * stride_tb + pos // PAGE).to(tl.int64) * PAGE + pos % PAGE
+                else:
+                    at = pos.to(tl.int64)
+                tl.store(k_row + at * stride_kl + offs_d, k_new)
+                tl.store(v_row + at * stride_vl + offs_d, v_new)
+            hi = tl.minimum(hi, pos)  # the cache's keys: the positions before the new one
         own_lo = lo
         if SOURCED:  # positions [lo, prompt end) from the row `source` names: the same K/V as this row's
             src = tl.load(source_ptr + row)
@@ -243,6 +292,7 @@ def decode_attention(
     splits: int | None = None,
     triton_merge: bool = True,
     sourced: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q (rows, groups, heads per group, dim), cache (rows, positions, groups, dim), pad (rows,) int,
     cur (rows,) or (1,) int -> attention output (rows, groups, heads per group, dim) in q's dtype, softmax
@@ -258,8 +308,20 @@ def decode_attention(
     Sourced (`sourced` = (source, end): (rows,) int each): row r reads its positions before end[r] from row
     source[r], which holds the same K/V there (a sample of the same prompt, prefilled with it), and its
     positions from end[r] on from its own row: the samples of a prompt that all read one copy find it in the
-    GPU's L2 cache more often than n copies."""
+    GPU's L2 cache more often than n copies.
+
+    With `rope` = (cos, sin_signed) ((rows, dim) each, at each row's position `cur[r]`), `q` is the raw fused
+    projection (rows, groups, heads per group + 2, dim): each group's query heads, then its key and value
+    (engine/rollout/model.py `_projected`). The kernel applies RoPE to the query heads and the key
+    (triton_rope_kv.py's arithmetic and rounding), writes the key and the value at position `cur[r]` (the
+    program whose span holds it) and attends to that key from registers: triton_rope_kv's kernel and this
+    one in one launch."""
     rows, groups, per_group, dim = q.shape
+    if rope is not None:
+        per_group -= 2
+        cos, sin = rope
+        if cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
+            raise ValueError("decode_attention: rope tables need unit stride over dim and one row stride")
     if table is not None:  # the flat cache as one "row" that every row indexes through its page table
         cache_k, cache_v = cache_k.unsqueeze(0), cache_v.unsqueeze(0)
         cache_len, stride_kb, stride_vb, stride_tb = table.shape[1] * page, 0, 0, table.stride(0)
@@ -273,7 +335,7 @@ def decode_attention(
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"decode_attention: splits={splits}, expected 1..{MAX_SPLITS}")
     direct = triton_merge and splits == 1  # the kernel writes the output: no states, no merge
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if triton_merge else None
+    out = torch.empty(rows, groups, per_group, dim, dtype=q.dtype, device=q.device) if triton_merge else None
     states = 0 if direct else rows * groups * splits * block_h
     acc = torch.empty(states, dim, dtype=torch.float32, device=q.device)
     m = torch.empty(states, dtype=torch.float32, device=q.device)
@@ -303,6 +365,9 @@ def decode_attention(
         cache_v.stride(0) if stride_vb is None else stride_vb,
         cache_v.stride(1),
         cache_v.stride(2),
+        cos if rope is not None else q,
+        sin if rope is not None else q,
+        cos.stride(0) if rope is not None else 0,
         groups,
         splits,
         1.0 / math.sqrt(dim),
@@ -314,6 +379,7 @@ def decode_attention(
         PAGE=page,
         DIRECT=direct,
         SOURCED=sourced is not None,
+        ROPE=rope is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

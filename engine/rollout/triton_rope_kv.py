@@ -12,6 +12,8 @@ out and the key and the value into the cache at the row's position.
 The cache addressing covers both layouts of engine/rollout/model.py `decode`: contiguous rows (row r's
 position n at `r * row stride + n * position stride`) and the paged flat buffer (row stride 0, `at[r]` the
 flat position). CUDA with Triton only; parity with the unfused chain: tests/engine/test_rollout_gpu.py.
+With the Triton decode attention the same work runs inside its kernel (triton_decode.py `rope`); this kernel
+serves the flash attention and `DecodeKernels(rope_in_attention=False)`.
 """
 
 from __future__ import annotations

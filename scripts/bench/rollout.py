@@ -28,6 +28,8 @@ kernel, compiled elementwise ops (both skipped on CPU, where every variant is th
 `native_contiguous`: the native engine without paged KV (`paged_kv=False`: every slot holds the longest
 row's positions, so the KV budget bounds the batch by the longest row); `native_unfused`: the compiled RoPE,
 indexed K/V writes and compiled split merge instead of their Triton kernels (`DecodeKernels(fused=False)`);
+`native_rope_kernel`: RoPE and the K/V writes as their own Triton kernel before the attention instead of
+inside it (`DecodeKernels(rope_in_attention=False)`);
 `native_torch_sampler`: the torch draw on float32 logits instead of the Triton draw
 (`DecodeKernels(sampler=False)`; `native_plain` has the torch draw too); with `--n` > 1, `native_unshared`:
 every sample reads its own copy of its prompt's K/V (`DecodeKernels(shared_prefix=False)`; the default reads
@@ -77,6 +79,7 @@ BACKENDS = (
     "native_flash",
     "native_plain",
     "native_unfused",
+    "native_rope_kernel",
     "native_torch_sampler",
     "native_unshared",
     "vllm",
@@ -223,6 +226,7 @@ VARIANTS = {  # the native engine with other kernels, against `native` (auto) in
     "native_flash": DecodeKernels(attention="flash"),
     "native_plain": DecodeKernels(attention="sdpa", compiled=False, sampler=False),
     "native_unfused": DecodeKernels(fused=False),
+    "native_rope_kernel": DecodeKernels(rope_in_attention=False),
     "native_torch_sampler": DecodeKernels(sampler=False),
     "native_unshared": DecodeKernels(shared_prefix=False),
 }

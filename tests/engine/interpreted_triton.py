@@ -149,6 +149,55 @@ def test_rope_write_kv_matches_rope_and_indexed_writes(paged):
     assert torch.equal(cache_v, ref_v)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("splits", [1, 3, 40])
+@pytest.mark.parametrize("sourced", [False, True])
+def test_rope_inside_the_attention_equals_the_two_kernels(splits, paged, sourced):
+    """`decode_attention(rope=...)` on the raw projection against `rope_write_kv` then `decode_attention`: the
+    caches equal bitwise (the same rotated key and value at each row's position, nothing else touched), the
+    output within fp16 rounding of it (the new key's score and weight from registers, not `tl.dot`: summed in
+    another order), one position for all rows or one per row, a row whose only key is the new one (pad =
+    cur), rows of a shared prompt read from their lead row."""
+    page, cache_len = 16, 96
+    g = torch.Generator().manual_seed(9)
+    qkv = torch.randn(ROWS, GROUPS, PER_GROUP + 2, DIM, generator=g).to(DT)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, DIM, 2, dtype=torch.float32) / DIM))
+    emb = torch.outer(torch.arange(cache_len, dtype=torch.float32), inv_freq).repeat(1, 2)
+    _, k, v = _inputs(cache_len, seed=9)
+    end = torch.tensor([20, 20, 20, 30, 30])
+    lead = torch.tensor([0, 0, 0, 4, 4])
+    for r in range(ROWS):  # the group's prompt positions hold the lead row's K/V
+        k[r, : end[r]], v[r, : end[r]] = k[lead[r], : end[r]], v[lead[r], : end[r]]
+    pad, cur = torch.tensor([0, 2, 5, 0, 30]), torch.tensor([60, 21, 95, 33, 30])
+    for cur_given in (cur, torch.tensor([40])):
+        cur_rows = cur_given.expand(ROWS)
+        pos = cur_rows - pad
+        cos, sin = emb.cos().to(DT)[pos], signed_sin(emb.sin().to(DT))[pos]
+        if paged:
+            per_row = cache_len // page
+            table = (torch.randperm(ROWS * per_row, generator=g) + 1).view(ROWS, per_row).to(torch.int32)
+            flat = (torch.zeros((ROWS * per_row + 1) * page, GROUPS, DIM, dtype=DT) for _ in "kv")
+            cache_k, cache_v = flat
+            at_all = (table.long()[:, :, None] * page + torch.arange(page)).view(ROWS, -1)
+            cache_k[at_all], cache_v[at_all] = k, v
+            at = table.long().gather(1, (cur_rows // page)[:, None])[:, 0] * page + cur_rows % page
+            kw = {"table": table, "page": page}
+        else:
+            cache_k, cache_v, at, kw = k.clone(), v.clone(), cur_rows, {}
+        kw = {**kw, "splits": splits, "block_n": 16, "sourced": (lead, end) if sourced else None}
+        two_k, two_v = cache_k.clone(), cache_v.clone()
+        q = triton_rope_kv.rope_write_kv(qkv, cos, sin, two_k, two_v, at, paged)
+        expected = triton_decode.decode_attention(q, two_k, two_v, pad, cur_given, **kw)
+        out = triton_decode.decode_attention(qkv, cache_k, cache_v, pad, cur_given, rope=(cos, sin), **kw)
+        assert torch.equal(cache_k, two_k) and torch.equal(cache_v, two_v)
+        assert out.shape == expected.shape == (ROWS, GROUPS, PER_GROUP, DIM)
+        torch.testing.assert_close(out.float(), expected.float(), atol=2e-3, rtol=2e-3)
+        # and against SDPA in float32 over the written cache (contiguous: the cache itself)
+        if not paged:
+            ref = _sdpa(q, two_k, two_v, pad, cur_given)
+            torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+
+
 def _teacher_forced(shape, weights, dtype, kernels: DecodeKernels, ids, pad, steps: int):
     """Prefill left-padded `ids`, then `steps` decode steps fed tokens (t * 7 + row) % vocab: every step's
     logits, float32, and which attention kernel the model picked."""

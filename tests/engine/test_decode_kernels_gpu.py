@@ -152,6 +152,47 @@ def test_fused_rope_kv_write_equals_the_unfused_chain(paged):
     assert (q == qk[:, :, :per_group]).float().mean() >= 0.99 and (cache_k == ref_k).float().mean() >= 0.99
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("per_group,dim,splits", [(7, 64, None), (6, 128, None), (7, 128, 5)])
+def test_rope_inside_the_attention_equals_the_two_kernels(per_group, dim, splits, paged):
+    """`decode_attention(rope=...)` (RoPE and the K/V writes in the attention kernel, the new key attended from
+    registers) against `rope_write_kv` then `decode_attention`, bf16 at Qwen2.5-0.5B/1.5B/7B head shapes:
+    the caches bit for bit, the outputs within one bf16 rounding step (nearly all equal)."""
+    from engine.rollout import triton_decode
+    from engine.rollout.model import signed_sin
+    from engine.rollout.triton_rope_kv import rope_write_kv
+
+    g = torch.Generator(device=DEV).manual_seed(7)
+    rows, groups, page, cache_len = 64, 2, 16, 512
+    qkv = torch.randn(rows, groups, per_group + 2, dim, device=DEV, generator=g).bfloat16()
+    cos_t, sin_t = (t.to(DEV) for t in rope_tables_for(dim, cache_len))
+    pad = torch.randint(0, 40, (rows,), device=DEV, generator=g)
+    cur = pad + torch.randint(0, 400, (rows,), device=DEV, generator=g)
+    cos, sin = cos_t[cur - pad], signed_sin(sin_t)[cur - pad]
+    if paged:
+        per_row = cache_len // page
+        table = (torch.randperm(rows * per_row, device=DEV, generator=g) + 1).view(rows, per_row).int()
+        cache_k, cache_v = (
+            torch.randn((rows * per_row + 1) * page, groups, dim, device=DEV, generator=g).bfloat16()
+            for _ in "kv"
+        )
+        at = table.long().gather(1, (cur // page)[:, None])[:, 0] * page + cur % page
+        kw = {"table": table, "page": page}
+    else:
+        shape = (rows, cache_len, groups, dim)
+        cache_k, cache_v = (torch.randn(shape, device=DEV, generator=g).bfloat16() for _ in "kv")
+        at, kw = cur, {}
+    two_k, two_v = cache_k.clone(), cache_v.clone()
+    q = rope_write_kv(qkv, cos, sin, two_k, two_v, at, paged)
+    expected = triton_decode.decode_attention(q, two_k, two_v, pad, cur, splits=splits, **kw)
+    out = triton_decode.decode_attention(
+        qkv, cache_k, cache_v, pad, cur, splits=splits, rope=(cos, sin), **kw
+    )
+    assert torch.equal(cache_k, two_k) and torch.equal(cache_v, two_v)
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=8e-3)
+    assert (out == expected).float().mean() >= 0.9
+
+
 def rope_tables_for(dim: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 cos/sin tables as engine/rollout/model.py `rope_tables` builds them (theta 1e6)."""
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
