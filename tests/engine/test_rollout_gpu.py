@@ -240,19 +240,39 @@ def test_flash_prefill_matches_the_masked_prefill_in_bf16(tiny, pad):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_decode_kernels_match_the_unfused_ones(tiny, family):
-    """Teacher-forced decode logits with the fused RoPE/K-V write and Triton merge against the compiled
-    chain they replace (bf16, Triton attention): close, and the same argmax nearly everywhere."""
+    """Teacher-forced decode logits (bf16, Triton attention) with RoPE and the K/V writes inside the attention
+    kernel (the default), and with them as their own Triton kernel, against the compiled RoPE, indexed writes
+    and compiled merge they replace: each fused path's distance to the float32 plain path within 1.5x the
+    unfused path's (max and mean), and the same argmax nearly everywhere. (Not fused against unfused
+    directly: the new key attended from registers rounds its softmax weight at another point than `tl.dot`'s
+    block does, and 20 steps of a random model carry such bf16 differences past a fixed tolerance.)"""
     shape, weights, _ = tiny[family]
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, shape.vocab_size, (6, 11), generator=g).to(DEV)
     pad = torch.tensor([0, 4, 10, 1, 0, 7], device=DEV)
     model = RolloutModel(shape, on_gpu(weights, torch.bfloat16), rope_tables(shape, DEV, torch.bfloat16))
-    assert model.fused_rope_kv, "the fused RoPE/K-V kernel should run here"
-    fused = teacher_forced_logits(shape, weights, torch.bfloat16, DecodeKernels("triton"), ids, pad, 20)
-    unfused = DecodeKernels("triton", fused=False)
-    plain = teacher_forced_logits(shape, weights, torch.bfloat16, unfused, ids, pad, 20)
-    torch.testing.assert_close(fused, plain, atol=5e-2, rtol=5e-2)
-    assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.95
+    assert model.fused_rope_kv and model.rope_in_attention, "the fused RoPE/K-V paths should run here"
+    ref = teacher_forced_logits(
+        shape, weights, torch.float32, DecodeKernels(attention="sdpa", compiled=False), ids, pad, 20
+    )
+    unfused = teacher_forced_logits(
+        shape, weights, torch.bfloat16, DecodeKernels("triton", fused=False), ids, pad, 20
+    )
+    err_unfused = (unfused - ref).abs()
+    for kernels in (DecodeKernels("triton"), DecodeKernels("triton", rope_in_attention=False)):
+        fused = teacher_forced_logits(shape, weights, torch.bfloat16, kernels, ids, pad, 20)
+        err = (fused - ref).abs()
+        assert err.max() <= 1.5 * err_unfused.max() + 1e-3, (
+            kernels,
+            float(err.max()),
+            float(err_unfused.max()),
+        )
+        assert err.mean() <= 1.5 * err_unfused.mean() + 1e-4, (
+            kernels,
+            float(err.mean()),
+            float(err_unfused.mean()),
+        )
+        assert (fused.argmax(-1) == unfused.argmax(-1)).float().mean() >= 0.95
 
 
 def test_paged_generation_with_graphs_equals_the_contiguous_layout(tiny):
