@@ -150,7 +150,7 @@ def test_rope_write_kv_matches_rope_and_indexed_writes(paged):
 
 
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("splits", [1, 3, 40])
+@pytest.mark.parametrize("splits", [1, 3])  # 3: spans of >= 4 key blocks over <= 96 keys, some splits empty
 @pytest.mark.parametrize("sourced", [False, True])
 def test_rope_inside_the_attention_equals_the_two_kernels(splits, paged, sourced):
     """`decode_attention(rope=...)` on the raw projection against `rope_write_kv` then `decode_attention`: the
