@@ -6,7 +6,7 @@ Llama-3 scaling, SDPA core attention, SwiGLU [gate; up] or a mixture of experts 
 router's top-k and weights as megatron computes them; the experts as grouped GEMMs where that runs without
 host syncs: engine/rollout/moe_experts.py), tied or untied output layer) because the rollout
 TP size differs from the training modules'. Parity with the training forward is tested
-(tests/engine/test_rollout_native.py), not assumed. The KV cache and the batch bookkeeping: engine/rollout/native.py.
+(tests/engine/test_rollout_native.py), not assumed. The KV cache and batch bookkeeping: native.py.
 
 Three entry points:
 - `prefill`: left-padded prompts (u, s) -> logits of the last position, K/V written into cache rows;
@@ -14,7 +14,7 @@ Three entry points:
   attending over the row's cache and each other, causally -> logits of the last position;
 - `decode`: one token per cache row, each row at its own cache position `cur[r]` (a device tensor, so that the
   step can be captured in a CUDA graph), attending over the row's written positions.
-The KV cache of a layer is (rows, positions, groups, head_dim): a row's keys are contiguous (flash reads them).
+A layer's KV cache is (rows, positions, groups, head_dim): a row's keys are contiguous (flash reads them).
 
 Kernels (`DecodeKernels`; CUDA only, the attention kernels in half precision; CPU runs the plain path):
 - decode attention, first that applies: the Triton flash-decoding kernel of engine/rollout/triton_decode.py

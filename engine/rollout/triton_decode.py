@@ -16,11 +16,11 @@ CUDA graph fixes at capture (cutting the capacity instead left a 3,600-key row i
 Each program writes its partial softmax state (max, sum, weighted values) in float32, and `decode_attention`
 merges them (`_merge_splits`, one more Triton kernel, all splits of a head as one tile; or `merge_splits` compiled).
 With one split (rows x groups fill the GPU alone: wide batches) the program writes the normalised output itself.
-With `rope` the kernel also does what engine/rollout/triton_rope_kv.py's kernel did before it, one launch fewer
-per layer and step: each program reads its row's raw query heads from the fused QKV projection and rotates them,
+With `rope` the kernel also does the work of engine/rollout/triton_rope_kv.py's kernel, one launch fewer per
+layer and step: each program reads its row's raw query heads from the fused QKV projection and rotates them,
 and the program whose span holds the step's new position rotates the key, writes it and the value into the
-cache, and attends to that key from registers (the cache's keys stop before it: nothing is read that this launch
-writes).
+cache, and attends to that key from registers (the cache's keys stop before it: nothing is read that this
+launch writes).
 
 The samples of one prompt (GRPO's group) hold the same K/V at the prompt's positions, each in its own row; with
 `sourced` every row's program reads the prompt's positions from its group's first row and the rest from its
@@ -78,8 +78,8 @@ if triton is not None:
     def _attend_new_key(q, k, v, holds, m_i, l_i, acc, scale):
         """The online softmax of `_attend` over one more key held in registers (k, v: (dim,)), where `holds`
         (this program's span has the step's new position); otherwise the state unchanged. The score as
-        `tl.dot` computes it (products of the half-precision values summed in float32), the probability rounded
-        to the values' dtype before it weights them, as `_attend` rounds it."""
+        `tl.dot` computes it (products of the half-precision values summed in float32), the probability
+        rounded to the values' dtype before it weights them, as `_attend` rounds it."""
         s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * (scale * 1.4426950408889634)
         s = tl.where(holds, s, float("-inf"))
         m_new = tl.maximum(m_i, s)
@@ -156,9 +156,7 @@ if triton is not None:
         acc = tl.zeros((BLOCK_H, HEAD_DIM), dtype=tl.float32)
         k_row = k_ptr + row.to(tl.int64) * stride_kb + group * stride_kg  # paged: stride_kb = 0
         v_row = v_ptr + row.to(tl.int64) * stride_vb + group * stride_vg
-        if (
-            ROPE
-        ):  # q_ptr: the raw projection (each group's query heads, key, value); RoPE and the K/V write here
+        if ROPE:  # q_ptr: the raw projection (query heads, key, value per group); RoPE, the K/V write here
             pos = end - 1  # the step's new position: its key attended from registers, written to the cache
             holds = (lo <= pos) & (pos < hi)
             rolled = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # roll(x, dim / 2)[d] = x[(d + dim / 2) mod dim]

@@ -131,7 +131,7 @@ def labelled_runs(pattern: str, labels: dict[str, str]) -> list[tuple[str, dict]
 
 
 def same_call_pairs(preset: str) -> list[tuple[str, dict, dict]]:
-    """(commit, ours, TRL `generate`) measured on one warm machine: in one device call at b453d9a (32,768-token
+    """(commit, ours, TRL `generate`) measured on one warm machine: one device call at b453d9a (32,768-token
     budget, the QKV bias in its GEMM; e2e_h200_fixed_<size>_qkv_bias_with_trl.json,
     trl_h200_fixed_<size>_same_call_qkv_bias.json), and in one lease at 56a71d6 (the trainer's defaults, the
     one-pass head; e2e_h200_fixed_<size>_56a71d6.json, trl_h200_fixed_<size>_56a71d6.json)."""

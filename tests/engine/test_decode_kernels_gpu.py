@@ -155,7 +155,7 @@ def test_fused_rope_kv_write_equals_the_unfused_chain(paged):
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("per_group,dim,splits", [(7, 64, None), (6, 128, None), (7, 128, 5)])
 def test_rope_inside_the_attention_equals_the_two_kernels(per_group, dim, splits, paged):
-    """`decode_attention(rope=...)` (RoPE and the K/V writes in the attention kernel, the new key attended from
+    """`decode_attention(rope=...)` (RoPE and the K/V writes in the attention kernel, the new key read from
     registers) against `rope_write_kv` then `decode_attention`, bf16 at Qwen2.5-0.5B/1.5B/7B head shapes:
     the caches bit for bit, the outputs within one bf16 rounding step (nearly all equal)."""
     from engine.rollout import triton_decode
