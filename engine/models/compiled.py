@@ -10,7 +10,7 @@ benchmarks' baselines and for debugging a suspected compiler problem.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -29,15 +29,18 @@ def switched_on(switch: str) -> bool:
     return os.environ.get(switch, "1") != "0"
 
 
-def cuda_kernel(fn: Callable, device: torch.device, switch: str, dynamic: bool | None = True) -> Callable:
+def cuda_kernel(
+    fn: Callable, device: torch.device, switch: str, dynamic: bool | None = True, key: Hashable | None = None
+) -> Callable:
     """`fn` compiled (built once per function) when `device` is CUDA and the environment variable `switch` is
     not "0"; `fn` itself otherwise. `dynamic`: torch.compile's; True treats every size as symbolic (one
     compile), None specialises first and makes only the sizes seen to change symbolic on a recompile
     (sizes that never change, like a head dim or a hidden size, stay constants: no integer division by a
-    runtime value in index math, e.g. of a roll or a chunk)."""
+    runtime value in index math, e.g. of a roll or a chunk). `key`: what the compiled function is cached
+    under; default the function's module and qualified name, which the bound methods of one class share."""
     if device.type != "cuda" or not switched_on(switch):
         return fn
-    key = (fn.__module__, fn.__qualname__)
+    key = (fn.__module__, fn.__qualname__) if key is None else key
     if key not in _compiled:
         _compiled[key] = torch.compile(fn, dynamic=dynamic)
     return _compiled[key]

@@ -51,7 +51,9 @@ TRITON_BYTES_PER_LOGIT = 4
 OP_CHAIN_BYTES_PER_LOGIT = 10
 
 
-def chunk_rows(vocab_local: int, budget_bytes: int = CHUNK_BYTES, bytes_per_logit: int = 10) -> int:
+def chunk_rows(
+    vocab_local: int, budget_bytes: int = CHUNK_BYTES, bytes_per_logit: int = OP_CHAIN_BYTES_PER_LOGIT
+) -> int:
     """Rows per chunk so that a chunk's transient tensors (`bytes_per_logit` per logit) fit `budget_bytes`."""
     return max(64, budget_bytes // (vocab_local * bytes_per_logit))
 

@@ -30,8 +30,7 @@ Kernels (`DecodeKernels`; CUDA only, the attention kernels in half precision; CP
   as the engine asks) for the Triton draw (engine/rollout/triton_sample.py), which reads them once.
 Prefill attention: FlashAttention-2 varlen, causal, over each prompt's real tokens (the GQA heads as they are,
 no mask) where the flash kernel runs and the fast kernels are on; SDPA with a mask over the left padding
-otherwise (CPU, float32, `DecodeKernels(attention="sdpa")`).
-Measured on one H200 (scripts/bench/README.md, "Rollout").
+otherwise (CPU, float32, `DecodeKernels(attention="sdpa")`). Measured: scripts/bench/README.md, "Rollout".
 """
 
 from __future__ import annotations
@@ -450,7 +449,8 @@ class RolloutModel:
         if table is not None:
             if self.attention == "flash":
                 raise ValueError("the flash decode kernel reads contiguous rows, not a paged cache")
-            write = table.gather(1, (cur // page)[:, None]).squeeze(1).long() * page + cur % page  # (b,)
+            if not self.rope_in_attention:  # (there the attention kernel writes K/V through the table)
+                write = table.gather(1, (cur // page)[:, None]).squeeze(1).long() * page + cur % page
         cos_bd, sin_bd = self.cos[pos], self.sin[pos]  # (b, dim)
         cos, sin = cos_bd[:, None, None, None], sin_bd[:, None, None, None]  # (b, 1, 1, 1, dim)
         if self.attention == "flash":  # row r's keys: flat positions r * cache_len + [pad_r, cur]

@@ -20,7 +20,7 @@ import torch
 from algorithms.kl import get_kl_estimator, kl_estimator_is_token_local
 from algorithms.losses import agg_loss, get_policy_loss, policy_loss_traits, value_loss
 from engine.config import AlgorithmConfig
-from engine.models.compiled import LOGPROBS, switched_on
+from engine.models.compiled import LOGPROBS, cuda_kernel
 from engine.roles.policy import ResponseStats
 
 # names ending in "loss": shares of a mini-batch loss term (summed over micro-batches); the others: sums
@@ -165,18 +165,11 @@ class _TokenLoss:
         return torch.func.grad(total)(logp) * weight
 
 
-_LOGP_GRAD_KERNELS: dict[_TokenLoss, object] = {}
-
-
 def _logp_grad_fn(loss: _TokenLoss, device: torch.device):
     """`loss.logp_grad` compiled (one graph per setting, symbolic in the chunk size) on CUDA; eager on CPU and with
     ENGINE_COMPILE_LOGPROBS=0. On the host the eager function costs ~70 ops per chunk, which at 0.5B
     outweighs the GEMM the one-pass head saves."""
-    if device.type != "cuda" or not switched_on(LOGPROBS):
-        return loss.logp_grad
-    if loss not in _LOGP_GRAD_KERNELS:
-        _LOGP_GRAD_KERNELS[loss] = torch.compile(loss.logp_grad, dynamic=True)
-    return _LOGP_GRAD_KERNELS[loss]
+    return cuda_kernel(loss.logp_grad, device, LOGPROBS, key=loss)
 
 
 def _token_grads(alg: AlgorithmConfig, normalizer: float, kl: bool):
