@@ -12,7 +12,9 @@ of `--cache-len` positions of which row r uses [pad_r, cur] (left-padded prompts
   them are read (nothing past `cur`, no mask), query heads folded per group as above.
 - `triton`: engine/rollout/triton_decode.py on the flash layout (16-row query tiles, reads [pad_r, cur]),
   at its default settings, and `--sweep` its tuning knobs (key block, warps, pipeline stages, key splits per
-  (row, group); None: `num_splits`) at the last cur.
+  (row, group); None: `num_splits`; the grid from `--sweep-grid`) at the last cur, with `--share` on the
+  sourced path (`triton_sourced`). `triton_sourced_unfolded` (where `triton_decode.fold_groups` folds): the
+  sourced kernel with one program per KV group.
 With `--share N` (GRPO's samples of one prompt) rows come in groups of N with one prompt: the group's pads are
 equal and its first row's K/V fill every row's positions before pad + `--prefix`; `triton_sourced` is the
 kernel with every row reading its prompt's positions from the group's first row (engine/rollout/
@@ -49,6 +51,25 @@ def main() -> None:
     ap.add_argument("--curs", default="256,512,767")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--sweep", action="store_true", help="also time the Triton kernel's tuning knobs")
+    ap.add_argument(
+        "--sweep-grid",
+        default="32,64,128;4,8;2,3,4;None,1,2,3,4",
+        help="with --sweep: key blocks; warps; stages; splits (None: num_splits); optionally KV groups per "
+        "program (None: fold_groups), at the last --curs",
+    )
+    ap.add_argument(
+        "--rope",
+        action="store_true",
+        help="also the kernel as the engine calls it: on the raw QKV projection with RoPE and the K/V writes "
+        "(`triton_rope`, `triton_rope_unfolded`; sourced with --share); --sweep then sweeps that path",
+    )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="with --rope: copies of the cache, each call reading the next as a model's layers do, so that "
+        "the GPU's L2 holds none of a call's keys (1: one layer's cache called again and again, L2-warm)",
+    )
     ap.add_argument("--share", type=int, default=1, help="rows per prompt (> 1: the shared-prefix rows)")
     ap.add_argument(
         "--prefix", type=int, default=256, help="with --share: the prompt's positions after the pad"
@@ -86,10 +107,17 @@ def main() -> None:
         "dim": dim,
         "share": args.share,
         "prefix": args.prefix if args.share > 1 else None,
+        "layers": args.layers if args.rope else None,
     }
     result["device"] = torch.cuda.get_device_name()
     result["torch"] = torch.__version__
-    rows = {}
+    rows, roped = {}, None
+    if args.rope:  # the raw projection, the step's RoPE rows, own caches (the kernel writes K/V at cur)
+        qkv = torch.randn(b, groups, pg + 2, dim, device=dev, dtype=dt, generator=g)
+        angle = torch.rand(b, dim, device=dev, generator=g) * 6.28
+        src = {"sourced": (first, end)} if end is not None else {}
+        copies = [(k_blgd.clone(), v_blgd.clone()) for _ in range(args.layers)]
+        roped = (qkv, copies, [0], (angle.cos().to(dt), angle.sin().to(dt)), src)
     for cur in [int(c) for c in args.curs.split(",")]:
         mask = ((ar >= pad[:, None]) & (ar <= cur))[:, None, None]
 
@@ -107,6 +135,14 @@ def main() -> None:
 
         def triton_kernel(cur_t=cur_t, **knobs):
             return triton_decode.decode_attention(q, k_blgd, v_blgd, pad, cur_t, **knobs)
+
+        def roped_kernel(cur_t=cur_t, roped=roped, **knobs):  # the engine's call (--rope)
+            qkv, copies, calls, rope, src = roped
+            cache_k, cache_v = copies[calls[0] % len(copies)]
+            calls[0] += 1  # (captured calls read copies in turn)
+            return triton_decode.decode_attention(
+                qkv, cache_k, cache_v, pad, cur_t, rope=rope, **src, **knobs
+            )
 
         ref = sdpa_mask()
         used_gb = 2 * int(used_k.sum()) * groups * dim * 2 / 1e9
@@ -127,17 +163,34 @@ def main() -> None:
             unique = used_gb - 2 * int((end - pad).sum()) * groups * dim * 2 / 1e9 * (1 - 1 / args.share)
             variants.append(("triton_sourced", sourced, unique))
             variants.append(("triton_sourced_own_row", own_row, used_gb))
-        for name, fn, gb in variants:
+            if triton_decode.fold_groups(groups, pg, dim) > 1:
+
+                def unfolded(triton_kernel=triton_kernel, source=first):
+                    return triton_kernel(sourced=(source, end), fold=1)
+
+                variants.append(("triton_sourced_unfolded", unfolded, unique))
+        if args.rope:
+            gb = unique if end is not None else used_gb
+            variants = [(name, fn, gb, False) for name, fn, gb in variants]
+            variants.append(("triton_rope", roped_kernel, gb, True))
+            if triton_decode.fold_groups(groups, pg, dim) > 1:
+                variants.append(("triton_rope_unfolded", lambda f=roped_kernel: f(fold=1), gb, True))
+        for name, fn, gb, *with_rope in variants:
             r[name + "_ms"] = graph_ms(fn, args.iters)
             r[name + "_tb_per_s"] = gb / r[name + "_ms"]
-            r[name + "_max_abs_diff"] = float((fn().float() - ref.float()).abs().max())
+            if not any(with_rope):  # (RoPE'd queries: another attention than the reference's)
+                r[name + "_max_abs_diff"] = float((fn().float() - ref.float()).abs().max())
     if args.sweep:
         sweep = result["triton_sweep"] = []
-        grid = itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (None, 1, 2, 3, 4))
-        for block_n, warps, stages, splits in grid:
-            knobs = dict(block_n=block_n, num_warps=warps, num_stages=stages, splits=splits)
+        grid = [g.split(",") for g in args.sweep_grid.split(";")]
+        swept = {"sourced": (first, end)} if end is not None and not args.rope else {}  # the engine's path
+        swept_kernel = roped_kernel if args.rope else triton_kernel
+        for block_n, warps, stages, splits, fold in itertools.product(*grid, *([["None"]] * (5 - len(grid)))):
+            knobs = dict(block_n=int(block_n), num_warps=int(warps), num_stages=int(stages))
+            knobs["splits"] = None if splits == "None" else int(splits)
+            knobs["fold"] = None if fold == "None" else int(fold)
             try:
-                ms = graph_ms(lambda knobs=knobs: triton_kernel(**knobs), args.iters)
+                ms = graph_ms(lambda knobs=knobs: swept_kernel(**knobs, **swept), args.iters)
             except Exception as err:  # e.g. out of shared memory for the largest tiles
                 sweep.append({**knobs, "error": f"{type(err).__name__}"})
                 continue

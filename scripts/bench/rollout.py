@@ -29,7 +29,8 @@ kernel, compiled elementwise ops (both skipped on CPU, where every variant is th
 row's positions, so the KV budget bounds the batch by the longest row); `native_unfused`: the compiled RoPE,
 indexed K/V writes and compiled split merge instead of their Triton kernels (`DecodeKernels(fused=False)`);
 `native_rope_kernel`: RoPE and the K/V writes as their own Triton kernel before the attention instead of
-inside it (`DecodeKernels(rope_in_attention=False)`);
+inside it (`DecodeKernels(rope_in_attention=False)`); `native_unfolded`: one Triton attention program per KV
+group where the default runs the query heads of several groups in one (`DecodeKernels(fold_groups=False)`);
 `native_torch_sampler`: the torch draw on float32 logits instead of the Triton draw
 (`DecodeKernels(sampler=False)`; `native_plain` has the torch draw too); with `--n` > 1, `native_unshared`:
 every sample reads its own copy of its prompt's K/V (`DecodeKernels(shared_prefix=False)`; the default reads
@@ -37,8 +38,9 @@ it from the group's first live sample's copy).
 `--n`: samples per prompt (GRPO's group; rows = prompts x n, a prompt's samples share its length limit).
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
-`--profile DIR`: one more native `generate` of the same batch under torch.profiler: the top 30 kernels to
-DIR/profile_native_<preset>.txt and GPU time by kernel kind in the JSON (`native.profile`). With CUDA graphs
+`--profile DIR`: one more `generate` of the same batch under torch.profiler per native backend (`native` and
+the kernel variants): the top 30 kernels to DIR/profile_<backend>_<preset>.txt and GPU time by kernel kind in
+the JSON (`<backend>.profile`). With CUDA graphs
 the profiler attributes the replayed kernels too (CUPTI); `--no-cuda-graphs` profiles the eager decode.
 `roofline` (GPU, dense presets): the H200 decode roofline of the workload (roofline.py: prefill at 790 TFLOP/s,
 each decode step at max(weights + live rows' K/V at 4.8 TB/s, FLOPs at 790 TFLOP/s)); each timed backend's
@@ -82,6 +84,7 @@ BACKENDS = (
     "native_rope_kernel",
     "native_torch_sampler",
     "native_unshared",
+    "native_unfolded",
     "vllm",
     "transformers",
 )
@@ -229,11 +232,21 @@ VARIANTS = {  # the native engine with other kernels, against `native` (auto) in
     "native_rope_kernel": DecodeKernels(rope_in_attention=False),
     "native_torch_sampler": DecodeKernels(sampler=False),
     "native_unshared": DecodeKernels(shared_prefix=False),
+    "native_unfolded": DecodeKernels(fold_groups=False),
 }
 
 
 def run_native(
-    shape, weights, prompts, sampling, args, device, shim_overhead=False, kernels=None, paged_kv=True
+    shape,
+    weights,
+    prompts,
+    sampling,
+    args,
+    device,
+    shim_overhead=False,
+    kernels=None,
+    paged_kv=True,
+    name="native",
 ) -> dict:
     from engine.rollout import native
 
@@ -263,8 +276,8 @@ def run_native(
     result["engine_stats"] = stats
     if stats.get("slot_steps"):  # generated tokens per decoded slot (finished and filler slots are waste)
         result["decode_occupancy"] = round(result["tokens"] / (stats["slot_steps"] + stats["slots"]), 4)
-    if args.profile and not shim_overhead and kernels is None:
-        result["profile"] = profile_generate(engine, prompts, sampling, device, args)
+    if args.profile and not shim_overhead:
+        result["profile"] = profile_generate(engine, prompts, sampling, device, args, name)
     engine.release()
     if (
         device.type == "cuda"
@@ -273,7 +286,7 @@ def run_native(
     return result, greedy
 
 
-def profile_generate(engine, prompts, sampling, device, args) -> dict:
+def profile_generate(engine, prompts, sampling, device, args, name: str) -> dict:
     """One more `generate` under torch.profiler: kernel table file + time by kernel kind."""
     from profiling import kernel_table
 
@@ -281,12 +294,12 @@ def profile_generate(engine, prompts, sampling, device, args) -> dict:
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     os.makedirs(args.profile, exist_ok=True)
-    path = os.path.join(args.profile, f"profile_native_{args.preset}.txt")
+    path = os.path.join(args.profile, f"profile_{name}_{args.preset}.txt")
     with torch.profiler.profile(activities=activities) as prof:
         start = synced(device)
         engine.generate(prompts, sampling)
         wall = synced(device) - start
-    what = f"one native generate ({len(prompts)} x {sampling.max_new_tokens} new tokens)"
+    what = f"one {name} generate ({len(prompts)} x {sampling.max_new_tokens} new tokens)"
     return kernel_table(prof, device, path, wall, what=what)
 
 
@@ -448,7 +461,7 @@ def main() -> None:
             )
     if "native_contiguous" in wanted:  # the KV layout before pages: one longest-row region per slot
         results["native_contiguous"], greedy = run_native(
-            shape, weights, prompts, sampling, args, device, paged_kv=False
+            shape, weights, prompts, sampling, args, device, paged_kv=False, name="native_contiguous"
         )
         results["native_contiguous"]["greedy_agree_first_token"] = _agree(greedy, reference)
     for name, kernels in VARIANTS.items():
@@ -457,7 +470,9 @@ def main() -> None:
         if device.type != "cuda":
             results[name] = {"skipped": "the fast kernels apply on CUDA only: same as native here"}
             continue
-        results[name], greedy = run_native(shape, weights, prompts, sampling, args, device, kernels=kernels)
+        results[name], greedy = run_native(
+            shape, weights, prompts, sampling, args, device, kernels=kernels, name=name
+        )
         results[name]["greedy_agree_first_token"] = _agree(greedy, reference)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # vLLM checks free memory against --gpu-memory-utilization at start
