@@ -112,10 +112,6 @@ class DecodeKernels:
     `shared_prefix_min_rows` rows or more: 7% faster rollouts at 1.5B with n = 8 on an H200. False: each
     reads its own copy (scripts/bench/rollout.py's `native_unshared`). Figures: scripts/bench/README.md,
     "Rollout"."""
-    fold_groups: bool = True
-    """With the Triton decode attention: the query heads of several KV groups in one program where they fit one
-    tile (engine/rollout/triton_decode.py `fold_groups`: Qwen2.5-0.5B's two groups of 7 heads x 64). False:
-    one program per group (scripts/bench/rollout.py's `native_unfolded`)."""
     shared_prefix_min_rows: int = 64
     """Narrower batches read their own copies: there the prompt is a small share of the keys (the long tail's
     last rows), and the shared read was measured at 64 rows and more only (scripts/bench/README.md,

@@ -200,7 +200,9 @@ class RolloutModel:
         self._add_norm, self._norm = kernel(add_rms_norm), kernel(rms_norm)
         self._swiglu, self._rope = kernel(swiglu), kernel(_rope)
         self.fused = kernels.fused and self.attention in ("triton", "flash")
-        self.prefill_flash = self.attention != "sdpa" and flash_decode_supported(dev, self.dtype, s.head_dim)
+        self.prefill_flash = self.attention != "sdpa" and flash_decode_supported(
+            dev, self.dtype, self.head_dim
+        )
         """Prefill attention by FlashAttention-2 varlen (`flash_varlen_prefill`), else SDPA with a mask."""
         self.shared_prefix = kernels.shared_prefix and self.attention == "triton"
         """`decode` takes a `prefix`: rows that hold a prompt's K/V read it from one row's copy."""
@@ -210,7 +212,6 @@ class RolloutModel:
         self.fused_rope_kv = self.fused and triton_rope_kv.triton is not None and no_qk_norm
         in_triton = self.attention == "triton" and kernels.rope_in_attention
         self.rope_in_attention = self.fused_rope_kv and in_triton  # RoPE and K/V writes in its kernel
-        self.fold = None if kernels.fold_groups else 1  # KV groups per Triton attention program: None, auto
 
     def _layer(self, p: dict[str, torch.Tensor], i: int) -> _Layer:
         pre = f"decoder.layers.{i}."
@@ -482,7 +483,7 @@ class RolloutModel:
                 paged = {} if table is None else {"table": table, "page": page}
                 out = triton_decode.decode_attention(
                     q, cache_k[i], cache_v[i], pad_b, cur, triton_merge=self.fused, sourced=prefix, rope=rope,
-                    fold=self.fold, **paged,
+                    **paged,
                 )  # fmt: skip
             elif self.attention == "flash":
                 out = flash_varlen_decode(q, cache_k[i], cache_v[i], cum_q, cum_k, used_k)

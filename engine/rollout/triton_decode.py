@@ -46,13 +46,13 @@ if triton is not None:
 
     @triton.jit
     def _attend(
-        q, k_row, v_row, table_row, lo, hi, stride_kl, stride_vl, k_cols, v_cols, m_i, l_i, acc, scale,
-        BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+        q, k_row, v_row, table_row, lo, hi, stride_kl, stride_vl, m_i, l_i, acc, scale,
+        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     ):  # fmt: skip
-        """The online softmax of query tile `q` (heads, columns) carried over positions [lo, hi) of one cache row
-        (`k_row`, `v_row`: that row's and first KV group's base; paged: the flat cache's, and `table_row` the
-        row's page-table row; `k_cols`, `v_cols`: each column's offset in a position's keys and values):
-        returns the updated running max, sum (base 2) and weighted values."""
+        """The online softmax of query tile `q` (rows, dim) carried over positions [lo, hi) of one cache row
+        (`k_row`, `v_row`: that row's and KV group's base; paged: the flat cache's, and `table_row` the row's
+        page-table row): returns the updated running max, sum (base 2) and weighted values."""
+        offs_d = tl.arange(0, HEAD_DIM)
         qk_scale = scale * 1.4426950408889634  # softmax in base 2
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
@@ -62,21 +62,21 @@ if triton is not None:
                 at = page.to(tl.int64) * PAGE + offs_n % PAGE
             else:
                 at = offs_n
-            k = tl.load(k_row + at[:, None] * stride_kl + k_cols[None, :], mask=key_ok[:, None], other=0.0)
+            k = tl.load(k_row + at[:, None] * stride_kl + offs_d[None, :], mask=key_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * qk_scale
             s = tl.where(key_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_row + at[:, None] * stride_vl + v_cols[None, :], mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_row + at[:, None] * stride_vl + offs_d[None, :], mask=key_ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         return m_i, l_i, acc
 
     @triton.jit
     def _attend_new_key(q, k, v, holds, m_i, l_i, acc, scale):
-        """The online softmax of `_attend` over one more key held in registers (k, v: (columns,)), where `holds`
+        """The online softmax of `_attend` over one more key held in registers (k, v: (dim,)), where `holds`
         (this program's span has the step's new position); otherwise the state unchanged. The score as
         `tl.dot` computes it (products of the half-precision values summed in float32), the probability
         rounded to the values' dtype before it weights them, as `_attend` rounds it."""
@@ -121,11 +121,10 @@ if triton is not None:
         cos_ptr,
         sin_ptr,
         stride_cb,
-        tiles,
+        groups,
         splits,
         scale,
         PER_GROUP: tl.constexpr,
-        FOLD: tl.constexpr,
         BLOCK_H: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -135,12 +134,10 @@ if triton is not None:
         SOURCED: tl.constexpr,
         ROPE: tl.constexpr,
     ):
-        # one program per (row, tile of FOLD KV groups, split); tile row h: query head h % PER_GROUP of the
-        # tile's group h // PER_GROUP, its query in that group's columns only (zeros elsewhere: block diagonal)
         row_group = tl.program_id(0)
         split = tl.program_id(1)
-        row = row_group // tiles
-        group = row_group % tiles * FOLD
+        row = row_group // groups
+        group = row_group % groups
         # the row's own keys [pad, cur] cut into `splits` spans of whole key blocks (>= MIN_SPAN positions):
         # every split of a row does the same work whatever the cache's capacity (trailing splits may be empty)
         first = tl.load(pad_ptr + row)
@@ -150,28 +147,26 @@ if triton is not None:
         hi = tl.minimum(end, lo + span)
 
         offs_h = tl.arange(0, BLOCK_H)
-        offs_c = tl.arange(0, FOLD * HEAD_DIM)
-        col_group, offs_d = offs_c // HEAD_DIM, offs_c % HEAD_DIM
-        head_ok = offs_h < FOLD * PER_GROUP
-        diag = head_ok[:, None] & ((offs_h // PER_GROUP)[:, None] == col_group[None, :])
-        q_heads = (offs_h // PER_GROUP * stride_qg + offs_h % PER_GROUP * stride_qh)[:, None]
+        offs_d = tl.arange(0, HEAD_DIM)
+        head_ok = offs_h < PER_GROUP
         q_src = q_ptr + row * stride_qb + group * stride_qg
-        q = tl.load(q_src + q_heads + offs_d[None, :], mask=diag, other=0.0)
+        q = tl.load(q_src + offs_h[:, None] * stride_qh + offs_d[None, :], mask=head_ok[:, None], other=0.0)
         m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_H, FOLD * HEAD_DIM), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_H, HEAD_DIM), dtype=tl.float32)
         k_row = k_ptr + row.to(tl.int64) * stride_kb + group * stride_kg  # paged: stride_kb = 0
         v_row = v_ptr + row.to(tl.int64) * stride_vb + group * stride_vg
-        k_cols, v_cols = col_group * stride_kg + offs_d, col_group * stride_vg + offs_d
         if ROPE:  # q_ptr: the raw projection (query heads, key, value per group); RoPE, the K/V write here
             pos = end - 1  # the step's new position: its key attended from registers, written to the cache
             holds = (lo <= pos) & (pos < hi)
             rolled = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # roll(x, dim / 2)[d] = x[(d + dim / 2) mod dim]
             cos = tl.load(cos_ptr + row * stride_cb + offs_d).to(tl.float32)
             sin = tl.load(sin_ptr + row * stride_cb + offs_d).to(tl.float32)
-            q_rolled = tl.load(q_src + q_heads + rolled[None, :], mask=diag, other=0.0)
+            q_rolled = tl.load(
+                q_src + offs_h[:, None] * stride_qh + rolled[None, :], mask=head_ok[:, None], other=0.0
+            )
             q = (q.to(tl.float32) * cos[None, :] + q_rolled.to(tl.float32) * sin[None, :]).to(q.dtype)
-            k_src = q_src + col_group * stride_qg + PER_GROUP * stride_qh  # each column's group's key
+            k_src = q_src + PER_GROUP * stride_qh
             k_new = (
                 tl.load(k_src + offs_d).to(tl.float32) * cos + tl.load(k_src + rolled).to(tl.float32) * sin
             )
@@ -183,8 +178,8 @@ if triton is not None:
                     at = tl.load(table_ptr + row * stride_tb + pos // PAGE).to(tl.int64) * PAGE + pos % PAGE
                 else:
                     at = pos.to(tl.int64)
-                tl.store(k_row + at * stride_kl + k_cols, k_new)
-                tl.store(v_row + at * stride_vl + v_cols, v_new)
+                tl.store(k_row + at * stride_kl + offs_d, k_new)
+                tl.store(v_row + at * stride_vl + offs_d, v_new)
             hi = tl.minimum(hi, pos)  # the cache's keys: the positions before the new one
         own_lo = lo
         if SOURCED:  # positions [lo, prompt end) from the row `source` names: the same K/V as this row's
@@ -193,21 +188,20 @@ if triton is not None:
             m_i, l_i, acc = _attend(
                 q, k_ptr + src.to(tl.int64) * stride_kb + group * stride_kg,
                 v_ptr + src.to(tl.int64) * stride_vb + group * stride_vg, table_ptr + src * stride_tb, lo,
-                tl.minimum(hi, own_lo), stride_kl, stride_vl, k_cols, v_cols, m_i, l_i, acc, scale, BLOCK_N,
-                PAGE,
+                tl.minimum(hi, own_lo), stride_kl, stride_vl, m_i, l_i, acc, scale, HEAD_DIM, BLOCK_N, PAGE,
             )  # fmt: skip
         m_i, l_i, acc = _attend(
-            q, k_row, v_row, table_ptr + row * stride_tb, own_lo, hi, stride_kl, stride_vl, k_cols, v_cols, m_i,
-            l_i, acc, scale, BLOCK_N, PAGE,
+            q, k_row, v_row, table_ptr + row * stride_tb, own_lo, hi, stride_kl, stride_vl, m_i, l_i, acc, scale,
+            HEAD_DIM, BLOCK_N, PAGE,
         )  # fmt: skip
-        # each head's columns of its own group (the others hold other groups' values under its weights)
         if DIRECT:  # one split: the output itself (a range is never empty: l_i > 0)
-            out_heads = (offs_h // PER_GROUP * stride_og + offs_h % PER_GROUP * stride_oh)[:, None]
-            dst = out_ptr + row * stride_ob + group * stride_og + out_heads + offs_d[None, :]
-            tl.store(dst, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=diag)
+            dst = (
+                out_ptr + row * stride_ob + group * stride_og + offs_h[:, None] * stride_oh + offs_d[None, :]
+            )
+            tl.store(dst, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
         else:  # the query heads' states alone (the tile's padding rows are never merged)
             state = (row_group * splits + split) * BLOCK_H + offs_h
-            tl.store(acc_ptr + state[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=diag)
+            tl.store(acc_ptr + state[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=head_ok[:, None])
             tl.store(max_ptr + state, m_i, mask=head_ok)
             tl.store(sum_ptr + state, l_i, mask=head_ok)
 
@@ -220,21 +214,19 @@ if triton is not None:
         stride_ob,
         stride_og,
         stride_oh,
-        tiles,
+        groups,
         splits,
-        PER_GROUP: tl.constexpr,
-        FOLD: tl.constexpr,
         BLOCK_H: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_S: tl.constexpr,
     ):
-        """`merge_splits` as one kernel, one program per (row, tile of groups, query head of the tile) holding
-        all of its splits' states as one tile: the states weighted by exp2(their max - the largest), summed,
-        divided, cast to the output's dtype."""
+        """`merge_splits` as one kernel, one program per (row, group, query head) holding all of its splits'
+        states as one tile: the states weighted by exp2(their max - the largest), summed, divided, cast to the
+        output's dtype."""
         row_group = tl.program_id(0)
         head = tl.program_id(1)
-        row = row_group // tiles
-        group = row_group % tiles * FOLD + head // PER_GROUP
+        row = row_group // groups
+        group = row_group % groups
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, HEAD_DIM)
         split_ok = offs_s < splits
@@ -246,7 +238,7 @@ if triton is not None:
             acc_ptr + state[:, None] * HEAD_DIM + offs_d[None, :], mask=split_ok[:, None], other=0.0
         )
         out = tl.sum(acc * weight[:, None], 0) / den
-        dst = out_ptr + row * stride_ob + group * stride_og + head % PER_GROUP * stride_oh + offs_d
+        dst = out_ptr + row * stride_ob + group * stride_og + head * stride_oh + offs_d
         tl.store(dst, out.to(out_ptr.dtype.element_ty))
 
 
@@ -266,18 +258,6 @@ def supported(device: torch.device, dtype: torch.dtype, head_dim: int, per_group
         and head_dim <= 256
         and per_group <= 64
     )
-
-
-def fold_groups(groups: int, per_group: int, dim: int) -> int:
-    """KV groups per program: the most (a power of two dividing `groups`) whose query heads fit one 16-row tile
-    and whose keys one 128-column tile, e.g. Qwen2.5-0.5B's two groups of 7 heads x 64. One program then
-    streams both groups' keys of a position (adjacent in the cache) in one load, and half as many programs run
-    (at head dim 64 the unfolded programs ran at ~1.7 TB/s of unique K/V on an H100: scripts/bench/README.md,
-    "Rollout")."""
-    fold = 1
-    while groups % (2 * fold) == 0 and 2 * fold * per_group <= 16 and 2 * fold * dim <= 128:
-        fold *= 2
-    return fold
 
 
 MAX_SPLITS = 64  # the merge holds a head's states as one (splits, dim) float32 tile
@@ -311,7 +291,6 @@ def decode_attention(
     triton_merge: bool = True,
     sourced: tuple[torch.Tensor, torch.Tensor] | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    fold: int | None = None,
 ) -> torch.Tensor:
     """q (rows, groups, heads per group, dim), cache (rows, positions, groups, dim), pad (rows,) int,
     cur (rows,) or (1,) int -> attention output (rows, groups, heads per group, dim) in q's dtype, softmax
@@ -334,11 +313,7 @@ def decode_attention(
     (engine/rollout/model.py `_projected`). The kernel applies RoPE to the query heads and the key
     (triton_rope_kv.py's arithmetic and rounding), writes the key and the value at position `cur[r]` (the
     program whose span holds it) and attends to that key from registers: triton_rope_kv's kernel and this
-    one in one launch.
-
-    `fold`: KV groups per program (`fold_groups` when None; with the Triton merge only): the query heads of
-    `fold` groups share one tile, each head's query in its own group's columns, zeros in the others', so one
-    product scores every head against its own group's keys and the other columns are never stored."""
+    one in one launch."""
     rows, groups, per_group, dim = q.shape
     if rope is not None:
         per_group -= 2
@@ -353,25 +328,17 @@ def decode_attention(
     cur = cur.expand(rows)  # one position per row (a (1,) tensor: the same for every row, stride 0)
     if q.stride(-1) != 1 or cache_k.stride(-1) != 1 or cache_v.stride(-1) != 1:
         raise ValueError("decode_attention needs unit stride over the head dim")
-    if fold is None:
-        fold = fold_groups(groups, per_group, dim) if triton_merge else 1
-    if groups % fold or fold & (fold - 1) or (fold > 1 and not triton_merge):
-        raise ValueError(
-            f"decode_attention: fold={fold} must be a power of two dividing groups={groups}, and 1 without "
-            "the Triton merge (triton_merge=False)"
-        )
-    tiles = groups // fold
-    block_h = max(16, triton.next_power_of_2(fold * per_group))
-    splits = splits or num_splits(rows * tiles, cache_len, block_n, q.device)
+    block_h = max(16, triton.next_power_of_2(per_group))
+    splits = splits or num_splits(rows * groups, cache_len, block_n, q.device)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"decode_attention: splits={splits}, expected 1..{MAX_SPLITS}")
     direct = triton_merge and splits == 1  # the kernel writes the output: no states, no merge
     out = torch.empty(rows, groups, per_group, dim, dtype=q.dtype, device=q.device) if triton_merge else None
-    states = 0 if direct else rows * tiles * splits * block_h
+    states = 0 if direct else rows * groups * splits * block_h
     acc = torch.empty(states, dim, dtype=torch.float32, device=q.device)
     m = torch.empty(states, dtype=torch.float32, device=q.device)
     s = torch.empty(states, dtype=torch.float32, device=q.device)
-    _decode_partials[(rows * tiles, splits)](
+    _decode_partials[(rows * groups, splits)](
         q,
         cache_k,
         cache_v,
@@ -399,11 +366,10 @@ def decode_attention(
         cos if rope is not None else q,
         sin if rope is not None else q,
         cos.stride(0) if rope is not None else 0,
-        tiles,
+        groups,
         splits,
         1.0 / math.sqrt(dim),
         PER_GROUP=per_group,
-        FOLD=fold,
         BLOCK_H=block_h,
         HEAD_DIM=dim,
         BLOCK_N=block_n,
@@ -418,16 +384,14 @@ def decode_attention(
     if direct:
         return out
     if triton_merge:
-        _merge_splits[(rows * tiles, fold * per_group)](
+        _merge_splits[(rows * groups, per_group)](
             acc,
             m,
             s,
             out,
             *out.stride()[:3],
-            tiles,
+            groups,
             splits,
-            PER_GROUP=per_group,
-            FOLD=fold,
             BLOCK_H=block_h,
             HEAD_DIM=dim,
             BLOCK_S=max(2, triton.next_power_of_2(splits)),

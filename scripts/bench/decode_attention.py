@@ -3,7 +3,7 @@
     python scripts/bench/decode_attention.py --preset qwen2_5_7b        # GPU
 
 One decode step's attention for one layer: `--batch` rows, each with one new query per head, over a KV cache
-of `--cache-len` positions of which row r uses [pad_r, cur] (left-padded prompts, pads drawn in [0, 32)).
+of `--cache-len` positions of which row r uses [pad_r, cur] (left-padded prompts, pads drawn in [0, `--max-pad`), default 32).
 - `sdpa_mask`: the engine's path before flash (cache (rows, groups, len, dim), the query heads of a KV group
   folded into the query axis, a boolean mask over all `--cache-len` positions: PyTorch's memory-efficient
   kernel; with CUDA graphs the engine attends over the whole cache length every step);
@@ -13,8 +13,7 @@ of `--cache-len` positions of which row r uses [pad_r, cur] (left-padded prompts
 - `triton`: engine/rollout/triton_decode.py on the flash layout (16-row query tiles, reads [pad_r, cur]),
   at its default settings, and `--sweep` its tuning knobs (key block, warps, pipeline stages, key splits per
   (row, group); None: `num_splits`; the grid from `--sweep-grid`) at the last cur, with `--share` on the
-  sourced path (`triton_sourced`). `triton_sourced_unfolded` (where `triton_decode.fold_groups` folds): the
-  sourced kernel with one program per KV group.
+  sourced path (`triton_sourced`), with `--rope` on the engine's call (`triton_rope`).
 With `--share N` (GRPO's samples of one prompt) rows come in groups of N with one prompt: the group's pads are
 equal and its first row's K/V fill every row's positions before pad + `--prefix`; `triton_sourced` is the
 kernel with every row reading its prompt's positions from the group's first row (engine/rollout/
@@ -54,14 +53,13 @@ def main() -> None:
     ap.add_argument(
         "--sweep-grid",
         default="32,64,128;4,8;2,3,4;None,1,2,3,4",
-        help="with --sweep: key blocks; warps; stages; splits (None: num_splits); optionally KV groups per "
-        "program (None: fold_groups), at the last --curs",
+        help="with --sweep: key blocks; warps; stages; splits (None: num_splits), at the last --curs",
     )
     ap.add_argument(
         "--rope",
         action="store_true",
         help="also the kernel as the engine calls it: on the raw QKV projection with RoPE and the K/V writes "
-        "(`triton_rope`, `triton_rope_unfolded`; sourced with --share); --sweep then sweeps that path",
+        "(`triton_rope`; sourced with --share); --sweep then sweeps that path",
     )
     ap.add_argument(
         "--layers",
@@ -70,6 +68,7 @@ def main() -> None:
         help="with --rope: copies of the cache, each call reading the next as a model's layers do, so that "
         "the GPU's L2 holds none of a call's keys (1: one layer's cache called again and again, L2-warm)",
     )
+    ap.add_argument("--max-pad", type=int, default=32, help="rows' left padding drawn in [0, this); 0: none")
     ap.add_argument("--share", type=int, default=1, help="rows per prompt (> 1: the shared-prefix rows)")
     ap.add_argument(
         "--prefix", type=int, default=256, help="with --share: the prompt's positions after the pad"
@@ -85,9 +84,9 @@ def main() -> None:
     v_blgd = torch.randn(b, n, groups, dim, device=dev, dtype=dt, generator=g)
     k_bgld, v_bgld = k_blgd.transpose(1, 2).contiguous(), v_blgd.transpose(1, 2).contiguous()
     q = torch.randn(b, groups, pg, dim, device=dev, dtype=dt, generator=g)
-    pad = torch.randint(0, 32, (b,), device=dev, generator=g)
-    ar = torch.arange(n, device=dev)
     own = torch.arange(b, device=dev)
+    pad = torch.randint(0, args.max_pad, (b,), device=dev, generator=g) if args.max_pad else own * 0
+    ar = torch.arange(n, device=dev)
     first = own // args.share * args.share  # each row's group's first row
     end = None
     if args.share > 1 and (b % args.share or 32 + args.prefix > min(int(c) for c in args.curs.split(","))):
@@ -163,18 +162,10 @@ def main() -> None:
             unique = used_gb - 2 * int((end - pad).sum()) * groups * dim * 2 / 1e9 * (1 - 1 / args.share)
             variants.append(("triton_sourced", sourced, unique))
             variants.append(("triton_sourced_own_row", own_row, used_gb))
-            if triton_decode.fold_groups(groups, pg, dim) > 1:
-
-                def unfolded(triton_kernel=triton_kernel, source=first):
-                    return triton_kernel(sourced=(source, end), fold=1)
-
-                variants.append(("triton_sourced_unfolded", unfolded, unique))
         if args.rope:
             gb = unique if end is not None else used_gb
             variants = [(name, fn, gb, False) for name, fn, gb in variants]
             variants.append(("triton_rope", roped_kernel, gb, True))
-            if triton_decode.fold_groups(groups, pg, dim) > 1:
-                variants.append(("triton_rope_unfolded", lambda f=roped_kernel: f(fold=1), gb, True))
         for name, fn, gb, *with_rope in variants:
             r[name + "_ms"] = graph_ms(fn, args.iters)
             r[name + "_tb_per_s"] = gb / r[name + "_ms"]
@@ -185,10 +176,9 @@ def main() -> None:
         grid = [g.split(",") for g in args.sweep_grid.split(";")]
         swept = {"sourced": (first, end)} if end is not None and not args.rope else {}  # the engine's path
         swept_kernel = roped_kernel if args.rope else triton_kernel
-        for block_n, warps, stages, splits, fold in itertools.product(*grid, *([["None"]] * (5 - len(grid)))):
+        for block_n, warps, stages, splits in itertools.product(*grid):
             knobs = dict(block_n=int(block_n), num_warps=int(warps), num_stages=int(stages))
             knobs["splits"] = None if splits == "None" else int(splits)
-            knobs["fold"] = None if fold == "None" else int(fold)
             try:
                 ms = graph_ms(lambda knobs=knobs: swept_kernel(**knobs, **swept), args.iters)
             except Exception as err:  # e.g. out of shared memory for the largest tiles

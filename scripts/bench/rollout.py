@@ -29,8 +29,7 @@ kernel, compiled elementwise ops (both skipped on CPU, where every variant is th
 row's positions, so the KV budget bounds the batch by the longest row); `native_unfused`: the compiled RoPE,
 indexed K/V writes and compiled split merge instead of their Triton kernels (`DecodeKernels(fused=False)`);
 `native_rope_kernel`: RoPE and the K/V writes as their own Triton kernel before the attention instead of
-inside it (`DecodeKernels(rope_in_attention=False)`); `native_unfolded`: one Triton attention program per KV
-group where the default runs the query heads of several groups in one (`DecodeKernels(fold_groups=False)`);
+inside it (`DecodeKernels(rope_in_attention=False)`);
 `native_torch_sampler`: the torch draw on float32 logits instead of the Triton draw
 (`DecodeKernels(sampler=False)`; `native_plain` has the torch draw too); with `--n` > 1, `native_unshared`:
 every sample reads its own copy of its prompt's K/V (`DecodeKernels(shared_prefix=False)`; the default reads
@@ -84,7 +83,6 @@ BACKENDS = (
     "native_rope_kernel",
     "native_torch_sampler",
     "native_unshared",
-    "native_unfolded",
     "vllm",
     "transformers",
 )
@@ -232,7 +230,6 @@ VARIANTS = {  # the native engine with other kernels, against `native` (auto) in
     "native_rope_kernel": DecodeKernels(rope_in_attention=False),
     "native_torch_sampler": DecodeKernels(sampler=False),
     "native_unshared": DecodeKernels(shared_prefix=False),
-    "native_unfolded": DecodeKernels(fold_groups=False),
 }
 
 

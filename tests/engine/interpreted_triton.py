@@ -48,18 +48,15 @@ def _sdpa(q, k, v, pad, cur):
     )
 
 
-@pytest.mark.parametrize("fold", [None, 1])
 @pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("splits,block_n", [(1, 64), (3, 16), (64, 16)])
-def test_decode_attention_matches_sdpa(splits, block_n, per_row, fold):
+def test_decode_attention_matches_sdpa(splits, block_n, per_row):
     """Rows with their own left padding, one position for all or one per row; the row's keys in one span, three,
-    or 64 spans of at least 4 key blocks (most of them empty); both KV groups in one program (`fold` None:
-    `fold_groups` gives 2 here) or one each."""
+    or 64 spans of at least 4 key blocks (most of them empty)."""
     q, k, v = _inputs(300, seed=0)
     pad = torch.tensor([0, 3, 64, 130, 250])
     cur = torch.tensor([280, 40, 299, 131, 250]) if per_row else torch.tensor([260])
-    assert triton_decode.fold_groups(GROUPS, PER_GROUP, DIM) == 2
-    out = triton_decode.decode_attention(q, k, v, pad, cur, splits=splits, block_n=block_n, fold=fold)
+    out = triton_decode.decode_attention(q, k, v, pad, cur, splits=splits, block_n=block_n)
     assert out.dtype == DT and out.shape == q.shape
     torch.testing.assert_close(out.float(), _sdpa(q, k, v, pad, cur), atol=2e-3, rtol=2e-3)
 
@@ -154,14 +151,13 @@ def test_rope_write_kv_matches_rope_and_indexed_writes(paged):
 
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("splits", [1, 3])  # 3: spans of >= 4 key blocks over <= 96 keys, some splits empty
-@pytest.mark.parametrize("sourced,fold", [(False, None), (True, None), (True, 1)])
-def test_rope_inside_the_attention_equals_the_two_kernels(splits, paged, sourced, fold):
+@pytest.mark.parametrize("sourced", [False, True])
+def test_rope_inside_the_attention_equals_the_two_kernels(splits, paged, sourced):
     """`decode_attention(rope=...)` on the raw projection against `rope_write_kv` then `decode_attention`: the
     caches equal bitwise (the same rotated key and value at each row's position, nothing else touched), the
     output within fp16 rounding of it (the new key's score and weight from registers, not `tl.dot`: summed in
     another order), one position for all rows or one per row, a row whose only key is the new one (pad =
-    cur), rows of a shared prompt read from their lead row; both KV groups in one program or (`fold` 1) one
-    each."""
+    cur), rows of a shared prompt read from their lead row."""
     page, cache_len = 16, 96
     g = torch.Generator().manual_seed(9)
     qkv = torch.randn(ROWS, GROUPS, PER_GROUP + 2, DIM, generator=g).to(DT)
@@ -191,8 +187,7 @@ def test_rope_inside_the_attention_equals_the_two_kernels(splits, paged, sourced
         kw = {**kw, "splits": splits, "block_n": 16, "sourced": (lead, end) if sourced else None}
         two_k, two_v = cache_k.clone(), cache_v.clone()
         q = triton_rope_kv.rope_write_kv(qkv, cos, sin, two_k, two_v, at, paged)
-        expected = triton_decode.decode_attention(q, two_k, two_v, pad, cur_given, **kw, fold=1)
-        kw["fold"] = fold
+        expected = triton_decode.decode_attention(q, two_k, two_v, pad, cur_given, **kw)
         out = triton_decode.decode_attention(qkv, cache_k, cache_v, pad, cur_given, rope=(cos, sin), **kw)
         assert torch.equal(cache_k, two_k) and torch.equal(cache_v, two_v)
         assert out.shape == expected.shape == (ROWS, GROUPS, PER_GROUP, DIM)

@@ -18,24 +18,22 @@ DEV = torch.device("cuda")
 
 @pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("splits,block_n", [(None, 64), (3, 32), (5, 64), (64, 16)])
-@pytest.mark.parametrize("dim,fold", [(128, None), (64, None), (64, 1)])
-def test_triton_decode_attention_matches_sdpa(dim, fold, splits, block_n, per_row):
-    """Qwen2.5-7B's head shape (7 query heads per KV group, dim 128) and 0.5B's (dim 64: both groups in one
-    program, `fold_groups`, or one program per group), rows with different left padding, each row's keys split
-    or not (empty splits included: 64 splits of at least 4 key blocks leave most of a row's splits empty), one
-    position for every row or one per row (rows admitted at different times): vs SDPA in float32 on the same
-    bf16 values."""
+def test_triton_decode_attention_matches_sdpa(splits, block_n, per_row):
+    """Qwen2.5-7B's head shape (7 query heads per KV group, dim 128), rows with different left padding,
+    each row's keys split or not (empty splits included: 64 splits of at least 4 key blocks leave most of a
+    row's splits empty), one position for every row or one per row (rows admitted at different times): vs
+    SDPA in float32 on the same bf16 values."""
     from engine.rollout import triton_decode
 
     g = torch.Generator(device=DEV).manual_seed(0)
-    rows, groups, per_group, cache_len, cur = 5, 2, 7, 700, 650
+    rows, groups, per_group, dim, cache_len, cur = 5, 2, 7, 128, 700, 650
     q = torch.randn(rows, groups, per_group, dim, device=DEV, generator=g).bfloat16()
     k, v = (torch.randn(rows, cache_len, groups, dim, device=DEV, generator=g).bfloat16() for _ in range(2))
     pad = torch.tensor([0, 3, 64, 130, 640], device=DEV)
     cur_t = torch.tensor([cur], device=DEV)
     if per_row:
         cur_t = torch.tensor([cur, 40, 699, 131, 640], device=DEV)
-    out = triton_decode.decode_attention(q, k, v, pad, cur_t, splits=splits, block_n=block_n, fold=fold)
+    out = triton_decode.decode_attention(q, k, v, pad, cur_t, splits=splits, block_n=block_n)
     ar = torch.arange(cache_len, device=DEV)
     mask = ((ar >= pad[:, None]) & (ar <= cur_t.expand(rows)[:, None]))[:, None, None]
     ref = F.scaled_dot_product_attention(
@@ -45,16 +43,16 @@ def test_triton_decode_attention_matches_sdpa(dim, fold, splits, block_n, per_ro
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)  # bf16 output rounding + P in bf16
 
 
-@pytest.mark.parametrize("group_size,per_group,dim", [(8, 6, 128), (16, 7, 128), (8, 7, 64)])
-def test_triton_sourced_prompt_matches_sdpa(group_size, per_group, dim):
-    """Each row reading its prompt from its group's first row (`sourced`) at Qwen2.5-1.5B's, -7B's and -0.5B's
-    (both KV groups in one program) head shapes, bf16: 64 rows in groups of 8 or 16 sharing a 300-position prompt after their own left padding, rows
+@pytest.mark.parametrize("group_size,per_group", [(8, 6), (16, 7)])
+def test_triton_sourced_prompt_matches_sdpa(group_size, per_group):
+    """Each row reading its prompt from its group's first row (`sourced`) at Qwen2.5-1.5B's and -7B's head
+    shapes, bf16: 64 rows in groups of 8 or 16 sharing a 300-position prompt after their own left padding, rows
     at their own positions, a finished row that still is its group's source; the rows' other copies of the
     prompt poisoned: vs SDPA in float32 on clean K/V."""
     from engine.rollout import triton_decode
 
     g = torch.Generator(device=DEV).manual_seed(1)
-    rows, groups, cache_len = 64, 2, 900
+    rows, groups, dim, cache_len = 64, 2, 128, 900
     q = torch.randn(rows, groups, per_group, dim, device=DEV, generator=g).bfloat16()
     k, v = (torch.randn(rows, cache_len, groups, dim, device=DEV, generator=g).bfloat16() for _ in range(2))
     lead = torch.arange(rows, device=DEV) // group_size * group_size
