@@ -12,6 +12,7 @@ count itself): at most 1.5x padding rows, ~2 log2(slots) graphs, captured lazily
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -50,6 +51,9 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._key: tuple | None = None
         self._pool = None
+        self.capture_seconds: dict[int, float] = {}
+        """Host seconds of each bucket's warm-up and capture (Triton/Inductor compiles included), the GPU drained
+        before and after; the owner empties it (engine/rollout/native.py: per generate call)."""
 
     def invalidate_unless(self, key: tuple) -> None:
         """Drop every graph unless they were captured under `key` (weights' pointers, cache version, ...)."""
@@ -74,11 +78,16 @@ class DecodeGraphs:
         finish_capture: Callable[[], None],
     ) -> torch.Tensor:
         if bucket not in self._graphs:
+            torch.cuda.synchronize(self.device)  # (the capture waits for the queued steps anyway)
+            start = time.perf_counter()
             prepare_capture()
             try:
                 self._graphs[bucket] = self._capture(bucket, step)
             finally:
                 finish_capture()
+            torch.cuda.synchronize(self.device)
+            took = time.perf_counter() - start
+            self.capture_seconds[bucket] = self.capture_seconds.get(bucket, 0.0) + took
         graph, out = self._graphs[bucket]
         graph.replay()
         return out

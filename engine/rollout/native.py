@@ -112,12 +112,10 @@ class NativeRollout(RolloutEngine):
         self.kv_cache_memory_fraction = kv_cache_memory_fraction
         self.use_graphs = use_cuda_graphs(shape, device, cuda_graphs)
         self.keep_cache = (not on_cuda) if keep_cache is None else keep_cache
-        self.prefill_tokens = prefill_tokens
-        self.check_every = check_every or (8 if on_cuda else 1)
+        self.prefill_tokens, self.check_every = prefill_tokens, check_every or (8 if on_cuda else 1)
         self.seq_align = 64 if on_cuda else 8
         self.kernels = kernels or DecodeKernels()
-        self.keep_episode_cache = keep_episode_cache
-        self.paged_kv = paged_kv
+        self.keep_episode_cache, self.paged_kv = keep_episode_cache, paged_kv
         self._holding = False
         self._hold_len: int | None = None
         self._kept: KeptRows | None = None
@@ -258,6 +256,8 @@ class NativeRollout(RolloutEngine):
         if self._holding:
             self.last_stats["continued_rows"] = 0 if continued is None else num_rows
         self.last_stats_by_width = {}
+        if self.graphs is not None:
+            self.graphs.capture_seconds.clear()
         # inside hold(): track where each row's K/V end up, when one chunk holds every row
         keep = self._holding and self.keep_episode_cache and num_rows <= slots
         self._recorder = RouteRecorder.for_call(self.model, prompts, sampling, continued, self.device)
@@ -288,8 +288,11 @@ class NativeRollout(RolloutEngine):
             self._recorder = None
         if self._holding:
             self._kept = kept_rows(rows, prompts, result, track, slots, seq_len) if keep else None
-        if self.graphs is not None:
-            self.last_stats["graphs"] = self.graphs.num_graphs
+        if (
+            self.graphs is not None
+        ):  # capture_s: the host seconds of this call's captures (in its first steps)
+            captured = self.graphs.capture_seconds.values()
+            self.last_stats.update(graphs=self.graphs.num_graphs, capture_s=round(sum(captured), 3))
         if not self.keep_cache and not self._holding:
             self.release()
         return result

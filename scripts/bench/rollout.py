@@ -39,8 +39,12 @@ it from the group's first live sample's copy).
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
 `--profile DIR`: one more `generate` of the same batch under torch.profiler per native backend (`native` and
 the kernel variants): the top 30 kernels to DIR/profile_<backend>_<preset>.txt and GPU time by kernel kind in
-the JSON (`<backend>.profile`). With CUDA graphs
-the profiler attributes the replayed kernels too (CUPTI); `--no-cuda-graphs` profiles the eager decode.
+the JSON (`<backend>.profile`). With CUDA graphs the profiler attributes the replayed kernels too (CUPTI);
+`--no-cuda-graphs` profiles the eager decode.
+Native `engine_stats`, with per-prompt limits: `decode_ms_per_step_by_width` (host clock between the engine's
+host checks; a width's first interval holds its CUDA-graph capture), `capture_ms_by_width` (each bucket's
+warm-up and capture in the timed call, any compile included: engine/rollout/cuda_graphs.py
+`capture_seconds`) and `decode_ms_per_step_by_width_without_capture`.
 `roofline` (GPU, dense presets): the H200 decode roofline of the workload (roofline.py: prefill at 790 TFLOP/s,
 each decode step at max(weights + live rows' K/V at 4.8 TB/s, FLOPs at 790 TFLOP/s)); each timed backend's
 `roofline_fraction` = roofline seconds / its seconds.
@@ -267,6 +271,12 @@ def run_native(
         }
         stats["decode_steps_by_width"] = {
             w: steps for w, (steps, _) in sorted(engine.last_stats_by_width.items())
+        }
+        captured = engine.graphs.capture_seconds if engine.graphs is not None else {}
+        stats["capture_ms_by_width"] = {w: round(1e3 * sec, 1) for w, sec in sorted(captured.items())}
+        stats["decode_ms_per_step_by_width_without_capture"] = {
+            w: round(1e3 * (sec - captured.get(w, 0.0)) / steps, 3)
+            for w, (steps, sec) in sorted(engine.last_stats_by_width.items())
         }
         greedy = first_tokens(engine, prompts)
     result = _result(out, seconds, device, cpu_seconds)

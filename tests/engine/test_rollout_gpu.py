@@ -74,6 +74,11 @@ def test_greedy_equals_transformers_with_cuda_graphs(tiny, family):
     prompts = random_prompts(shape.vocab_size)
     out = e.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12))
     assert e.last_stats["graphs"] >= 1 and e.pool.allocated_bytes() == 0  # released after the call
+    captured = dict(e.graphs.capture_seconds)  # this call's captures, timed
+    assert len(captured) == e.last_stats["graphs"] and min(captured.values()) > 0
+    assert e.last_stats["capture_s"] == round(sum(captured.values()), 3)
+    e.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=2))
+    assert set(e.graphs.capture_seconds) == {1}  # the next call's alone
     for i, prompt in enumerate(prompts):
         tokens, logp = hf_greedy(hf, prompt, 12)
         assert out.response_ids[i].tolist() == tokens, (family, i)

@@ -10,6 +10,7 @@ Tolerances (float32): log-probs within 1e-4 of transformers' (measured ~1e-6); g
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import hf_tiny
@@ -241,6 +242,7 @@ class EagerGraphs:
 
     def __init__(self):
         self.buckets = set()
+        self.capture_seconds: dict[int, float] = {}
 
     def invalidate_unless(self, key) -> None:
         pass
@@ -251,9 +253,11 @@ class EagerGraphs:
     def run(self, bucket, step, prepare_capture, finish_capture):
         if bucket not in self.buckets:
             self.buckets.add(bucket)
+            start = time.perf_counter()
             prepare_capture()
             step(bucket)  # the warm-up writes K/V at the last cache position
             finish_capture()
+            self.capture_seconds[bucket] = time.perf_counter() - start
         return step(bucket)
 
 
@@ -271,6 +275,9 @@ def test_graph_mode_bookkeeping_equals_eager_on_cpu(tiny):
     graphed.graphs = EagerGraphs()
     out = graphed.generate(prompts, with_stop)
     assert graphed.last_stats["compactions"] >= 1 and len(graphed.graphs.buckets) >= 2
+    captured = graphed.graphs.capture_seconds  # each bucket's "capture" in this call, summed into capture_s
+    assert set(captured) == graphed.graphs.buckets
+    assert graphed.last_stats["capture_s"] == round(sum(captured.values()), 3) > 0
     assert torch.equal(out.response_ids, ref.response_ids) and out.finish_reasons == ref.finish_reasons
     torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
 
