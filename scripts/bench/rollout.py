@@ -16,8 +16,9 @@ without a copy); vLLM gets the same weights through its weight loader, transform
 Sampling: temperature 1, no top-k/top-p, EOS ignored (every response is --new-tokens long, or with
 `--lengths long_tail` as long as scripts/bench/workload.py draws it per prompt: same lengths for every backend). Each backend is
 warmed up on the same batch first (8 new tokens; with per-prompt lengths, lengths 1..512 so that every decode
-width and split count is compiled before the timed call: `timed_generate`); the timed call is one `generate` (CUDA-synchronised),
-including what a rollout pays each time: the native engine's KV cache allocation and CUDA-graph capture, and
+width and split count is compiled before the timed call: `warm_up`; the native backends are all warmed up
+before any is timed); the timed call is one `generate` (CUDA-synchronised; `--repeats N`: N per native backend,
+in rounds that each start with the next backend, and their median), including what a rollout pays each time: the native engine's KV cache allocation and CUDA-graph capture, and
 vLLM's wake-up, weight copy and sleep (reported separately as `wake_load_s` / `sleep_s`). A backend that is
 not installed (vLLM) or not available here (vLLM on CPU) is reported as skipped with the reason; a vLLM run that
 fails is reported as `{"error": ...}` (traceback on stderr) and the other backends still run.
@@ -56,6 +57,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import time
 import traceback
 from dataclasses import replace
@@ -121,6 +123,13 @@ def parse_args() -> argparse.Namespace:
         choices=KINDS,
         default="fixed",
         help="response lengths: fixed at --new-tokens, or long_tail up to it (scripts/bench/workload.py)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed generate calls per native backend, in rounds that each start with the next backend: "
+        "`seconds` is their median, `seconds_each` all of them",
     )
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--profile", metavar="DIR", help="native: profile one more generate, kernel table in DIR")
@@ -204,18 +213,27 @@ def synced(device: torch.device) -> float:
 
 
 def timed_generate(engine, prompts, sampling, device) -> tuple[object, float, float]:
-    """(output, wall seconds, process CPU seconds) of one generate call after a warm-up: 8 new tokens, or with
-    per-prompt limits, limits spread over 1..min(512, the longest limit) so that the batch shrinks through
-    every width the timed call will decode at, with a cache long enough for split-key decode attention at
-    the small widths (the native engine compiles its kernels once per process, at the first widths and
-    split counts it sees: a cost of the first call, as vLLM's compilation is of its start, not of every
-    rollout)."""
+    """(output, wall seconds, process CPU seconds) of one generate call after `warm_up`."""
+    warm_up(engine, prompts, sampling)
+    return timed_call(engine, prompts, sampling, device)
+
+
+def warm_up(engine, prompts, sampling) -> None:
+    """A generate before the timed ones: 8 new tokens, or with per-prompt limits, limits spread over
+    1..min(512, the longest limit) so that the batch shrinks through every width the timed call will decode
+    at, with a cache long enough for split-key decode attention at the small widths (the native engine
+    compiles its kernels once per process, at the first widths and split counts it sees: a cost of the first
+    call, as vLLM's compilation is of its start, not of every rollout)."""
     warm = replace(sampling, max_new_tokens=8, max_new_tokens_per_prompt=())
     if sampling.max_new_tokens_per_prompt:
         n, top = len(prompts), min(512, sampling.max_new_tokens)
         spread = tuple(1 + (top - 1) * i // max(1, n - 1) for i in range(n))
         warm = replace(sampling, max_new_tokens=top, max_new_tokens_per_prompt=spread)
     engine.generate(prompts, warm)
+
+
+def timed_call(engine, prompts, sampling, device) -> tuple[object, float, float]:
+    """(output, wall seconds, process CPU seconds) of one generate call, CUDA-synchronised."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start, cpu_start = synced(device), time.process_time()
@@ -237,60 +255,75 @@ VARIANTS = {  # the native engine with other kernels, against `native` (auto) in
 }
 
 
-def run_native(
-    shape,
-    weights,
-    prompts,
-    sampling,
-    args,
-    device,
-    shim_overhead=False,
-    kernels=None,
-    paged_kv=True,
-    name="native",
-) -> dict:
-    from engine.rollout import native
+class NativeRun:
+    """One native backend of the run: its engine, warmed up once (`warm_up`), its timed `generate` calls
+    (`timed`, one per round of `--repeats`) and, from them, its result (`finish`)."""
 
-    engine = native.NativeRollout(
-        shape,
-        device,
-        args.max_num_seqs,
-        cuda_graphs=False if args.no_cuda_graphs else None,
-        kernels=kernels,
-        paged_kv=paged_kv,
-    )
-    engine.set_weights(weights)
-    patch = contextlib.nullcontext()
-    if shim_overhead:  # the megatron CPU shims' TorchFunctionMode stays active in the decode loop
-        patch = _patched(native, "no_shim_overhead", contextlib.nullcontext)
-    with patch:
-        out, seconds, cpu_seconds = timed_generate(engine, prompts, sampling, device)
-        stats = dict(engine.last_stats)
-        stats["decode_ms_per_step_by_width"] = {
-            w: round(1e3 * sec / steps, 3) for w, (steps, sec) in sorted(engine.last_stats_by_width.items())
+    def __init__(
+        self, name, shape, weights, prompts, sampling, args, device, shim_overhead=False, **engine_kw
+    ):
+        from engine.rollout import native
+
+        self.name, self.prompts, self.sampling, self.args, self.device = name, prompts, sampling, args, device
+        self.engine = native.NativeRollout(
+            shape, device, args.max_num_seqs, cuda_graphs=False if args.no_cuda_graphs else None, **engine_kw
+        )
+        self.engine.set_weights(weights)
+        self.patch = contextlib.nullcontext
+        if shim_overhead:  # the megatron CPU shims' TorchFunctionMode stays active in the decode loop
+            self.patch = lambda: _patched(native, "no_shim_overhead", contextlib.nullcontext)
+        self.calls: list[tuple[float, float, float | None]] = []  # (seconds, CPU seconds, peak GB)
+        with self.patch():
+            warm_up(self.engine, prompts, sampling)
+        _free_cached(device)
+
+    def timed(self) -> None:
+        with self.patch():
+            self.out, seconds, cpu_seconds = timed_call(self.engine, self.prompts, self.sampling, self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        self.calls.append((seconds, cpu_seconds, peak))
+        e = self.engine
+        self.stats = dict(e.last_stats)
+        by_width = sorted(e.last_stats_by_width.items())
+        self.stats["decode_ms_per_step_by_width"] = {
+            w: round(1e3 * sec / steps, 3) for w, (steps, sec) in by_width
         }
-        stats["decode_steps_by_width"] = {
-            w: steps for w, (steps, _) in sorted(engine.last_stats_by_width.items())
+        self.stats["decode_steps_by_width"] = {w: steps for w, (steps, _) in by_width}
+        captured = e.graphs.capture_seconds if e.graphs is not None else {}
+        self.stats["capture_ms_by_width"] = {w: round(1e3 * sec, 1) for w, sec in sorted(captured.items())}
+        self.stats["decode_ms_per_step_by_width_without_capture"] = {
+            w: round(1e3 * (sec - captured.get(w, 0.0)) / steps, 3) for w, (steps, sec) in by_width
         }
-        captured = engine.graphs.capture_seconds if engine.graphs is not None else {}
-        stats["capture_ms_by_width"] = {w: round(1e3 * sec, 1) for w, sec in sorted(captured.items())}
-        stats["decode_ms_per_step_by_width_without_capture"] = {
-            w: round(1e3 * (sec - captured.get(w, 0.0)) / steps, 3)
-            for w, (steps, sec) in sorted(engine.last_stats_by_width.items())
-        }
-        greedy = first_tokens(engine, prompts)
-    result = _result(out, seconds, device, cpu_seconds)
-    result["engine_stats"] = stats
-    if stats.get("slot_steps"):  # generated tokens per decoded slot (finished and filler slots are waste)
-        result["decode_occupancy"] = round(result["tokens"] / (stats["slot_steps"] + stats["slots"]), 4)
-    if args.profile and not shim_overhead:
-        result["profile"] = profile_generate(engine, prompts, sampling, device, args, name)
-    engine.release()
-    if (
-        device.type == "cuda"
-    ):  # the next variant's KV budget (a fraction of free memory) sees this one's cache
+        _free_cached(self.device)
+
+    def finish(self) -> tuple[dict, torch.Tensor]:
+        """(result: the median call's seconds, every call's in `seconds_each`, the last call's engine stats;
+        the first greedy tokens), then the engine's memory freed."""
+        with self.patch():
+            greedy = first_tokens(self.engine, self.prompts)
+        seconds = statistics.median(c[0] for c in self.calls)
+        cpu = statistics.median(c[1] for c in self.calls)
+        result = _result(self.out, seconds, self.device, cpu, peak=False)
+        if self.device.type == "cuda":
+            result["peak_memory_gb"] = round(max(c[2] for c in self.calls), 2)
+        if len(self.calls) > 1:
+            result["seconds_each"] = [round(c[0], 3) for c in self.calls]
+        result["engine_stats"] = self.stats
+        if self.stats.get("slot_steps"):  # generated tokens per decoded slot (finished, filler slots: waste)
+            slots = self.stats["slot_steps"] + self.stats["slots"]
+            result["decode_occupancy"] = round(result["tokens"] / slots, 4)
+        if self.args.profile and self.name != "native_with_shim_overhead":
+            args = (self.engine, self.prompts, self.sampling, self.device, self.args, self.name)
+            result["profile"] = profile_generate(*args)
+        self.engine.release()
+        _free_cached(self.device)
+        return result, greedy
+
+
+def _free_cached(device: torch.device) -> None:
+    """The next engine's KV budget (a fraction of free memory) must not see this one's cached blocks."""
+    if device.type == "cuda":
         torch.cuda.empty_cache()
-    return result, greedy
 
 
 def profile_generate(engine, prompts, sampling, device, args, name: str) -> dict:
@@ -459,28 +492,29 @@ def main() -> None:
         "results": {},
     }
     results = report["results"]
-    reference = None
+    runs, common = [], (shape, weights, prompts, sampling, args, device)
     if wanted:  # native is every other backend's reference
-        results["native"], reference = run_native(shape, weights, prompts, sampling, args, device)
+        runs.append(NativeRun("native", *common))
         if args.compare_shims and device.type == "cpu":
-            results["native_with_shim_overhead"], _ = run_native(
-                shape, weights, prompts, sampling, args, device, shim_overhead=True
-            )
+            runs.append(NativeRun("native_with_shim_overhead", *common, shim_overhead=True))
     if "native_contiguous" in wanted:  # the KV layout before pages: one longest-row region per slot
-        results["native_contiguous"], greedy = run_native(
-            shape, weights, prompts, sampling, args, device, paged_kv=False, name="native_contiguous"
-        )
-        results["native_contiguous"]["greedy_agree_first_token"] = _agree(greedy, reference)
+        runs.append(NativeRun("native_contiguous", *common, paged_kv=False))
+    skipped = [name for name in VARIANTS if name in wanted and device.type != "cuda"]
     for name, kernels in VARIANTS.items():
-        if name not in wanted:
-            continue
-        if device.type != "cuda":
-            results[name] = {"skipped": "the fast kernels apply on CUDA only: same as native here"}
-            continue
-        results[name], greedy = run_native(
-            shape, weights, prompts, sampling, args, device, kernels=kernels, name=name
-        )
-        results[name]["greedy_agree_first_token"] = _agree(greedy, reference)
+        if name in wanted and name not in skipped:
+            runs.append(NativeRun(name, *common, kernels=kernels))
+    for r in range(args.repeats):  # each round starts with the next backend
+        for run in runs[r % len(runs) :] + runs[: r % len(runs)]:
+            run.timed()
+    reference = None
+    for run in runs:
+        results[run.name], greedy = run.finish()
+        if reference is None:
+            reference = greedy
+        elif run.name != "native_with_shim_overhead":
+            results[run.name]["greedy_agree_first_token"] = _agree(greedy, reference)
+    for name in skipped:
+        results[name] = {"skipped": "the fast kernels apply on CUDA only: same as native here"}
     if device.type == "cuda":
         torch.cuda.empty_cache()  # vLLM checks free memory against --gpu-memory-utilization at start
     if "vllm" in wanted:

@@ -44,9 +44,11 @@ def test_rollout_bench_enforces_the_lengths_on_cpu():
         "--lengths",
         "long_tail",
         "--backends",
-        "native,transformers",
+        "native,native_contiguous,transformers",
         "--seed",
         "5",
+        "--repeats",
+        "3",
     ]
     env = {**os.environ, "MASTER_PORT": "29573", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
@@ -56,6 +58,11 @@ def test_rollout_bench_enforces_the_lengths_on_cpu():
     assert report["lengths"]["total"] == sum(lengths) and report["lengths"]["kind"] == "long_tail"
     assert report["results"]["native"]["tokens"] == sum(lengths)
     assert "skipped" in report["results"]["transformers"]
+    for name in ("native", "native_contiguous"):  # three timed calls each, their median reported
+        r = report["results"][name]
+        assert len(r["seconds_each"]) == 3 and r["seconds"] == sorted(r["seconds_each"])[1]
+        assert r["tokens"] == sum(lengths)
+    assert report["results"]["native_contiguous"]["greedy_agree_first_token"] == 1.0
 
 
 def test_rollout_bench_runs_the_tiny_moe_preset_on_cpu():
