@@ -288,9 +288,7 @@ class NativeRollout(RolloutEngine):
             self._recorder = None
         if self._holding:
             self._kept = kept_rows(rows, prompts, result, track, slots, seq_len) if keep else None
-        if (
-            self.graphs is not None
-        ):  # capture_s: the host seconds of this call's captures (in its first steps)
+        if self.graphs is not None:  # capture_s: host seconds of this call's captures (DecodeGraphs)
             captured = self.graphs.capture_seconds.values()
             self.last_stats.update(graphs=self.graphs.num_graphs, capture_s=round(sum(captured), 3))
         if not self.keep_cache and not self._holding:
