@@ -221,14 +221,16 @@ def timed_generate(engine, prompts, sampling, device) -> tuple[object, float, fl
 def warm_up(engine, prompts, sampling) -> None:
     """A generate before the timed ones: 8 new tokens, or with per-prompt limits, limits spread over
     1..min(512, the longest limit) so that the batch shrinks through every width the timed call will decode
-    at, with a cache long enough for split-key decode attention at the small widths (the native engine
-    compiles its kernels once per process, at the first widths and split counts it sees: a cost of the first
-    call, as vLLM's compilation is of its start, not of every rollout)."""
+    at. The native engine compiles its kernels once per process, at the first widths and split counts it
+    sees: a cost of the first call, as vLLM's compilation is of its start, not of every rollout. With limits
+    the warm-up keeps the timed call's `max_new_tokens`, so its cache has the same capacity per row and the
+    decode attention the same key splits at each width (a shorter cache gave fewer splits at the narrow widths,
+    and the timed call compiled the split merge for the others)."""
     warm = replace(sampling, max_new_tokens=8, max_new_tokens_per_prompt=())
     if sampling.max_new_tokens_per_prompt:
         n, top = len(prompts), min(512, sampling.max_new_tokens)
         spread = tuple(1 + (top - 1) * i // max(1, n - 1) for i in range(n))
-        warm = replace(sampling, max_new_tokens=top, max_new_tokens_per_prompt=spread)
+        warm = replace(sampling, max_new_tokens_per_prompt=spread)
     engine.generate(prompts, warm)
 
 

@@ -1,6 +1,7 @@
 """scripts/bench/workload.py: the long-tailed response lengths every engine is given, and the rollout bench
 enforcing them on CPU (native engine, tiny model); the rollout bench's MoE preset on CPU (tiny_moe)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -84,6 +85,29 @@ def test_rollout_bench_runs_the_tiny_moe_preset_on_cpu():
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["preset"] == "tiny_moe" and report["results"]["native"]["tokens"] == 6 * 12
+
+
+def test_rollout_bench_warm_up_has_the_timed_calls_cache():
+    """With per-prompt limits the warm-up decodes at most 512 tokens a row yet keeps the timed call's cache
+    length (the engine sizes it from `max_new_tokens`), so the decode attention's key splits, which follow
+    the cache's capacity, are those of the timed call at every width."""
+    import torch
+    from rollout import model_shape, random_rollout_weights, warm_up
+
+    from engine.rollout.base import SamplingParams
+    from engine.rollout.native import NativeRollout
+
+    shape, cpu = model_shape("tiny"), torch.device("cpu")
+    shape = dataclasses.replace(shape, max_position_embeddings=1024)  # room for limits past 512
+    engine = NativeRollout(shape, cpu, 8)
+    engine.set_weights(random_rollout_weights(shape, cpu, seed=0))
+    prompts = [[1, 2, 3]] * 4
+    sampling = SamplingParams(max_new_tokens=600, max_new_tokens_per_prompt=(600, 40, 9, 1), ignore_eos=True)
+    warm_up(engine, prompts, sampling)
+    warmed = engine.last_stats["seq_len"]
+    assert engine.last_stats["decode_steps"] < 512  # the spread's limits, not the timed call's
+    engine.generate(prompts, sampling)
+    assert warmed == engine.last_stats["seq_len"] >= 600
 
 
 def test_e2e_bench_trains_the_long_tailed_workload_on_cpu():
