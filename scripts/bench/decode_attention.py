@@ -115,8 +115,8 @@ def main() -> None:
         qkv = torch.randn(b, groups, pg + 2, dim, device=dev, dtype=dt, generator=g)
         angle = torch.rand(b, dim, device=dev, generator=g) * 6.28
         src = {"sourced": (first, end)} if end is not None else {}
-        copies = [(k_blgd.clone(), v_blgd.clone()) for _ in range(args.layers)]
-        roped = (qkv, copies, [0], (angle.cos().to(dt), angle.sin().to(dt)), src)
+        copies = itertools.cycle([(k_blgd.clone(), v_blgd.clone()) for _ in range(args.layers)])
+        roped = (qkv, copies, (angle.cos().to(dt), angle.sin().to(dt)), src)
     for cur in [int(c) for c in args.curs.split(",")]:
         mask = ((ar >= pad[:, None]) & (ar <= cur))[:, None, None]
 
@@ -136,9 +136,8 @@ def main() -> None:
             return triton_decode.decode_attention(q, k_blgd, v_blgd, pad, cur_t, **knobs)
 
         def roped_kernel(cur_t=cur_t, roped=roped, **knobs):  # the engine's call (--rope)
-            qkv, copies, calls, rope, src = roped
-            cache_k, cache_v = copies[calls[0] % len(copies)]
-            calls[0] += 1  # (captured calls read copies in turn)
+            qkv, copies, rope, src = roped
+            cache_k, cache_v = next(copies)  # (captured calls read the copies in turn)
             return triton_decode.decode_attention(
                 qkv, cache_k, cache_v, pad, cur_t, rope=rope, **src, **knobs
             )

@@ -23,7 +23,7 @@ import json
 
 import torch
 from gpu_timing import graph_ms  # scripts/bench/ is on sys.path
-from rollout import model_shape, random_rollout_weights
+from rollout_models import model_shape, random_rollout_weights
 
 from engine.rollout.kv_cache import KVCachePool
 from engine.rollout.model import RolloutModel, rope_tables

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 import torch
 from gpu_timing import event_ms  # scripts/bench/ is on sys.path
 from profiling import device_us
-from rollout import model_shape, random_rollout_weights
+from rollout_models import model_shape, random_rollout_weights
 
 from engine.rollout import native
 from engine.rollout.base import SamplingParams

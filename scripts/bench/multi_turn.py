@@ -28,7 +28,8 @@ import traceback
 from dataclasses import replace
 
 import torch
-from rollout import PRESETS, model_shape, random_rollout_weights, synced  # scripts/bench/ is the script's dir
+from rollout import synced
+from rollout_models import PRESETS, model_shape, random_rollout_weights  # scripts/bench/ is the script's dir
 
 from engine.config import MultiTurnConfig
 from engine.data import load_tokenizer

@@ -68,7 +68,7 @@ def test_rollout_bench_enforces_the_lengths_on_cpu():
 
 def test_rollout_bench_runs_the_tiny_moe_preset_on_cpu():
     import torch
-    from rollout import model_shape, random_rollout_weights
+    from rollout_models import model_shape, random_rollout_weights
 
     from engine.models.moe import stack_experts
 
@@ -92,7 +92,8 @@ def test_rollout_bench_warm_up_has_the_timed_calls_cache():
     length (the engine sizes it from `max_new_tokens`), so the decode attention's key splits, which follow
     the cache's capacity, are those of the timed call at every width."""
     import torch
-    from rollout import model_shape, random_rollout_weights, warm_up
+    from rollout import warm_up
+    from rollout_models import model_shape, random_rollout_weights
 
     from engine.rollout.base import SamplingParams
     from engine.rollout.native import NativeRollout
