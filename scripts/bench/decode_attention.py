@@ -162,13 +162,11 @@ def main() -> None:
             variants.append(("triton_sourced", sourced, unique))
             variants.append(("triton_sourced_own_row", own_row, used_gb))
         if args.rope:
-            gb = unique if end is not None else used_gb
-            variants = [(name, fn, gb, False) for name, fn, gb in variants]
-            variants.append(("triton_rope", roped_kernel, gb, True))
-        for name, fn, gb, *with_rope in variants:
+            variants.append(("triton_rope", roped_kernel, unique if end is not None else used_gb))
+        for name, fn, gb in variants:
             r[name + "_ms"] = graph_ms(fn, args.iters)
             r[name + "_tb_per_s"] = gb / r[name + "_ms"]
-            if not any(with_rope):  # (RoPE'd queries: another attention than the reference's)
+            if name != "triton_rope":  # (RoPE'd queries: another attention than the reference's)
                 r[name + "_max_abs_diff"] = float((fn().float() - ref.float()).abs().max())
     if args.sweep:
         sweep = result["triton_sweep"] = []

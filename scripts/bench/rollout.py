@@ -126,7 +126,10 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--profile", metavar="DIR", help="native: profile one more generate, kernel table in DIR")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: time each native backend at least once (--repeats 1)")
+    return args
 
 
 def synced(device: torch.device) -> float:
