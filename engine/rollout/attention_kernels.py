@@ -116,6 +116,30 @@ class DecodeKernels:
     """Narrower batches read their own copies: there the prompt is a small share of the keys (the long tail's
     last rows), and the shared read was measured at 64 rows and more only (scripts/bench/README.md,
     "Rollout")."""
+    attention_tiles: tuple[int, int, int] | None = None
+    """The Triton decode attention's (key block, warps, pipeline stages); None: the kernel's defaults
+    (triton_decode.py `decode_attention`). scripts/bench/rollout.py's `native_tiles` times another choice
+    against the default in the same run."""
+
+    def __post_init__(self) -> None:
+        if self.attention_tiles is None:
+            return
+        block_n, warps, stages = (*self.attention_tiles, 0, 0, 0)[:3]
+        if (
+            len(self.attention_tiles) != 3
+            or block_n < 16
+            or block_n & (block_n - 1)
+            or warps not in (1, 2, 4, 8, 16)
+            or stages < 1
+        ):
+            raise ValueError(
+                f"DecodeKernels.attention_tiles={self.attention_tiles}: expected (key block: a power of two "
+                ">= 16, warps: 1, 2, 4, 8 or 16, pipeline stages >= 1), e.g. (64, 4, 2)"
+            )
+
+    def attention_knobs(self) -> dict[str, int]:
+        """`attention_tiles` as triton_decode.decode_attention's keyword arguments ({}: its defaults)."""
+        return dict(zip(("block_n", "num_warps", "num_stages"), self.attention_tiles or ()))
 
 
 def decode_attention_kernel(

@@ -4,9 +4,8 @@ It re-implements megatron's GPTModel with our layer spec (engine/models/spec.py:
 QKV interleaved per query group, optional QKV bias and QK-norm, RoPE with megatron's cos/sin rounding and
 Llama-3 scaling, SDPA core attention, SwiGLU [gate; up] or a mixture of experts (engine/models/moe.py: the
 router's top-k and weights as megatron computes them; the experts as grouped GEMMs where that runs without
-host syncs: engine/rollout/moe_experts.py), tied or untied output layer) because the rollout
-TP size differs from the training modules'. Parity with the training forward is tested
-(tests/engine/test_rollout_native.py), not assumed. The KV cache and batch bookkeeping: native.py.
+host syncs: engine/rollout/moe_experts.py), tied or untied output layer) because the rollout TP size differs
+from the training modules'. Parity with the training forward is tested (tests/engine/test_rollout_native.py). The KV cache and batch bookkeeping: native.py.
 
 Three entry points:
 - `prefill`: left-padded prompts (u, s) -> logits of the last position, K/V written into cache rows;
@@ -212,6 +211,7 @@ class RolloutModel:
         self.fused_rope_kv = self.fused and triton_rope_kv.triton is not None and no_qk_norm
         in_triton = self.attention == "triton" and kernels.rope_in_attention
         self.rope_in_attention = self.fused_rope_kv and in_triton  # RoPE and K/V writes in its kernel
+        self.attention_knobs = kernels.attention_knobs()  # the Triton attention's tiles, where not default
 
     def _layer(self, p: dict[str, torch.Tensor], i: int) -> _Layer:
         pre = f"decoder.layers.{i}."
@@ -483,7 +483,7 @@ class RolloutModel:
                 paged = {} if table is None else {"table": table, "page": page}
                 out = triton_decode.decode_attention(
                     q, cache_k[i], cache_v[i], pad_b, cur, triton_merge=self.fused, sourced=prefix, rope=rope,
-                    **paged,
+                    **paged, **self.attention_knobs,
                 )  # fmt: skip
             elif self.attention == "flash":
                 out = flash_varlen_decode(q, cache_k[i], cache_v[i], cum_q, cum_k, used_k)

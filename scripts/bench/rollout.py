@@ -34,7 +34,8 @@ inside it (`DecodeKernels(rope_in_attention=False)`);
 `native_torch_sampler`: the torch draw on float32 logits instead of the Triton draw
 (`DecodeKernels(sampler=False)`; `native_plain` has the torch draw too); with `--n` > 1, `native_unshared`:
 every sample reads its own copy of its prompt's K/V (`DecodeKernels(shared_prefix=False)`; the default reads
-it from the group's first live sample's copy).
+it from the group's first live sample's copy); `native_tiles`: the Triton decode attention with the key block,
+warps and pipeline stages of `--attention-tiles` (`DecodeKernels(attention_tiles=...)`).
 `--n`: samples per prompt (GRPO's group; rows = prompts x n, a prompt's samples share its length limit).
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
@@ -82,6 +83,7 @@ BACKENDS = (
     "native_rope_kernel",
     "native_torch_sampler",
     "native_unshared",
+    "native_tiles",
     "vllm",
     "transformers",
 )
@@ -124,11 +126,26 @@ def parse_args() -> argparse.Namespace:
         help="timed generate calls per native backend, in rounds that each start with the next backend: "
         "`seconds` is their median, `seconds_each` all of them",
     )
+    ap.add_argument(
+        "--attention-tiles",
+        metavar="BLOCK,WARPS,STAGES",
+        help="the decode attention's tiles for the `native_tiles` backend, e.g. 64,2,2",
+    )
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--profile", metavar="DIR", help="native: profile one more generate, kernel table in DIR")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: time each native backend at least once (--repeats 1)")
+    tiles_wanted = "native_tiles" in args.backends.split(",")
+    if tiles_wanted != (args.attention_tiles is not None):
+        ap.error("the native_tiles backend and --attention-tiles BLOCK,WARPS,STAGES go together: give both")
+    if args.attention_tiles is not None:
+        try:
+            args.attention_tiles = DecodeKernels(
+                attention_tiles=tuple(map(int, args.attention_tiles.split(",")))
+            )
+        except (ValueError, TypeError) as err:
+            ap.error(f"--attention-tiles {args.attention_tiles}: {err}")
     return args
 
 
@@ -427,8 +444,9 @@ def main() -> None:
             runs.append(NativeRun("native_with_shim_overhead", *common, shim_overhead=True))
     if "native_contiguous" in wanted:  # the KV layout before pages: one longest-row region per slot
         runs.append(NativeRun("native_contiguous", *common, paged_kv=False))
-    skipped = [name for name in VARIANTS if name in wanted and device.type != "cuda"]
-    for name, kernels in VARIANTS.items():
+    skipped = [name for name in [*VARIANTS, "native_tiles"] if name in wanted and device.type != "cuda"]
+    variants = {**VARIANTS, "native_tiles": args.attention_tiles}
+    for name, kernels in variants.items():
         if name in wanted and name not in skipped:
             runs.append(NativeRun(name, *common, kernels=kernels))
     for r in range(args.repeats):  # each round starts with the next backend

@@ -219,9 +219,9 @@ def _teacher_forced(shape, weights, dtype, kernels: DecodeKernels, ids, pad, ste
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_decode_forward_with_the_triton_kernels(family, tmp_path):
     """Teacher-forced decode logits of a tiny checkpoint (QKV bias and tied embeddings, or Llama-3 RoPE
-    scaling) with the Triton attention, fused RoPE/K-V write and Triton merge (the GPU's default kernels), and
-    with the Triton attention alone: within 1.5x the float16 SDPA path's distance to a float32 forward, and the
-    same argmax nearly everywhere."""
+    scaling) with the Triton attention, fused RoPE/K-V write and Triton merge (the GPU's default kernels),
+    with the Triton attention alone, and with other attention tiles: within 1.5x the float16 SDPA path's
+    distance to a float32 forward, and the same argmax nearly everywhere."""
     path = hf_tiny.save_tiny(family, str(tmp_path / family), seed=3, max_position_embeddings=512)
     shape, weights = rollout_weights_from_hf(path)
     g = torch.Generator().manual_seed(1)
@@ -233,8 +233,12 @@ def test_decode_forward_with_the_triton_kernels(family, tmp_path):
     fused, model = _teacher_forced(shape, weights, DT, DecodeKernels("triton", compiled=False), ids, pad, 12)
     assert model.attention == "triton" and model.fused_rope_kv
     unfused, _ = _teacher_forced(shape, weights, DT, DecodeKernels("triton", False, False), ids, pad, 12)
+    tiles = DecodeKernels("triton", compiled=False, attention_tiles=(16, 1, 1))
+    tiled, model = _teacher_forced(shape, weights, DT, tiles, ids, pad, 12)
+    assert model.attention_knobs == {"block_n": 16, "num_warps": 1, "num_stages": 1}
+    assert not torch.equal(tiled, fused)  # 16-key blocks reached the kernel: other roundings than 64's
     err_slow = (slow - ref).abs()
-    for fast in (fused, unfused):
+    for fast in (fused, unfused, tiled):
         err = (fast - ref).abs()
         assert err.max() <= 1.5 * err_slow.max() + 1e-3, (float(err.max()), float(err_slow.max()))
         assert err.mean() <= 1.5 * err_slow.mean() + 1e-4, (float(err.mean()), float(err_slow.mean()))

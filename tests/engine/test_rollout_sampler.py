@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine.rollout.attention_kernels import decode_attention_kernel
+from engine.rollout.attention_kernels import DecodeKernels, decode_attention_kernel
 from engine.rollout.base import MIN_TEMPERATURE, SamplingParams, check_sampling
 from engine.rollout.cuda_graphs import batch_buckets, bucket_for
 from engine.rollout.kv_cache import KVCachePool, compact_rows
@@ -209,3 +209,17 @@ def test_decode_attention_kernel_choice_and_errors():
             decode_attention_kernel(name, cpu, torch.bfloat16, 128, 7)
     with pytest.raises(ValueError, match="pick one of auto, triton, flash, sdpa"):
         decode_attention_kernel("paged", cpu, torch.bfloat16, 128, 7)
+
+
+@pytest.mark.parametrize("tiles", [(48, 4, 2), (64, 3, 2), (64, 4, 0), (8, 4, 2), (64, 2)])
+def test_bad_attention_tiles_name_the_field(tiles):
+    with pytest.raises(
+        ValueError, match=r"DecodeKernels.attention_tiles=.*expected \(key block: a power of two"
+    ):
+        DecodeKernels(attention_tiles=tiles)
+    assert DecodeKernels(attention_tiles=(128, 2, 3)).attention_knobs() == {
+        "block_n": 128,
+        "num_warps": 2,
+        "num_stages": 3,
+    }
+    assert DecodeKernels().attention_knobs() == {}
