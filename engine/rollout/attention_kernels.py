@@ -116,30 +116,33 @@ class DecodeKernels:
     """Narrower batches read their own copies: there the prompt is a small share of the keys (the long tail's
     last rows), and the shared read was measured at 64 rows and more only (scripts/bench/README.md,
     "Rollout")."""
-    attention_tiles: tuple[int, int, int] | None = None
-    """The Triton decode attention's (key block, warps, pipeline stages); None: the kernel's defaults
-    (triton_decode.py `decode_attention`). scripts/bench/rollout.py's `native_tiles` times another choice
-    against the default in the same run."""
+    attention_tiles: tuple[int, ...] | None = None
+    """The Triton decode attention's (key block, warps, pipeline stages[, register cap]); None: the kernel's
+    defaults (triton_decode.py `decode_attention`). The cap is Triton's `maxnreg` launch option: fewer registers
+    per thread, more programs per SM (scripts/bench/kernel_registers.py counts them ahead of time).
+    scripts/bench/rollout.py's `native_tiles` times a choice against the default in the same run."""
 
     def __post_init__(self) -> None:
         if self.attention_tiles is None:
             return
-        block_n, warps, stages = (*self.attention_tiles, 0, 0, 0)[:3]
+        block_n, warps, stages, cap = (*self.attention_tiles, 0, 0, 0, 0)[:4]
         if (
-            len(self.attention_tiles) != 3
+            len(self.attention_tiles) not in (3, 4)
             or block_n < 16
             or block_n & (block_n - 1)
             or warps not in (1, 2, 4, 8, 16)
             or stages < 1
+            or (len(self.attention_tiles) == 4 and not 24 <= cap <= 255)
         ):
             raise ValueError(
                 f"DecodeKernels.attention_tiles={self.attention_tiles}: expected (key block: a power of two "
-                ">= 16, warps: 1, 2, 4, 8 or 16, pipeline stages >= 1), e.g. (64, 4, 2)"
+                ">= 16, warps: 1, 2, 4, 8 or 16, pipeline stages >= 1[, register cap: 24..255]), e.g. (64, 4, 2)"
             )
 
     def attention_knobs(self) -> dict[str, int]:
         """`attention_tiles` as triton_decode.decode_attention's keyword arguments ({}: its defaults)."""
-        return dict(zip(("block_n", "num_warps", "num_stages"), self.attention_tiles or ()))
+        names = ("block_n", "num_warps", "num_stages", "max_registers")
+        return dict(zip(names, self.attention_tiles or ()))
 
 
 def decode_attention_kernel(

@@ -287,6 +287,7 @@ def decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    max_registers: int | None = None,
     splits: int | None = None,
     triton_merge: bool = True,
     sourced: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -295,7 +296,8 @@ def decode_attention(
     """q (rows, groups, heads per group, dim), cache (rows, positions, groups, dim), pad (rows,) int,
     cur (rows,) or (1,) int -> attention output (rows, groups, heads per group, dim) in q's dtype, softmax
     scale 1/sqrt(dim), row r over cache positions [pad[r], cur[r]]. The keyword arguments are the kernel's tuning
-    knobs (scripts/bench/decode_attention.py sweeps them); `splits` None: `num_splits`. `triton_merge`: the
+    knobs (scripts/bench/decode_attention.py sweeps them; `max_registers`: Triton's `maxnreg`, a cap on the
+    partials kernel's registers per thread); `splits` None: `num_splits`. `triton_merge`: the
     splits' states merged by one Triton kernel (`_merge_splits`), or with one split the output written by the
     partials' kernel itself; False: `merge_splits` compiled (two kernels on an H200), or with one split an
     eager division and cast.
@@ -380,6 +382,7 @@ def decode_attention(
         ROPE=rope is not None,
         num_warps=num_warps,
         num_stages=num_stages,
+        **({} if max_registers is None else {"maxnreg": max_registers}),
     )
     if direct:
         return out

@@ -11,7 +11,8 @@ head dim, bf16 K/V, int64 pad/cur/source/end, int32 page table, the raw QKV proj
 pointers and integers divisible by 16 marked so (Triton's launch-time specialisation) and integers equal to 1
 made constants, as a launch does. Variants: the layout (contiguous cache or pages of `--page` positions), the
 prompt read from the group's first row (`sourced`, GRPO's samples) or each row's own, one key split (the
-output written directly) or several, RoPE inside or not; each at every `--tiles` (key block, warps, stages).
+output written directly) or several, RoPE inside or not; each at every `--tiles` (key block, warps, stages and
+optionally a register cap: the `maxnreg` launch option, `DecodeKernels.attention_tiles`' fourth element).
 
 Per variant: `regs` (per thread), `spill_bytes` (the stack frame ptxas reports: registers spilled to local
 memory), `shared_bytes`, and `programs_per_sm` = the fewest the SM's registers (65,536, allocated per warp in
@@ -81,7 +82,7 @@ def compile_variant(dims: tuple[int, int], variant: dict, tiles: tuple[int, int,
 
     fn = triton_decode._decode_partials
     per_group, dim = dims
-    block_n, warps, stages = tiles
+    block_n, warps, stages, *cap = tiles
     direct = variant["splits"] == 1
     constexprs = dict(
         PER_GROUP=per_group,
@@ -110,7 +111,9 @@ def compile_variant(dims: tuple[int, int], variant: dict, tiles: tuple[int, int,
                 attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(
-        source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages)
+        source,
+        target=GPUTarget("cuda", arch, 32),
+        options=dict(num_warps=warps, num_stages=stages, **({"maxnreg": cap[0]} if cap else {})),
     )
     return kernel, resource_usage(kernel.asm["cubin"])
 
@@ -141,7 +144,11 @@ def programs_per_sm(regs: int, warps: int, shared: int, smem_kb: int) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default="qwen2_5_0_5b,qwen2_5_1_5b,qwen2_5_7b")
-    ap.add_argument("--tiles", default="64,4,2", help="key block,warps,stages; several separated by ';'")
+    ap.add_argument(
+        "--tiles",
+        default="64,4,2",
+        help="key block,warps,stages[,register cap (maxnreg)]; several separated by ';'",
+    )
     ap.add_argument("--layouts", default="contiguous,paged")
     ap.add_argument("--sourced", default="own,sourced", help="own and/or sourced (the group's first row)")
     ap.add_argument("--splits", default="1,4", help="key splits per (row, group): 1 writes the output itself")

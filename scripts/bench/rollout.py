@@ -35,7 +35,7 @@ inside it (`DecodeKernels(rope_in_attention=False)`);
 (`DecodeKernels(sampler=False)`; `native_plain` has the torch draw too); with `--n` > 1, `native_unshared`:
 every sample reads its own copy of its prompt's K/V (`DecodeKernels(shared_prefix=False)`; the default reads
 it from the group's first live sample's copy); `native_tiles`: the Triton decode attention with the key block,
-warps and pipeline stages of `--attention-tiles` (`DecodeKernels(attention_tiles=...)`).
+warps, pipeline stages and optional register cap of `--attention-tiles` (`DecodeKernels(attention_tiles=...)`).
 `--n`: samples per prompt (GRPO's group; rows = prompts x n, a prompt's samples share its length limit).
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
@@ -128,24 +128,21 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument(
         "--attention-tiles",
-        metavar="BLOCK,WARPS,STAGES",
-        help="the decode attention's tiles for the `native_tiles` backend, e.g. 64,2,2",
+        metavar="BLOCK,WARPS,STAGES[,REGS]",
+        help="the decode attention's tiles (and register cap) for the `native_tiles` backend, e.g. 64,4,2,120",
     )
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--profile", metavar="DIR", help="native: profile one more generate, kernel table in DIR")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: time each native backend at least once (--repeats 1)")
-    tiles_wanted = "native_tiles" in args.backends.split(",")
-    if tiles_wanted != (args.attention_tiles is not None):
-        ap.error("the native_tiles backend and --attention-tiles BLOCK,WARPS,STAGES go together: give both")
-    if args.attention_tiles is not None:
+    if ("native_tiles" in args.backends.split(",")) != (args.attention_tiles is not None):
+        ap.error("the native_tiles backend and --attention-tiles go together: give both")
+    if tiles := args.attention_tiles:
         try:
-            args.attention_tiles = DecodeKernels(
-                attention_tiles=tuple(map(int, args.attention_tiles.split(",")))
-            )
+            args.attention_tiles = DecodeKernels(attention_tiles=tuple(map(int, tiles.split(","))))
         except (ValueError, TypeError) as err:
-            ap.error(f"--attention-tiles {args.attention_tiles}: {err}")
+            ap.error(f"--attention-tiles {tiles}: {err}")
     return args
 
 

@@ -233,9 +233,9 @@ def test_decode_forward_with_the_triton_kernels(family, tmp_path):
     fused, model = _teacher_forced(shape, weights, DT, DecodeKernels("triton", compiled=False), ids, pad, 12)
     assert model.attention == "triton" and model.fused_rope_kv
     unfused, _ = _teacher_forced(shape, weights, DT, DecodeKernels("triton", False, False), ids, pad, 12)
-    tiles = DecodeKernels("triton", compiled=False, attention_tiles=(16, 1, 1))
+    tiles = DecodeKernels("triton", compiled=False, attention_tiles=(16, 1, 1, 64))
     tiled, model = _teacher_forced(shape, weights, DT, tiles, ids, pad, 12)
-    assert model.attention_knobs == {"block_n": 16, "num_warps": 1, "num_stages": 1}
+    assert model.attention_knobs == {"block_n": 16, "num_warps": 1, "num_stages": 1, "max_registers": 64}
     assert not torch.equal(tiled, fused)  # 16-key blocks reached the kernel: other roundings than 64's
     err_slow = (slow - ref).abs()
     for fast in (fused, unfused, tiled):

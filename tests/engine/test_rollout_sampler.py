@@ -211,7 +211,7 @@ def test_decode_attention_kernel_choice_and_errors():
         decode_attention_kernel("paged", cpu, torch.bfloat16, 128, 7)
 
 
-@pytest.mark.parametrize("tiles", [(48, 4, 2), (64, 3, 2), (64, 4, 0), (8, 4, 2), (64, 2)])
+@pytest.mark.parametrize("tiles", [(48, 4, 2), (64, 3, 2), (64, 4, 0), (8, 4, 2), (64, 2), (64, 4, 2, 300)])
 def test_bad_attention_tiles_name_the_field(tiles):
     with pytest.raises(
         ValueError, match=r"DecodeKernels.attention_tiles=.*expected \(key block: a power of two"
@@ -223,3 +223,5 @@ def test_bad_attention_tiles_name_the_field(tiles):
         "num_stages": 3,
     }
     assert DecodeKernels().attention_knobs() == {}
+    capped = DecodeKernels(attention_tiles=(64, 4, 2, 120)).attention_knobs()
+    assert capped == {"block_n": 64, "num_warps": 4, "num_stages": 2, "max_registers": 120}
