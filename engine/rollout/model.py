@@ -5,7 +5,7 @@ QKV interleaved per query group, optional QKV bias and QK-norm, RoPE with megatr
 Llama-3 scaling, SDPA core attention, SwiGLU [gate; up] or a mixture of experts (engine/models/moe.py: the
 router's top-k and weights as megatron computes them; the experts as grouped GEMMs where that runs without
 host syncs: engine/rollout/moe_experts.py), tied or untied output layer) because the rollout TP size differs
-from the training modules'. Parity with the training forward is tested (tests/engine/test_rollout_native.py). The KV cache and batch bookkeeping: native.py.
+from the training modules' (parity: tests/engine/test_rollout_native.py). KV cache and bookkeeping: native.py.
 
 Three entry points:
 - `prefill`: left-padded prompts (u, s) -> logits of the last position, K/V written into cache rows;
