@@ -125,14 +125,14 @@ class DecodeKernels:
     def __post_init__(self) -> None:
         if self.attention_tiles is None:
             return
-        block_n, warps, stages, cap = (*self.attention_tiles, 0, 0, 0, 0)[:4]
+        block_n, warps, stages, *cap = (*self.attention_tiles, 0, 0, 0)[: max(3, len(self.attention_tiles))]
         if (
-            len(self.attention_tiles) not in (3, 4)
+            len(cap) > 1
             or block_n < 16
             or block_n & (block_n - 1)
             or warps not in (1, 2, 4, 8, 16)
             or stages < 1
-            or (len(self.attention_tiles) == 4 and not 24 <= cap <= 255)
+            or not all(24 <= c <= 255 for c in cap)
         ):
             raise ValueError(
                 f"DecodeKernels.attention_tiles={self.attention_tiles}: expected (key block: a power of two "

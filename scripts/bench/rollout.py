@@ -441,8 +441,8 @@ def main() -> None:
             runs.append(NativeRun("native_with_shim_overhead", *common, shim_overhead=True))
     if "native_contiguous" in wanted:  # the KV layout before pages: one longest-row region per slot
         runs.append(NativeRun("native_contiguous", *common, paged_kv=False))
-    skipped = [name for name in [*VARIANTS, "native_tiles"] if name in wanted and device.type != "cuda"]
-    variants = {**VARIANTS, "native_tiles": args.attention_tiles}
+    variants = {**VARIANTS, "native_tiles": args.attention_tiles}  # (its kernels from --attention-tiles)
+    skipped = [name for name in variants if name in wanted and device.type != "cuda"]
     for name, kernels in variants.items():
         if name in wanted and name not in skipped:
             runs.append(NativeRun(name, *common, kernels=kernels))
