@@ -121,6 +121,11 @@ class DecodeKernels:
     defaults (triton_decode.py `decode_attention`). The cap is Triton's `maxnreg` launch option: fewer registers
     per thread, more programs per SM (scripts/bench/kernel_registers.py counts them ahead of time).
     scripts/bench/rollout.py's `native_tiles` times a choice against the default in the same run."""
+    attention_occupancy: bool = False
+    """Where `attention_tiles` names no register cap: each variant of the Triton decode attention capped at
+    the registers that give it the most programs per SM with nothing spilled (engine/rollout/occupancy.py),
+    decided from its own compiled counts when it is first launched. scripts/bench/rollout.py's
+    `native_occupancy` times it against the default in the same run."""
 
     def __post_init__(self) -> None:
         if self.attention_tiles is None:
@@ -142,7 +147,10 @@ class DecodeKernels:
     def attention_knobs(self) -> dict[str, int]:
         """`attention_tiles` as triton_decode.decode_attention's keyword arguments ({}: its defaults)."""
         names = ("block_n", "num_warps", "num_stages", "max_registers")
-        return dict(zip(names, self.attention_tiles or ()))
+        return dict(
+            zip(names, self.attention_tiles or ()),
+            **({"occupancy": True} if self.attention_occupancy else {}),
+        )
 
 
 def decode_attention_kernel(

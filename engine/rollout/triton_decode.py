@@ -41,6 +41,7 @@ import torch
 
 from engine.models.compiled import ROLLOUT, cuda_kernel
 from engine.models.triton_support import interpreted, sm_count, tl, triton
+from engine.rollout.occupancy import SmLimits, occupancy_cap
 
 if triton is not None:
 
@@ -275,6 +276,44 @@ def num_splits(rows_x_groups: int, cache_len: int, block_n: int, device: torch.d
     return max(1, min(want, MAX_SPLITS, cache_len // (4 * block_n)))
 
 
+_OCCUPANCY_CAPS: dict[tuple, int | None] = {}
+"""`occupancy_cap`'s choice per compiled variant (device, dtypes, constexprs, warps, stages)."""
+
+
+def _occupancy_cap(
+    args: tuple, constexprs: dict, grid: tuple, num_warps: int, num_stages: int, q
+) -> int | None:
+    """The register cap for `_decode_partials` at these arguments, from the variant's own compiled counts
+    (Triton's `warmup` compiles without launching; `n_regs`/`n_spills` come from loading the binary). Decided
+    once per variant: the first call's integer specialisation stands for the variant's later calls."""
+    key = (q.device, q.dtype, *sorted(constexprs.items()), num_warps, num_stages)
+    if key not in _OCCUPANCY_CAPS:
+
+        def compile_with(cap: int | None) -> tuple[int, int, int]:
+            kernel = _decode_partials.warmup(
+                *args,
+                grid=grid,
+                **constexprs,
+                num_warps=num_warps,
+                num_stages=num_stages,
+                **({} if cap is None else {"maxnreg": cap}),
+            )
+            kernel._init_handles()  # loads the binary: the driver reports registers and local memory
+            return kernel.n_regs, kernel.n_spills, kernel.metadata.shared
+
+        _OCCUPANCY_CAPS[key] = occupancy_cap(compile_with, num_warps, SmLimits.from_device(q.device))
+    return _OCCUPANCY_CAPS[key]
+
+
+def occupancy_caps() -> list[dict]:
+    """The caps `occupancy` chose in this process, one entry per variant (None: left uncapped)."""
+    names = ("HEAD_DIM", "PER_GROUP", "PAGE", "SOURCED", "DIRECT", "ROPE")
+    return [
+        {**{k.lower(): v for k, v in key[2:-2] if k in names}, "cap": cap}
+        for key, cap in _OCCUPANCY_CAPS.items()
+    ]
+
+
 def decode_attention(
     q: torch.Tensor,
     cache_k: torch.Tensor,
@@ -288,6 +327,7 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     max_registers: int | None = None,
+    occupancy: bool = False,
     splits: int | None = None,
     triton_merge: bool = True,
     sourced: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -297,7 +337,8 @@ def decode_attention(
     cur (rows,) or (1,) int -> attention output (rows, groups, heads per group, dim) in q's dtype, softmax
     scale 1/sqrt(dim), row r over cache positions [pad[r], cur[r]]. The keyword arguments are the kernel's tuning
     knobs (scripts/bench/decode_attention.py sweeps them; `max_registers`: Triton's `maxnreg`, a cap on the
-    partials kernel's registers per thread); `splits` None: `num_splits`. `triton_merge`: the
+    partials kernel's registers per thread; `occupancy` without it: the cap that engine/rollout/occupancy.py
+    `occupancy_cap` picks for this variant, once per process); `splits` None: `num_splits`. `triton_merge`: the
     splits' states merged by one Triton kernel (`_merge_splits`), or with one split the output written by the
     partials' kernel itself; False: `merge_splits` compiled (two kernels on an H200), or with one split an
     eager division and cast.
@@ -340,7 +381,7 @@ def decode_attention(
     acc = torch.empty(states, dim, dtype=torch.float32, device=q.device)
     m = torch.empty(states, dtype=torch.float32, device=q.device)
     s = torch.empty(states, dtype=torch.float32, device=q.device)
-    _decode_partials[(rows * groups, splits)](
+    args = (
         q,
         cache_k,
         cache_v,
@@ -371,6 +412,8 @@ def decode_attention(
         groups,
         splits,
         1.0 / math.sqrt(dim),
+    )
+    constexprs = dict(
         PER_GROUP=per_group,
         BLOCK_H=block_h,
         HEAD_DIM=dim,
@@ -380,6 +423,13 @@ def decode_attention(
         DIRECT=direct,
         SOURCED=sourced is not None,
         ROPE=rope is not None,
+    )
+    grid = (rows * groups, splits)
+    if occupancy and max_registers is None and q.device.type == "cuda":  # (the interpreter has no registers)
+        max_registers = _occupancy_cap(args, constexprs, grid, num_warps, num_stages, q)
+    _decode_partials[grid](
+        *args,
+        **constexprs,
         num_warps=num_warps,
         num_stages=num_stages,
         **({} if max_registers is None else {"maxnreg": max_registers}),

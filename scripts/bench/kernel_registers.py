@@ -18,6 +18,8 @@ Per variant: `regs` (per thread), `spill_bytes` (the stack frame ptxas reports: 
 memory), `shared_bytes`, and `programs_per_sm` = the fewest the SM's registers (65,536, allocated per warp in
 units of 256), shared memory (`--smem-kb`) and warps (64) allow. The GPU's own figures need no GPU here, but
 the Triton version matters: the GPU image's (3.6, ../shared/device/README.md) differs from this machine's.
+`--occupancy`: per uncapped tile also `occupancy_cap`, the cap `DecodeKernels.attention_occupancy` picks
+(engine/rollout/occupancy.py, from these same counts), and the registers, spills and programs per SM under it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import re
 import subprocess
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from presets import attention_dims  # noqa: E402
 
 from engine.rollout import triton_decode  # noqa: E402
+from engine.rollout.occupancy import SmLimits, occupancy_cap, programs_per_sm  # noqa: E402
 
 POINTERS = {  # the dtypes the engine passes
     **dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr", "cos_ptr", "sin_ptr"), "*bf16"),
@@ -133,14 +135,6 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     return {"regs": int(found.group(1)), "spill_bytes": int(found.group(2))}
 
 
-def programs_per_sm(regs: int, warps: int, shared: int, smem_kb: int) -> int:
-    """Resident programs (thread blocks) per SM: registers are allocated per warp in units of 256 (a thread's
-    count rounded up to 8), 65,536 per SM; 64 warps and 32 blocks per SM; shared memory plus 1 KB per block."""
-    by_regs = 65536 // (math.ceil(regs / 8) * 8 * 32 * warps)
-    by_shared = smem_kb * 1024 // (shared + 1024)
-    return min(by_regs, by_shared, 64 // warps, 32)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default="qwen2_5_0_5b,qwen2_5_1_5b,qwen2_5_7b")
@@ -158,7 +152,13 @@ def main() -> None:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--smem-kb", type=int, default=228, help="shared memory per SM (H100/H200: 228)")
+    ap.add_argument(
+        "--occupancy",
+        action="store_true",
+        help="also the register cap `DecodeKernels.attention_occupancy` picks for each uncapped tile",
+    )
     args = ap.parse_args()
+    sm = SmLimits(shared_bytes=args.smem_kb * 1024)
     import triton
 
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles.split(";")]
@@ -180,21 +180,25 @@ def main() -> None:
                 splits=int(splits),
                 rope=rope == "inside",
             )
-            kernel, usage = compile_variant((heads // groups, dim), variant, tile, args.arch, args.page)
-            shared = kernel.metadata.shared
-            rows.append(
-                dict(
-                    preset=preset,
-                    layout=layout,
-                    prompt=sourced,
-                    splits=int(splits),
-                    rope=rope,
-                    tiles=list(tile),
-                    **usage,
-                    shared_bytes=shared,
-                    programs_per_sm=programs_per_sm(usage["regs"], tile[1], shared, args.smem_kb),
+
+            def compile_with(cap, tile=tile, variant=variant, dims=(heads // groups, dim)):
+                kernel, usage = compile_variant(
+                    dims, variant, tile + ((cap,) if cap else ()), args.arch, args.page
                 )
-            )
+                return usage["regs"], usage["spill_bytes"], kernel.metadata.shared
+
+            regs, spills, shared = compile_with(None)
+            row = dict(preset=preset, layout=layout, prompt=sourced, splits=int(splits), rope=rope)
+            row.update(tiles=list(tile), regs=regs, spill_bytes=spills, shared_bytes=shared)
+            row.update(programs_per_sm=programs_per_sm(regs, tile[1], shared, sm))
+            if args.occupancy and len(tile) == 3:
+                cap = occupancy_cap(compile_with, tile[1], sm)
+                row["occupancy_cap"] = cap
+                if cap is not None:
+                    capped = compile_with(cap)
+                    row.update(capped_regs=capped[0], capped_spill_bytes=capped[1])
+                    row.update(capped_programs_per_sm=programs_per_sm(capped[0], tile[1], capped[2], sm))
+            rows.append(row)
     print(json.dumps({"triton": triton.__version__, "arch": args.arch, "kernels": rows}))
 
 

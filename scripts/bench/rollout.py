@@ -35,7 +35,9 @@ inside it (`DecodeKernels(rope_in_attention=False)`);
 (`DecodeKernels(sampler=False)`; `native_plain` has the torch draw too); with `--n` > 1, `native_unshared`:
 every sample reads its own copy of its prompt's K/V (`DecodeKernels(shared_prefix=False)`; the default reads
 it from the group's first live sample's copy); `native_tiles`: the Triton decode attention with the key block,
-warps, pipeline stages and optional register cap of `--attention-tiles` (`DecodeKernels(attention_tiles=...)`).
+warps, pipeline stages and optional register cap of `--attention-tiles` (`DecodeKernels(attention_tiles=...)`);
+`native_occupancy`: each decode attention variant capped at the registers that raise its programs per SM
+without spills (`DecodeKernels(attention_occupancy=True)`).
 `--n`: samples per prompt (GRPO's group; rows = prompts x n, a prompt's samples share its length limit).
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
@@ -69,6 +71,7 @@ from roofline import dense, generation_roofline  # scripts/bench/ is the script'
 from workload import KINDS, describe, response_lengths
 
 from engine.models.hf_map import hf_from_shards, hf_names, match_rule
+from engine.rollout import triton_decode
 from engine.rollout.base import SamplingParams
 from engine.rollout.model import DecodeKernels
 from parallel.dims import ParallelDims
@@ -84,6 +87,7 @@ BACKENDS = (
     "native_torch_sampler",
     "native_unshared",
     "native_tiles",
+    "native_occupancy",
     "vllm",
     "transformers",
 )
@@ -194,6 +198,7 @@ VARIANTS = {  # the native engine with other kernels, against `native` (auto) in
     "native_rope_kernel": DecodeKernels(rope_in_attention=False),
     "native_torch_sampler": DecodeKernels(sampler=False),
     "native_unshared": DecodeKernels(shared_prefix=False),
+    "native_occupancy": DecodeKernels(attention_occupancy=True),
 }
 
 
@@ -251,6 +256,8 @@ class NativeRun:
         if len(self.calls) > 1:
             result["seconds_each"] = [round(c[0], 3) for c in self.calls]
         result["engine_stats"] = self.stats
+        if self.name == "native_occupancy":  # each decode attention variant's register cap (None: uncapped)
+            result["attention_register_caps"] = triton_decode.occupancy_caps()
         if self.stats.get("slot_steps"):  # generated tokens per decoded slot (finished, filler slots: waste)
             slots = self.stats["slot_steps"] + self.stats["slots"]
             result["decode_occupancy"] = round(result["tokens"] / slots, 4)
