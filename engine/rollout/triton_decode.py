@@ -41,7 +41,7 @@ import torch
 
 from engine.models.compiled import ROLLOUT, cuda_kernel
 from engine.models.triton_support import interpreted, sm_count, tl, triton
-from engine.rollout.occupancy import SmLimits, occupancy_cap
+from engine.rollout.occupancy import SmLimits, occupancy_cap, programs_per_sm
 
 if triton is not None:
 
@@ -276,8 +276,9 @@ def num_splits(rows_x_groups: int, cache_len: int, block_n: int, device: torch.d
     return max(1, min(want, MAX_SPLITS, cache_len // (4 * block_n)))
 
 
-_OCCUPANCY_CAPS: dict[tuple, int | None] = {}
-"""`occupancy_cap`'s choice per compiled variant (device, dtypes, constexprs, warps, stages)."""
+_OCCUPANCY: dict[tuple, dict] = {}
+"""Per compiled variant (device, dtype, constexprs, warps, stages): `occupancy_cap`'s choice and the counts it
+came from."""
 
 
 def _occupancy_cap(
@@ -287,7 +288,7 @@ def _occupancy_cap(
     (Triton's `warmup` compiles without launching; `n_regs`/`n_spills` come from loading the binary). Decided
     once per variant: the first call's integer specialisation stands for the variant's later calls."""
     key = (q.device, q.dtype, *sorted(constexprs.items()), num_warps, num_stages)
-    if key not in _OCCUPANCY_CAPS:
+    if key not in _OCCUPANCY:
 
         def compile_with(cap: int | None) -> tuple[int, int, int]:
             kernel = _decode_partials.warmup(
@@ -301,16 +302,24 @@ def _occupancy_cap(
             kernel._init_handles()  # loads the binary: the driver reports registers and local memory
             return kernel.n_regs, kernel.n_spills, kernel.metadata.shared
 
-        _OCCUPANCY_CAPS[key] = occupancy_cap(compile_with, num_warps, SmLimits.from_device(q.device))
-    return _OCCUPANCY_CAPS[key]
+        sm = SmLimits.from_device(q.device)
+        cap = occupancy_cap(compile_with, num_warps, sm)
+        found = {"cap": cap}
+        for name, at in (("uncapped", None), ("capped", cap)):
+            regs, spills, shared = compile_with(at)  # (compiled already: from Triton's cache)
+            found[name] = dict(
+                regs=regs, spills=spills, programs_per_sm=programs_per_sm(regs, num_warps, shared, sm)
+            )
+        _OCCUPANCY[key] = found
+    return _OCCUPANCY[key]["cap"]
 
 
 def occupancy_caps() -> list[dict]:
-    """The caps `occupancy` chose in this process, one entry per variant (None: left uncapped)."""
+    """The caps `occupancy` chose in this process, one entry per variant (cap None: left uncapped), with the
+    registers, spills (Triton's `n_spills`) and programs per SM uncapped and capped."""
     names = ("HEAD_DIM", "PER_GROUP", "PAGE", "SOURCED", "DIRECT", "ROPE")
     return [
-        {**{k.lower(): v for k, v in key[2:-2] if k in names}, "cap": cap}
-        for key, cap in _OCCUPANCY_CAPS.items()
+        {**{k.lower(): v for k, v in key[2:-2] if k in names}, **found} for key, found in _OCCUPANCY.items()
     ]
 
 

@@ -193,6 +193,46 @@ def test_rope_inside_the_attention_equals_the_two_kernels(per_group, dim, splits
     assert (out == expected).float().mean() >= 0.9
 
 
+@pytest.mark.parametrize("per_group,dim", [(7, 64), (6, 128)])
+def test_register_capped_attention_equals_the_uncapped_bitwise(per_group, dim):
+    """`decode_attention(occupancy=True)` (each variant capped at the registers `occupancy_cap` picks from its
+    compiled counts) at Qwen2.5-0.5B's and -1.5B's head shapes, paged, the prompt read from the group's first
+    row, RoPE inside, one split and several: the output and the cache bit for bit as uncapped (a cap moves
+    registers, not arithmetic), and every cap it chose runs without spills at more programs per SM."""
+    from engine.rollout import triton_decode
+    from engine.rollout.model import signed_sin
+
+    g = torch.Generator(device=DEV).manual_seed(8)
+    rows, groups, page, cache_len = 256, 2, 64, 1024
+    qkv = torch.randn(rows, groups, per_group + 2, dim, device=DEV, generator=g).bfloat16()
+    cos_t, sin_t = (t.to(DEV) for t in rope_tables_for(dim, cache_len))
+    lead = torch.arange(rows, device=DEV) // 8 * 8
+    pad = torch.randint(0, 40, (rows,), device=DEV, generator=g)[lead]
+    end = pad + 200
+    cur = end + torch.randint(0, 700, (rows,), device=DEV, generator=g)
+    cos, sin = cos_t[cur - pad], signed_sin(sin_t)[cur - pad]
+    per_row = cache_len // page
+    table = (torch.randperm(rows * per_row, device=DEV, generator=g) + 1).view(rows, per_row).int()
+    cache = [
+        torch.randn((rows * per_row + 1) * page, groups, dim, device=DEV, generator=g).bfloat16()
+        for _ in "kv"
+    ]
+    for splits in (1, 3):
+        outs = []
+        for capped in (False, True):
+            k, v = (c.clone() for c in cache)
+            kw = dict(table=table, page=page, splits=splits, sourced=(lead, end), rope=(cos, sin))
+            outs.append((triton_decode.decode_attention(qkv, k, v, pad, cur, occupancy=capped, **kw), k, v))
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), splits
+    variants = triton_decode.occupancy_caps()
+    assert {(v["direct"], v["head_dim"]) for v in variants} >= {(True, dim), (False, dim)}, variants
+    for v in variants:
+        if v["cap"] is not None:
+            capped, uncapped = v["capped"], v["uncapped"]
+            assert capped["regs"] <= v["cap"] and capped["spills"] == 0, v
+            assert capped["programs_per_sm"] > uncapped["programs_per_sm"], v
+
+
 def rope_tables_for(dim: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 cos/sin tables as engine/rollout/model.py `rope_tables` builds them (theta 1e6)."""
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))

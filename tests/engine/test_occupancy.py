@@ -19,7 +19,9 @@ def test_programs_per_sm_by_hand():
     assert programs_per_sm(80, 4, 71680) == 3
     # warps bind: 64 per SM, 16 warps a program -> 4
     assert programs_per_sm(32, 16, 1024) == 4
-    assert programs_per_sm(120, 4, 38912, SmLimits(shared_bytes=100 * 1024)) == 2  # another GPU's shared memory
+    assert (
+        programs_per_sm(120, 4, 38912, SmLimits(shared_bytes=100 * 1024)) == 2
+    )  # another GPU's shared memory
 
 
 def test_cap_for_by_hand():
