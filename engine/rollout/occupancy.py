@@ -83,3 +83,42 @@ def occupancy_cap(
             break
         chosen = found
     return chosen
+
+
+def launched_kernels(prefix: str = "engine.") -> list[dict]:
+    """Every Triton kernel of the loaded modules under `prefix` compiled in this process (on a GPU), one entry
+    per compiled variant: its constexprs, warps, stages, register cap, and the registers, spills (Triton's
+    `n_spills`), shared memory and programs per SM the driver reports for it."""
+    import sys
+
+    import torch
+    from triton.runtime.jit import JITFunction
+
+    found = []
+    for module in [m for name, m in list(sys.modules.items()) if name.startswith(prefix)]:
+        for name, fn in sorted(vars(module).items()):
+            if not isinstance(fn, JITFunction) or fn.__module__ != module.__name__:
+                continue
+            for device, caches in fn.device_caches.items():
+                sm = SmLimits.from_device(torch.device("cuda", device))
+                for kernel in list(caches[0].values()):
+                    kernel = kernel.result() if hasattr(kernel, "result") else kernel
+                    kernel._init_handles()
+                    meta, names = kernel.metadata, fn.arg_names
+                    constants = {
+                        names[k[0]]: v for k, v in kernel.src.constants.items() if names[k[0]].isupper()
+                    }
+                    found.append(
+                        dict(
+                            kernel=f"{module.__name__}.{name}",
+                            constexprs=constants,
+                            warps=meta.num_warps,
+                            stages=meta.num_stages,
+                            maxnreg=getattr(meta, "maxnreg", None),
+                            regs=kernel.n_regs,
+                            spills=kernel.n_spills,
+                            shared=meta.shared,
+                            programs_per_sm=programs_per_sm(kernel.n_regs, meta.num_warps, meta.shared, sm),
+                        )
+                    )
+    return found

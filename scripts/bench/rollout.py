@@ -74,6 +74,7 @@ from engine.models.hf_map import hf_from_shards, hf_names, match_rule
 from engine.rollout import triton_decode
 from engine.rollout.base import SamplingParams
 from engine.rollout.model import DecodeKernels
+from engine.rollout.occupancy import launched_kernels
 from parallel.dims import ParallelDims
 from parallel.state import destroy_distributed, init_distributed
 
@@ -492,6 +493,8 @@ def main() -> None:
     for name, r in results.items():
         if base and key in r and name != "transformers":
             r["speedup_vs_transformers"] = round(r[key] / base, 2)
+    if device.type == "cuda":  # every Triton kernel launched: registers, spills, programs per SM
+        report["triton_kernels"] = launched_kernels()
     line = json.dumps(report)
     print(line, flush=True)
     if args.out:

@@ -201,6 +201,7 @@ def test_register_capped_attention_equals_the_uncapped_bitwise(per_group, dim):
     registers, not arithmetic), and every cap it chose runs without spills at more programs per SM."""
     from engine.rollout import triton_decode
     from engine.rollout.model import signed_sin
+    from engine.rollout.occupancy import launched_kernels
 
     g = torch.Generator(device=DEV).manual_seed(8)
     rows, groups, page, cache_len = 256, 2, 64, 1024
@@ -231,6 +232,9 @@ def test_register_capped_attention_equals_the_uncapped_bitwise(per_group, dim):
             capped, uncapped = v["capped"], v["uncapped"]
             assert capped["regs"] <= v["cap"] and capped["spills"] == 0, v
             assert capped["programs_per_sm"] > uncapped["programs_per_sm"], v
+    launched = [k for k in launched_kernels() if k["kernel"].endswith("triton_decode._decode_partials")]
+    caps = {v["cap"] for v in variants if v["cap"] is not None}
+    assert caps <= {k["maxnreg"] for k in launched}, (caps, launched)  # the caps reached the launches
 
 
 def rope_tables_for(dim: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
