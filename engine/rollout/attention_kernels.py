@@ -122,10 +122,11 @@ class DecodeKernels:
     per thread, more programs per SM (scripts/bench/kernel_registers.py counts them ahead of time).
     scripts/bench/rollout.py's `native_tiles` times a choice against the default in the same run."""
     attention_occupancy: bool = False
-    """Where `attention_tiles` names no register cap: each variant of the Triton decode attention capped at
-    the registers that give it the most programs per SM with nothing spilled (engine/rollout/occupancy.py),
-    decided from its own compiled counts when it is first launched. scripts/bench/rollout.py's
-    `native_occupancy` times it against the default in the same run."""
+    """Where `attention_tiles` names no register cap: each launch of the Triton decode attention capped at the
+    registers that fit its programs (rows x KV groups x key splits) in the fewest waves over the GPU's SMs,
+    from a ladder of caps per kernel variant with at most 32 B spilled (engine/rollout/occupancy.py), or
+    uncapped where no cap saves a wave. scripts/bench/rollout.py's `native_occupancy` times it against the
+    default in the same run."""
 
     def __post_init__(self) -> None:
         if self.attention_tiles is None:

@@ -1,13 +1,17 @@
-"""How many programs (thread blocks) of a kernel an NVIDIA SM holds at once, and the register cap that raises it
-without spilling: `DecodeKernels.attention_occupancy`.
+"""How many programs (thread blocks) of a kernel an NVIDIA SM holds at once, and the register cap that makes a
+launch's programs fit in fewer waves: `DecodeKernels.attention_occupancy`.
 
-Why: a decode step's attention is latency-bound, so the loads in flight bound it, and those scale with the
-programs resident per SM; registers bound that first for the decode attention's wider variants (1.5B and 7B,
-paged cache, the group's prompt read from one row, RoPE inside: 160 registers, 3 programs per SM against 4
-for the same kernel with RoPE apart; scripts/bench/README.md, "Rollout"). Triton's `maxnreg` launch option
-caps the registers; a blanket cap is not neutral (ptxas fills up to it, and the leaner variants lose
-programs), so the cap is chosen per compiled variant from its own counts: the highest occupancy that some cap
-reaches with no bytes spilled, or none.
+Why: a decode step's attention launches rows x KV groups x key splits programs of near-equal work; when they
+need more waves than the GPU's SMs x programs per SM hold at once, the last wave runs on a part of the GPU.
+Registers bound the programs per SM first for the decode attention's wider variants (0.5B, 512 rows, the
+group's prompt read from one row, RoPE inside: 126 registers, 4 per SM, 1,024 programs in 2 waves on 132 SMs).
+Triton's `maxnreg` launch option caps the registers. Measured on an H200 (scripts/bench/README.md, "Rollout"):
+more programs per SM alone gains nothing (caps to 5 and 7 per SM at that launch: 2 waves still, +0-2%), one
+wave fewer does (a cap of 64: 8 per SM, 1 wave, 32 B spilled: 3.3-4.4% faster rollouts), and spilling more for
+the same waves costs (56: 9 per SM, 56 B: 5% slower than 64). So each variant gets a ladder of caps, one per
+occupancy above its own that a cap reaches with at most `MAX_SPILL_BYTES` spilled (`occupancy_ladder`), and
+each launch takes the highest cap of the ladder that needs the fewest waves for its program count, or none
+where no cap saves a wave (`launch_cap`).
 """
 
 from __future__ import annotations
@@ -55,34 +59,47 @@ def cap_for(programs: int, warps: int, sm: SmLimits = SmLimits()) -> int:
 
 CAP_TRIES = 3
 """Caps tried per occupancy: the threshold and two steps of 8 below it (ptxas can spill at a threshold and not
-8 under it: the 1.5B variant above spills 8 B at 128 and none at 120 with Triton 3.6)."""
+8 under it: the 1.5B paged variant spills 8 B at 128 and none at 120 with Triton 3.6)."""
+
+MAX_SPILL_BYTES = 32
+"""Spilled bytes per thread a ladder's cap may have (local memory, served from L1): 32 B measured a net win
+where it saved a wave, 56 B a loss against it at the same waves."""
 
 
-def occupancy_cap(
+def occupancy_ladder(
     compile_with: Callable[[int | None], tuple[int, int, int]], warps: int, sm: SmLimits
-) -> int | None:
-    """The register cap for one kernel variant: `compile_with(cap)` (None: uncapped) gives its (registers,
-    spilled bytes, shared bytes). Each occupancy above the uncapped one, up to what shared memory and the warps
-    allow, is tried in turn at caps `cap_for(programs)` and up to two steps of 8 below; the last with no spills
-    wins, and the first occupancy that every try spills at ends the search. None: no cap raises occupancy
-    without spilling (or the uncapped kernel spills already)."""
+) -> list[tuple[int, int | None]]:
+    """[(programs per SM, register cap)] of one kernel variant, from its own occupancy uncapped (cap None) up:
+    `compile_with(cap)` (None: uncapped) gives its (registers, spilled bytes, shared bytes). Each occupancy up
+    to what shared memory and the warps allow is tried at caps `cap_for(programs)` and up to two steps of 8
+    below; the first with at most `MAX_SPILL_BYTES` spilled joins the ladder, and the first occupancy that
+    every try spills more at ends it."""
     regs, spills, shared = compile_with(None)
-    if spills:
-        return None
     now = programs_per_sm(regs, warps, shared, sm)
+    ladder: list[tuple[int, int | None]] = [(now, None)]
+    if spills:  # (a kernel that spills uncapped is left alone)
+        return ladder
     ceiling = programs_per_sm(8, warps, shared, sm)  # what shared memory and the warp/block limits allow
-    chosen = None
     for programs in range(now + 1, ceiling + 1):
         top = cap_for(programs, warps, sm)
-        found = None
-        for cap in range(top, max(top - 8 * CAP_TRIES, 23), -8):
-            if cap >= 24 and compile_with(cap)[1] == 0:
-                found = cap
-                break
-        if found is None:
+        tries = [cap for cap in range(top, top - 8 * CAP_TRIES, -8) if cap >= 24]
+        cap = next((c for c in tries if compile_with(c)[1] <= MAX_SPILL_BYTES), None)
+        if cap is None:
             break
-        chosen = found
-    return chosen
+        ladder.append((programs, cap))
+    return ladder
+
+
+def waves(programs: int, per_sm: int, sms: int) -> int:
+    """Rounds of `programs` equal programs on `sms` SMs that hold `per_sm` each at once."""
+    return math.ceil(programs / (sms * per_sm))
+
+
+def launch_cap(ladder: list[tuple[int, int | None]], programs: int, sms: int) -> int | None:
+    """The cap for a launch of `programs` programs: the ladder's highest cap (fewest programs per SM) among
+    those that need the fewest waves, or None where no cap needs fewer waves than the uncapped kernel."""
+    fewest = min(waves(programs, per_sm, sms) for per_sm, _ in ladder)
+    return next(cap for per_sm, cap in ladder if waves(programs, per_sm, sms) == fewest)
 
 
 def launched_kernels(prefix: str = "engine.") -> list[dict]:

@@ -41,7 +41,7 @@ import torch
 
 from engine.models.compiled import ROLLOUT, cuda_kernel
 from engine.models.triton_support import interpreted, sm_count, tl, triton
-from engine.rollout.occupancy import SmLimits, occupancy_cap, programs_per_sm
+from engine.rollout.occupancy import SmLimits, launch_cap, occupancy_ladder
 
 if triton is not None:
 
@@ -277,18 +277,20 @@ def num_splits(rows_x_groups: int, cache_len: int, block_n: int, device: torch.d
 
 
 _OCCUPANCY: dict[tuple, dict] = {}
-"""Per compiled variant (device, dtype, constexprs, warps, stages): `occupancy_cap`'s choice and the counts it
-came from."""
+"""Per compiled variant (device, dtype, constexprs, warps, stages): its `occupancy_ladder`, each rung's
+registers and spilled bytes, and the caps its launches took, by program count."""
 
 
 def _occupancy_cap(
     args: tuple, constexprs: dict, grid: tuple, num_warps: int, num_stages: int, q
 ) -> int | None:
-    """The register cap for `_decode_partials` at these arguments, from the variant's own compiled counts
-    (Triton's `warmup` compiles without launching; `n_regs`/`n_spills` come from loading the binary). Decided
-    once per variant: the first call's integer specialisation stands for the variant's later calls."""
+    """The register cap for this launch of `_decode_partials` (`launch_cap`: the fewest waves for its
+    programs), from the variant's ladder of caps: built once per variant from its own compiled counts
+    (Triton's `warmup` compiles without launching; `n_regs`/`n_spills` come from loading the binary), the first
+    call's integer specialisation standing for the variant's later calls."""
     key = (q.device, q.dtype, *sorted(constexprs.items()), num_warps, num_stages)
     if key not in _OCCUPANCY:
+        counts = {}
 
         def compile_with(cap: int | None) -> tuple[int, int, int]:
             kernel = _decode_partials.warmup(
@@ -300,26 +302,35 @@ def _occupancy_cap(
                 **({} if cap is None else {"maxnreg": cap}),
             )
             kernel._init_handles()  # loads the binary: the driver reports registers and local memory
-            return kernel.n_regs, kernel.n_spills, kernel.metadata.shared
+            counts[cap] = (
+                kernel.n_regs,
+                4 * kernel.n_spills,
+                kernel.metadata.shared,
+            )  # (n_spills: 4-byte words)
+            return counts[cap]
 
-        sm = SmLimits.from_device(q.device)
-        cap = occupancy_cap(compile_with, num_warps, sm)
-        found = {"cap": cap}
-        for name, at in (("uncapped", None), ("capped", cap)):
-            regs, spills, shared = compile_with(at)  # (compiled already: from Triton's cache)
-            found[name] = dict(
-                regs=regs, spills=spills, programs_per_sm=programs_per_sm(regs, num_warps, shared, sm)
-            )
-        _OCCUPANCY[key] = found
-    return _OCCUPANCY[key]["cap"]
+        ladder = occupancy_ladder(compile_with, num_warps, SmLimits.from_device(q.device))
+        rungs = [
+            dict(programs_per_sm=p, cap=c, regs=counts[c][0], spill_bytes=counts[c][1]) for p, c in ladder
+        ]
+        _OCCUPANCY[key] = dict(ladder=ladder, rungs=rungs, caps_by_programs={})
+    found, programs = _OCCUPANCY[key], grid[0] * grid[1]
+    if programs not in found["caps_by_programs"]:
+        found["caps_by_programs"][programs] = launch_cap(found["ladder"], programs, sm_count(q.device))
+    return found["caps_by_programs"][programs]
 
 
 def occupancy_caps() -> list[dict]:
-    """The caps `occupancy` chose in this process, one entry per variant (cap None: left uncapped), with the
-    registers, spills (Triton's `n_spills`) and programs per SM uncapped and capped."""
+    """What `occupancy` found in this process, one entry per variant: its ladder (programs per SM, cap,
+    registers, spilled bytes per rung) and the cap each launch size took (None: uncapped)."""
     names = ("HEAD_DIM", "PER_GROUP", "PAGE", "SOURCED", "DIRECT", "ROPE")
     return [
-        {**{k.lower(): v for k, v in key[2:-2] if k in names}, **found} for key, found in _OCCUPANCY.items()
+        {
+            **{k.lower(): v for k, v in key[2:-2] if k in names},
+            "ladder": found["rungs"],
+            "caps_by_programs": dict(sorted(found["caps_by_programs"].items())),
+        }
+        for key, found in _OCCUPANCY.items()
     ]
 
 
@@ -346,8 +357,8 @@ def decode_attention(
     cur (rows,) or (1,) int -> attention output (rows, groups, heads per group, dim) in q's dtype, softmax
     scale 1/sqrt(dim), row r over cache positions [pad[r], cur[r]]. The keyword arguments are the kernel's tuning
     knobs (scripts/bench/decode_attention.py sweeps them; `max_registers`: Triton's `maxnreg`, a cap on the
-    partials kernel's registers per thread; `occupancy` without it: the cap that engine/rollout/occupancy.py
-    `occupancy_cap` picks for this variant, once per process); `splits` None: `num_splits`. `triton_merge`: the
+    partials kernel's registers per thread; `occupancy` without it: the cap engine/rollout/occupancy.py
+    `launch_cap` picks for this launch's programs from the variant's ladder of caps); `splits` None: `num_splits`. `triton_merge`: the
     splits' states merged by one Triton kernel (`_merge_splits`), or with one split the output written by the
     partials' kernel itself; False: `merge_splits` compiled (two kernels on an H200), or with one split an
     eager division and cast.

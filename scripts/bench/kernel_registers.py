@@ -18,8 +18,9 @@ Per variant: `regs` (per thread), `spill_bytes` (the stack frame ptxas reports: 
 memory), `shared_bytes`, and `programs_per_sm` = the fewest the SM's registers (65,536, allocated per warp in
 units of 256), shared memory (`--smem-kb`) and warps (64) allow. The GPU's own figures need no GPU here, but
 the Triton version matters: the GPU image's (3.6, ../shared/device/README.md) differs from this machine's.
-`--occupancy`: per uncapped tile also `occupancy_cap`, the cap `DecodeKernels.attention_occupancy` picks
-(engine/rollout/occupancy.py, from these same counts), and the registers, spills and programs per SM under it.
+`--occupancy`: per uncapped tile also `occupancy_ladder`, the caps `DecodeKernels.attention_occupancy` chooses
+its launches' caps from (engine/rollout/occupancy.py, from these same counts), each rung's registers, spills
+and programs per SM.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from presets import attention_dims  # noqa: E402
 
 from engine.rollout import triton_decode  # noqa: E402
-from engine.rollout.occupancy import SmLimits, occupancy_cap, programs_per_sm  # noqa: E402
+from engine.rollout.occupancy import SmLimits, occupancy_ladder, programs_per_sm  # noqa: E402
 
 POINTERS = {  # the dtypes the engine passes
     **dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr", "cos_ptr", "sin_ptr"), "*bf16"),
@@ -192,12 +193,12 @@ def main() -> None:
             row.update(tiles=list(tile), regs=regs, spill_bytes=spills, shared_bytes=shared)
             row.update(programs_per_sm=programs_per_sm(regs, tile[1], shared, sm))
             if args.occupancy and len(tile) == 3:
-                cap = occupancy_cap(compile_with, tile[1], sm)
-                row["occupancy_cap"] = cap
-                if cap is not None:
-                    capped = compile_with(cap)
-                    row.update(capped_regs=capped[0], capped_spill_bytes=capped[1])
-                    row.update(capped_programs_per_sm=programs_per_sm(capped[0], tile[1], capped[2], sm))
+                rungs = []
+                for _, cap in occupancy_ladder(compile_with, tile[1], sm):
+                    r, spilled, smem = compile_with(cap)
+                    rungs.append(dict(cap=cap, regs=r, spill_bytes=spilled))
+                    rungs[-1]["programs_per_sm"] = programs_per_sm(r, tile[1], smem, sm)
+                row["occupancy_ladder"] = rungs
             rows.append(row)
     print(json.dumps({"triton": triton.__version__, "arch": args.arch, "kernels": rows}))
 

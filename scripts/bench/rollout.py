@@ -36,8 +36,8 @@ inside it (`DecodeKernels(rope_in_attention=False)`);
 every sample reads its own copy of its prompt's K/V (`DecodeKernels(shared_prefix=False)`; the default reads
 it from the group's first live sample's copy); `native_tiles`: the Triton decode attention with the key block,
 warps, pipeline stages and optional register cap of `--attention-tiles` (`DecodeKernels(attention_tiles=...)`);
-`native_occupancy`: each decode attention variant capped at the registers that raise its programs per SM
-without spills (`DecodeKernels(attention_occupancy=True)`).
+`native_occupancy`: each decode attention launch capped at the registers that fit its programs in the fewest
+waves (`DecodeKernels(attention_occupancy=True)`).
 `--n`: samples per prompt (GRPO's group; rows = prompts x n, a prompt's samples share its length limit).
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
@@ -257,7 +257,7 @@ class NativeRun:
         if len(self.calls) > 1:
             result["seconds_each"] = [round(c[0], 3) for c in self.calls]
         result["engine_stats"] = self.stats
-        if self.name == "native_occupancy":  # each decode attention variant's register cap (None: uncapped)
+        if self.name == "native_occupancy":  # each decode attention variant's ladder and caps taken
             result["attention_register_caps"] = triton_decode.occupancy_caps()
         if self.stats.get("slot_steps"):  # generated tokens per decoded slot (finished, filler slots: waste)
             slots = self.stats["slot_steps"] + self.stats["slots"]
