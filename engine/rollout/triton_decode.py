@@ -302,11 +302,8 @@ def _occupancy_cap(
                 **({} if cap is None else {"maxnreg": cap}),
             )
             kernel._init_handles()  # loads the binary: the driver reports registers and local memory
-            counts[cap] = (
-                kernel.n_regs,
-                4 * kernel.n_spills,
-                kernel.metadata.shared,
-            )  # (n_spills: 4-byte words)
+            spilled = 4 * kernel.n_spills  # (Triton's n_spills: the local memory in 4-byte words)
+            counts[cap] = (kernel.n_regs, spilled, kernel.metadata.shared)
             return counts[cap]
 
         ladder = occupancy_ladder(compile_with, num_warps, SmLimits.from_device(q.device))
@@ -358,9 +355,9 @@ def decode_attention(
     scale 1/sqrt(dim), row r over cache positions [pad[r], cur[r]]. The keyword arguments are the kernel's tuning
     knobs (scripts/bench/decode_attention.py sweeps them; `max_registers`: Triton's `maxnreg`, a cap on the
     partials kernel's registers per thread; `occupancy` without it: the cap engine/rollout/occupancy.py
-    `launch_cap` picks for this launch's programs from the variant's ladder of caps); `splits` None: `num_splits`. `triton_merge`: the
-    splits' states merged by one Triton kernel (`_merge_splits`), or with one split the output written by the
-    partials' kernel itself; False: `merge_splits` compiled (two kernels on an H200), or with one split an
+    `launch_cap` picks for this launch's programs from the variant's ladder of caps); `splits` None:
+    `num_splits`. `triton_merge`: the splits' states merged by one Triton kernel (`_merge_splits`), or with one
+    split the output written by the partials' kernel itself; False: `merge_splits` compiled (two kernels on an H200), or with one split an
     eager division and cast.
 
     Paged (`table` (rows, pages per row) int32 and `page` given): the cache is one flat (positions, groups,
