@@ -270,7 +270,11 @@ def num_splits(rows_x_groups: int, cache_len: int, block_n: int, device: torch.d
     shortest) would need to cover the cache's capacity. The H200 sweep (scripts/bench/README.md, "Rollout")
     found 4 waves best below one program per SM and 2 above (Qwen2.5-1.5B: 128 rows at 1,400 keys 49 us with
     2 splits, 61 us with the 3 that 4 waves gave; 256 rows at 400 keys 30 us unsplit, 32 us with 2)."""
-    sms = sm_count(device)  # the interpreter: a few "SMs", so that small tests split keys too
+    return splits_for(rows_x_groups, cache_len, block_n, sm_count(device))  # (the interpreter: a few "SMs")
+
+
+def splits_for(rows_x_groups: int, cache_len: int, block_n: int, sms: int) -> int:
+    """`num_splits` on a GPU of `sms` SMs (scripts/bench/kernel_registers.py plans launches on the CPU)."""
     waves = 2 if rows_x_groups >= sms else 4
     want = max(1, math.ceil(waves * sms / rows_x_groups))
     return max(1, min(want, MAX_SPLITS, cache_len // (4 * block_n)))

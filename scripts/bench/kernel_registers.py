@@ -20,7 +20,8 @@ units of 256), shared memory (`--smem-kb`) and warps (64) allow. The GPU's own f
 the Triton version matters: the GPU image's (3.6, ../shared/device/README.md) differs from this machine's.
 `--occupancy`: per uncapped tile also `occupancy_ladder`, the caps `DecodeKernels.attention_occupancy` chooses
 its launches' caps from (engine/rollout/occupancy.py, from these same counts), each rung's registers, spills
-and programs per SM.
+and programs per SM; with `--plan-widths 24,64,512` also `plans`: per decode width, the key splits
+`num_splits` gives at `--sms` and `--cache-len`, and the cap the launch would take (`launch_cap`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from presets import attention_dims  # noqa: E402
 
 from engine.rollout import triton_decode  # noqa: E402
-from engine.rollout.occupancy import SmLimits, occupancy_ladder, programs_per_sm  # noqa: E402
+from engine.rollout.occupancy import SmLimits, launch_cap, occupancy_ladder, programs_per_sm  # noqa: E402
 
 POINTERS = {  # the dtypes the engine passes
     **dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr", "cos_ptr", "sin_ptr"), "*bf16"),
@@ -158,7 +159,18 @@ def main() -> None:
         action="store_true",
         help="also the register cap `DecodeKernels.attention_occupancy` picks for each uncapped tile",
     )
+    ap.add_argument(
+        "--plan-widths",
+        default="",
+        help="with --occupancy: decode widths (rows) to plan: each one's key splits and the cap it would take",
+    )
+    ap.add_argument(
+        "--cache-len", type=int, default=4352, help="cache positions per row, for the plan's splits"
+    )
+    ap.add_argument("--sms", type=int, default=132, help="the GPU's SMs, for the plan (H100/H200 SXM: 132)")
     args = ap.parse_args()
+    if args.plan_widths and not args.occupancy:
+        ap.error("--plan-widths needs --occupancy (the plan reads the ladders)")
     sm = SmLimits(shared_bytes=args.smem_kb * 1024)
     import triton
 
@@ -194,13 +206,40 @@ def main() -> None:
             row.update(programs_per_sm=programs_per_sm(regs, tile[1], shared, sm))
             if args.occupancy and len(tile) == 3:
                 rungs = []
-                for _, cap in occupancy_ladder(compile_with, tile[1], sm):
-                    r, spilled, smem = compile_with(cap)
-                    rungs.append(dict(cap=cap, regs=r, spill_bytes=spilled))
-                    rungs[-1]["programs_per_sm"] = programs_per_sm(r, tile[1], smem, sm)
+                for per_sm, cap in occupancy_ladder(compile_with, tile[1], sm):
+                    r, spilled, _ = compile_with(cap)
+                    rungs.append(dict(cap=cap, regs=r, spill_bytes=spilled, programs_per_sm=per_sm))
                 row["occupancy_ladder"] = rungs
             rows.append(row)
-    print(json.dumps({"triton": triton.__version__, "arch": args.arch, "kernels": rows}))
+    report = {"triton": triton.__version__, "arch": args.arch, "kernels": rows}
+    if args.plan_widths:
+        report["plans"] = plan(rows, [int(w) for w in args.plan_widths.split(",")], args.cache_len, args.sms)
+    print(json.dumps(report))
+
+
+def plan(rows: list[dict], widths: list[int], cache_len: int, sms: int) -> list[dict]:
+    """Per preset, layout, prompt read, RoPE choice and tile: each decode width's key splits (`num_splits` at
+    `sms` SMs and a cache of `cache_len` positions) and the register cap `attention_occupancy` would launch it
+    with (`launch_cap` on the one-split or the split variant's ladder; None: uncapped)."""
+    plans = {}
+    for row in rows:
+        if "occupancy_ladder" in row:
+            at = (row["preset"], row["layout"], row["prompt"], row["rope"], tuple(row["tiles"]))
+            ladder = [(r["programs_per_sm"], r["cap"]) for r in row["occupancy_ladder"]]
+            plans.setdefault(at, {})[row["splits"] == 1] = ladder
+    out = []
+    for (preset, layout, prompt, rope, tiles), ladders in plans.items():
+        groups = attention_dims(preset)[1]
+        steps = []
+        for width in widths:
+            splits = triton_decode.splits_for(width * groups, cache_len, tiles[0], sms)
+            if (splits == 1) in ladders:
+                programs = width * groups * splits
+                steps.append([width, splits, launch_cap(ladders[splits == 1], programs, sms)])
+        out.append(
+            dict(preset=preset, layout=layout, prompt=prompt, rope=rope, tiles=list(tiles), widths=steps)
+        )
+    return out
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ def test_the_decode_attention_compiles_for_sm90_and_reports_its_resources():
     nvidia_bin = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     if not os.path.exists(os.path.join(nvidia_bin, "cuobjdump")):
         pytest.skip("this Triton has no NVIDIA backend tools")
-    args = ["--presets", "qwen2_5_1_5b", "--layouts", "paged", "--sourced", "sourced", "--splits", "1"]
-    args += ["--rope", "inside", "--occupancy"]
+    args = ["--presets", "qwen2_5_1_5b", "--layouts", "paged", "--sourced", "sourced", "--splits", "1,4"]
+    args += ["--rope", "inside", "--occupancy", "--plan-widths", "24,64,512", "--cache-len", "4352"]
     root = os.path.join(BENCH, "..", "..")
     env = {**os.environ, "PYTHONPATH": root}
     out = subprocess.run(
@@ -42,7 +42,8 @@ def test_the_decode_attention_compiles_for_sm90_and_reports_its_resources():
     import json
 
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    (row,) = report["kernels"]
+    row, split_row = report["kernels"]
+    assert row["splits"] == 1 and split_row["splits"] == 4
     assert report["arch"] == 90 and row["layout"] == "paged" and row["tiles"] == [64, 4, 2]
     assert 16 <= row["regs"] <= 255 and row["spill_bytes"] >= 0
     assert row["shared_bytes"] >= 2 * 64 * 128 * 2  # at least one key and one value tile of bf16
@@ -56,3 +57,10 @@ def test_the_decode_attention_compiles_for_sm90_and_reports_its_resources():
     for lower, higher in zip(ladder, ladder[1:]):
         assert higher["programs_per_sm"] == lower["programs_per_sm"] + 1 and higher["regs"] <= higher["cap"]
         assert higher["spill_bytes"] <= 32
+    # the plan: each width's splits as num_splits gives them on 132 SMs (24 rows x 2 groups: 11 splits, 64: 5,
+    # 512: 1 by hand: 4 waves of 132 over 48 and 128 pairs, 1,024 pairs fill them), its cap from its ladder
+    (plan,) = report["plans"]
+    assert [(w, s) for w, s, _ in plan["widths"]] == [(24, 11), (64, 5), (512, 1)]
+    for width, splits, cap in plan["widths"]:
+        ladder = (row if splits == 1 else split_row)["occupancy_ladder"]
+        assert cap in {r["cap"] for r in ladder}, (width, cap, ladder)
