@@ -78,27 +78,24 @@ from engine.rollout.occupancy import launched_kernels
 from parallel.dims import ParallelDims
 from parallel.state import destroy_distributed, init_distributed
 
-BACKENDS = (
-    "native",
-    "native_contiguous",
-    "native_flash",
-    "native_plain",
-    "native_unfused",
-    "native_rope_kernel",
-    "native_torch_sampler",
-    "native_unshared",
-    "native_tiles",
-    "native_occupancy",
-    "vllm",
-    "transformers",
-)
+VARIANTS = {  # the native engine with other kernels, against `native` (auto) in the same run
+    "native_flash": DecodeKernels(attention="flash"),
+    "native_plain": DecodeKernels(attention="sdpa", compiled=False, sampler=False),
+    "native_unfused": DecodeKernels(fused=False),
+    "native_rope_kernel": DecodeKernels(rope_in_attention=False),
+    "native_torch_sampler": DecodeKernels(sampler=False),
+    "native_unshared": DecodeKernels(shared_prefix=False),
+    "native_occupancy": DecodeKernels(attention_occupancy=True),
+}
+BACKENDS = ("native", "native_contiguous", *VARIANTS, "native_tiles", "vllm", "transformers")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=PRESETS, default="tiny")
     ap.add_argument(
-        "--backends", default=",".join(BACKENDS), help="comma-separated subset of " + ",".join(BACKENDS)
+        "--backends",
+        help=f"comma-separated subset of {','.join(BACKENDS)} (default: all; native_tiles with --attention-tiles)",
     )
     ap.add_argument("--prompts", type=int, help="default 512 (64 for the tiny presets)")
     ap.add_argument("--prompt-len", type=int, help="default 256 (32 for the tiny presets)")
@@ -138,7 +135,9 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--profile", metavar="DIR", help="native: profile one more generate, kernel table in DIR")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.backends is None:
+        args.backends = ",".join(b for b in BACKENDS if b != "native_tiles" or args.attention_tiles)
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: time each native backend at least once (--repeats 1)")
     if ("native_tiles" in args.backends.split(",")) != (args.attention_tiles is not None):
@@ -190,17 +189,6 @@ def timed_call(engine, prompts, sampling, device) -> tuple[object, float, float]
 
 def first_tokens(engine, prompts) -> torch.Tensor:
     return engine.generate(prompts[:32], SamplingParams(temperature=0.0, max_new_tokens=1)).response_ids[:, 0]
-
-
-VARIANTS = {  # the native engine with other kernels, against `native` (auto) in the same run
-    "native_flash": DecodeKernels(attention="flash"),
-    "native_plain": DecodeKernels(attention="sdpa", compiled=False, sampler=False),
-    "native_unfused": DecodeKernels(fused=False),
-    "native_rope_kernel": DecodeKernels(rope_in_attention=False),
-    "native_torch_sampler": DecodeKernels(sampler=False),
-    "native_unshared": DecodeKernels(shared_prefix=False),
-    "native_occupancy": DecodeKernels(attention_occupancy=True),
-}
 
 
 class NativeRun:

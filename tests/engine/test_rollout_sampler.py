@@ -225,3 +225,4 @@ def test_bad_attention_tiles_name_the_field(tiles):
     assert DecodeKernels().attention_knobs() == {}
     capped = DecodeKernels(attention_tiles=(64, 4, 2, 120)).attention_knobs()
     assert capped == {"block_n": 64, "num_warps": 4, "num_stages": 2, "max_registers": 120}
+    assert DecodeKernels(attention_occupancy=True).attention_knobs() == {"occupancy": True}

@@ -132,3 +132,17 @@ def test_e2e_bench_trains_the_long_tailed_workload_on_cpu():
     assert ours["bound_s"] == ours["bound_generation_s"] + ours["bound_update_s"] > 0  # roofline.step_bound
     assert ours["step_over_bound"] == ours["step_s"] / ours["bound_s"]
     assert ours["generation_roofline_fraction"] == ours["bound_generation_s"] / ours["timing"]["gen"]
+
+
+def test_rollout_bench_default_backends_leave_native_tiles_to_attention_tiles():
+    """The default backends are all of them but `native_tiles`, which runs only with the tiles it times (the
+    README's CPU smoke test, `rollout.py --preset tiny`, gives no flags)."""
+    import rollout
+
+    default = rollout.parse_args([]).backends.split(",")
+    assert "native_tiles" not in default and {"native", "native_occupancy", "vllm"} <= set(default)
+    tiles = rollout.parse_args(["--attention-tiles", "64,4,2,64"])
+    assert "native_tiles" in tiles.backends.split(",")
+    assert tiles.attention_tiles.attention_knobs()["max_registers"] == 64
+    with pytest.raises(SystemExit):
+        rollout.parse_args(["--backends", "native,native_tiles"])
