@@ -281,8 +281,8 @@ def splits_for(rows_x_groups: int, cache_len: int, block_n: int, sms: int) -> in
 
 
 _OCCUPANCY: dict[tuple, dict] = {}
-"""Per compiled variant (device, dtype, constexprs, warps, stages): its `occupancy_ladder`, each rung's
-registers and spilled bytes, and the caps its launches took, by program count."""
+"""Per compiled variant (device, dtype, constexprs, warps, stages): its `occupancy_ladder`, the counts of every
+cap compiled for it, and the caps its launches took, by program count."""
 
 
 def _occupancy_cap(
@@ -311,10 +311,7 @@ def _occupancy_cap(
             return counts[cap]
 
         ladder = occupancy_ladder(compile_with, num_warps, SmLimits.from_device(q.device))
-        rungs = [
-            dict(programs_per_sm=p, cap=c, regs=counts[c][0], spill_bytes=counts[c][1]) for p, c in ladder
-        ]
-        _OCCUPANCY[key] = dict(ladder=ladder, rungs=rungs, caps_by_programs={})
+        _OCCUPANCY[key] = dict(ladder=ladder, counts=counts, caps_by_programs={})
     found, programs = _OCCUPANCY[key], grid[0] * grid[1]
     if programs not in found["caps_by_programs"]:
         found["caps_by_programs"][programs] = launch_cap(found["ladder"], programs, sm_count(q.device))
@@ -328,7 +325,10 @@ def occupancy_caps() -> list[dict]:
     return [
         {
             **{k.lower(): v for k, v in key[2:-2] if k in names},
-            "ladder": found["rungs"],
+            "ladder": [
+                dict(programs_per_sm=p, cap=c, regs=found["counts"][c][0], spill_bytes=found["counts"][c][1])
+                for p, c in found["ladder"]
+            ],
             "caps_by_programs": dict(sorted(found["caps_by_programs"].items())),
         }
         for key, found in _OCCUPANCY.items()

@@ -27,6 +27,7 @@ and programs per SM; with `--plan-widths 24,64,512` also `plans`: per decode wid
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -157,7 +158,7 @@ def main() -> None:
     ap.add_argument(
         "--occupancy",
         action="store_true",
-        help="also the register cap `DecodeKernels.attention_occupancy` picks for each uncapped tile",
+        help="also each uncapped tile's ladder of register caps (`DecodeKernels.attention_occupancy`)",
     )
     ap.add_argument(
         "--plan-widths",
@@ -194,6 +195,7 @@ def main() -> None:
                 rope=rope == "inside",
             )
 
+            @functools.cache  # (the ladder's rungs are read again below)
             def compile_with(cap, tile=tile, variant=variant, dims=(heads // groups, dim)):
                 kernel, usage = compile_variant(
                     dims, variant, tile + ((cap,) if cap else ()), args.arch, args.page
