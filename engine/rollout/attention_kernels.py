@@ -127,6 +127,12 @@ class DecodeKernels:
     from a ladder of caps per kernel variant with at most 32 B spilled (engine/rollout/occupancy.py), or
     uncapped where no cap saves a wave. scripts/bench/rollout.py's `native_occupancy` times it against the
     default in the same run."""
+    attention_wave_splits: bool = False
+    """The Triton decode attention's key splits per (row, KV group), where a launch splits, sized to the split
+    kernel's own programs per SM: the most whose programs fit one wave (engine/rollout/occupancy.py
+    `wave_splits`; the default `num_splits` counts a wave as one program per SM and can spill a few programs
+    into a second). scripts/bench/rollout.py's `native_waves` times it, with `attention_occupancy`, against
+    `native_occupancy` and the default in the same run."""
 
     def __post_init__(self) -> None:
         if self.attention_tiles is None:
@@ -151,6 +157,7 @@ class DecodeKernels:
         return dict(
             zip(names, self.attention_tiles or ()),
             **({"occupancy": True} if self.attention_occupancy else {}),
+            **({"wave_splits": True} if self.attention_wave_splits else {}),
         )
 
 

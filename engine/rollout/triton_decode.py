@@ -41,7 +41,7 @@ import torch
 
 from engine.models.compiled import ROLLOUT, cuda_kernel
 from engine.models.triton_support import interpreted, sm_count, tl, triton
-from engine.rollout.occupancy import SmLimits, launch_cap, occupancy_ladder
+from engine.rollout.occupancy import VariantLadders
 
 if triton is not None:
 
@@ -276,63 +276,85 @@ def num_splits(rows_x_groups: int, cache_len: int, block_n: int, device: torch.d
 def splits_for(rows_x_groups: int, cache_len: int, block_n: int, sms: int) -> int:
     """`num_splits` on a GPU of `sms` SMs (scripts/bench/kernel_registers.py plans launches on the CPU)."""
     waves = 2 if rows_x_groups >= sms else 4
-    want = max(1, math.ceil(waves * sms / rows_x_groups))
-    return max(1, min(want, MAX_SPLITS, cache_len // (4 * block_n)))
+    return min(math.ceil(waves * sms / rows_x_groups), most_splits(cache_len, block_n))
 
 
-_OCCUPANCY: dict[tuple, dict] = {}
-"""Per compiled variant (device, dtype, constexprs, warps, stages): its `occupancy_ladder`, the counts of every
-cap compiled for it, and the caps its launches took, by program count."""
+def most_splits(cache_len: int, block_n: int) -> int:
+    """The most key splits a launch takes: `MAX_SPLITS`, and no more than spans of 4 key blocks (the kernel's
+    shortest) would need to cover the cache's capacity."""
+    return max(1, min(MAX_SPLITS, cache_len // (4 * block_n)))
 
 
-def _occupancy_cap(
-    args: tuple, constexprs: dict, grid: tuple, num_warps: int, num_stages: int, q
-) -> int | None:
-    """The register cap for this launch of `_decode_partials` (`launch_cap`: the fewest waves for its
-    programs), from the variant's ladder of caps: built once per variant from its own compiled counts
-    (Triton's `warmup` compiles without launching; `n_regs`/`n_spills` come from loading the binary), the first
-    call's integer specialisation standing for the variant's later calls."""
-    key = (q.device, q.dtype, *sorted(constexprs.items()), num_warps, num_stages)
-    if key not in _OCCUPANCY:
-        counts = {}
-
-        def compile_with(cap: int | None) -> tuple[int, int, int]:
-            kernel = _decode_partials.warmup(
-                *args,
-                grid=grid,
-                **constexprs,
-                num_warps=num_warps,
-                num_stages=num_stages,
-                **({} if cap is None else {"maxnreg": cap}),
-            )
-            kernel._init_handles()  # loads the binary: the driver reports registers and local memory
-            spilled = 4 * kernel.n_spills  # (Triton's n_spills: the local memory in 4-byte words)
-            counts[cap] = (kernel.n_regs, spilled, kernel.metadata.shared)
-            return counts[cap]
-
-        ladder = occupancy_ladder(compile_with, num_warps, SmLimits.from_device(q.device))
-        _OCCUPANCY[key] = dict(ladder=ladder, counts=counts, caps_by_programs={})
-    found, programs = _OCCUPANCY[key], grid[0] * grid[1]
-    if programs not in found["caps_by_programs"]:
-        found["caps_by_programs"][programs] = launch_cap(found["ladder"], programs, sm_count(q.device))
-    return found["caps_by_programs"][programs]
+_LADDERS = VariantLadders(_decode_partials) if triton is not None else None
+"""`occupancy` and `wave_splits`: per compiled variant of the partials kernel, its ladder of register caps and
+what its launches took."""
+_WAVE_SPLITS: dict[tuple, int] = {}
+"""`wave_splits`: the splits taken per launch shape (device, dtype, head shape, knobs, rows x groups, cache)."""
 
 
 def occupancy_caps() -> list[dict]:
-    """What `occupancy` found in this process, one entry per variant: its ladder (programs per SM, cap,
-    registers, spilled bytes per rung) and the cap each launch size took (None: uncapped)."""
-    names = ("HEAD_DIM", "PER_GROUP", "PAGE", "SOURCED", "DIRECT", "ROPE")
-    return [
-        {
-            **{k.lower(): v for k, v in key[2:-2] if k in names},
-            "ladder": [
-                dict(programs_per_sm=p, cap=c, regs=found["counts"][c][0], spill_bytes=found["counts"][c][1])
-                for p, c in found["ladder"]
-            ],
-            "caps_by_programs": dict(sorted(found["caps_by_programs"].items())),
-        }
-        for key, found in _OCCUPANCY.items()
-    ]
+    """What `occupancy` and `wave_splits` found in this process, one entry per variant: its ladder (programs
+    per SM, cap, registers, spilled bytes per rung), the cap each launch size took (None: uncapped) and the
+    key splits each rows x groups took."""
+    return _LADDERS.report(("HEAD_DIM", "PER_GROUP", "PAGE", "SOURCED", "DIRECT", "ROPE")) if _LADDERS else []
+
+
+def _launch(q, per_group, cache_k, cache_v, pad, cur, tables, splits, block_n, block_h, page, triton_merge):
+    """`decode_attention`'s launch of the partials kernel at `splits` key splits: (args, constexprs, grid,
+    (output or None, the splits' states acc, m, s))."""
+    rows, groups, _, dim = q.shape
+    table, stride_tb, stride_kb, stride_vb, sourced, rope = tables
+    direct = triton_merge and splits == 1  # the kernel writes the output: no states, no merge
+    out = torch.empty(rows, groups, per_group, dim, dtype=q.dtype, device=q.device) if triton_merge else None
+    states = 0 if direct else rows * groups * splits * block_h
+    acc = torch.empty(states, dim, dtype=torch.float32, device=q.device)
+    m = torch.empty(states, dtype=torch.float32, device=q.device)
+    s = torch.empty(states, dtype=torch.float32, device=q.device)
+    cos, sin = rope if rope is not None else (q, q)
+    args = (
+        q,
+        cache_k,
+        cache_v,
+        pad,
+        cur,
+        cur.stride(0),
+        pad if sourced is None else sourced[1],
+        pad if sourced is None else sourced[0],
+        table,
+        stride_tb,
+        acc,
+        m,
+        s,
+        out if direct else acc,
+        *(out.stride()[:3] if direct else (0, 0, 0)),
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        cache_k.stride(0) if stride_kb is None else stride_kb,
+        cache_k.stride(1),
+        cache_k.stride(2),
+        cache_v.stride(0) if stride_vb is None else stride_vb,
+        cache_v.stride(1),
+        cache_v.stride(2),
+        cos,
+        sin,
+        cos.stride(0) if rope is not None else 0,
+        groups,
+        splits,
+        1.0 / math.sqrt(dim),
+    )
+    constexprs = dict(
+        PER_GROUP=per_group,
+        BLOCK_H=block_h,
+        HEAD_DIM=dim,
+        BLOCK_N=block_n,
+        MIN_SPAN=4 * block_n,
+        PAGE=page,
+        DIRECT=direct,
+        SOURCED=sourced is not None,
+        ROPE=rope is not None,
+    )
+    return args, constexprs, (rows * groups, splits), (out, acc, m, s)
 
 
 def decode_attention(
@@ -349,6 +371,7 @@ def decode_attention(
     num_stages: int = 2,
     max_registers: int | None = None,
     occupancy: bool = False,
+    wave_splits: bool = False,
     splits: int | None = None,
     triton_merge: bool = True,
     sourced: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -360,7 +383,8 @@ def decode_attention(
     knobs (scripts/bench/decode_attention.py sweeps them; `max_registers`: Triton's `maxnreg`, a cap on the
     partials kernel's registers per thread; `occupancy` without it: the cap engine/rollout/occupancy.py
     `launch_cap` picks for this launch's programs from the variant's ladder of caps); `splits` None:
-    `num_splits`. `triton_merge`: the splits' states merged by one Triton kernel (`_merge_splits`), or with one
+    `num_splits`, or with `wave_splits` on a GPU the most splits that fit one wave at the split variant's own
+    occupancy (engine/rollout/occupancy.py `wave_splits`). `triton_merge`: the splits' states merged by one Triton kernel (`_merge_splits`), or with one
     split the output written by the partials' kernel itself; False: `merge_splits` compiled (two kernels on an H200), or with one split an
     eager division and cast.
 
@@ -393,61 +417,37 @@ def decode_attention(
     if q.stride(-1) != 1 or cache_k.stride(-1) != 1 or cache_v.stride(-1) != 1:
         raise ValueError("decode_attention needs unit stride over the head dim")
     block_h = max(16, triton.next_power_of_2(per_group))
-    splits = splits or num_splits(rows * groups, cache_len, block_n, q.device)
+    pairs, planned = rows * groups, splits is None
+    splits = splits or num_splits(pairs, cache_len, block_n, q.device)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"decode_attention: splits={splits}, expected 1..{MAX_SPLITS}")
-    direct = triton_merge and splits == 1  # the kernel writes the output: no states, no merge
-    out = torch.empty(rows, groups, per_group, dim, dtype=q.dtype, device=q.device) if triton_merge else None
-    states = 0 if direct else rows * groups * splits * block_h
-    acc = torch.empty(states, dim, dtype=torch.float32, device=q.device)
-    m = torch.empty(states, dtype=torch.float32, device=q.device)
-    s = torch.empty(states, dtype=torch.float32, device=q.device)
-    args = (
-        q,
-        cache_k,
-        cache_v,
-        pad,
-        cur,
-        cur.stride(0),
-        pad if sourced is None else sourced[1],
-        pad if sourced is None else sourced[0],
-        table,
-        stride_tb,
-        acc,
-        m,
-        s,
-        out if direct else acc,
-        *(out.stride()[:3] if direct else (0, 0, 0)),
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        cache_k.stride(0) if stride_kb is None else stride_kb,
-        cache_k.stride(1),
-        cache_k.stride(2),
-        cache_v.stride(0) if stride_vb is None else stride_vb,
-        cache_v.stride(1),
-        cache_v.stride(2),
-        cos if rope is not None else q,
-        sin if rope is not None else q,
-        cos.stride(0) if rope is not None else 0,
-        groups,
-        splits,
-        1.0 / math.sqrt(dim),
-    )
-    constexprs = dict(
-        PER_GROUP=per_group,
-        BLOCK_H=block_h,
-        HEAD_DIM=dim,
-        BLOCK_N=block_n,
-        MIN_SPAN=4 * block_n,
-        PAGE=page,
-        DIRECT=direct,
-        SOURCED=sourced is not None,
-        ROPE=rope is not None,
-    )
-    grid = (rows * groups, splits)
-    if occupancy and max_registers is None and q.device.type == "cuda":  # (the interpreter has no registers)
-        max_registers = _occupancy_cap(args, constexprs, grid, num_warps, num_stages, q)
+    tables = (table, stride_tb, stride_kb, stride_vb, sourced, rope)
+    fixed = (q, per_group, cache_k, cache_v, pad, cur, tables)
+    knobs = (block_n, block_h, page, triton_merge)
+    on_gpu, sms = q.device.type == "cuda", sm_count(q.device)  # (the interpreter has no registers)
+    if wave_splits and planned and splits > 1 and on_gpu:
+        key = (
+            q.device,
+            q.dtype,
+            per_group,
+            dim,
+            *knobs,
+            sourced is None,
+            rope is None,
+            num_warps,
+            num_stages,
+        )
+        key += (pairs, cache_len)
+        if key not in _WAVE_SPLITS:  # the split variant's occupancy, from a launch at the planned splits
+            record = _LADDERS.variant(*_launch(*fixed, splits, *knobs)[:3], num_warps, num_stages, q)
+            _WAVE_SPLITS[key] = _LADDERS.splits(record, pairs, sms, most_splits(cache_len, block_n))
+        splits = _WAVE_SPLITS[key]
+    launch = _launch(*fixed, splits, *knobs)
+    args, constexprs, grid, (out, acc, m, s) = launch
+    if occupancy and max_registers is None and on_gpu:
+        max_registers = _LADDERS.cap(
+            _LADDERS.variant(args, constexprs, grid, num_warps, num_stages, q), grid[0] * grid[1], sms
+        )
     _decode_partials[grid](
         *args,
         **constexprs,
@@ -455,6 +455,7 @@ def decode_attention(
         num_stages=num_stages,
         **({} if max_registers is None else {"maxnreg": max_registers}),
     )
+    direct = constexprs["DIRECT"]
     if direct:
         return out
     if triton_merge:

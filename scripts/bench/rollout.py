@@ -37,7 +37,8 @@ every sample reads its own copy of its prompt's K/V (`DecodeKernels(shared_prefi
 it from the group's first live sample's copy); `native_tiles`: the Triton decode attention with the key block,
 warps, pipeline stages and optional register cap of `--attention-tiles` (`DecodeKernels(attention_tiles=...)`);
 `native_occupancy`: each decode attention launch capped at the registers that fit its programs in the fewest
-waves (`DecodeKernels(attention_occupancy=True)`).
+waves (`DecodeKernels(attention_occupancy=True)`); `native_waves`: that, and key splits sized to fill one wave at
+the split kernel's own occupancy (`attention_wave_splits=True`).
 `--n`: samples per prompt (GRPO's group; rows = prompts x n, a prompt's samples share its length limit).
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
@@ -86,6 +87,7 @@ VARIANTS = {  # the native engine with other kernels, against `native` (auto) in
     "native_torch_sampler": DecodeKernels(sampler=False),
     "native_unshared": DecodeKernels(shared_prefix=False),
     "native_occupancy": DecodeKernels(attention_occupancy=True),
+    "native_waves": DecodeKernels(attention_occupancy=True, attention_wave_splits=True),
 }
 BACKENDS = ("native", "native_contiguous", *VARIANTS, "native_tiles", "vllm", "transformers")
 
@@ -245,8 +247,6 @@ class NativeRun:
         if len(self.calls) > 1:
             result["seconds_each"] = [round(c[0], 3) for c in self.calls]
         result["engine_stats"] = self.stats
-        if self.name == "native_occupancy":  # each decode attention variant's ladder and caps taken
-            result["attention_register_caps"] = triton_decode.occupancy_caps()
         if self.stats.get("slot_steps"):  # generated tokens per decoded slot (finished, filler slots: waste)
             slots = self.stats["slot_steps"] + self.stats["slots"]
             result["decode_occupancy"] = round(result["tokens"] / slots, 4)
@@ -483,6 +483,7 @@ def main() -> None:
             r["speedup_vs_transformers"] = round(r[key] / base, 2)
     if device.type == "cuda":  # every Triton kernel launched: registers, spills, programs per SM
         report["triton_kernels"] = launched_kernels()
+        report["attention_register_caps"] = triton_decode.occupancy_caps()  # (native_occupancy, native_waves)
     line = json.dumps(report)
     print(line, flush=True)
     if args.out:
