@@ -25,6 +25,12 @@ from distributed import run_torchrun
 SCRIPT = str(Path(__file__).with_name("trainer_run_script.py"))
 
 
+def _reported(out: str, name: str) -> dict:
+    """The JSON object a rank printed after `name`: decoded up to its own end, since torchrun's rank prefix
+    ("[default0]:") of the next line can land on the same line when ranks print at once."""
+    return json.JSONDecoder().raw_decode(out.split(name, 1)[1].lstrip())[0]
+
+
 def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp_path):
     import hf_tiny
 
@@ -40,10 +46,10 @@ def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp
     # float32 at TP=2 x PP=2 against transformers: summation order only
     assert float(out.split("reward_model_max_abs_diff ", 1)[1].split()[0]) <= 1e-4, out[-4000:]
     # a short last micro-batch at PP=2 and PP=2 x VPP=2 gives the PP=1 result on every forward path
-    remainder = json.loads(out.split("pp_remainder ", 1)[1].splitlines()[0])
+    remainder = _reported(out, "pp_remainder ")
     assert remainder.pop("pp2/update_short_last_refused") == 1.0, remainder
     assert len(remainder) == 8 and max(remainder.values()) <= 1e-5, remainder  # float32, summation order
-    parity = json.loads(out.split("parity ", 1)[1].splitlines()[0])
+    parity = _reported(out, "parity ")
     # float32: the splits differ only in summation order
     assert parity["loss_diff"] <= 1e-5 * abs(parity["loss_fixed"]), parity
     assert parity["grad_diff"] <= 1e-5 * parity["grad_scale"], parity
@@ -52,7 +58,7 @@ def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp
     # default: packed grouped up to 4 rows x the batch's width, against 4 padded rows each), and at PP=2 x VPP=2
     # (4 rows each; packed ones padded to one length per call): every head and both updates
     for layout in ("sp_false", "sp_true", "by_width", "vpp2"):
-        packing = json.loads(out.split(f"packing_{layout} ", 1)[1].splitlines()[0])
+        packing = _reported(out, f"packing_{layout} ")
         for key in ("log_probs", "entropy", "values", "scores"):
             assert packing[key] <= 2e-5, (layout, packing)  # float32, summation order
         for key in ("actor_grad_rel", "actor_loss_rel", "critic_grad_rel", "critic_loss_rel"):
@@ -66,7 +72,7 @@ def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp
                 packing,
             )
     # each group's prompt once (trainer.share_prompts) vs packed rows at TP=2 x PP=2 with SP, 4 rows a prompt
-    shared = json.loads(out.split("packing_shared ", 1)[1].splitlines()[0])
+    shared = _reported(out, "packing_shared ")
     for key in ("log_probs", "entropy", "values", "scores"):
         assert shared[key] <= 2e-5, shared
     for key in ("actor_grad_rel", "actor_loss_rel", "critic_grad_rel", "critic_loss_rel"):
@@ -75,19 +81,19 @@ def test_world4_ppo_tp2_pp2_dapo_remax_reward_model_and_dynamic_batch_parity(tmp
         shared["tokens_real"] < shared["row_tokens"] and shared["tokens_shared"] < shared["tokens_packed"]
     ), shared
     # gae, reinforce_pp (KL in the reward), reinforce_pp_baseline, grpo: float64 moments, float32 advantages
-    dp_invariance = json.loads(out.split("dp_invariance ", 1)[1].splitlines()[0])
+    dp_invariance = _reported(out, "dp_invariance ")
     assert max(dp_invariance.values()) <= 1e-6, dp_invariance
     # groups re-dealt over 4 replicas by tokens: the same update (float32, summation order), less imbalance
-    balanced = json.loads(out.split("balance_batch ", 1)[1].splitlines()[0])
+    balanced = _reported(out, "balance_batch ")
     assert balanced["max_diff"] <= 1e-5 and balanced["keys"] > 20 and balanced["grad_norm"] > 0, balanced
     assert balanced["imbalance"] < balanced["imbalance_rolled_out"] - 0.02, balanced
     assert balanced["unbalanced_keys"] == 0.0, balanced
     # MoE at EP=2 vs EP=1: the same samples (rewards equal), gradients equal up to summation order (float32)
-    moe_ep = json.loads(out.split("moe_ep ", 1)[1].splitlines()[0])
+    moe_ep = _reported(out, "moe_ep ")
     assert moe_ep["reward_diff"] == 0.0 and moe_ep["same_keys"] == 1.0, moe_ep
     assert moe_ep["grad_norm_rel"] <= 1e-6 and 1.0 <= moe_ep["load_imbalance_ep2"] <= 2.0, moe_ep
     # PP=2 x EP=2 rolled out at rollout.tp=1 (experts regrouped over stages and EP ranks) equals EP=1
-    moe_pp2 = json.loads(out.split("moe_ep_pp2 ", 1)[1].splitlines()[0])
+    moe_pp2 = _reported(out, "moe_ep_pp2 ")
     assert moe_pp2["reward_diff"] == 0.0 and moe_pp2["same_keys"] == 1.0, moe_pp2
     assert moe_pp2["grad_norm_rel"] <= 1e-6, moe_pp2  # float32: the EP split changes summation order only
     # step 2 (after an update): the rollout's log-probs still equal training's, and every parameter megatron
