@@ -121,18 +121,14 @@ class DecodeKernels:
     defaults (triton_decode.py `decode_attention`). The cap is Triton's `maxnreg` launch option: fewer registers
     per thread, more programs per SM (scripts/bench/kernel_registers.py counts them ahead of time).
     scripts/bench/rollout.py's `native_tiles` times a choice against the default in the same run."""
-    attention_occupancy: bool = False
+    attention_occupancy: bool = True
     """Where `attention_tiles` names no register cap: each launch of the Triton decode attention capped at the
     registers that fit its programs (rows x KV groups x key splits) in the fewest waves over the GPU's SMs,
     from a ladder of caps per kernel variant with at most 32 B spilled (engine/rollout/occupancy.py), or
-    uncapped where no cap saves a wave. scripts/bench/rollout.py's `native_occupancy` times it against the
-    default in the same run."""
-    attention_wave_splits: bool = False
-    """The Triton decode attention's key splits per (row, KV group), where a launch splits, sized to the split
-    kernel's own programs per SM: the most whose programs fit one wave (engine/rollout/occupancy.py
-    `wave_splits`; the default `num_splits` counts a wave as one program per SM and can spill a few programs
-    into a second). scripts/bench/rollout.py's `native_waves` times it, with `attention_occupancy`, against
-    `native_occupancy` and the default in the same run."""
+    uncapped where no cap saves a wave. Measured (scripts/bench/README.md, "Rollout", 85887c7 and 0a930bf): on an
+    H100 2.5-2.7% faster rollouts at 0.5B (fixed 512, long tail to 1,024) and 1.5B (long tail to 4,096); on an
+    H200 at 0.5B fixed, the cap it picks there (64) set by hand, 3.3-4.4%. False: every launch uncapped
+    (scripts/bench/rollout.py's `native_uncapped`)."""
 
     def __post_init__(self) -> None:
         if self.attention_tiles is None:
@@ -154,11 +150,10 @@ class DecodeKernels:
     def attention_knobs(self) -> dict[str, int]:
         """`attention_tiles` as triton_decode.decode_attention's keyword arguments ({}: its defaults)."""
         names = ("block_n", "num_warps", "num_stages", "max_registers")
-        return dict(
-            zip(names, self.attention_tiles or ()),
-            **({"occupancy": True} if self.attention_occupancy else {}),
-            **({"wave_splits": True} if self.attention_wave_splits else {}),
-        )
+        knobs = dict(zip(names, self.attention_tiles or ()))
+        if self.attention_occupancy and "max_registers" not in knobs:  # (a named cap is the launch's)
+            knobs["occupancy"] = True
+        return knobs
 
 
 def decode_attention_kernel(

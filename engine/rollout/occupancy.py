@@ -102,21 +102,12 @@ def launch_cap(ladder: list[tuple[int, int | None]], programs: int, sms: int) ->
     return next(cap for per_sm, cap in ladder if waves(programs, per_sm, sms) == fewest)
 
 
-def wave_splits(rows_x_groups: int, per_sm: int, sms: int, most: int) -> int:
-    """Key splits per (row, KV group) sized to the kernel's real occupancy: the most whose rows x groups x splits
-    programs fit one wave of `sms` x `per_sm`, at least 1 and at most `most`. The H200 split sweep
-    (scripts/bench/README.md, "Rollout", 1.5B heads, 4 per SM) had its best time at or within 1% of this count in
-    9 of 10 cases, where counts that spill a few programs into a second wave lost up to 24% (128 rows at 1,400
-    keys: 2 splits 49.3 us, 3 splits 61.1)."""
-    return max(1, min(most, sms * per_sm // rows_x_groups))
-
-
 class VariantLadders:
     """Per compiled variant of one Triton kernel (device, dtype, constexprs, warps, stages): its
     `occupancy_ladder` built from its own compiled counts (Triton's `warmup` compiles without launching; the
     driver reports registers and local memory once the binary is loaded), the counts of every cap compiled,
-    and what its launches took (caps by program count, splits by rows x groups). The first call's integer
-    specialisation of a variant stands for its later calls."""
+    and the caps its launches took, by program count. The first call's integer specialisation of a variant
+    stands for its later calls."""
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
@@ -139,29 +130,20 @@ class VariantLadders:
                 return counts[cap]
 
             ladder = occupancy_ladder(compile_with, warps, SmLimits.from_device(like.device))
-            self.found[key] = dict(ladder=ladder, counts=counts, caps_by_programs={}, splits_by_pairs={})
+            self.found[key] = dict(ladder=ladder, counts=counts, caps_by_programs={})
         return self.found[key]
 
-    @staticmethod
-    def cap(record: dict, programs: int, sms: int) -> int | None:
-        """`launch_cap` for a launch of `programs` programs of the variant, cached in its record."""
+    def cap(self, args: tuple, constexprs: dict, grid: tuple, warps: int, stages: int, like, sms: int):
+        """`launch_cap` for the launch `kernel[grid](*args, **constexprs)` on `sms` SMs, from its variant's
+        ladder (built on the variant's first launch), cached per program count."""
+        record, programs = self.variant(args, constexprs, grid, warps, stages, like), grid[0] * grid[1]
         if programs not in record["caps_by_programs"]:
             record["caps_by_programs"][programs] = launch_cap(record["ladder"], programs, sms)
         return record["caps_by_programs"][programs]
 
-    @staticmethod
-    def splits(record: dict, rows_x_groups: int, sms: int, most: int) -> int:
-        """`wave_splits` at the variant's uncapped occupancy, cached in its record."""
-        key = (rows_x_groups, most)
-        if key not in record["splits_by_pairs"]:
-            per_sm = record["ladder"][0][0]
-            record["splits_by_pairs"][key] = wave_splits(rows_x_groups, per_sm, sms, most)
-        return record["splits_by_pairs"][key]
-
     def report(self, names: tuple[str, ...]) -> list[dict]:
         """One entry per variant: its constexprs among `names` (lower case), its ladder (programs per SM, cap,
-        registers, spilled bytes per rung), the cap each launch size took (None: uncapped) and the splits each
-        rows x groups took ([rows x groups, most, splits])."""
+        registers, spilled bytes per rung) and the cap each launch size took (None: uncapped)."""
         return [
             {
                 **{k.lower(): v for k, v in key[2:-2] if k in names},
@@ -170,7 +152,6 @@ class VariantLadders:
                     for p, c in rec["ladder"]
                 ],
                 "caps_by_programs": dict(sorted(rec["caps_by_programs"].items())),
-                "splits_by_pairs": [[*k, v] for k, v in sorted(rec["splits_by_pairs"].items())],
             }
             for key, rec in self.found.items()
         ]

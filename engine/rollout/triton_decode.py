@@ -276,26 +276,18 @@ def num_splits(rows_x_groups: int, cache_len: int, block_n: int, device: torch.d
 def splits_for(rows_x_groups: int, cache_len: int, block_n: int, sms: int) -> int:
     """`num_splits` on a GPU of `sms` SMs (scripts/bench/kernel_registers.py plans launches on the CPU)."""
     waves = 2 if rows_x_groups >= sms else 4
-    return min(math.ceil(waves * sms / rows_x_groups), most_splits(cache_len, block_n))
-
-
-def most_splits(cache_len: int, block_n: int) -> int:
-    """The most key splits a launch takes: `MAX_SPLITS`, and no more than spans of 4 key blocks (the kernel's
-    shortest) would need to cover the cache's capacity."""
-    return max(1, min(MAX_SPLITS, cache_len // (4 * block_n)))
+    want = max(1, math.ceil(waves * sms / rows_x_groups))
+    return max(1, min(want, MAX_SPLITS, cache_len // (4 * block_n)))
 
 
 _LADDERS = VariantLadders(_decode_partials) if triton is not None else None
-"""`occupancy` and `wave_splits`: per compiled variant of the partials kernel, its ladder of register caps and
-what its launches took."""
-_WAVE_SPLITS: dict[tuple, int] = {}
-"""`wave_splits`: the splits taken per launch shape (device, dtype, head shape, knobs, rows x groups, cache)."""
+"""`occupancy`: per compiled variant of the partials kernel, its ladder of register caps and the caps its
+launches took."""
 
 
 def occupancy_caps() -> list[dict]:
-    """What `occupancy` and `wave_splits` found in this process, one entry per variant: its ladder (programs
-    per SM, cap, registers, spilled bytes per rung), the cap each launch size took (None: uncapped) and the
-    key splits each rows x groups took."""
+    """What `occupancy` found in this process, one entry per variant: its ladder (programs per SM, cap,
+    registers, spilled bytes per rung) and the cap each launch size took (None: uncapped)."""
     return _LADDERS.report(("HEAD_DIM", "PER_GROUP", "PAGE", "SOURCED", "DIRECT", "ROPE")) if _LADDERS else []
 
 
@@ -371,7 +363,6 @@ def decode_attention(
     num_stages: int = 2,
     max_registers: int | None = None,
     occupancy: bool = False,
-    wave_splits: bool = False,
     splits: int | None = None,
     triton_merge: bool = True,
     sourced: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -383,8 +374,7 @@ def decode_attention(
     knobs (scripts/bench/decode_attention.py sweeps them; `max_registers`: Triton's `maxnreg`, a cap on the
     partials kernel's registers per thread; `occupancy` without it: the cap engine/rollout/occupancy.py
     `launch_cap` picks for this launch's programs from the variant's ladder of caps); `splits` None:
-    `num_splits`, or with `wave_splits` on a GPU the most splits that fit one wave at the split variant's own
-    occupancy (engine/rollout/occupancy.py `wave_splits`). `triton_merge`: the splits' states merged by one Triton kernel (`_merge_splits`), or with one
+    `num_splits`. `triton_merge`: the splits' states merged by one Triton kernel (`_merge_splits`), or with one
     split the output written by the partials' kernel itself; False: `merge_splits` compiled (two kernels on an H200), or with one split an
     eager division and cast.
 
@@ -417,37 +407,15 @@ def decode_attention(
     if q.stride(-1) != 1 or cache_k.stride(-1) != 1 or cache_v.stride(-1) != 1:
         raise ValueError("decode_attention needs unit stride over the head dim")
     block_h = max(16, triton.next_power_of_2(per_group))
-    pairs, planned = rows * groups, splits is None
-    splits = splits or num_splits(pairs, cache_len, block_n, q.device)
+    splits = splits or num_splits(rows * groups, cache_len, block_n, q.device)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"decode_attention: splits={splits}, expected 1..{MAX_SPLITS}")
     tables = (table, stride_tb, stride_kb, stride_vb, sourced, rope)
-    fixed = (q, per_group, cache_k, cache_v, pad, cur, tables)
-    knobs = (block_n, block_h, page, triton_merge)
-    on_gpu, sms = q.device.type == "cuda", sm_count(q.device)  # (the interpreter has no registers)
-    if wave_splits and planned and splits > 1 and on_gpu:
-        key = (
-            q.device,
-            q.dtype,
-            per_group,
-            dim,
-            *knobs,
-            sourced is None,
-            rope is None,
-            num_warps,
-            num_stages,
-        )
-        key += (pairs, cache_len)
-        if key not in _WAVE_SPLITS:  # the split variant's occupancy, from a launch at the planned splits
-            record = _LADDERS.variant(*_launch(*fixed, splits, *knobs)[:3], num_warps, num_stages, q)
-            _WAVE_SPLITS[key] = _LADDERS.splits(record, pairs, sms, most_splits(cache_len, block_n))
-        splits = _WAVE_SPLITS[key]
-    launch = _launch(*fixed, splits, *knobs)
-    args, constexprs, grid, (out, acc, m, s) = launch
-    if occupancy and max_registers is None and on_gpu:
-        max_registers = _LADDERS.cap(
-            _LADDERS.variant(args, constexprs, grid, num_warps, num_stages, q), grid[0] * grid[1], sms
-        )
+    args, constexprs, grid, (out, acc, m, s) = _launch(
+        q, per_group, cache_k, cache_v, pad, cur, tables, splits, block_n, block_h, page, triton_merge
+    )
+    if occupancy and max_registers is None and q.device.type == "cuda":  # (the interpreter has no registers)
+        max_registers = _LADDERS.cap(args, constexprs, grid, num_warps, num_stages, q, sm_count(q.device))
     _decode_partials[grid](
         *args,
         **constexprs,

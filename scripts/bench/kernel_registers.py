@@ -21,9 +21,7 @@ the Triton version matters: the GPU image's (3.6, ../shared/device/README.md) di
 `--occupancy`: per uncapped tile also `occupancy_ladder`, the caps `DecodeKernels.attention_occupancy` chooses
 its launches' caps from (engine/rollout/occupancy.py, from these same counts), each rung's registers, spills
 and programs per SM; with `--plan-widths 24,64,512` also `plans`: per decode width, the key splits
-`num_splits` gives at `--sms` and `--cache-len`, and the cap the launch would take (`launch_cap`); where it
-splits, also the splits `DecodeKernels.attention_wave_splits` would take (`wave_splits` at the split variant's
-uncapped programs per SM) and that launch's cap: [width, splits, cap(, wave splits, cap)].
+`num_splits` gives at `--sms` and `--cache-len`, and the cap the launch would take (`launch_cap`).
 """
 
 from __future__ import annotations
@@ -42,13 +40,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from presets import attention_dims  # noqa: E402
 
 from engine.rollout import triton_decode  # noqa: E402
-from engine.rollout.occupancy import (  # noqa: E402
-    SmLimits,
-    launch_cap,
-    occupancy_ladder,
-    programs_per_sm,
-    wave_splits,
-)
+from engine.rollout.occupancy import SmLimits, launch_cap, occupancy_ladder, programs_per_sm  # noqa: E402
 
 POINTERS = {  # the dtypes the engine passes
     **dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr", "cos_ptr", "sin_ptr"), "*bf16"),
@@ -242,19 +234,10 @@ def plan(rows: list[dict], widths: list[int], cache_len: int, sms: int) -> list[
         groups = attention_dims(preset)[1]
         steps = []
         for width in widths:
-            pairs = width * groups
-            splits = triton_decode.splits_for(pairs, cache_len, tiles[0], sms)
-            if (splits == 1) not in ladders:
-                continue
-            step = [width, splits, launch_cap(ladders[splits == 1], pairs * splits, sms)]
-            if (
-                splits > 1 and False in ladders
-            ):  # `attention_wave_splits`: one wave at the split variant's occupancy
-                most = triton_decode.most_splits(cache_len, tiles[0])
-                waved = wave_splits(pairs, ladders[False][0][0], sms, most)
-                if (waved == 1) in ladders:
-                    step += [waved, launch_cap(ladders[waved == 1], pairs * waved, sms)]
-            steps.append(step)
+            splits = triton_decode.splits_for(width * groups, cache_len, tiles[0], sms)
+            if (splits == 1) in ladders:
+                programs = width * groups * splits
+                steps.append([width, splits, launch_cap(ladders[splits == 1], programs, sms)])
         out.append(
             dict(preset=preset, layout=layout, prompt=prompt, rope=rope, tiles=list(tiles), widths=steps)
         )

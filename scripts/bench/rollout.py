@@ -36,9 +36,8 @@ inside it (`DecodeKernels(rope_in_attention=False)`);
 every sample reads its own copy of its prompt's K/V (`DecodeKernels(shared_prefix=False)`; the default reads
 it from the group's first live sample's copy); `native_tiles`: the Triton decode attention with the key block,
 warps, pipeline stages and optional register cap of `--attention-tiles` (`DecodeKernels(attention_tiles=...)`);
-`native_occupancy`: each decode attention launch capped at the registers that fit its programs in the fewest
-waves (`DecodeKernels(attention_occupancy=True)`); `native_waves`: that, and key splits sized to fill one wave at
-the split kernel's own occupancy (`attention_wave_splits=True`).
+`native_uncapped`: every decode attention launch at the kernel's own register count (the default caps each
+launch at the registers that fit its programs in the fewest waves: `DecodeKernels(attention_occupancy=False)`).
 `--n`: samples per prompt (GRPO's group; rows = prompts x n, a prompt's samples share its length limit).
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
@@ -86,8 +85,7 @@ VARIANTS = {  # the native engine with other kernels, against `native` (auto) in
     "native_rope_kernel": DecodeKernels(rope_in_attention=False),
     "native_torch_sampler": DecodeKernels(sampler=False),
     "native_unshared": DecodeKernels(shared_prefix=False),
-    "native_occupancy": DecodeKernels(attention_occupancy=True),
-    "native_waves": DecodeKernels(attention_occupancy=True, attention_wave_splits=True),
+    "native_uncapped": DecodeKernels(attention_occupancy=False),
 }
 BACKENDS = ("native", "native_contiguous", *VARIANTS, "native_tiles", "vllm", "transformers")
 
@@ -483,7 +481,9 @@ def main() -> None:
             r["speedup_vs_transformers"] = round(r[key] / base, 2)
     if device.type == "cuda":  # every Triton kernel launched: registers, spills, programs per SM
         report["triton_kernels"] = launched_kernels()
-        report["attention_register_caps"] = triton_decode.occupancy_caps()  # (native_occupancy, native_waves)
+        report["attention_register_caps"] = (
+            triton_decode.occupancy_caps()
+        )  # (every native backend's launches)
     line = json.dumps(report)
     print(line, flush=True)
     if args.out:

@@ -242,39 +242,6 @@ def test_register_capped_attention_equals_the_uncapped_bitwise(per_group, dim):
     assert taken <= {k["maxnreg"] for k in launched}, (taken, launched)  # the caps reached the launches
 
 
-@pytest.mark.parametrize("per_group,dim", [(7, 64), (6, 128)])
-def test_wave_splits_fill_one_wave_at_the_split_kernels_occupancy(per_group, dim):
-    """`decode_attention(wave_splits=True)` at narrow widths (24, 64 and 96 rows x 2 groups at ~1,500 keys of a
-    4,096-position cache): the splits taken are `wave_splits` at the split variant's uncapped programs per SM
-    (its programs fit one wave), the output equals the kernel launched at that split count explicitly bit for
-    bit, and the default `num_splits` count's output within bf16 rounding (another summation order)."""
-    from engine.rollout import triton_decode
-    from engine.rollout.occupancy import wave_splits
-
-    g = torch.Generator(device=DEV).manual_seed(9)
-    groups, cache_len, sms = 2, 4096, torch.cuda.get_device_properties(DEV).multi_processor_count
-    for rows in (24, 64, 96):
-        q = torch.randn(rows, groups, per_group, dim, device=DEV, generator=g).bfloat16()
-        k, v = (torch.randn(rows, cache_len, groups, dim, device=DEV, generator=g).bfloat16() for _ in "kv")
-        pad = torch.randint(0, 40, (rows,), device=DEV, generator=g)
-        cur = pad + 1400 + torch.randint(0, 200, (rows,), device=DEV, generator=g)
-        default = triton_decode.num_splits(rows * groups, cache_len, 64, DEV)
-        waved = triton_decode.decode_attention(q, k, v, pad, cur, wave_splits=True)
-        (variant,) = [
-            r
-            for r in triton_decode.occupancy_caps()
-            if r["head_dim"] == dim and not r["direct"] and not r["rope"] and not r["sourced"]
-        ]
-        taken = {p: s for p, _, s in variant["splits_by_pairs"]}[rows * groups]
-        per_sm = variant["ladder"][0]["programs_per_sm"]
-        assert taken == wave_splits(rows * groups, per_sm, sms, triton_decode.most_splits(cache_len, 64))
-        assert rows * groups * taken <= per_sm * sms or taken == 1, (rows, taken, per_sm)
-        explicit = triton_decode.decode_attention(q, k, v, pad, cur, splits=taken)
-        assert torch.equal(waved, explicit), (rows, taken)
-        planned = triton_decode.decode_attention(q, k, v, pad, cur, splits=default)
-        torch.testing.assert_close(waved.float(), planned.float(), atol=1e-2, rtol=8e-3)
-
-
 def rope_tables_for(dim: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 cos/sin tables as engine/rollout/model.py `rope_tables` builds them (theta 1e6)."""
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))

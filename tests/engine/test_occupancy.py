@@ -3,15 +3,7 @@
 compiler's counts: tests/scripts/test_bench_kernel_registers.py; the engine's use: scripts/bench/rollout.py's
 `native_occupancy` on a GPU."""
 
-from engine.rollout.occupancy import (
-    SmLimits,
-    cap_for,
-    launch_cap,
-    occupancy_ladder,
-    programs_per_sm,
-    wave_splits,
-    waves,
-)
+from engine.rollout.occupancy import SmLimits, cap_for, launch_cap, occupancy_ladder, programs_per_sm, waves
 
 SM = SmLimits()
 
@@ -93,16 +85,3 @@ def test_a_launch_takes_the_highest_cap_that_needs_the_fewest_waves():
     # 1,400 programs: 3 waves at 4 (528 each), 3 at 5 (660), 2 at 6 (792) -> 80
     assert launch_cap(ladder, 1400, 132) == 80
     assert launch_cap([(3, None)], 1024, 132) is None
-
-
-def test_wave_splits_fill_one_wave_by_hand():
-    # 132 SMs at 4 per SM hold 528 programs at once
-    assert (
-        wave_splits(128, 4, 132, 64) == 4
-    )  # 64 rows x 2 groups: 4 x 128 = 512 (num_splits: 5 -> 640, 2 waves)
-    assert wave_splits(256, 4, 132, 64) == 2  # 128 rows: 512 (num_splits: 2 too)
-    assert wave_splits(192, 4, 132, 64) == 2  # 96 rows: 384 (3 would be 576: a second wave)
-    assert wave_splits(48, 4, 132, 64) == 11  # 24 rows: 528, exactly one wave
-    assert wave_splits(128, 3, 132, 64) == 3 and wave_splits(128, 5, 132, 64) == 5  # 396 and 660 at once
-    assert wave_splits(300, 4, 132, 64) == 1 and wave_splits(2048, 4, 132, 64) == 1  # a wave or more unsplit
-    assert wave_splits(8, 4, 132, 64) == 64 and wave_splits(8, 4, 132, 12) == 12  # at most `most`

@@ -217,12 +217,11 @@ def test_bad_attention_tiles_name_the_field(tiles):
         ValueError, match=r"DecodeKernels.attention_tiles=.*expected \(key block: a power of two"
     ):
         DecodeKernels(attention_tiles=tiles)
-    assert DecodeKernels(attention_tiles=(128, 2, 3)).attention_knobs() == {
-        "block_n": 128,
-        "num_warps": 2,
-        "num_stages": 3,
-    }
-    assert DecodeKernels().attention_knobs() == {}
-    capped = DecodeKernels(attention_tiles=(64, 4, 2, 120)).attention_knobs()
+    tiles = DecodeKernels(attention_tiles=(128, 2, 3), attention_occupancy=False).attention_knobs()
+    assert tiles == {"block_n": 128, "num_warps": 2, "num_stages": 3}
+    assert DecodeKernels().attention_knobs() == {"occupancy": True}  # each launch's cap: the default
+    assert DecodeKernels(attention_occupancy=False).attention_knobs() == {}
+    capped = DecodeKernels(attention_tiles=(64, 4, 2, 120)).attention_knobs()  # a named cap: every launch's
     assert capped == {"block_n": 64, "num_warps": 4, "num_stages": 2, "max_registers": 120}
-    assert DecodeKernels(attention_occupancy=True).attention_knobs() == {"occupancy": True}
+    tiled = DecodeKernels(attention_tiles=(64, 4, 2)).attention_knobs()
+    assert tiled == {"block_n": 64, "num_warps": 4, "num_stages": 2, "occupancy": True}

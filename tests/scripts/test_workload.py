@@ -140,7 +140,7 @@ def test_rollout_bench_default_backends_leave_native_tiles_to_attention_tiles():
     import rollout
 
     default = rollout.parse_args([]).backends.split(",")
-    assert "native_tiles" not in default and {"native", "native_occupancy", "vllm"} <= set(default)
+    assert "native_tiles" not in default and {"native", "native_uncapped", "vllm"} <= set(default)
     tiles = rollout.parse_args(["--attention-tiles", "64,4,2,64"])
     assert "native_tiles" in tiles.backends.split(",")
     assert tiles.attention_tiles.attention_knobs()["max_registers"] == 64
