@@ -11,7 +11,8 @@ wave fewer does (a cap of 64: 8 per SM, 1 wave, 32 B spilled: 3.3-4.4% faster ro
 the same waves costs (56: 9 per SM, 56 B: 5% slower than 64). So each variant gets a ladder of caps, one per
 occupancy above its own that a cap reaches with at most `MAX_SPILL_BYTES` spilled (`occupancy_ladder`), and
 each launch takes the highest cap of the ladder that needs the fewest waves for its program count, or none
-where no cap saves a wave (`launch_cap`).
+where no cap saves a wave (`launch_cap`). On by default since the rule itself was measured on an H100: 2.5-2.7%
+faster rollouts at 0.5B and 1.5B, fixed and long-tailed; no workload slower.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """engine/rollout/occupancy.py: programs per SM, the ladder of register caps and each launch's cap, by hand
 (H100/H200 limits: 65,536 registers, 228 KB of shared memory, 64 warps and 32 blocks per SM). The real
 compiler's counts: tests/scripts/test_bench_kernel_registers.py; the engine's use: scripts/bench/rollout.py's
-`native_occupancy` on a GPU."""
+`native_uncapped` against the default on a GPU."""
 
 from engine.rollout.occupancy import SmLimits, cap_for, launch_cap, occupancy_ladder, programs_per_sm, waves
 
