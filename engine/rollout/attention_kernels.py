@@ -148,7 +148,8 @@ class DecodeKernels:
             )
 
     def attention_knobs(self) -> dict[str, int]:
-        """`attention_tiles` as triton_decode.decode_attention's keyword arguments ({}: its defaults)."""
+        """`attention_tiles` and `attention_occupancy` as triton_decode.decode_attention's keyword arguments ({}:
+        its defaults)."""
         names = ("block_n", "num_warps", "num_stages", "max_registers")
         knobs = dict(zip(names, self.attention_tiles or ()))
         if self.attention_occupancy and "max_registers" not in knobs:  # (a named cap is the launch's)

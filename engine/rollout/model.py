@@ -211,7 +211,7 @@ class RolloutModel:
         self.fused_rope_kv = self.fused and triton_rope_kv.triton is not None and no_qk_norm
         in_triton = self.attention == "triton" and kernels.rope_in_attention
         self.rope_in_attention = self.fused_rope_kv and in_triton  # RoPE and K/V writes in its kernel
-        self.attention_knobs = kernels.attention_knobs()  # the Triton attention's tiles, where not default
+        self.attention_knobs = kernels.attention_knobs()  # the Triton attention's tiles and register caps
 
     def _layer(self, p: dict[str, torch.Tensor], i: int) -> _Layer:
         pre = f"decoder.layers.{i}."

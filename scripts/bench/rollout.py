@@ -481,9 +481,8 @@ def main() -> None:
             r["speedup_vs_transformers"] = round(r[key] / base, 2)
     if device.type == "cuda":  # every Triton kernel launched: registers, spills, programs per SM
         report["triton_kernels"] = launched_kernels()
-        report["attention_register_caps"] = (
-            triton_decode.occupancy_caps()
-        )  # (every native backend's launches)
+        # each decode attention variant's ladder of register caps and the caps its launches took
+        report["attention_register_caps"] = triton_decode.occupancy_caps()
     line = json.dumps(report)
     print(line, flush=True)
     if args.out:
