@@ -131,7 +131,7 @@ class VariantLadders:
                 return counts[cap]
 
             ladder = occupancy_ladder(compile_with, warps, SmLimits.from_device(like.device))
-            self.found[key] = dict(ladder=ladder, counts=counts, caps_by_programs={})
+            self.found[key] = dict(constexprs=constexprs, ladder=ladder, counts=counts, caps_by_programs={})
         return self.found[key]
 
     def cap(self, args: tuple, constexprs: dict, grid: tuple, warps: int, stages: int, like, sms: int):
@@ -147,14 +147,14 @@ class VariantLadders:
         registers, spilled bytes per rung) and the cap each launch size took (None: uncapped)."""
         return [
             {
-                **{k.lower(): v for k, v in key[2:-2] if k in names},
+                **{k.lower(): v for k, v in rec["constexprs"].items() if k in names},
                 "ladder": [
                     dict(programs_per_sm=p, cap=c, regs=rec["counts"][c][0], spill_bytes=rec["counts"][c][1])
                     for p, c in rec["ladder"]
                 ],
                 "caps_by_programs": dict(sorted(rec["caps_by_programs"].items())),
             }
-            for key, rec in self.found.items()
+            for rec in self.found.values()
         ]
 
 

@@ -291,64 +291,6 @@ def occupancy_caps() -> list[dict]:
     return _LADDERS.report(("HEAD_DIM", "PER_GROUP", "PAGE", "SOURCED", "DIRECT", "ROPE")) if _LADDERS else []
 
 
-def _launch(q, per_group, cache_k, cache_v, pad, cur, tables, splits, block_n, block_h, page, triton_merge):
-    """`decode_attention`'s launch of the partials kernel at `splits` key splits: (args, constexprs, grid,
-    (output or None, the splits' states acc, m, s))."""
-    rows, groups, _, dim = q.shape
-    table, stride_tb, stride_kb, stride_vb, sourced, rope = tables
-    direct = triton_merge and splits == 1  # the kernel writes the output: no states, no merge
-    out = torch.empty(rows, groups, per_group, dim, dtype=q.dtype, device=q.device) if triton_merge else None
-    states = 0 if direct else rows * groups * splits * block_h
-    acc = torch.empty(states, dim, dtype=torch.float32, device=q.device)
-    m = torch.empty(states, dtype=torch.float32, device=q.device)
-    s = torch.empty(states, dtype=torch.float32, device=q.device)
-    cos, sin = rope if rope is not None else (q, q)
-    args = (
-        q,
-        cache_k,
-        cache_v,
-        pad,
-        cur,
-        cur.stride(0),
-        pad if sourced is None else sourced[1],
-        pad if sourced is None else sourced[0],
-        table,
-        stride_tb,
-        acc,
-        m,
-        s,
-        out if direct else acc,
-        *(out.stride()[:3] if direct else (0, 0, 0)),
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        cache_k.stride(0) if stride_kb is None else stride_kb,
-        cache_k.stride(1),
-        cache_k.stride(2),
-        cache_v.stride(0) if stride_vb is None else stride_vb,
-        cache_v.stride(1),
-        cache_v.stride(2),
-        cos,
-        sin,
-        cos.stride(0) if rope is not None else 0,
-        groups,
-        splits,
-        1.0 / math.sqrt(dim),
-    )
-    constexprs = dict(
-        PER_GROUP=per_group,
-        BLOCK_H=block_h,
-        HEAD_DIM=dim,
-        BLOCK_N=block_n,
-        MIN_SPAN=4 * block_n,
-        PAGE=page,
-        DIRECT=direct,
-        SOURCED=sourced is not None,
-        ROPE=rope is not None,
-    )
-    return args, constexprs, (rows * groups, splits), (out, acc, m, s)
-
-
 def decode_attention(
     q: torch.Tensor,
     cache_k: torch.Tensor,
@@ -410,10 +352,56 @@ def decode_attention(
     splits = splits or num_splits(rows * groups, cache_len, block_n, q.device)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"decode_attention: splits={splits}, expected 1..{MAX_SPLITS}")
-    tables = (table, stride_tb, stride_kb, stride_vb, sourced, rope)
-    args, constexprs, grid, (out, acc, m, s) = _launch(
-        q, per_group, cache_k, cache_v, pad, cur, tables, splits, block_n, block_h, page, triton_merge
+    direct = triton_merge and splits == 1  # the kernel writes the output: no states, no merge
+    out = torch.empty(rows, groups, per_group, dim, dtype=q.dtype, device=q.device) if triton_merge else None
+    states = 0 if direct else rows * groups * splits * block_h
+    acc = torch.empty(states, dim, dtype=torch.float32, device=q.device)
+    m = torch.empty(states, dtype=torch.float32, device=q.device)
+    s = torch.empty(states, dtype=torch.float32, device=q.device)
+    args = (
+        q,
+        cache_k,
+        cache_v,
+        pad,
+        cur,
+        cur.stride(0),
+        pad if sourced is None else sourced[1],
+        pad if sourced is None else sourced[0],
+        table,
+        stride_tb,
+        acc,
+        m,
+        s,
+        out if direct else acc,
+        *(out.stride()[:3] if direct else (0, 0, 0)),
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        cache_k.stride(0) if stride_kb is None else stride_kb,
+        cache_k.stride(1),
+        cache_k.stride(2),
+        cache_v.stride(0) if stride_vb is None else stride_vb,
+        cache_v.stride(1),
+        cache_v.stride(2),
+        cos if rope is not None else q,
+        sin if rope is not None else q,
+        cos.stride(0) if rope is not None else 0,
+        groups,
+        splits,
+        1.0 / math.sqrt(dim),
     )
+    constexprs = dict(
+        PER_GROUP=per_group,
+        BLOCK_H=block_h,
+        HEAD_DIM=dim,
+        BLOCK_N=block_n,
+        MIN_SPAN=4 * block_n,
+        PAGE=page,
+        DIRECT=direct,
+        SOURCED=sourced is not None,
+        ROPE=rope is not None,
+    )
+    grid = (rows * groups, splits)
     if occupancy and max_registers is None and q.device.type == "cuda":  # (the interpreter has no registers)
         max_registers = _LADDERS.cap(args, constexprs, grid, num_warps, num_stages, q, sm_count(q.device))
     _decode_partials[grid](
@@ -423,7 +411,6 @@ def decode_attention(
         num_stages=num_stages,
         **({} if max_registers is None else {"maxnreg": max_registers}),
     )
-    direct = constexprs["DIRECT"]
     if direct:
         return out
     if triton_merge:
