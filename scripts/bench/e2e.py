@@ -18,7 +18,8 @@ the update's padding fraction, MFU of the actor update (6 x parameters x real to
 trainer's PaLM-style count over real tokens, as `mfu_update_actor_trainer`), peak memory, the share of the
 step spent on weight sync and vLLM's sleep/wake (`sync_share`), the issue's tight limit of the step (roofline.py:
 generation at the decode roofline + update at 70% MFU; `bound_s`, `step_over_bound`, with its two parts; the
-rollout phase's `generation_roofline_fraction`), the looser limit of the earlier tables (generation at the
+rollout phase's `generation_roofline_fraction`; on a card roofline.py knows that is not an H200, the same at
+its own bandwidth: `bound_this_gpu_s`, `step_over_bound_this_gpu`), the looser limit of the earlier tables (generation at the
 vLLM anchor's speed + update at 50% MFU; `anchor_bound_s`, `step_over_anchor_bound`) and the TRL baseline with
 `--baseline trl` (transformers generate) or `trl_vllm` (TRL's colocated vLLM) (needs trl; one GPU). With
 `--gpu-busy`, one step more runs under torch.profiler (`trainer.profile_steps`), not timed: `gpu_busy` holds
@@ -41,7 +42,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from presets import num_params  # noqa: E402
-from roofline import dense, step_bound  # noqa: E402
+from roofline import dense, report_rates, step_bound  # noqa: E402
 from workload import add_step_args, describe, response_lengths  # noqa: E402
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16 spec (large GEMMs reach ~790e12 in practice)
@@ -90,6 +91,15 @@ def write_workload(out_dir: str, num_prompts: int, prompt_len: int, caps: list[i
     schema = pa.Table.from_pylist(rows[:1]).schema.set(4, pa.field("max_new_tokens", pa.int64()))
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
     return tok, path
+
+
+def gpu_name() -> str:
+    """The first GPU's name by nvidia-smi ("" without one): this process leaves CUDA to the trainer's."""
+    try:
+        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"]
+        return subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def run_ours(args, out_dir: str) -> dict:
@@ -160,7 +170,7 @@ def run_ours(args, out_dir: str) -> dict:
     # the issue's tight limit (roofline.py), and the looser one of the earlier tables: generation at the vLLM
     # anchor's speed + the update at 50% MFU (on-policy GRPO without a reference needs no extra forward pass)
     tight = {"seconds": None, "generation_s": None, "update_s": None}  # MoE: no roofline (roofline.dense)
-    over_bound = None
+    over_bound, this_gpu = None, {}
     if dense(args.preset):
         bounds = [
             (
@@ -175,6 +185,19 @@ def run_ours(args, out_dir: str) -> dict:
             k: statistics.median(b[k] for _, b in bounds) for k in ("seconds", "generation_s", "update_s")
         }
         over_bound = statistics.median(r["timing/step"] / b["seconds"] for r, b in bounds)
+        card = report_rates(gpu_name()).get("_this_gpu")
+        if card is not None:  # the same limit at this card's memory bandwidth
+            at_card = [
+                (r, step_bound(args.preset, args.prompts, args.n, args.prompt_len, lengths, args.gpus,
+                               args.rollout_tp, card))
+                for r, lengths in steady
+            ]  # fmt: skip
+            this_gpu = {
+                "bound_this_gpu_s": statistics.median(b["seconds"] for _, b in at_card),
+                "step_over_bound_this_gpu": statistics.median(
+                    r["timing/step"] / b["seconds"] for r, b in at_card
+                ),
+            }
     mfu_update = statistics.median(  # with trainer.share_prompts the tokens computed: prompts once
         6
         * params
@@ -202,6 +225,7 @@ def run_ours(args, out_dir: str) -> dict:
         ),
         "bound_update_s": tight["update_s"],
         "step_over_bound": over_bound,
+        **this_gpu,
         "anchor_bound_s": anchor,
         "step_over_anchor_bound": med["timing/step"] / anchor if anchor else None,
         "step_s": med["timing/step"],

@@ -51,7 +51,9 @@ warm-up and capture in the timed call, any compile included: engine/rollout/cuda
 `capture_seconds`) and `decode_ms_per_step_by_width_without_capture`.
 `roofline` (GPU, dense presets): the H200 decode roofline of the workload (roofline.py: prefill at 790 TFLOP/s,
 each decode step at max(weights + live rows' K/V at 4.8 TB/s, FLOPs at 790 TFLOP/s)); each timed backend's
-`roofline_fraction` = roofline seconds / its seconds.
+`roofline_fraction` = roofline seconds / its seconds. On another card that roofline.py knows (an H100:
+3.35 TB/s), also `roofline_this_gpu` (the same roofline at that card's bandwidth) and each backend's
+`roofline_fraction_this_gpu`: the issue's fraction is the H200's, which reads low on a slower card.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ from dataclasses import replace
 
 import torch
 from rollout_models import PRESETS, TINY, model_shape, random_rollout_weights
-from roofline import dense, generation_roofline  # scripts/bench/ is the script's directory
+from roofline import dense, generation_roofline, report_rates  # scripts/bench/ is the script's directory
 from workload import KINDS, describe, response_lengths
 
 from engine.models.hf_map import hf_from_shards, hf_names, match_rule
@@ -469,11 +471,14 @@ def main() -> None:
     elif "transformers" in wanted:
         results["transformers"] = run_transformers(shape, weights, prompts, sampling, device, reference)
     if device.type == "cuda" and args.preset not in TINY and dense(args.preset):
-        roof = generation_roofline(args.preset, args.prompt_len, [n for n in lengths for _ in range(args.n)])
-        report["roofline"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in roof.items()}
-        for r in results.values():
-            if "seconds" in r:
-                r["roofline_fraction"] = round(roof["seconds"] / r["seconds"], 3)
+        rows = [n for n in lengths for _ in range(args.n)]
+        for suffix, rate in report_rates(torch.cuda.get_device_name(device)).items():
+            roof = generation_roofline(args.preset, args.prompt_len, rows, hbm_bytes_per_s=rate)
+            roof = {k: round(v, 3) if isinstance(v, float) else v for k, v in roof.items()}
+            report["roofline" + suffix] = {**roof, "hbm_tb_per_s": rate / 1e12}
+            for r in results.values():
+                if "seconds" in r:
+                    r["roofline_fraction" + suffix] = round(roof["seconds"] / r["seconds"], 3)
     key = "tokens_per_cpu_s" if device.type == "cpu" else "tokens_per_s"  # CPU: steadier on a shared machine
     base = results.get("transformers", {}).get(key)
     for name, r in results.items():

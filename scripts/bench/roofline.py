@@ -1,5 +1,9 @@
 """The issue's tight limits of a GRPO step on an H200, computed from a workload's lengths and a preset's shapes.
 
+The issue states its limit for an H200 (`HBM_BYTES_PER_S`); `--gpu` (and the functions' `hbm_bytes_per_s`)
+computes the same limit at another card's bandwidth (`HBM_BYTES_PER_S_BY_GPU`), so that a run on an H100 is
+held against its own memory, not the H200's.
+
 - Generation at the decode roofline: the prefill of every prompt at `GEMM_FLOPS`, then one decode step per
   generated position, each taking max(bytes / `HBM_BYTES_PER_S`, FLOPs / `GEMM_FLOPS`). A step's bytes are
   the weights its matmuls read (every linear layer and the output head; the input embedding is a lookup) and
@@ -28,7 +32,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from presets import model_preset, num_params  # noqa: E402
 from workload import add_step_args, response_lengths  # noqa: E402
 
-HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e
+HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e: the issue's card
+HBM_BYTES_PER_S_BY_GPU = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12}
+"""HBM bandwidth by a part of torch.cuda.get_device_name (NVIDIA's datasheets: H200 SXM HBM3e, H100 SXM5 HBM3);
+both reach the same bf16 GEMM rate, so `GEMM_FLOPS` holds for each."""
 GEMM_FLOPS = 790e12  # dense bf16 that large GEMMs reach on an H100/H200
 PEAK_BF16_FLOPS = 989e12  # the spec; MFU is counted against it
 UPDATE_MFU = 0.7
@@ -69,7 +76,28 @@ class DecodeShapes:
         )
 
 
-def _replica_seconds(shapes: DecodeShapes, prompt_len: int, lengths: np.ndarray, tp: int) -> dict:
+def gpu_hbm_bytes_per_s(device_name: str) -> float | None:
+    """The HBM bandwidth of the card named `device_name` (torch.cuda.get_device_name); None where the table
+    does not know it."""
+    for part, rate in HBM_BYTES_PER_S_BY_GPU.items():
+        if part in device_name:
+            return rate
+    return None
+
+
+def report_rates(device_name: str) -> dict[str, float]:
+    """The bandwidths to hold a run on `device_name` against, by the suffix of its report keys: "" the issue's
+    (the H200's), and "_this_gpu" the card's own where the table knows it and it differs."""
+    rates = {"": HBM_BYTES_PER_S}
+    rate = gpu_hbm_bytes_per_s(device_name)
+    if rate is not None and rate != HBM_BYTES_PER_S:
+        rates["_this_gpu"] = rate
+    return rates
+
+
+def _replica_seconds(
+    shapes: DecodeShapes, prompt_len: int, lengths: np.ndarray, tp: int, hbm_bytes_per_s: float
+) -> dict:
     """Prefill and decode seconds of one replica generating `lengths` after prompts of `prompt_len`."""
     rows = len(lengths)
     if rows == 0:
@@ -80,7 +108,7 @@ def _replica_seconds(shapes: DecodeShapes, prompt_len: int, lengths: np.ndarray,
         2 * shapes.matmul_params * prompt_len
         + shapes.attention_flops_per_key * prompt_len * (prompt_len + 1) / 2
     )
-    prefill_s = max(prefill_flops / GEMM_FLOPS, shapes.weight_bytes / HBM_BYTES_PER_S) / tp
+    prefill_s = max(prefill_flops / GEMM_FLOPS, shapes.weight_bytes / hbm_bytes_per_s) / tp
     # decode: the prefill produced each row's first token; step t (1 <= t < max) makes token t + 1 of every
     # row longer than t, attending over prompt_len + t keys
     steps = np.arange(1, int(lengths.max()))
@@ -88,22 +116,30 @@ def _replica_seconds(shapes: DecodeShapes, prompt_len: int, lengths: np.ndarray,
     keys = live * (prompt_len + steps)
     step_bytes = shapes.weight_bytes + keys * shapes.kv_bytes_per_position
     step_flops = 2.0 * shapes.matmul_params * live + keys * shapes.attention_flops_per_key
-    decode = np.maximum(step_bytes / HBM_BYTES_PER_S, step_flops / GEMM_FLOPS) / tp
+    decode = np.maximum(step_bytes / hbm_bytes_per_s, step_flops / GEMM_FLOPS) / tp
     return {"prefill_s": float(prefill_s), "decode_s": float(decode.sum()), "decode_steps": len(steps)}
 
 
 def generation_roofline(
-    preset: str, prompt_len: int, row_lengths: list[int], gpus: int = 1, rollout_tp: int = 1
+    preset: str,
+    prompt_len: int,
+    row_lengths: list[int],
+    gpus: int = 1,
+    rollout_tp: int = 1,
+    hbm_bytes_per_s: float = HBM_BYTES_PER_S,
 ) -> dict:
     """Seconds of the generation at the roofline: rows dealt to `gpus // rollout_tp` replicas in order of
     length (balanced), each replica's weights and FLOPs split over its `rollout_tp` GPUs; the slowest replica
-    bounds the phase."""
+    bounds the phase. Memory at `hbm_bytes_per_s` (default: the H200's)."""
     if gpus % rollout_tp:
         raise ValueError(f"gpus={gpus} is not a multiple of rollout_tp={rollout_tp}")
     shapes = DecodeShapes.of(preset)
     replicas = gpus // rollout_tp
     ordered = np.sort(np.asarray(row_lengths, dtype=np.int64))[::-1]
-    per = [_replica_seconds(shapes, prompt_len, ordered[r::replicas], rollout_tp) for r in range(replicas)]
+    per = [
+        _replica_seconds(shapes, prompt_len, ordered[r::replicas], rollout_tp, hbm_bytes_per_s)
+        for r in range(replicas)
+    ]
     slowest = max(per, key=lambda p: p["prefill_s"] + p["decode_s"])
     return {
         "seconds": slowest["prefill_s"] + slowest["decode_s"],
@@ -120,13 +156,20 @@ def update_bound_s(preset: str, tokens: int, gpus: int = 1) -> float:
 
 
 def step_bound(
-    preset: str, prompts: int, n: int, prompt_len: int, lengths: list[int], gpus: int = 1, rollout_tp: int = 1
+    preset: str,
+    prompts: int,
+    n: int,
+    prompt_len: int,
+    lengths: list[int],
+    gpus: int = 1,
+    rollout_tp: int = 1,
+    hbm_bytes_per_s: float = HBM_BYTES_PER_S,
 ) -> dict:
     """The issue's tight limit of one GRPO step (no reference, no critic): generation at the roofline plus the
     update at 70% MFU (and `generation`: the generation roofline's own report). `lengths` holds one response
-    length per prompt; its n samples share it."""
+    length per prompt; its n samples share it. Memory at `hbm_bytes_per_s` (default: the H200's)."""
     rows = [length for length in lengths for _ in range(n)]
-    gen = generation_roofline(preset, prompt_len, rows, gpus, rollout_tp)
+    gen = generation_roofline(preset, prompt_len, rows, gpus, rollout_tp, hbm_bytes_per_s)
     tokens = prompts * n * prompt_len + gen["tokens"]
     update = update_bound_s(preset, tokens, gpus)
     return {
@@ -143,9 +186,15 @@ def main() -> None:
     add_step_args(ap)
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--rollout-tp", type=int, default=1)
+    ap.add_argument(
+        "--gpu", default="H200", choices=sorted(HBM_BYTES_PER_S_BY_GPU), help="whose memory bandwidth"
+    )
     args = ap.parse_args()
     lengths = response_lengths(args.lengths, args.prompts, args.response_len, args.seed)
-    step = step_bound(args.preset, args.prompts, args.n, args.prompt_len, lengths, args.gpus, args.rollout_tp)
+    rate = HBM_BYTES_PER_S_BY_GPU[args.gpu]
+    step = step_bound(
+        args.preset, args.prompts, args.n, args.prompt_len, lengths, args.gpus, args.rollout_tp, rate
+    )
     print(json.dumps({"generation": step.pop("generation"), "step": step}))
 
 

@@ -15,6 +15,8 @@ from roofline import (  # noqa: E402
     DecodeShapes,
     dense,
     generation_roofline,
+    gpu_hbm_bytes_per_s,
+    report_rates,
     step_bound,
     update_bound_s,
 )
@@ -48,6 +50,24 @@ def test_narrow_steps_are_bound_by_weights_and_kv_and_finished_rows_leave():
     assert got["prefill_s"] == pytest.approx(_prefill(2, 4), rel=1e-12)
     assert got["decode_s"] == pytest.approx(sum(steps), rel=1e-12)
     assert got["seconds"] == pytest.approx(_prefill(2, 4) + sum(steps), rel=1e-12)
+
+
+def test_another_cards_bandwidth_moves_the_bytes_bound_steps_only():
+    """The same narrow rows at an H100's 3.35 TB/s: the weight- and key-bound decode steps and the prompt-sized
+    prefill (bound by its weights) take 4.8 / 3.35 as long; the FLOP-bound wide step keeps its time."""
+    h100 = gpu_hbm_bytes_per_s("NVIDIA H100 80GB HBM3")
+    assert h100 == 3.35e12 and gpu_hbm_bytes_per_s("NVIDIA H200") == HBM_BYTES_PER_S
+    assert gpu_hbm_bytes_per_s("NVIDIA A10G") is None
+    narrow = generation_roofline("qwen2_5_0_5b", 4, [1, 3], hbm_bytes_per_s=h100)
+    steps = [(2 * MATMUL + keys * KV_PER_POSITION) / h100 for keys in (5, 6)]
+    assert narrow["decode_s"] == pytest.approx(sum(steps), rel=1e-12)
+    assert narrow["prefill_s"] == pytest.approx(2 * MATMUL / h100, rel=1e-12)
+    wide = generation_roofline("qwen2_5_0_5b", 1, [2] * 4096, hbm_bytes_per_s=h100)
+    assert wide["decode_s"] == pytest.approx(
+        4096 * (2 * MATMUL + 2 * ATTENTION_PER_KEY) / GEMM_FLOPS, rel=1e-12
+    )
+    assert report_rates("NVIDIA H100 80GB HBM3") == {"": HBM_BYTES_PER_S, "_this_gpu": h100}
+    assert report_rates("NVIDIA H200") == report_rates("") == {"": HBM_BYTES_PER_S}
 
 
 def test_wide_steps_are_bound_by_flops():
