@@ -48,7 +48,8 @@ the JSON (`<backend>.profile`). With CUDA graphs the profiler attributes the rep
 Native `engine_stats`, with per-prompt limits: `decode_ms_per_step_by_width` (host clock between the engine's
 host checks; a width's first interval holds its CUDA-graph capture), `capture_ms_by_width` (each bucket's
 warm-up and capture in the timed call, any compile included: engine/rollout/cuda_graphs.py
-`capture_seconds`) and `decode_ms_per_step_by_width_without_capture`.
+`capture_seconds`), `decode_ms_per_step_by_width_without_capture`, and on GPU for dense presets
+`roofline_ms_per_step_by_width` (roofline.py's steps grouped by the widths the engine ran; `_this_gpu` too).
 `roofline` (GPU, dense presets): the H200 decode roofline of the workload (roofline.py: prefill at 790 TFLOP/s,
 each decode step at max(weights + live rows' K/V at 4.8 TB/s, FLOPs at 790 TFLOP/s)); each timed backend's
 `roofline_fraction` = roofline seconds / its seconds. On another card that roofline.py knows (an H100:
@@ -69,7 +70,7 @@ from dataclasses import replace
 
 import torch
 from rollout_models import PRESETS, TINY, model_shape, random_rollout_weights
-from roofline import dense, generation_roofline, report_rates  # scripts/bench/ is the script's directory
+from roofline import add_rooflines, dense  # scripts/bench/ is the script's directory
 from workload import KINDS, describe, response_lengths
 
 from engine.models.hf_map import hf_from_shards, hf_names, match_rule
@@ -472,13 +473,7 @@ def main() -> None:
         results["transformers"] = run_transformers(shape, weights, prompts, sampling, device, reference)
     if device.type == "cuda" and args.preset not in TINY and dense(args.preset):
         rows = [n for n in lengths for _ in range(args.n)]
-        for suffix, rate in report_rates(torch.cuda.get_device_name(device)).items():
-            roof = generation_roofline(args.preset, args.prompt_len, rows, hbm_bytes_per_s=rate)
-            roof = {k: round(v, 3) if isinstance(v, float) else v for k, v in roof.items()}
-            report["roofline" + suffix] = {**roof, "hbm_tb_per_s": rate / 1e12}
-            for r in results.values():
-                if "seconds" in r:
-                    r["roofline_fraction" + suffix] = round(roof["seconds"] / r["seconds"], 3)
+        add_rooflines(report, results, args.preset, args.prompt_len, rows, torch.cuda.get_device_name(device))
     key = "tokens_per_cpu_s" if device.type == "cpu" else "tokens_per_s"  # CPU: steadier on a shared machine
     base = results.get("transformers", {}).get(key)
     for name, r in results.items():

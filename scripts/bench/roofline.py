@@ -95,6 +95,20 @@ def report_rates(device_name: str) -> dict[str, float]:
     return rates
 
 
+def _decode_steps(
+    shapes: DecodeShapes, prompt_len: int, lengths: np.ndarray, hbm_bytes_per_s: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """(live rows, seconds) of each decode step of one GPU generating `lengths` after prompts of
+    `prompt_len`: the prefill produced each row's first token; step t (1 <= t < max) makes token t + 1 of
+    every row longer than t, attending over prompt_len + t keys."""
+    steps = np.arange(1, int(lengths.max()) if len(lengths) else 1)
+    live = (lengths[None, :] > steps[:, None]).sum(axis=1).astype(np.float64)
+    keys = live * (prompt_len + steps)
+    step_bytes = shapes.weight_bytes + keys * shapes.kv_bytes_per_position
+    step_flops = 2.0 * shapes.matmul_params * live + keys * shapes.attention_flops_per_key
+    return live, np.maximum(step_bytes / hbm_bytes_per_s, step_flops / GEMM_FLOPS)
+
+
 def _replica_seconds(
     shapes: DecodeShapes, prompt_len: int, lengths: np.ndarray, tp: int, hbm_bytes_per_s: float
 ) -> dict:
@@ -109,15 +123,31 @@ def _replica_seconds(
         + shapes.attention_flops_per_key * prompt_len * (prompt_len + 1) / 2
     )
     prefill_s = max(prefill_flops / GEMM_FLOPS, shapes.weight_bytes / hbm_bytes_per_s) / tp
-    # decode: the prefill produced each row's first token; step t (1 <= t < max) makes token t + 1 of every
-    # row longer than t, attending over prompt_len + t keys
-    steps = np.arange(1, int(lengths.max()))
-    live = (lengths[None, :] > steps[:, None]).sum(axis=1).astype(np.float64)
-    keys = live * (prompt_len + steps)
-    step_bytes = shapes.weight_bytes + keys * shapes.kv_bytes_per_position
-    step_flops = 2.0 * shapes.matmul_params * live + keys * shapes.attention_flops_per_key
-    decode = np.maximum(step_bytes / hbm_bytes_per_s, step_flops / GEMM_FLOPS) / tp
-    return {"prefill_s": float(prefill_s), "decode_s": float(decode.sum()), "decode_steps": len(steps)}
+    live, decode = _decode_steps(shapes, prompt_len, lengths, hbm_bytes_per_s)
+    return {"prefill_s": float(prefill_s), "decode_s": float(decode.sum() / tp), "decode_steps": len(live)}
+
+
+def decode_roofline_by_width(
+    preset: str,
+    prompt_len: int,
+    row_lengths: list[int],
+    widths: list[int],
+    hbm_bytes_per_s: float = HBM_BYTES_PER_S,
+) -> dict[int, tuple[int, float]]:
+    """The decode steps of the roofline on one GPU, grouped by the batch width an engine runs them at: the
+    smallest of `widths` that holds the step's live rows (the widest where none does) -> (steps, seconds).
+    Set beside an engine's per-width step times, it says at which widths the distance is."""
+    ordered = sorted(widths)
+    shapes = DecodeShapes.of(preset)
+    live, seconds = _decode_steps(
+        shapes, prompt_len, np.asarray(row_lengths, dtype=np.int64), hbm_bytes_per_s
+    )
+    at = np.minimum(np.searchsorted(ordered, live), len(ordered) - 1)
+    return {
+        w: (int((at == i).sum()), float(seconds[at == i].sum()))
+        for i, w in enumerate(ordered)
+        if (at == i).any()
+    }
 
 
 def generation_roofline(
@@ -148,6 +178,26 @@ def generation_roofline(
         "decode_steps": slowest["decode_steps"],
         "tokens": int(np.sum(row_lengths)),
     }
+
+
+def add_rooflines(
+    report: dict, results: dict, preset: str, prompt_len: int, rows: list[int], gpu: str
+) -> None:
+    """rollout.py's roofline keys, for each of `report_rates(gpu)` (suffix "" and "_this_gpu"): the report's
+    `roofline`, each backend's `roofline_fraction` (roofline seconds / its seconds) and, where its engine
+    stats hold steps by width, their `roofline_ms_per_step_by_width` (the roofline's steps at those widths)."""
+    for suffix, rate in report_rates(gpu).items():
+        roof = generation_roofline(preset, prompt_len, rows, hbm_bytes_per_s=rate)
+        roof = {k: round(v, 3) if isinstance(v, float) else v for k, v in roof.items()}
+        report["roofline" + suffix] = {**roof, "hbm_tb_per_s": rate / 1e12}
+        for r in results.values():
+            if "seconds" in r:
+                r["roofline_fraction" + suffix] = round(roof["seconds"] / r["seconds"], 3)
+            widths = [int(w) for w in r.get("engine_stats", {}).get("decode_steps_by_width", {})]
+            if widths:
+                at = decode_roofline_by_width(preset, prompt_len, rows, widths, rate)
+                at = {w: round(1e3 * sec / steps, 3) for w, (steps, sec) in at.items()}
+                r["engine_stats"]["roofline_ms_per_step_by_width" + suffix] = at
 
 
 def update_bound_s(preset: str, tokens: int, gpus: int = 1) -> float:

@@ -13,6 +13,8 @@ from roofline import (  # noqa: E402
     GEMM_FLOPS,
     HBM_BYTES_PER_S,
     DecodeShapes,
+    add_rooflines,
+    decode_roofline_by_width,
     dense,
     generation_roofline,
     gpu_hbm_bytes_per_s,
@@ -68,6 +70,42 @@ def test_another_cards_bandwidth_moves_the_bytes_bound_steps_only():
     )
     assert report_rates("NVIDIA H100 80GB HBM3") == {"": HBM_BYTES_PER_S, "_this_gpu": h100}
     assert report_rates("NVIDIA H200") == report_rates("") == {"": HBM_BYTES_PER_S}
+
+
+def test_decode_steps_grouped_by_the_width_that_holds_their_live_rows():
+    """Rows of 1, 3 and 5 tokens after 4-token prompts: steps 1-2 have two live rows (width 2 of 1, 2, 4),
+    steps 3-4 one (width 1); nothing runs at width 4. The groups add up to the roofline's decode time."""
+    got = decode_roofline_by_width("qwen2_5_0_5b", 4, [1, 3, 5], [4, 1, 2])
+    step = [(2 * MATMUL + keys * KV_PER_POSITION) / HBM_BYTES_PER_S for keys in (2 * 5, 2 * 6, 7, 8)]
+    assert set(got) == {1, 2}
+    assert got[2][0] == 2 and got[2][1] == pytest.approx(step[0] + step[1], rel=1e-12)
+    assert got[1][0] == 2 and got[1][1] == pytest.approx(step[2] + step[3], rel=1e-12)
+    total = generation_roofline("qwen2_5_0_5b", 4, [1, 3, 5])["decode_s"]
+    assert got[1][1] + got[2][1] == pytest.approx(total, rel=1e-12)
+    assert decode_roofline_by_width("qwen2_5_0_5b", 4, [1, 3, 5], [1])[1][0] == 4  # the widest takes the rest
+
+
+def test_rollout_reports_the_issues_roofline_and_the_cards_own():
+    """rollout.py's keys on an H100: the H200's roofline and fraction as the issue states them, the same at
+    3.35 TB/s as `_this_gpu`, and per-width step times where a backend reports its steps by width."""
+    report, rows = {}, [1, 3, 5]
+    results = {
+        "native": {"seconds": 2.0, "engine_stats": {"decode_steps_by_width": {1: 2, 2: 2}}},
+        "vllm": {},
+    }
+    add_rooflines(report, results, "qwen2_5_0_5b", 4, rows, "NVIDIA H100 80GB HBM3")
+    for suffix, rate in (("", HBM_BYTES_PER_S), ("_this_gpu", 3.35e12)):
+        roof = generation_roofline("qwen2_5_0_5b", 4, rows, hbm_bytes_per_s=rate)
+        assert report["roofline" + suffix]["seconds"] == round(roof["seconds"], 3)
+        assert report["roofline" + suffix]["hbm_tb_per_s"] == rate / 1e12
+        assert results["native"]["roofline_fraction" + suffix] == round(round(roof["seconds"], 3) / 2.0, 3)
+        by_width = results["native"]["engine_stats"]["roofline_ms_per_step_by_width" + suffix]
+        step = (2 * MATMUL + 7 * KV_PER_POSITION) / rate, (2 * MATMUL + 8 * KV_PER_POSITION) / rate
+        assert by_width[1] == round(1e3 * sum(step) / 2, 3) and set(by_width) == {1, 2}
+    assert "roofline_fraction" not in results["vllm"]
+    report = {}
+    add_rooflines(report, {}, "qwen2_5_0_5b", 4, rows, "NVIDIA H200")
+    assert set(report) == {"roofline"}
 
 
 def test_wide_steps_are_bound_by_flops():
