@@ -27,8 +27,7 @@ compiled=False)`: masked SDPA decode attention, eager elementwise ops), the base
 measured against in the same run; `native_flash`: FlashAttention-2 decode attention instead of the Triton
 kernel, compiled elementwise ops (both skipped on CPU, where every variant is the plain path);
 `native_contiguous`: the native engine without paged KV (`paged_kv=False`: every slot holds the longest
-row's positions, so the KV budget bounds the batch by the longest row); `native_check16`: host checks for
-finished rows every 16 decode steps instead of 8 (`check_every=16`); `native_unfused`: the compiled RoPE,
+row's positions, so the KV budget bounds the batch by the longest row); `native_unfused`: the compiled RoPE,
 indexed K/V writes and compiled split merge instead of their Triton kernels (`DecodeKernels(fused=False)`);
 `native_rope_kernel`: RoPE and the K/V writes as their own Triton kernel before the attention instead of
 inside it (`DecodeKernels(rope_in_attention=False)`);
@@ -91,8 +90,7 @@ VARIANTS = {  # the native engine with other kernels, against `native` (auto) in
     "native_unshared": DecodeKernels(shared_prefix=False),
     "native_uncapped": DecodeKernels(attention_occupancy=False),
 }
-BACKENDS = ("native", "native_contiguous", "native_check16", *VARIANTS, "native_tiles", "vllm")
-BACKENDS += ("transformers",)
+BACKENDS = ("native", "native_contiguous", *VARIANTS, "native_tiles", "vllm", "transformers")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -440,8 +438,6 @@ def main() -> None:
             runs.append(NativeRun("native_with_shim_overhead", *common, shim_overhead=True))
     if "native_contiguous" in wanted:  # the KV layout before pages: one longest-row region per slot
         runs.append(NativeRun("native_contiguous", *common, paged_kv=False))
-    if "native_check16" in wanted:  # host checks for finished rows every 16 decode steps, not 8
-        runs.append(NativeRun("native_check16", *common, check_every=16))
     variants = {**VARIANTS, "native_tiles": args.attention_tiles}  # (its kernels from --attention-tiles)
     skipped = [name for name in variants if name in wanted and device.type != "cuda"]
     for name, kernels in variants.items():
