@@ -18,13 +18,13 @@ the update's padding fraction, MFU of the actor update (6 x parameters x real to
 trainer's PaLM-style count over real tokens, as `mfu_update_actor_trainer`), peak memory, the share of the
 step spent on weight sync and vLLM's sleep/wake (`sync_share`), the issue's tight limit of the step (roofline.py:
 generation at the decode roofline + update at 70% MFU; `bound_s`, `step_over_bound`, with its two parts; the
-rollout phase's `generation_roofline_fraction`; on a card roofline.py knows that is not an H200, the same at
-its own bandwidth: `bound_this_gpu_s`, `step_over_bound_this_gpu`), the looser limit of the earlier tables (generation at the
-vLLM anchor's speed + update at 50% MFU; `anchor_bound_s`, `step_over_anchor_bound`) and the TRL baseline with
-`--baseline trl` (transformers generate) or `trl_vllm` (TRL's colocated vLLM) (needs trl; one GPU). With
-`--gpu-busy`, one step more runs under torch.profiler (`trainer.profile_steps`), not timed: `gpu_busy` holds
-the share of each phase's wall time in which the GPU had work (`gen`: the rollout's), and the trace lands in
-the run's profile/ directory.
+rollout phase's `generation_roofline_fraction`; on a card roofline.py knows that is not an H200, the same
+at its own bandwidth: `bound_this_gpu_s`, `step_over_bound_this_gpu`), the looser limit of the earlier
+tables (generation at the vLLM anchor's speed + update at 50% MFU; `anchor_bound_s`,
+`step_over_anchor_bound`) and the TRL baseline with `--baseline trl` (transformers generate) or `trl_vllm`
+(TRL's colocated vLLM) (needs trl; one GPU). With `--gpu-busy`, one step more runs under torch.profiler
+(`trainer.profile_steps`), not timed: `gpu_busy` holds the share of each phase's wall time in which the GPU had
+work (`gen`: the rollout's), and the trace lands in the run's profile/ directory.
 
     python scripts/bench/e2e.py --preset qwen2_5_0_5b --gpus 1 --baseline trl
     python scripts/bench/e2e.py --preset qwen2_5_0_5b --lengths long_tail --response-len 4096 --backend vllm
@@ -42,7 +42,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from presets import num_params  # noqa: E402
-from roofline import dense, report_rates, step_bound  # noqa: E402
+from roofline import HBM_BYTES_PER_S, dense, report_rates, step_bound  # noqa: E402
 from workload import add_step_args, describe, response_lengths  # noqa: E402
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16 spec (large GEMMs reach ~790e12 in practice)
@@ -172,26 +172,21 @@ def run_ours(args, out_dir: str) -> dict:
     tight = {"seconds": None, "generation_s": None, "update_s": None}  # MoE: no roofline (roofline.dense)
     over_bound, this_gpu = None, {}
     if dense(args.preset):
-        bounds = [
-            (
-                r,
-                step_bound(
-                    args.preset, args.prompts, args.n, args.prompt_len, lengths, args.gpus, args.rollout_tp
-                ),
-            )
-            for r, lengths in steady
-        ]
+        shape = (args.preset, args.prompts, args.n, args.prompt_len)
+
+        def limits(rate: float) -> list[tuple[dict, dict]]:  # (step row, its tight limit at `rate` bytes/s)
+            return [
+                (r, step_bound(*shape, lengths, args.gpus, args.rollout_tp, rate)) for r, lengths in steady
+            ]
+
+        bounds = limits(HBM_BYTES_PER_S)
         tight = {
             k: statistics.median(b[k] for _, b in bounds) for k in ("seconds", "generation_s", "update_s")
         }
         over_bound = statistics.median(r["timing/step"] / b["seconds"] for r, b in bounds)
         card = report_rates(gpu_name()).get("_this_gpu")
         if card is not None:  # the same limit at this card's memory bandwidth
-            at_card = [
-                (r, step_bound(args.preset, args.prompts, args.n, args.prompt_len, lengths, args.gpus,
-                               args.rollout_tp, card))
-                for r, lengths in steady
-            ]  # fmt: skip
+            at_card = limits(card)
             this_gpu = {
                 "bound_this_gpu_s": statistics.median(b["seconds"] for _, b in at_card),
                 "step_over_bound_this_gpu": statistics.median(
