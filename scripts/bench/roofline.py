@@ -188,8 +188,8 @@ def add_rooflines(
     stats hold steps by width, their `roofline_ms_per_step_by_width` (the roofline's steps at those widths)."""
     for suffix, rate in report_rates(gpu).items():
         roof = generation_roofline(preset, prompt_len, rows, hbm_bytes_per_s=rate)
-        roof = {k: round(v, 3) if isinstance(v, float) else v for k, v in roof.items()}
-        report["roofline" + suffix] = {**roof, "hbm_tb_per_s": rate / 1e12}
+        rounded = {k: round(v, 3) if isinstance(v, float) else v for k, v in roof.items()}
+        report["roofline" + suffix] = {**rounded, "hbm_tb_per_s": rate / 1e12}
         for r in results.values():
             if "seconds" in r:
                 r["roofline_fraction" + suffix] = round(roof["seconds"] / r["seconds"], 3)
