@@ -130,6 +130,12 @@ class DecodeKernels:
     H200 at 0.5B fixed, the cap it picks there (64) set by hand, 3.3-4.4%. False: every launch uncapped
     (scripts/bench/rollout.py's `native_uncapped`)."""
 
+    mlp: bool = True
+    """A dense layer's MLP at steps of <= 64 rows as two Triton kernels that deal the weights to the SMs evenly
+    (engine/rollout/triton_mlp.py; fc2's split partials added by the next residual add + RMSNorm: model.py `add_partials_rms_norm`): at 1.5B,
+    width 8, 10% less time per MLP than cuBLAS + the compiled SwiGLU on an H100 (scripts/bench/decode_mlp.py).
+    False: cuBLAS (scripts/bench/rollout.py's `native_cublas_mlp`)."""
+
     def __post_init__(self) -> None:
         if self.attention_tiles is None:
             return

@@ -23,6 +23,8 @@ Kernels (`DecodeKernels`; CUDA only, the attention kernels in half precision; CP
   FA2 pads to 128-row tiles); the plain path: SDPA with a boolean mask over the first `num_keys` positions,
   query heads folded the same way (memory-efficient or cuDNN kernel on GPU);
 - the elementwise chains compiled into one kernel each (torch.compile): residual add + RMSNorm, SwiGLU, RoPE;
+- a dense MLP at <= 64 rows (`DecodeKernels.mlp`): fc1 + SwiGLU and fc2 as two Triton kernels that deal the
+  weights to the SMs evenly (triton_mlp.py; fc2's split partials added by the next residual add + RMSNorm);
 - with the Triton or flash attention (`DecodeKernels.fused`): a decode step's RoPE and K/V cache writes as one
   Triton kernel (triton_rope_kv.py; inside the Triton attention's: `rope_in_attention`), the merge another;
 - with `DecodeKernels.sampler` where Triton runs, decode's logits stay in the model's dtype (`upcast=False`,
@@ -34,7 +36,6 @@ otherwise (CPU, float32, `DecodeKernels(attention="sdpa")`). Measured: scripts/b
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,7 @@ from engine.models import moe
 from engine.models.builder import ModelShape
 from engine.models.compiled import ROLLOUT, cuda_kernel
 from engine.models.triton_support import elementwise_supported
-from engine.rollout import triton_decode, triton_rope_kv
+from engine.rollout import triton_decode, triton_mlp, triton_rope_kv
 from engine.rollout.attention_kernels import (
     DecodeKernels,
     decode_attention_kernel,
@@ -56,6 +57,7 @@ from engine.rollout.attention_kernels import (
 )
 from engine.rollout.moe_experts import MoEWeights, moe_layer
 from engine.rollout.paged_kv import positions_at
+from engine.rollout.rope import apply_rope, signed_sin
 from parallel.rollout_weights import RolloutWeights
 
 
@@ -73,48 +75,18 @@ def add_rms_norm(
     return s, rms_norm(s, weight, eps)
 
 
+def add_partials_rms_norm(
+    x: torch.Tensor, parts: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm` of float32 partial sums `parts` (split, *x.shape) (engine/rollout/triton_mlp.py's `fc2`
+    with a split): added in order and rounded once to x's dtype first."""
+    return add_rms_norm(x, parts.sum(0).to(x.dtype), weight, eps)
+
+
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """megatron's SwiGLU on the fused [gate; up] projection: silu(gate) * up."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def _llama3_scaled(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
-    """megatron RotaryEmbedding._apply_scaling (low/high frequency factors 1/4, original context 8192)."""
-    low_wavelen, high_wavelen, old_len = 8192 / 1.0, 8192 / 4.0, 8192
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - 1.0) / (4.0 - 1.0)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rope_tables(
-    shape: ModelShape, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each (max_position_embeddings, head_dim) in `dtype`, rounded as megatron rounds them:
-    frequencies in float32 on the compute device, cos/sin cast to the activation dtype."""
-    hd = shape.head_dim
-    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
-    if shape.rope_scaling_factor > 0:
-        inv_freq = _llama3_scaled(inv_freq, shape.rope_scaling_factor)
-    seq = torch.arange(shape.max_position_embeddings, dtype=torch.float32, device=device)
-    freqs = torch.outer(seq, inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (positions, head_dim)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """[-sin_1; sin_2] over the last dim (see `_rope`)."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """megatron's x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x, dim / 2) * sin_signed
-    (sin_signed = [-sin_1; sin_2]): the same products, bit for bit, in 4 ops instead of 6."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 @dataclass
@@ -197,7 +169,8 @@ class RolloutModel:
             return cuda_kernel(fn, dev, ROLLOUT, dynamic=None) if kernels.compiled else fn
 
         self._add_norm, self._norm = kernel(add_rms_norm), kernel(rms_norm)
-        self._swiglu, self._rope = kernel(swiglu), kernel(_rope)
+        self._add_partials_norm = kernel(add_partials_rms_norm)  # (its own compiles: not add_norm's shapes)
+        self._swiglu, self._rope = kernel(swiglu), kernel(apply_rope)
         self.fused = kernels.fused and self.attention in ("triton", "flash")
         self.prefill_flash = self.attention != "sdpa" and flash_decode_supported(
             dev, self.dtype, self.head_dim
@@ -212,6 +185,7 @@ class RolloutModel:
         in_triton = self.attention == "triton" and kernels.rope_in_attention
         self.rope_in_attention = self.fused_rope_kv and in_triton  # RoPE and K/V writes in its kernel
         self.attention_knobs = kernels.attention_knobs()  # the Triton attention's tiles and register caps
+        self.triton_mlp = kernels.mlp and triton_mlp.supported(dev, self.dtype)  # at <= 64 rows
 
     def _layer(self, p: dict[str, torch.Tensor], i: int) -> _Layer:
         pre = f"decoder.layers.{i}."
@@ -250,6 +224,11 @@ class RolloutModel:
         """The layer's MLP on normed hidden states h (b, s, hidden), summed over the TP group. MoE: the
         router and the routed experts run whole on every TP rank (training's numerics and rounding order:
         engine/models/moe.py); only the shared expert's partial sums are reduced."""
+        if layer.moe is None and self.triton_mlp and h.numel() <= triton_mlp.MAX_ROWS * h.shape[-1]:
+            out = triton_mlp.decode_mlp(h, layer.fc1_w, layer.fc2_w)  # fc2's partials: `_layers` adds them
+            if self.tp_size > 1 and out.dim() > h.dim():  # (the TP sum over the rounded sums, as cuBLAS's)
+                out = out.sum(0).to(h.dtype)
+            return self._all_reduce(out)
         if layer.moe is None:
             return self._all_reduce(F.linear(self._swiglu(F.linear(h, layer.fc1_w)), layer.fc2_w))
         w, h_th = layer.moe, h.reshape(-1, h.shape[-1])
@@ -324,7 +303,7 @@ class RolloutModel:
             x, h = self._add_norm(x, proj, layer.mlp_norm, eps)
             mlp = self._mlp(layer, h)
             after = layers[i + 1].input_norm if i + 1 < len(layers) else self.final_norm
-            x, h = self._add_norm(x, mlp, after, eps)
+            x, h = (self._add_partials_norm if mlp.dim() > x.dim() else self._add_norm)(x, mlp, after, eps)
         return h
 
     # ---- entry points ---------------------------------------------------------------------------

@@ -56,10 +56,11 @@ from engine.rollout.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for
 from engine.rollout.decode_state import CallOutputs, SlotState, compact_paged, compact_slots, record_tokens
 from engine.rollout.kept_rows import KeptRows, kept_rows, prefill_continued
 from engine.rollout.kv_cache import KVCachePool
-from engine.rollout.model import DecodeKernels, RolloutModel, rope_tables
+from engine.rollout.model import DecodeKernels, RolloutModel
 from engine.rollout.moe_experts import use_cuda_graphs
 from engine.rollout.paged_kv import PagedSlots, Pending, paged_check, uses_pages
 from engine.rollout.prefill import prefill_rows
+from engine.rollout.rope import rope_tables
 from engine.rollout.routes import RouteRecorder
 from parallel.cpu import no_shim_overhead
 from parallel.rollout_weights import RolloutWeights
@@ -143,9 +144,8 @@ class NativeRollout(RolloutEngine):
         if self._rope is None or self._rope[0].dtype != embed.dtype:
             self._rope = rope_tables(self.shape, self.device, embed.dtype)
         self.weights = weights
-        self.model = RolloutModel(self.shape, weights, self._rope, self.kernels)
-        self.fused_draw = self.model.fused_sampler  # the Triton draw, on decode logits in the model's dtype
-        m = self.model
+        self.model = m = RolloutModel(self.shape, weights, self._rope, self.kernels)
+        self.fused_draw = m.fused_sampler  # the Triton draw, on decode logits in the model's dtype
         use_cuda_graphs(self.shape, self.device, self.graphs is not None or None, m.dtype)
         if self.pool is None or self.pool.dtype != m.dtype or self.pool.groups != m.groups:
             self.pool = KVCachePool(

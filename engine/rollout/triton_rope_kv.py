@@ -6,7 +6,7 @@ batches of a long tail each is a few microseconds of launch and ramp for a few k
 layers, every step (scripts/bench/README.md, "1.5B, long tail to 16,384": ~11 us of ~99 per layer-step).
 Here one program per (row, KV group) reads the group's slice of the fused projection once, rotates the
 query heads and the key in float32 (x * cos + roll(x, dim / 2) * sin_signed, rounded once to the
-activation dtype, as the compiled `_rope` of engine/rollout/model.py computes it), writes the query heads
+activation dtype, as the compiled `apply_rope` of engine/rollout/rope.py computes it), writes the query heads
 out and the key and the value into the cache at the row's position.
 
 The cache addressing covers both layouts of engine/rollout/model.py `decode`: contiguous rows (row r's

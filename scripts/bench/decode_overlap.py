@@ -26,7 +26,8 @@ from gpu_timing import graph_ms  # scripts/bench/ is on sys.path
 from rollout_models import model_shape, random_rollout_weights
 
 from engine.rollout.kv_cache import KVCachePool
-from engine.rollout.model import RolloutModel, rope_tables
+from engine.rollout.model import RolloutModel
+from engine.rollout.rope import rope_tables
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """The rollout's Triton kernels under Triton's interpreter (TRITON_INTERPRET=1) on the CPU, in float16, against
 independent references: decode attention against SDPA in float32, the paged cache against the contiguous one,
-the Triton split merge against `merge_splits`, the fused RoPE/K-V write against `_rope` and indexed writes, and
+the Triton split merge against `merge_splits`, the fused RoPE/K-V write against `apply_rope` and indexed writes,
+the narrow MLP's two kernels against F.linear and SwiGLU in float32, and
 the native engine's decode forward with them (engine/rollout/model.py picks them under the interpreter) against
 its SDPA path and a float32 forward, on tiny Hugging Face checkpoints; the Triton draw. The update's kernels:
 interpreted_training_kernels.py.
@@ -24,9 +25,10 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/engine/test
 import hf_tiny  # noqa: E402
 from test_rollout_native import rollout_weights_from_hf  # noqa: E402
 
-from engine.rollout import triton_decode, triton_rope_kv  # noqa: E402
+from engine.rollout import triton_decode, triton_mlp, triton_rope_kv  # noqa: E402
 from engine.rollout.kv_cache import KVCachePool  # noqa: E402
-from engine.rollout.model import DecodeKernels, RolloutModel, _rope, rope_tables, signed_sin  # noqa: E402
+from engine.rollout.model import DecodeKernels, RolloutModel, add_partials_rms_norm, swiglu  # noqa: E402
+from engine.rollout.rope import apply_rope, rope_tables, signed_sin  # noqa: E402
 from parallel.rollout_weights import RolloutWeights  # noqa: E402
 
 DT = torch.float16
@@ -124,9 +126,38 @@ def test_triton_merge_equals_merge_splits(splits):
     torch.testing.assert_close(fused.float(), plain.float(), atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("rows,split", [(1, 1), (5, 2), (16, 3), (33, 4)])
+def test_narrow_mlp_matches_the_linear_chain(rows, split):
+    """fc1 + SwiGLU, then fc2 in `split` float32 partials, against F.linear, SwiGLU and F.linear in float32 on the
+    same float16 inputs (sizes no tile divides: masked rows and K tails); the partials added by
+    `add_partials_rms_norm` as the engine adds them; every program's range within its tile, a whole number of programs per SM."""
+    g = torch.Generator().manual_seed(rows)
+    hidden, ffn = 96, 200
+    h = torch.randn(rows, hidden, generator=g).to(DT)
+    fc1 = (torch.randn(2 * ffn, hidden, generator=g) / hidden**0.5).to(DT)
+    fc2 = (torch.randn(hidden, ffn, generator=g) / ffn**0.5).to(DT)
+    gate, up = F.linear(h.float(), fc1.float()).to(DT).float().chunk(2, dim=-1)  # rounded as cuBLAS's outputs
+    tiles = triton_mlp.MlpTiles(block_f=16, block_k1=32, block_n=16, block_k2=32, split=split)
+    mid = triton_mlp.fc1_swiglu(h, fc1, tiles)
+    torch.testing.assert_close(mid.float(), F.silu(gate) * up, atol=2e-3, rtol=2e-3)
+    out = triton_mlp.fc2(mid, fc2, tiles)
+    assert out.shape == ((rows, hidden) if split == 1 else (split, rows, hidden))
+    assert out.dtype == (DT if split == 1 else torch.float32)
+    ref = F.linear(mid.float(), fc2.float())
+    torch.testing.assert_close(out.float() if split == 1 else out.sum(0), ref, atol=2e-3, rtol=2e-3)
+    zero, ones = torch.zeros(rows, hidden, dtype=DT), torch.ones(hidden, dtype=DT)
+    summed = (zero + out.to(DT)) if split == 1 else add_partials_rms_norm(zero, out, ones, 1e-6)[0]
+    torch.testing.assert_close(summed.float(), ref, atol=2e-3, rtol=2e-3)
+    chain = F.linear(swiglu(F.linear(h.float(), fc1.float())), fc2.float())
+    torch.testing.assert_close(summed.float(), chain, atol=5e-3, rtol=5e-3)
+    for n, block, per, sms in ((8960, 32, 1, 132), (1536, 32, 4, 132), (896, 32, 8, 132), (200, 16, 3, 4)):
+        programs = triton_mlp.programs_for(n, block, per, sms)
+        assert -(-n // programs) <= block and (programs * per) % sms == 0, (n, block, per, sms, programs)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_rope_write_kv_matches_rope_and_indexed_writes(paged):
-    """Rotated query heads and key against `_rope`, the key and value at each row's own position, nothing else
+    """Rotated query heads and key against `apply_rope`, the key and value at each row's own position, nothing else
     in the cache touched."""
     g = torch.Generator().manual_seed(5)
     positions = 40
@@ -141,7 +172,7 @@ def test_rope_write_kv_matches_rope_and_indexed_writes(paged):
     ref_k, ref_v = cache_k.clone(), cache_v.clone()
     at = torch.randperm(ROWS * positions, generator=g)[:ROWS] if paged else cur
     q = triton_rope_kv.rope_write_kv(qkv, cos, sin, cache_k, cache_v, at, paged)
-    qk = _rope(qkv[:, :, : PER_GROUP + 1], cos[:, None, None], sin[:, None, None])
+    qk = apply_rope(qkv[:, :, : PER_GROUP + 1], cos[:, None, None], sin[:, None, None])
     index = (at,) if paged else (torch.arange(ROWS), cur)
     ref_k[index], ref_v[index] = qk[:, :, PER_GROUP], qkv[:, :, PER_GROUP + 1]
     torch.testing.assert_close(q.float(), qk[:, :, :PER_GROUP].float(), atol=2e-3, rtol=2e-3)
@@ -219,8 +250,9 @@ def _teacher_forced(shape, weights, dtype, kernels: DecodeKernels, ids, pad, ste
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_decode_forward_with_the_triton_kernels(family, tmp_path):
     """Teacher-forced decode logits of a tiny checkpoint (QKV bias and tied embeddings, or Llama-3 RoPE
-    scaling) with the Triton attention, fused RoPE/K-V write and Triton merge (the GPU's default kernels),
-    with the Triton attention alone, and with other attention tiles: within 1.5x the float16 SDPA path's
+    scaling) with the Triton attention, fused RoPE/K-V write, Triton merge and Triton MLP (the GPU's default
+    kernels), with the Triton attention alone, with other attention tiles, and with the MLP as F.linear and
+    SwiGLU: within 1.5x the float16 SDPA path's
     distance to a float32 forward, and the same argmax nearly everywhere."""
     path = hf_tiny.save_tiny(family, str(tmp_path / family), seed=3, max_position_embeddings=512)
     shape, weights = rollout_weights_from_hf(path)
@@ -232,13 +264,17 @@ def test_decode_forward_with_the_triton_kernels(family, tmp_path):
     slow, _ = _teacher_forced(shape, weights, DT, plain, ids, pad, 12)
     fused, model = _teacher_forced(shape, weights, DT, DecodeKernels("triton", compiled=False), ids, pad, 12)
     assert model.attention == "triton" and model.fused_rope_kv
+    assert model.triton_mlp  # the decode steps' MLP (6 rows) ran as engine/rollout/triton_mlp.py's kernels
     unfused, _ = _teacher_forced(shape, weights, DT, DecodeKernels("triton", False, False), ids, pad, 12)
+    cublas = DecodeKernels("triton", compiled=False, mlp=False)
+    linear_mlp, model = _teacher_forced(shape, weights, DT, cublas, ids, pad, 12)
+    assert not model.triton_mlp and not torch.equal(linear_mlp[1:], fused[1:])  # (decode steps differ)
     tiles = DecodeKernels("triton", compiled=False, attention_tiles=(16, 1, 1, 64))
     tiled, model = _teacher_forced(shape, weights, DT, tiles, ids, pad, 12)
     assert model.attention_knobs == {"block_n": 16, "num_warps": 1, "num_stages": 1, "max_registers": 64}
     assert not torch.equal(tiled, fused)  # 16-key blocks reached the kernel: other roundings than 64's
     err_slow = (slow - ref).abs()
-    for fast in (fused, unfused, tiled):
+    for fast in (fused, unfused, tiled, linear_mlp):
         err = (fast - ref).abs()
         assert err.max() <= 1.5 * err_slow.max() + 1e-3, (float(err.max()), float(err_slow.max()))
         assert err.mean() <= 1.5 * err_slow.mean() + 1e-4, (float(err.mean()), float(err_slow.mean()))

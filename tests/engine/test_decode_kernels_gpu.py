@@ -2,7 +2,8 @@
 bfloat16 at Qwen2.5 head shapes: the Triton decode attention against float32 SDPA (split key ranges, rows at
 their own positions; rows reading a shared prompt from their group's first row, other copies poisoned), the
 paged cache against the contiguous one bit for bit, the Triton split merge against the compiled one, and the
-fused RoPE/K-V write against the compiled RoPE and indexed writes. The engine around them:
+fused RoPE/K-V write against the compiled RoPE and indexed writes, the narrow MLP's two kernels against
+cuBLAS and the compiled SwiGLU (at Qwen2.5-1.5B's and 7B's MLP shapes). The engine around them:
 tests/engine/test_rollout_gpu.py; the same kernels under Triton's interpreter: tests/engine/interpreted_triton.py.
 """
 
@@ -126,7 +127,7 @@ def test_fused_rope_kv_write_equals_the_unfused_chain(paged):
     query heads and key within one bf16 rounding step (nearly all equal), the value written bit for bit, at
     each row's own position (contiguous rows, or a flat paged buffer), nothing else in the cache touched."""
     from engine.models.compiled import ROLLOUT, cuda_kernel
-    from engine.rollout.model import _rope, signed_sin
+    from engine.rollout.rope import apply_rope, signed_sin
     from engine.rollout.triton_rope_kv import rope_write_kv
 
     g = torch.Generator(device=DEV).manual_seed(5)
@@ -142,7 +143,7 @@ def test_fused_rope_kv_write_equals_the_unfused_chain(paged):
     ref_k, ref_v = cache_k.clone(), cache_v.clone()
     at = torch.randperm(rows * positions, device=DEV, generator=g)[:rows] if paged else cur
     q = rope_write_kv(qkv, cos, sin, cache_k, cache_v, at, paged)
-    rope = cuda_kernel(_rope, DEV, ROLLOUT, dynamic=None)
+    rope = cuda_kernel(apply_rope, DEV, ROLLOUT, dynamic=None)
     qk = rope(qkv[:, :, : per_group + 1], cos[:, None, None], sin[:, None, None])
     index = (at,) if paged else (torch.arange(rows, device=DEV), cur)
     ref_k[index], ref_v[index] = qk[:, :, per_group], qkv[:, :, per_group + 1]
@@ -159,7 +160,7 @@ def test_rope_inside_the_attention_equals_the_two_kernels(per_group, dim, splits
     registers) against `rope_write_kv` then `decode_attention`, bf16 at Qwen2.5-0.5B/1.5B/7B head shapes:
     the caches bit for bit, the outputs within one bf16 rounding step (nearly all equal)."""
     from engine.rollout import triton_decode
-    from engine.rollout.model import signed_sin
+    from engine.rollout.rope import signed_sin
     from engine.rollout.triton_rope_kv import rope_write_kv
 
     g = torch.Generator(device=DEV).manual_seed(7)
@@ -193,6 +194,51 @@ def test_rope_inside_the_attention_equals_the_two_kernels(per_group, dim, splits
     assert (out == expected).float().mean() >= 0.9
 
 
+@pytest.mark.parametrize("hidden,ffn", [(1536, 8960), (3584, 18944)])
+def test_narrow_mlp_matches_cublas_and_is_deterministic(hidden, ffn):
+    """engine/rollout/triton_mlp.py `decode_mlp` with its default tiles at widths 1-64, fc2's partials added by
+    `add_partials_rms_norm` as the engine adds them: within 1.25x cuBLAS + the compiled SwiGLU's distance to a
+    float32 chain (on the same bf16 inputs, gate/up/mid rounded where the engine rounds them), bit for bit the
+    same on a second call and in a CUDA graph."""
+    from engine.models.compiled import ROLLOUT, cuda_kernel
+    from engine.rollout import triton_mlp
+    from engine.rollout.model import add_partials_rms_norm, add_rms_norm, swiglu
+
+    g = torch.Generator(device=DEV).manual_seed(4)
+    fc1 = torch.randn(2 * ffn, hidden, device=DEV, generator=g).bfloat16() * 0.02
+    fc2 = torch.randn(hidden, ffn, device=DEV, generator=g).bfloat16() * 0.02
+    add_parts, act = cuda_kernel(add_partials_rms_norm, DEV, ROLLOUT), cuda_kernel(swiglu, DEV, ROLLOUT)
+    add_norm = cuda_kernel(add_rms_norm, DEV, ROLLOUT)
+    for rows in (1, 8, 24, 64):
+        h = torch.randn(rows, 1, hidden, device=DEV, generator=g).bfloat16()
+        zero = torch.zeros_like(h)
+        gate, up = F.linear(h.float(), fc1.float()).bfloat16().float().chunk(2, dim=-1)
+        ref = F.linear((F.silu(gate) * up).bfloat16().float(), fc2.float())
+        cublas = F.linear(act(F.linear(h, fc1)), fc2).float()
+        out = triton_mlp.decode_mlp(h, fc1, fc2)
+        assert out.shape[-3:] == h.shape and out.dim() == (3 if out.dtype == torch.bfloat16 else 4)
+        add = add_parts if out.dim() == 4 else add_norm
+        fast = add(zero, out, torch.ones(hidden, device=DEV, dtype=torch.bfloat16), 1e-6)[0].float()
+        err, err_cublas = (fast - ref).abs(), (cublas - ref).abs()
+        assert err.max() <= 1.25 * err_cublas.max() + 1e-3, (rows, float(err.max()), float(err_cublas.max()))
+        assert err.mean() <= 1.25 * err_cublas.mean() + 1e-5, (
+            rows,
+            float(err.mean()),
+            float(err_cublas.mean()),
+        )
+        assert torch.equal(triton_mlp.decode_mlp(h, fc1, fc2), out)
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            triton_mlp.decode_mlp(h, fc1, fc2)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            captured = triton_mlp.decode_mlp(h, fc1, fc2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, out)
+
+
 @pytest.mark.parametrize("per_group,dim", [(7, 64), (6, 128)])
 def test_register_capped_attention_equals_the_uncapped_bitwise(per_group, dim):
     """`decode_attention(occupancy=True)` (each launch capped at the registers that fit its programs in the
@@ -201,8 +247,8 @@ def test_register_capped_attention_equals_the_uncapped_bitwise(per_group, dim):
     uncapped on an H100/H200), one split and three: the output and the cache bit for bit as uncapped (a cap
     moves registers, not arithmetic); the ladders within the spill allowance, and the caps taken launched."""
     from engine.rollout import triton_decode
-    from engine.rollout.model import signed_sin
     from engine.rollout.occupancy import launched_kernels
+    from engine.rollout.rope import signed_sin
 
     g = torch.Generator(device=DEV).manual_seed(8)
     rows, groups, page, cache_len = 512, 2, 64, 1024
@@ -243,7 +289,7 @@ def test_register_capped_attention_equals_the_uncapped_bitwise(per_group, dim):
 
 
 def rope_tables_for(dim: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 cos/sin tables as engine/rollout/model.py `rope_tables` builds them (theta 1e6)."""
+    """bf16 cos/sin tables as engine/rollout/rope.py `rope_tables` builds them (theta 1e6)."""
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     emb = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq).repeat(1, 2)
     return emb.cos().bfloat16(), emb.sin().bfloat16()

@@ -52,9 +52,10 @@ def test_varlen_prefill_layout_equals_the_masked_prefill(tiny, family, lens, off
     and the same K/V at every real position as the masked SDPA prefill (float32, 1e-5)."""
     from engine.rollout import model as rollout_model
     from engine.rollout.kv_cache import KVCachePool
+    from engine.rollout.rope import rope_tables
 
     shape, weights = tiny[family]
-    rope = rollout_model.rope_tables(shape, CPU, torch.float32)
+    rope = rope_tables(shape, CPU, torch.float32)
     prompts = random_prompts(shape.vocab_size, lens)
     n = max(map(len, prompts))
     ids = torch.tensor([[0] * (n - len(p)) + p for p in prompts])

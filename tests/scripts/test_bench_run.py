@@ -20,6 +20,7 @@ PURPOSES = (
     "sampler",
     "decode_phases",
     "decode_gemms",
+    "decode_mlp",
     "decode_overlap",
     "baselines",
     "verl",
