@@ -131,10 +131,11 @@ class DecodeKernels:
     (scripts/bench/rollout.py's `native_uncapped`)."""
 
     mlp: bool = True
-    """A dense layer's MLP at steps of <= 64 rows as two Triton kernels that deal the weights to the SMs evenly
-    (engine/rollout/triton_mlp.py; fc2's split partials added by the next residual add + RMSNorm: model.py `add_partials_rms_norm`): at 1.5B,
-    width 8, 10% less time per MLP than cuBLAS + the compiled SwiGLU on an H100 (scripts/bench/decode_mlp.py).
-    False: cuBLAS (scripts/bench/rollout.py's `native_cublas_mlp`)."""
+    """At rollout.tp=1, a dense layer's MLP at steps of <= 64 rows as two Triton kernels that deal the weights
+    to the SMs evenly (engine/rollout/triton_mlp.py; fc2's split partials added by the next residual add +
+    RMSNorm, model.py `add_partials_rms_norm`). Measured on an H100 (scripts/bench/README.md, "Rollout",
+    1ca151b): the MLP and its norms 8-16% faster at widths <= 16, the 1.5B long tail to 16,384 1.1% faster.
+    False: cuBLAS and the compiled SwiGLU (scripts/bench/rollout.py's `native_cublas_mlp`)."""
 
     def __post_init__(self) -> None:
         if self.attention_tiles is None:

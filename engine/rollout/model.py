@@ -23,8 +23,8 @@ Kernels (`DecodeKernels`; CUDA only, the attention kernels in half precision; CP
   FA2 pads to 128-row tiles); the plain path: SDPA with a boolean mask over the first `num_keys` positions,
   query heads folded the same way (memory-efficient or cuDNN kernel on GPU);
 - the elementwise chains compiled into one kernel each (torch.compile): residual add + RMSNorm, SwiGLU, RoPE;
-- a dense MLP at <= 64 rows (`DecodeKernels.mlp`): fc1 + SwiGLU and fc2 as two Triton kernels that deal the
-  weights to the SMs evenly (triton_mlp.py; fc2's split partials added by the next residual add + RMSNorm);
+- a dense MLP at <= 64 rows and rollout.tp=1 (`DecodeKernels.mlp`): fc1 + SwiGLU and fc2 as two Triton kernels
+  that deal the weights to the SMs evenly (triton_mlp.py; fc2's split partials added by the next residual add + RMSNorm);
 - with the Triton or flash attention (`DecodeKernels.fused`): a decode step's RoPE and K/V cache writes as one
   Triton kernel (triton_rope_kv.py; inside the Triton attention's: `rope_in_attention`), the merge another;
 - with `DecodeKernels.sampler` where Triton runs, decode's logits stay in the model's dtype (`upcast=False`,
@@ -185,7 +185,8 @@ class RolloutModel:
         in_triton = self.attention == "triton" and kernels.rope_in_attention
         self.rope_in_attention = self.fused_rope_kv and in_triton  # RoPE and K/V writes in its kernel
         self.attention_knobs = kernels.attention_knobs()  # the Triton attention's tiles and register caps
-        self.triton_mlp = kernels.mlp and triton_mlp.supported(dev, self.dtype)  # at <= 64 rows
+        # at <= 64 rows and rollout.tp=1 (TP > 1 would all-reduce the partials' rounded sum: not yet run)
+        self.triton_mlp = kernels.mlp and t == 1 and triton_mlp.supported(dev, self.dtype)
 
     def _layer(self, p: dict[str, torch.Tensor], i: int) -> _Layer:
         pre = f"decoder.layers.{i}."
@@ -225,10 +226,7 @@ class RolloutModel:
         router and the routed experts run whole on every TP rank (training's numerics and rounding order:
         engine/models/moe.py); only the shared expert's partial sums are reduced."""
         if layer.moe is None and self.triton_mlp and h.numel() <= triton_mlp.MAX_ROWS * h.shape[-1]:
-            out = triton_mlp.decode_mlp(h, layer.fc1_w, layer.fc2_w)  # fc2's partials: `_layers` adds them
-            if self.tp_size > 1 and out.dim() > h.dim():  # (the TP sum over the rounded sums, as cuBLAS's)
-                out = out.sum(0).to(h.dtype)
-            return self._all_reduce(out)
+            return triton_mlp.decode_mlp(h, layer.fc1_w, layer.fc2_w)  # fc2's partials: `_layers` adds them
         if layer.moe is None:
             return self._all_reduce(F.linear(self._swiglu(F.linear(h, layer.fc1_w)), layer.fc2_w))
         w, h_th = layer.moe, h.reshape(-1, h.shape[-1])
