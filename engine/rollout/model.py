@@ -186,7 +186,9 @@ class RolloutModel:
         self.rope_in_attention = self.fused_rope_kv and in_triton  # RoPE and K/V writes in its kernel
         self.attention_knobs = kernels.attention_knobs()  # the Triton attention's tiles and register caps
         # at <= 64 rows and rollout.tp=1 (TP > 1 would all-reduce the partials' rounded sum: not yet run)
+        dense = [w for la in self.layers if la.moe is None for w in (la.fc1_w, la.fc2_w)]
         self.triton_mlp = kernels.mlp and t == 1 and triton_mlp.supported(dev, self.dtype)
+        self.triton_mlp = self.triton_mlp and triton_mlp.contiguous(*dense)
 
     def _layer(self, p: dict[str, torch.Tensor], i: int) -> _Layer:
         pre = f"decoder.layers.{i}."

@@ -9,15 +9,16 @@ and fc2 at 1.9 TB/s (scripts/bench/decode_mlp.py). Here the weights are dealt to
   (p + 1) F / G) of both halves ([gate; up], megatron's fused layout on each TP rank; F rows each, G programs)
   against every row of the step, and writes silu(gate) * up.
 - `fc2`: programs over (a range of fc2's output rows, one of `split` equal ranges of its input), again a
-  whole number per SM. With `split` > 1 each range writes its own float32 partial sums, (split, rows, hidden):
+  whole number per SM. With `split` > 1 each split writes its own float32 partial sums, (split, rows, hidden):
   no atomics, so the result does not depend on the programs' order. The consumer adds them in a fixed order
   and rounds once (engine/rollout/model.py's `add_partials_rms_norm`).
 
 Rounding as the unfused chain: gate and up rounded to the activation dtype (cuBLAS's outputs), silu(gate) * up
 in float32 rounded once (the compiled SwiGLU), fc2's sums rounded once; only the order of the float32 sums in
-each dot differs. Parity: tests/engine/test_triton_cpu.py (the interpreter, float16) and
-tests/engine/test_rollout_gpu.py (CUDA, bfloat16). CUDA with Triton, or the interpreter.
-"""
+each dot differs. Parity: tests/engine/interpreted_triton.py (the interpreter, float16: the kernels against
+F.linear and SwiGLU, and a tiny checkpoint's decode with them on and off) and
+tests/engine/test_decode_kernels_gpu.py, test_rollout_gpu.py (CUDA, bfloat16). CUDA with Triton, or the
+interpreter. The engine runs them at rollout.tp=1 only (model.py `RolloutModel.triton_mlp`)."""
 
 from __future__ import annotations
 
@@ -151,6 +152,11 @@ def default_tiles(rows: int, hidden: int, ffn: int, device: torch.device) -> Mlp
     return MlpTiles(block_f=64, block_k1=64, stages1=6, block_n=32, block_k2=128, split=split)
 
 
+def contiguous(*tensors: torch.Tensor) -> bool:
+    """The kernels address rows at a stride of their length."""
+    return all(t.is_contiguous() for t in tensors)
+
+
 def _block_m(rows: int) -> int:
     return max(16, triton.next_power_of_2(rows))
 
@@ -170,8 +176,10 @@ def fc1_swiglu(h: torch.Tensor, fc1_w: torch.Tensor, tiles: MlpTiles = MlpTiles(
     """h (rows, hidden) -> silu(h @ gate.T) * (h @ up.T) (rows, ffn), `fc1_w` = [gate; up] (2 ffn, hidden)."""
     rows, hidden = h.shape
     ffn = fc1_w.shape[0] // 2
-    if rows > MAX_ROWS or tuple(fc1_w.shape) != (2 * ffn, hidden) or not h.is_contiguous():
-        raise ValueError(f"fc1_swiglu: {tuple(h.shape)} rows against fc1 {tuple(fc1_w.shape)}")
+    if rows > MAX_ROWS or tuple(fc1_w.shape) != (2 * ffn, hidden) or not contiguous(h, fc1_w):
+        raise ValueError(
+            f"fc1_swiglu: {tuple(h.shape)} rows against fc1 {tuple(fc1_w.shape)}, both contiguous"
+        )
     out = h.new_empty(rows, ffn)
     grid = programs_for(ffn, tiles.block_f, 1, sm_count(h.device))
     _fc1_swiglu[(grid,)](
@@ -187,8 +195,8 @@ def fc2(h: torch.Tensor, fc2_w: torch.Tensor, tiles: MlpTiles = MlpTiles()) -> t
     partial sums of each split of ffn, (split, rows, hidden), for the consumer to add in order."""
     rows, ffn = h.shape
     hidden = fc2_w.shape[0]
-    if rows > MAX_ROWS or tuple(fc2_w.shape) != (hidden, ffn) or not h.is_contiguous():
-        raise ValueError(f"fc2: {tuple(h.shape)} rows against fc2 {tuple(fc2_w.shape)}")
+    if rows > MAX_ROWS or tuple(fc2_w.shape) != (hidden, ffn) or not contiguous(h, fc2_w):
+        raise ValueError(f"fc2: {tuple(h.shape)} rows against fc2 {tuple(fc2_w.shape)}, both contiguous")
     split = tiles.split
     out = h.new_empty(rows, hidden) if split == 1 else h.new_empty(split, rows, hidden, dtype=torch.float32)
     per_split = triton.cdiv(triton.cdiv(ffn, split), tiles.block_k2) * tiles.block_k2
