@@ -34,6 +34,16 @@ def elementwise_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" or (interpreted(device) and dtype == torch.float16)
 
 
+def dot_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """A kernel with tensor-core dots (`tl.dot`) runs here: CUDA sm80+ in half precision (float32 would run
+    `tl.dot` in TF32), or float16 under the interpreter."""
+    if triton is None:
+        return False
+    if device.type == "cuda":
+        return dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(device) >= (8, 0)
+    return interpreted(device) and dtype == torch.float16
+
+
 INTERPRETED_SMS = 4
 """The multiprocessors the kernels' launch heuristics assume under the interpreter: a few, so that small CPU tests
 exercise the same splits and loops as the GPU."""

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from engine.models import moe
 from engine.models.builder import ModelShape
 from engine.models.compiled import ROLLOUT, cuda_kernel
-from engine.models.triton_support import elementwise_supported
+from engine.models.triton_support import dot_supported, elementwise_supported
 from engine.rollout import triton_decode, triton_mlp, triton_rope_kv
 from engine.rollout.attention_kernels import (
     DecodeKernels,
@@ -187,7 +187,7 @@ class RolloutModel:
         self.attention_knobs = kernels.attention_knobs()  # the Triton attention's tiles and register caps
         # at <= 64 rows and rollout.tp=1 (TP > 1 would all-reduce the partials' rounded sum: not yet run)
         dense = [w for la in self.layers if la.moe is None for w in (la.fc1_w, la.fc2_w)]
-        self.triton_mlp = kernels.mlp and t == 1 and triton_mlp.supported(dev, self.dtype)
+        self.triton_mlp = kernels.mlp and t == 1 and dot_supported(dev, self.dtype)
         self.triton_mlp = self.triton_mlp and triton_mlp.contiguous(*dense)
 
     def _layer(self, p: dict[str, torch.Tensor], i: int) -> _Layer:

@@ -40,7 +40,7 @@ import math
 import torch
 
 from engine.models.compiled import ROLLOUT, cuda_kernel
-from engine.models.triton_support import interpreted, sm_count, tl, triton
+from engine.models.triton_support import dot_supported, sm_count, tl, triton
 from engine.rollout.occupancy import VariantLadders
 
 if triton is not None:
@@ -246,14 +246,8 @@ if triton is not None:
 def supported(device: torch.device, dtype: torch.dtype, head_dim: int, per_group: int) -> bool:
     """CUDA sm80+ (bf16 tensor-core dots), half precision (float32 would run `tl.dot` in TF32), a power-of-two
     head dim, <= 64 query heads per KV group; or float16 under Triton's interpreter (`interpreted`)."""
-    on_device = (
-        device.type == "cuda"
-        and torch.cuda.get_device_capability(device) >= (8, 0)
-        and dtype in (torch.bfloat16, torch.float16)
-    )
     return (
-        triton is not None
-        and (on_device or (interpreted(device) and dtype == torch.float16))
+        dot_supported(device, dtype)
         and head_dim >= 16
         and head_dim & (head_dim - 1) == 0
         and head_dim <= 256

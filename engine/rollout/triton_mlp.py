@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.triton_support import interpreted, sm_count, tl, triton
+from engine.models.triton_support import sm_count, tl, triton
 
 if triton is not None:
 
@@ -129,15 +129,6 @@ class MlpTiles:
 
 MAX_ROWS = 64
 """The widest step the kernels serve: each program holds every row (a 64-row tile at most)."""
-
-
-def supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """CUDA sm80+ in half precision (float32 would run `tl.dot` in TF32), or float16 under the interpreter."""
-    if triton is None:
-        return False
-    if device.type == "cuda":
-        return dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(device) >= (8, 0)
-    return interpreted(device) and dtype == torch.float16
 
 
 def default_tiles(rows: int, hidden: int, ffn: int, device: torch.device) -> MlpTiles:
