@@ -136,14 +136,6 @@ class DecodeKernels:
     RMSNorm, model.py `add_partials_rms_norm`). Measured on an H100 (scripts/bench/README.md, "Rollout",
     1ca151b): the MLP and its norms 8-16% faster at widths <= 16, the 1.5B long tail to 16,384 1.1% faster.
     False: cuBLAS and the compiled SwiGLU (scripts/bench/rollout.py's `native_cublas_mlp`)."""
-    narrow: bool = True
-    """At rollout.tp=1 and steps of <= 64 rows, also the QKV and output projections and the residual add +
-    RMSNorms as Triton kernels (engine/rollout/triton_narrow.py; the output projection's split partials added by
-    the next norm). False: cuBLAS and the compiled add + norm (scripts/bench/rollout.py's `native_cublas_narrow`)."""
-    pdl: bool = True
-    """On sm90+ (Hopper), the narrow step's Triton projections, norms and MLP launched with programmatic dependent
-    launch: each kernel's programs start while the one before runs and wait for it in the kernel
-    (engine/rollout/triton_narrow.py). False: plain launches (scripts/bench/rollout.py's `native_no_pdl`)."""
 
     def __post_init__(self) -> None:
         if self.attention_tiles is None:

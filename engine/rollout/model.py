@@ -25,8 +25,6 @@ Kernels (`DecodeKernels`; CUDA only, the attention kernels in half precision; CP
 - the elementwise chains compiled into one kernel each (torch.compile): residual add + RMSNorm, SwiGLU, RoPE;
 - a dense MLP at <= 64 rows and rollout.tp=1 (`DecodeKernels.mlp`): fc1 + SwiGLU and fc2 as two Triton kernels
   that deal the weights to the SMs evenly (triton_mlp.py; fc2's split partials added by the next residual add + RMSNorm);
-  there the QKV and output projections and the residual add + RMSNorms too (`DecodeKernels.narrow`,
-  triton_narrow.py), all of them launched with PDL on Hopper (`DecodeKernels.pdl`);
 - with the Triton or flash attention (`DecodeKernels.fused`): a decode step's RoPE and K/V cache writes as one
   Triton kernel (triton_rope_kv.py; inside the Triton attention's: `rope_in_attention`), the merge another;
 - with `DecodeKernels.sampler` where Triton runs, decode's logits stay in the model's dtype (`upcast=False`,
@@ -48,7 +46,7 @@ from engine.models import moe
 from engine.models.builder import ModelShape
 from engine.models.compiled import ROLLOUT, cuda_kernel
 from engine.models.triton_support import dot_supported, elementwise_supported
-from engine.rollout import triton_decode, triton_mlp, triton_narrow, triton_rope_kv
+from engine.rollout import triton_decode, triton_mlp, triton_rope_kv
 from engine.rollout.attention_kernels import (
     DecodeKernels,
     decode_attention_kernel,
@@ -191,10 +189,6 @@ class RolloutModel:
         dense = [w for la in self.layers if la.moe is None for w in (la.fc1_w, la.fc2_w)]
         self.triton_mlp = kernels.mlp and t == 1 and dot_supported(dev, self.dtype)
         self.triton_mlp = self.triton_mlp and triton_mlp.contiguous(*dense)
-        ws = [w for la in self.layers for w in (la.qkv_w, la.proj_w, la.qkv_b) if w is not None]
-        self.narrow = kernels.narrow and t == 1 and triton_mlp.contiguous(*ws)
-        self.narrow = self.narrow and dot_supported(dev, self.dtype)  # <= 64 rows: triton_narrow.py's kernels
-        self.pdl = kernels.pdl and triton_narrow.pdl_supported(dev)
 
     def _layer(self, p: dict[str, torch.Tensor], i: int) -> _Layer:
         pre = f"decoder.layers.{i}."
@@ -234,7 +228,7 @@ class RolloutModel:
         router and the routed experts run whole on every TP rank (training's numerics and rounding order:
         engine/models/moe.py); only the shared expert's partial sums are reduced."""
         if layer.moe is None and self.triton_mlp and h.numel() <= triton_mlp.MAX_ROWS * h.shape[-1]:
-            return triton_mlp.decode_mlp(h, layer.fc1_w, layer.fc2_w, self.pdl)  # partials: `_layers` adds
+            return triton_mlp.decode_mlp(h, layer.fc1_w, layer.fc2_w)  # fc2's partials: `_layers` adds them
         if layer.moe is None:
             return self._all_reduce(F.linear(self._swiglu(F.linear(h, layer.fc1_w)), layer.fc2_w))
         w, h_th = layer.moe, h.reshape(-1, h.shape[-1])
@@ -272,24 +266,10 @@ class RolloutModel:
         local = local[:, : self.shape.vocab_size]
         return local.float() if upcast else local
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias=None, partials=False) -> torch.Tensor:
-        """F.linear, or at a narrow step triton_narrow's (`partials`: float32 partial sums where it splits K)."""
-        if not (self.narrow and triton_narrow.applies(x, w)):
-            return F.linear(x, w, bias)
-        rows = x.numel() // x.shape[-1]
-        split = triton_mlp.split_for(w.shape[0], w.shape[1], rows, x.device) if partials else 1
-        return triton_narrow.linear(x, w, bias, split, self.pdl)
-
-    def _residual_norm(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float):
-        """(x + y, rms_norm(x + y)) for y of x's shape or (split, *x.shape) float32 partials."""
-        if self.narrow and triton_narrow.applies(x, y, weight):
-            return triton_narrow.add_norm(x, y, weight, eps, self.pdl)
-        return (self._add_partials_norm if y.dim() > x.dim() else self._add_norm)(x, y, weight, eps)
-
     def _projected(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         """h (b, s, hidden) -> the fused QKV projection (b, s, groups, heads per group + 2, dim): each group's
         query heads, then its key and value."""
-        qkv = self._linear(h, layer.qkv_w, layer.qkv_b)
+        qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
         return qkv.view(*h.shape[:2], self.groups, self.per_group + 2, self.head_dim)
 
     def _qkv(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -319,11 +299,11 @@ class RolloutModel:
         h = self._norm(x, layers[0].input_norm, eps)
         for i, layer in enumerate(layers):
             q, k, v = (self._projected(layer, h), None, None) if raw else self._qkv(layer, h, cos, sin)
-            proj = self._all_reduce(self._linear(attend(i, q, k, v), layer.proj_w, partials=True))
-            x, h = self._residual_norm(x, proj, layer.mlp_norm, eps)
+            proj = self._all_reduce(F.linear(attend(i, q, k, v), layer.proj_w))
+            x, h = self._add_norm(x, proj, layer.mlp_norm, eps)
             mlp = self._mlp(layer, h)
             after = layers[i + 1].input_norm if i + 1 < len(layers) else self.final_norm
-            x, h = self._residual_norm(x, mlp, after, eps)
+            x, h = (self._add_partials_norm if mlp.dim() > x.dim() else self._add_norm)(x, mlp, after, eps)
         return h
 
     # ---- entry points ---------------------------------------------------------------------------

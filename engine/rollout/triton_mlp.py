@@ -41,13 +41,9 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_F: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        PDL: tl.constexpr,
     ):
         pid, programs = tl.program_id(0), tl.num_programs(0)
         lo, hi = pid * ffn // programs, (pid + 1) * ffn // programs
-        if PDL:  # engine/rollout/triton_narrow.py: wait for the kernel before, then let the next one launch
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         offs_m = tl.arange(0, BLOCK_M)
         offs_f = lo + tl.arange(0, BLOCK_F)
         m_ok, f_ok = offs_m < rows, offs_f < hi
@@ -85,12 +81,8 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        PDL: tl.constexpr,
     ):
         pid_n, pid_s, programs = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         lo, hi = pid_n * hidden // programs, (pid_n + 1) * hidden // programs
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = lo + tl.arange(0, BLOCK_N)
@@ -144,22 +136,11 @@ def default_tiles(rows: int, hidden: int, ffn: int, device: torch.device) -> Mlp
     widths 1-64 (H100; scripts/bench/README.md, "Rollout"): fc1 streams up to 32 rows of each half per program
     at <= 16 rows of the step, 64 in shorter K chunks above; fc2 splits its input until its programs number
     about two per SM (one above 32 rows; 8 splits at most, none empty)."""
-    split = split_for(hidden, ffn, rows, device)
+    split = min(8, triton.next_power_of_2(triton.cdiv(2 * sm_count(device), triton.cdiv(hidden, 32))))
+    split = min(split if rows <= 32 else max(1, split // 2), triton.cdiv(ffn, 128))
     if rows <= 16:
         return MlpTiles(block_f=32, block_k1=128, stages1=3, block_n=32, block_k2=128, split=split)
     return MlpTiles(block_f=64, block_k1=64, stages1=6, block_n=32, block_k2=128, split=split)
-
-
-def split_for(n: int, k: int, rows: int, device: torch.device) -> int:
-    """Ranges of K for a GEMM of n output columns over `rows`: programs of 32 columns about two per SM, halved
-    above 32 rows, 8 ranges at most, each >= 128 of K."""
-    split = min(8, triton.next_power_of_2(triton.cdiv(2 * sm_count(device), triton.cdiv(n, 32))))
-    return min(split if rows <= 32 else max(1, split // 2), triton.cdiv(k, 128))
-
-
-def launch_options(pdl: bool) -> dict:
-    """Triton launch options of a kernel launched with PDL (engine/rollout/triton_narrow.py) or not."""
-    return {"launch_pdl": True} if pdl else {}
 
 
 def contiguous(*tensors: torch.Tensor) -> bool:
@@ -182,11 +163,8 @@ def programs_for(rows: int, block: int, per_row_range: int, sms: int) -> int:
     return triton.cdiv(rows, block)
 
 
-def fc1_swiglu(
-    h: torch.Tensor, fc1_w: torch.Tensor, tiles: MlpTiles = MlpTiles(), pdl: bool = False
-) -> torch.Tensor:
-    """h (rows, hidden) -> silu(h @ gate.T) * (h @ up.T) (rows, ffn), `fc1_w` = [gate; up] (2 ffn, hidden);
-    `pdl`: launched with PDL (engine/rollout/triton_narrow.py)."""
+def fc1_swiglu(h: torch.Tensor, fc1_w: torch.Tensor, tiles: MlpTiles = MlpTiles()) -> torch.Tensor:
+    """h (rows, hidden) -> silu(h @ gate.T) * (h @ up.T) (rows, ffn), `fc1_w` = [gate; up] (2 ffn, hidden)."""
     rows, hidden = h.shape
     ffn = fc1_w.shape[0] // 2
     if rows > MAX_ROWS or tuple(fc1_w.shape) != (2 * ffn, hidden) or not contiguous(h, fc1_w):
@@ -197,15 +175,13 @@ def fc1_swiglu(
     grid = programs_for(ffn, tiles.block_f, 1, sm_count(h.device))
     _fc1_swiglu[(grid,)](
         h, fc1_w, out, rows, hidden, ffn,
-        BLOCK_M=_block_m(rows), BLOCK_F=tiles.block_f, BLOCK_K=tiles.block_k1, PDL=pdl,
-        num_warps=tiles.warps1, num_stages=tiles.stages1, **launch_options(pdl),
+        BLOCK_M=_block_m(rows), BLOCK_F=tiles.block_f, BLOCK_K=tiles.block_k1,
+        num_warps=tiles.warps1, num_stages=tiles.stages1,
     )  # fmt: skip
     return out
 
 
-def fc2(
-    h: torch.Tensor, fc2_w: torch.Tensor, tiles: MlpTiles = MlpTiles(), pdl: bool = False
-) -> torch.Tensor:
+def fc2(h: torch.Tensor, fc2_w: torch.Tensor, tiles: MlpTiles = MlpTiles()) -> torch.Tensor:
     """h (rows, ffn) @ fc2_w.T (hidden, ffn): (rows, hidden) in h's dtype with `tiles.split` 1, else the float32
     partial sums of each split of ffn, (split, rows, hidden), for the consumer to add in order."""
     rows, ffn = h.shape
@@ -218,23 +194,23 @@ def fc2(
     grid = (programs_for(hidden, tiles.block_n, split, sm_count(h.device)), split)
     _fc2[grid](
         h, fc2_w, out, rows, ffn, hidden, per_split,
-        BLOCK_M=_block_m(rows), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k2, PDL=pdl,
-        num_warps=tiles.warps2, num_stages=tiles.stages2, **launch_options(pdl),
+        BLOCK_M=_block_m(rows), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k2,
+        num_warps=tiles.warps2, num_stages=tiles.stages2,
     )  # fmt: skip
     return out
 
 
-def decode_mlp(h: torch.Tensor, fc1_w: torch.Tensor, fc2_w: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def decode_mlp(h: torch.Tensor, fc1_w: torch.Tensor, fc2_w: torch.Tensor) -> torch.Tensor:
     """The MLP on normed hidden states h (..., hidden), at most `MAX_ROWS` rows, with `default_tiles`:
     (..., hidden) in h's dtype, or (split, ..., hidden) float32 partial sums."""
     rows, hidden = h.numel() // h.shape[-1], h.shape[-1]
     tiles = default_tiles(rows, hidden, fc2_w.shape[1], h.device)
-    out = dense_mlp(h.reshape(rows, hidden), fc1_w, fc2_w, tiles, pdl)
+    out = dense_mlp(h.reshape(rows, hidden), fc1_w, fc2_w, tiles)
     return out.view(*out.shape[:-2], *h.shape)
 
 
 def dense_mlp(
-    h: torch.Tensor, fc1_w: torch.Tensor, fc2_w: torch.Tensor, tiles: MlpTiles = MlpTiles(), pdl: bool = False
+    h: torch.Tensor, fc1_w: torch.Tensor, fc2_w: torch.Tensor, tiles: MlpTiles = MlpTiles()
 ) -> torch.Tensor:
     """The MLP on normed rows h (rows, hidden): `fc2`'s output (the partial sums with a split)."""
-    return fc2(fc1_swiglu(h, fc1_w, tiles, pdl), fc2_w, tiles, pdl)
+    return fc2(fc1_swiglu(h, fc1_w, tiles), fc2_w, tiles)

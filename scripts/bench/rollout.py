@@ -39,10 +39,7 @@ warps, pipeline stages and optional register cap of `--attention-tiles` (`Decode
 `native_uncapped`: every decode attention launch at the kernel's own register count (the default caps each
 launch at the registers that fit its programs in the fewest waves: `DecodeKernels(attention_occupancy=False)`);
 `native_cublas_mlp`: a dense MLP at <= 64 rows as cuBLAS fc1, the compiled SwiGLU and cuBLAS fc2 instead of
-the two Triton kernels of engine/rollout/triton_mlp.py (`DecodeKernels(mlp=False)`); `native_cublas_narrow`: the
-QKV and output projections at <= 64 rows by cuBLAS and the residual norms compiled instead of
-engine/rollout/triton_narrow.py's kernels (`DecodeKernels(narrow=False)`); `native_no_pdl`: the narrow step's
-Triton kernels launched without PDL (`DecodeKernels(pdl=False)`).
+the two Triton kernels of engine/rollout/triton_mlp.py (`DecodeKernels(mlp=False)`).
 `--n`: samples per prompt (GRPO's group; rows = prompts x n, a prompt's samples share its length limit).
 `greedy_agree_first_token`: fraction of the first 32 prompts on which the backend's first greedy token equals
 the native engine's (a check that every backend runs the same weights; bf16 may disagree on near ties).
@@ -95,8 +92,6 @@ VARIANTS = {  # the native engine with other kernels, against `native` (auto) in
     "native_unshared": DecodeKernels(shared_prefix=False),
     "native_uncapped": DecodeKernels(attention_occupancy=False),
     "native_cublas_mlp": DecodeKernels(mlp=False),
-    "native_cublas_narrow": DecodeKernels(narrow=False),
-    "native_no_pdl": DecodeKernels(pdl=False),
 }
 BACKENDS = ("native", "native_contiguous", *VARIANTS, "native_tiles", "vllm", "transformers")
 

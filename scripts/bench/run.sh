@@ -28,8 +28,6 @@ so ARGS also override the defaults below). Purposes (script, default presets):
                     (decode_gemms.py; qwen2_5_1_5b)
   decode_mlp        a dense MLP at narrow decode widths, cuBLAS + compiled SwiGLU vs engine/rollout/triton_mlp.py
                     (decode_mlp.py; qwen2_5_0_5b,qwen2_5_1_5b,qwen2_5_7b)
-  decode_pdl        a narrow layer's projections and norms, cuBLAS + compiled vs engine/rollout/triton_narrow.py,
-                    with and without PDL (decode_pdl.py; qwen2_5_0_5b,qwen2_5_1_5b,qwen2_5_7b)
   decode_overlap    a wide decode step as two half-batches on two CUDA streams against one forward
                     (decode_overlap.py; qwen2_5_1_5b)
   packed_attention  the update's attention alone over a step's packed micro-batches, per kernel
@@ -118,7 +116,6 @@ sampler) d_presets=none d_gpus=1 d_timeout=120 ;;
 decode_phases) d_presets=qwen2_5_1_5b d_gpus=1 d_timeout=180 ;;
 decode_gemms) d_presets=qwen2_5_1_5b d_gpus=1 d_timeout=240 ;;
 decode_mlp) d_presets=qwen2_5_0_5b,qwen2_5_1_5b,qwen2_5_7b d_gpus=1 d_timeout=240 ;;
-decode_pdl) d_presets=qwen2_5_0_5b,qwen2_5_1_5b,qwen2_5_7b d_gpus=1 d_timeout=240 ;;
 decode_overlap) d_presets=qwen2_5_1_5b d_gpus=1 d_timeout=240 ;;
 packed_attention) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=180 ;;
 baselines) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=300 ;;
@@ -129,7 +126,7 @@ vllm_cost) d_presets=qwen2_5_0_5b,qwen2_5_1_5b d_gpus=1 d_timeout=240 ;;
 multi_turn) d_presets=qwen2_5_1_5b d_gpus=1 d_timeout=420 ;;
 gpu_tests) d_presets=none d_gpus=1 d_timeout=420 ;;
 two_nodes) d_presets=none d_gpus=1 d_timeout=150 ;;
-*) die "unknown purpose '$purpose': one of e2e rollout reshard update logprobs decode_attention attention_widths sampler decode_phases decode_gemms decode_mlp decode_pdl decode_overlap packed_attention baselines verl compare vllm vllm_cost multi_turn gpu_tests two_nodes" ;;
+*) die "unknown purpose '$purpose': one of e2e rollout reshard update logprobs decode_attention attention_widths sampler decode_phases decode_gemms decode_mlp decode_overlap packed_attention baselines verl compare vllm vllm_cost multi_turn gpu_tests two_nodes" ;;
 esac
 case $purpose in vllm | gpu_tests | two_nodes | sampler)
   [ -z "$presets" ] || die "$purpose takes no --presets"
@@ -208,7 +205,6 @@ for p in "${preset_list[@]}"; do
   decode_phases) add_job "decode_phases_$s$tag" "$py" $bench/decode_phases.py "${pa[@]}" "${args[@]}" ;;
   decode_gemms) add_job "decode_gemms_$s$tag" "$py" $bench/decode_gemms.py "${pa[@]}" "${args[@]}" ;;
   decode_mlp) add_job "decode_mlp_$s$tag" "$py" $bench/decode_mlp.py "${pa[@]}" "${args[@]}" ;;
-  decode_pdl) add_job "decode_pdl_$s$tag" "$py" $bench/decode_pdl.py "${pa[@]}" "${args[@]}" ;;
   decode_overlap) add_job "decode_overlap_$s$tag" "$py" $bench/decode_overlap.py "${pa[@]}" "${args[@]}" ;;
   packed_attention)
     add_job "packed_attention_$s$lt$tag" "$py" $bench/packed_attention.py "${pa[@]}" "${lengths_arg[@]}" "${args[@]}" ;;

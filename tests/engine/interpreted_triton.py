@@ -1,8 +1,7 @@
 """The rollout's Triton kernels under Triton's interpreter (TRITON_INTERPRET=1) on the CPU, in float16, against
 independent references: decode attention against SDPA in float32, the paged cache against the contiguous one,
 the Triton split merge against `merge_splits`, the fused RoPE/K-V write against `apply_rope` and indexed writes,
-the narrow MLP's two kernels against F.linear and SwiGLU in float32, the narrow projections and residual norms
-against F.linear and the engine's add + RMSNorm, and
+the narrow MLP's two kernels against F.linear and SwiGLU in float32, and
 the native engine's decode forward with them (engine/rollout/model.py picks them under the interpreter) against
 its SDPA path and a float32 forward, on tiny Hugging Face checkpoints; the Triton draw. The update's kernels:
 interpreted_training_kernels.py.
@@ -26,15 +25,9 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/engine/test
 import hf_tiny  # noqa: E402
 from test_rollout_native import rollout_weights_from_hf  # noqa: E402
 
-from engine.rollout import triton_decode, triton_mlp, triton_narrow, triton_rope_kv  # noqa: E402
+from engine.rollout import triton_decode, triton_mlp, triton_rope_kv  # noqa: E402
 from engine.rollout.kv_cache import KVCachePool  # noqa: E402
-from engine.rollout.model import (  # noqa: E402
-    DecodeKernels,
-    RolloutModel,
-    add_partials_rms_norm,
-    add_rms_norm,
-    swiglu,
-)
+from engine.rollout.model import DecodeKernels, RolloutModel, add_partials_rms_norm, swiglu  # noqa: E402
 from engine.rollout.rope import apply_rope, rope_tables, signed_sin  # noqa: E402
 from parallel.rollout_weights import RolloutWeights  # noqa: E402
 
@@ -162,35 +155,6 @@ def test_narrow_mlp_matches_the_linear_chain(rows, split):
         assert -(-n // programs) <= block and (programs * per) % sms == 0, (n, block, per, sms, programs)
 
 
-@pytest.mark.parametrize("rows,split", [(1, 1), (6, 2), (33, 3)])
-def test_narrow_projections_and_norms_match_torch(rows, split):
-    """triton_narrow's `linear` (bias with one split, float32 partials with more; sizes no tile divides) against
-    F.linear in float32, and its `add_norm` of a tensor or of partials against the engine's add + RMSNorm."""
-    g = torch.Generator().manual_seed(rows)
-    k, n = 200, 72
-    x = torch.randn(2, rows, k, generator=g).to(DT)[
-        :1
-    ]  # (1, rows, k): a leading dim as the engine's (b, s, k)
-    w = (torch.randn(n, k, generator=g) / k**0.5).to(DT)
-    bias = torch.randn(n, generator=g).to(DT)
-    ref = F.linear(x.float(), w.float())
-    out = triton_narrow.linear(x, w, bias)
-    assert out.shape == (1, rows, n) and out.dtype == DT
-    torch.testing.assert_close(out.float(), (ref + bias.float()).to(DT).float(), atol=2e-3, rtol=2e-3)
-    parts = triton_narrow.linear(x, w, split=split)
-    assert parts.shape == ((1, rows, n) if split == 1 else (split, 1, rows, n))
-    torch.testing.assert_close(parts.float() if split == 1 else parts.sum(0), ref, atol=2e-3, rtol=2e-3)
-    res, weight = torch.randn(1, rows, n, generator=g).to(DT), (1 + torch.randn(n, generator=g) / 10).to(DT)
-    engine_norm = add_partials_rms_norm if split > 1 else add_rms_norm
-    for got, want in zip(
-        triton_narrow.add_norm(res, parts, weight, 1e-6), engine_norm(res, parts, weight, 1e-6)
-    ):
-        torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
-    with pytest.raises(ValueError, match="linear"):
-        triton_narrow.linear(x, w, bias, split=2)
-    assert triton_narrow.applies(x, w) and not triton_narrow.applies(x.expand(65, rows, k), w)
-
-
 @pytest.mark.parametrize("paged", [False, True])
 def test_rope_write_kv_matches_rope_and_indexed_writes(paged):
     """Rotated query heads and key against `apply_rope`, the key and value at each row's own position, nothing else
@@ -286,9 +250,9 @@ def _teacher_forced(shape, weights, dtype, kernels: DecodeKernels, ids, pad, ste
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_decode_forward_with_the_triton_kernels(family, tmp_path):
     """Teacher-forced decode logits of a tiny checkpoint (QKV bias and tied embeddings, or Llama-3 RoPE
-    scaling) with the Triton attention, fused RoPE/K-V write, Triton merge, Triton MLP, projections and norms (the
-    GPU's default kernels), with the Triton attention alone, with other attention tiles, and with the MLP and
-    projections as F.linear: within 1.5x the float16 SDPA path's
+    scaling) with the Triton attention, fused RoPE/K-V write, Triton merge and Triton MLP (the GPU's default
+    kernels), with the Triton attention alone, with other attention tiles, and with the MLP as F.linear and
+    SwiGLU: within 1.5x the float16 SDPA path's
     distance to a float32 forward, and the same argmax nearly everywhere."""
     path = hf_tiny.save_tiny(family, str(tmp_path / family), seed=3, max_position_embeddings=512)
     shape, weights = rollout_weights_from_hf(path)
@@ -300,13 +264,11 @@ def test_decode_forward_with_the_triton_kernels(family, tmp_path):
     slow, _ = _teacher_forced(shape, weights, DT, plain, ids, pad, 12)
     fused, model = _teacher_forced(shape, weights, DT, DecodeKernels("triton", compiled=False), ids, pad, 12)
     assert model.attention == "triton" and model.fused_rope_kv
-    assert (
-        model.triton_mlp and model.narrow
-    )  # decode steps (6 rows): triton_mlp.py's, triton_narrow.py's kernels
+    assert model.triton_mlp  # the decode steps' MLP (6 rows) ran as engine/rollout/triton_mlp.py's kernels
     unfused, _ = _teacher_forced(shape, weights, DT, DecodeKernels("triton", False, False), ids, pad, 12)
-    cublas = DecodeKernels("triton", compiled=False, mlp=False, narrow=False)
+    cublas = DecodeKernels("triton", compiled=False, mlp=False)
     linear_mlp, model = _teacher_forced(shape, weights, DT, cublas, ids, pad, 12)
-    assert not model.triton_mlp and not model.narrow and not torch.equal(linear_mlp[1:], fused[1:])
+    assert not model.triton_mlp and not torch.equal(linear_mlp[1:], fused[1:])  # (decode steps differ)
     tiles = DecodeKernels("triton", compiled=False, attention_tiles=(16, 1, 1, 64))
     tiled, model = _teacher_forced(shape, weights, DT, tiles, ids, pad, 12)
     assert model.attention_knobs == {"block_n": 16, "num_warps": 1, "num_stages": 1, "max_registers": 64}

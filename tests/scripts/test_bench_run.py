@@ -21,7 +21,6 @@ PURPOSES = (
     "decode_phases",
     "decode_gemms",
     "decode_mlp",
-    "decode_pdl",
     "decode_overlap",
     "baselines",
     "verl",
