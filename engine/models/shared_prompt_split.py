@@ -12,7 +12,8 @@ over the union is each part's softmax weighted by exp(l_part - l), so the output
 exp(l_self - l) o_self + exp(l_cross - l) o_cross (float32, rounded once). The backward runs each part's own
 backward with the merged output and log-sum-exp (engine/models/lse_kernels.py), which gives each part's share
 of the union's gradient, as ring attention does; the two parts' gradients of a token add in their own
-precision (the exact sum of two values, rounded once). The merge is one compiled kernel on CUDA.
+precision (the exact sum of two values, rounded once). The merge is one Triton kernel on CUDA
+(engine/models/triton_lse_merge.py; compiled where it does not apply).
 
 Two forms:
 - `split_attention`: where every unit has one shape (`uniform`: G prompts of P, G x n responses of R; a
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.models import triton_lse_merge
 from engine.models.compiled import ATTENTION, cuda_kernel
 from engine.models.lse_kernels import (
     CUDNN,
@@ -109,12 +111,18 @@ HALF = (torch.float16, torch.bfloat16)
 
 
 def _merge(device: torch.device, dtype: torch.dtype) -> Callable:
-    """`merge_parts` for parts of `dtype`: compiled for half precision on CUDA with symbolic sizes, one compile
-    (seconds, once) for the device check's small case and every micro-batch shape after it; eager for float32
-    and float64 parts (the check's reference kernels), whose speed does not matter."""
+    """`merge_parts` for parts of `dtype`: for half precision where Triton runs, one Triton kernel
+    (engine/models/triton_lse_merge.py) where it takes the views, else compiled with symbolic sizes (one compile
+    for every micro-batch shape); eager for float32 and float64 parts (the check's reference kernels), whose
+    speed does not matter."""
     if dtype not in HALF:
         return merge_parts
-    return cuda_kernel(merge_parts, device, ATTENTION, dynamic=True)
+    compiled = cuda_kernel(merge_parts, device, ATTENTION, dynamic=True)
+
+    def merge(*parts) -> None:
+        (triton_lse_merge.merge_parts if triton_lse_merge.supported(*parts) else compiled)(*parts)
+
+    return merge
 
 
 def varlen_split_attention(

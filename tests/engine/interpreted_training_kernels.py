@@ -184,3 +184,51 @@ def test_training_rope_kernel_matches_the_reference_both_ways():
     got = triton_rope.rope(packed[:, None], freqs, positions)[:, 0]
     want = rope_reference(packed[:, None].float(), freqs[positions])[:, 0]
     torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("form", ["dense", "varlen"])
+def test_split_attention_merge_kernel_matches_merge_parts(form):
+    """The shared-prompt split's merge as one Triton kernel (engine/models/triton_lse_merge.py) against
+    `merge_parts` run eagerly on the same float16 parts, in the views the split hands it: the dense form's
+    (G, n, R, heads[, dim]) of head-major outputs and log-sum-exps, and the varlen form's (tokens, heads[, dim])
+    with the output written over the self part and the log-sum-exps transposed slices; heads not a power of
+    two, both log-sum-exp buffers rewritten with the union's."""
+    from engine.models import triton_lse_merge
+    from engine.models.shared_prompt_split import merge_parts
+
+    g = torch.Generator().manual_seed(3)
+    heads, dim = 3, 16
+    if form == "dense":
+        groups, n, r = 2, 3, 5
+        o_self = (
+            torch.randn(groups * n, heads, r, dim, generator=g)
+            .to(DT)
+            .transpose(1, 2)
+            .unflatten(0, (groups, n))
+        )
+        o_cross = (
+            torch.randn(groups, heads, n * r, dim, generator=g).to(DT).transpose(1, 2).unflatten(1, (n, r))
+        )
+        l_self = (
+            (torch.randn(groups * n, heads, r, generator=g) * 3).transpose(1, 2).unflatten(0, (groups, n))
+        )
+        l_cross = (torch.randn(groups, heads, n * r, generator=g) * 3).transpose(1, 2).unflatten(1, (n, r))
+        out = torch.empty(groups, n, r, heads, dim, dtype=DT)
+    else:
+        tokens = 11
+        o_self = torch.randn(tokens, heads, dim, generator=g).to(DT)
+        o_cross = torch.randn(tokens, heads, dim, generator=g).to(DT)
+        l_self = (torch.randn(heads, tokens + 4, generator=g) * 3)[:, 2 : 2 + tokens].T
+        l_cross = (torch.randn(heads, tokens, generator=g) * 3).T
+        out = o_self
+    parts = (o_self, l_self, o_cross, l_cross, out)
+    assert triton_lse_merge.supported(*parts)
+    ref = [x.clone() for x in parts]
+    merge_parts(*ref)
+    got = [x.clone() for x in parts]
+    if form == "varlen":
+        got[4] = got[0]  # the output over the self part, as the varlen split writes it
+    triton_lse_merge.merge_parts(*got)
+    torch.testing.assert_close(got[4].float(), ref[4].float(), atol=1e-3, rtol=1e-3)
+    for i in (1, 3):
+        torch.testing.assert_close(got[i], ref[i], atol=1e-5, rtol=1e-5)
