@@ -10,8 +10,9 @@ H100, scripts/bench/README.md "Update"). Here a program takes a block of tokens 
 log-sum-exps are read and written once per (token, head), the outputs a whole head dim at a time.
 
 Views of up to three leading dims (the dense split's (G, n, R, ...), the varlen split's (tokens, ...)) with any
-strides and a unit stride over the head dim; `out` may alias `o_self`. Parity: tests/engine/interpreted_triton.py
-(the interpreter, float16, against `merge_parts`) and the split's own checks (`split_available`, GPU tests).
+strides and a unit stride over the head dim; `out` may alias `o_self`. Parity:
+tests/engine/interpreted_training_kernels.py (the interpreter, float16, against `merge_parts` in both forms' views)
+and, on CUDA, the split's device check (`split_available`) and tests/engine/test_packing_gpu.py.
 """
 
 from __future__ import annotations

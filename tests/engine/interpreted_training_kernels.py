@@ -1,7 +1,8 @@
 """The update's Triton kernels under Triton's interpreter (TRITON_INTERPRET=1) on the CPU, in float16, against
 their float32 op chains: the fused output head's forward statistics and backward (engine/models/triton_logprobs.py)
 and `linear_log_probs` through them, the MLP's SwiGLU (engine/models/triton_swiglu.py), the training RMSNorm
-(triton_rms_norm.py) and RoPE (triton_rope.py). The rollout's kernels: interpreted_triton.py.
+(triton_rms_norm.py) and RoPE (triton_rope.py), the shared-prompt split attention's merge (triton_lse_merge.py).
+The rollout's kernels: interpreted_triton.py.
 
 Not collected by the test run itself: tests/engine/test_triton_cpu.py runs it in a subprocess with the
 interpreter switched on (see interpreted_triton.py for why, and why float16).
