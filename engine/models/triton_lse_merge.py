@@ -27,6 +27,11 @@ ELEMENTS = 8192
 if triton is not None:
 
     @triton.jit
+    def _at(i0, i1, i2, s0, s1, s2):
+        """The offsets of tokens (i0, i1, i2) in a view of leading strides (s0, s1, s2), as a column."""
+        return (i0 * s0 + i1 * s1 + i2 * s2)[:, None]
+
+    @triton.jit
     def _merge(
         os_ptr, ls_ptr, oc_ptr, lc_ptr, out_ptr, tokens, size1, size2, heads,
         s_os0, s_os1, s_os2, s_osh, s_ls0, s_ls1, s_ls2, s_lsh, s_oc0, s_oc1, s_oc2, s_och,
@@ -40,32 +45,24 @@ if triton is not None:
         i2 = (t % size2).to(tl.int64)
         h = tl.arange(0, BLOCK_H)
         ok = live[:, None] & (h < heads)[None, :]
-        at_ls = ls_ptr + (i0 * s_ls0 + i1 * s_ls1 + i2 * s_ls2)[:, None] + h[None, :] * s_lsh
-        at_lc = lc_ptr + (i0 * s_lc0 + i1 * s_lc1 + i2 * s_lc2)[:, None] + h[None, :] * s_lch
+        at_ls = ls_ptr + _at(i0, i1, i2, s_ls0, s_ls1, s_ls2) + h[None, :] * s_lsh
+        at_lc = lc_ptr + _at(i0, i1, i2, s_lc0, s_lc1, s_lc2) + h[None, :] * s_lch
         l_self = tl.load(at_ls, mask=ok, other=0.0).to(tl.float32)
         l_cross = tl.load(at_lc, mask=ok, other=0.0).to(tl.float32)
         top = tl.maximum(l_self, l_cross)
         gap = tl.where(top == float("-inf"), 0.0, tl.abs(l_self - l_cross))  # both -inf: no keys at all
         merged = top + tl.log(1.0 + tl.exp(-gap))
         weight = tl.exp(l_self - merged)[:, :, None]  # the self part's share of the token's softmax
-        d = tl.arange(0, DIM)
+        d = tl.arange(0, DIM)[None, None, :]
         ok3 = ok[:, :, None]
-        at_os = (
-            (i0 * s_os0 + i1 * s_os1 + i2 * s_os2)[:, None, None]
-            + h[None, :, None] * s_osh
-            + d[None, None, :]
-        )
-        at_oc = (
-            (i0 * s_oc0 + i1 * s_oc1 + i2 * s_oc2)[:, None, None]
-            + h[None, :, None] * s_och
-            + d[None, None, :]
-        )
-        o_self = tl.load(os_ptr + at_os, mask=ok3, other=0.0).to(tl.float32)
-        o_cross = tl.load(oc_ptr + at_oc, mask=ok3, other=0.0).to(tl.float32)
+        at_os = os_ptr + (_at(i0, i1, i2, s_os0, s_os1, s_os2) + h[None, :] * s_osh)[:, :, None] + d
+        at_oc = oc_ptr + (_at(i0, i1, i2, s_oc0, s_oc1, s_oc2) + h[None, :] * s_och)[:, :, None] + d
+        o_self = tl.load(at_os, mask=ok3, other=0.0).to(tl.float32)
+        o_cross = tl.load(at_oc, mask=ok3, other=0.0).to(tl.float32)
         diff = o_self - o_cross  # torch.lerp's two-sided form: exact at both ends
         out = tl.where(weight < 0.5, o_cross + weight * diff, o_self - diff * (1.0 - weight))
-        at_out = (i0 * s_out0 + i1 * s_out1 + i2 * s_out2)[:, None, None] + h[None, :, None] * s_outh
-        tl.store(out_ptr + at_out + d[None, None, :], out.to(out_ptr.dtype.element_ty), mask=ok3)
+        at_out = out_ptr + (_at(i0, i1, i2, s_out0, s_out1, s_out2) + h[None, :] * s_outh)[:, :, None] + d
+        tl.store(at_out, out.to(out_ptr.dtype.element_ty), mask=ok3)
         tl.store(at_ls, merged, mask=ok)
         tl.store(at_lc, merged, mask=ok)
 
