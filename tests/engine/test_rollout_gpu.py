@@ -248,8 +248,8 @@ def test_flash_prefill_matches_the_masked_prefill_in_bf16(tiny, pad):
 def test_fused_decode_kernels_match_the_unfused_ones(tiny, family):
     """Teacher-forced decode logits (bf16, Triton attention) with RoPE and the K/V writes inside the attention
     kernel and the MLP as two Triton kernels (the default), and with RoPE/K-V as their own Triton kernel,
-    against the compiled RoPE, indexed writes, compiled merge and cuBLAS MLP they replace: each fused path's distance to the float32 plain path within 1.5x the
-    unfused path's (max and mean), and the same argmax nearly everywhere. (Not fused against unfused
+    against the compiled RoPE, indexed writes, compiled merge and cuBLAS MLP they replace: each fused path's
+    distance to the float32 plain path within 1.5x the unfused path's (max and mean), and the same argmax nearly everywhere. (Not fused against unfused
     directly: the new key attended from registers rounds its softmax weight at another point than `tl.dot`'s
     block does, and 20 steps of a random model carry such bf16 differences past a fixed tolerance.)"""
     shape, weights, _ = tiny[family]
@@ -334,9 +334,8 @@ def test_shared_prompt_log_probs_match_transformers_as_reading_each_rows_own_pro
             tiny, "qwen2", torch.bfloat16, paged_kv=paged, max_num_seqs=32, kernels=kernels, check_every=1
         )
         out = e.generate(prompts, sampling)
-        captured = len(
-            e.graphs.capture_seconds
-        )  # widths captured in the call (the stats' graphs: the last chunk's)
+        # the widths captured in the call (the stats' `graphs`: the graphs held at its end)
+        captured = len(e.graphs.capture_seconds)
         assert e.model.shared_prefix == shared and captured >= 2, (captured, e.last_stats)
         assert e.last_stats["chunks"] > 1 and bool(e.last_stats["paged"]) == paged, e.last_stats
         assert {"stop", "length"} <= set(out.finish_reasons)
