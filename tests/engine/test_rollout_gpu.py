@@ -249,9 +249,9 @@ def test_fused_decode_kernels_match_the_unfused_ones(tiny, family):
     """Teacher-forced decode logits (bf16, Triton attention) with RoPE and the K/V writes inside the attention
     kernel and the MLP as two Triton kernels (the default), and with RoPE/K-V as their own Triton kernel,
     against the compiled RoPE, indexed writes, compiled merge and cuBLAS MLP they replace: each fused path's
-    distance to the float32 plain path within 1.5x the unfused path's (max and mean), and the same argmax nearly everywhere. (Not fused against unfused
-    directly: the new key attended from registers rounds its softmax weight at another point than `tl.dot`'s
-    block does, and 20 steps of a random model carry such bf16 differences past a fixed tolerance.)"""
+    distance to the float32 plain path within 1.5x the unfused path's (max and mean), and the same argmax nearly
+    everywhere. (Not fused against unfused directly: the new key attended from registers rounds its softmax
+    weight at another point than `tl.dot`'s block does, and 20 steps of a random model carry such bf16 differences past a fixed tolerance.)"""
     shape, weights, _ = tiny[family]
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, shape.vocab_size, (6, 11), generator=g).to(DEV)
