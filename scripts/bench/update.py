@@ -23,7 +23,8 @@ forced one (`adam` in the JSON says which ran), runs `--warmup` updates (torch.c
 there), then times `--iters` updates, CUDA-synchronised around the schedule and around the optimizer step,
 so every update gives both figures. Reported per variant (medians):
 - `update_s`, `tokens_per_s`, `mfu`: forward + backward + optimizer step (the rates: medians of each
-  update's own; `update_s_all`, `tokens_all` per timed update, `first_update_s` the first warm-up update);
+  update's own; `update_s_all`, `tokens_all` per timed update, `first_update_s` the first warm-up update,
+  `warmup_s_all` every warm-up update);
 - `fwd_bwd_s`, `fwd_bwd_tokens_per_s`, `fwd_bwd_mfu`: the schedule alone; `optimizer_s`: the difference;
 - MFU = 6 x params x tokens / seconds / 989e12 (H100/H200 dense bf16 peak), params = every parameter of the
   model once (a tied embedding is the lm_head and counts once; untied, both count), tokens = the update's
@@ -315,6 +316,7 @@ def measure_variant(name: str, shape: ModelShape, groups: ProcessGroups, batch_f
         "update_s_all": [round(r["update_s"], 4) for r in runs],
         "tokens_all": [r["tokens"] for r in runs],
         "first_update_s": warm[0]["update_s"] if warm else None,
+        "warmup_s_all": [round(r["update_s"], 4) for r in warm],
         "tokens_per_s": median_rate(lambda r: r["tokens"] / r["update_s"]),
         "mfu": median_rate(lambda r: 6.0 * params * r["computed_tokens"] / r["update_s"] / PEAK_BF16_FLOPS)
         if cuda

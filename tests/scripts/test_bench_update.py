@@ -23,6 +23,7 @@ VARIANT_KEYS = {
     "update_s_all",
     "tokens_all",
     "first_update_s",
+    "warmup_s_all",
     "tokens_per_s",
     "mfu",
     "fwd_bwd_s",
@@ -83,6 +84,7 @@ def test_update_bench_tiny_cpu(tmp_path):
         assert set(v) == VARIANT_KEYS | {"ops"}, set(v) ^ VARIANT_KEYS
         assert v["update_s"] >= v["fwd_bwd_s"] > 0 and len(v["update_s_all"]) == 2
         assert v["tokens_all"] == [6 * 24] * 2 and v["first_update_s"] > 0
+        assert v["warmup_s_all"][0] == round(v["first_update_s"], 4) and len(v["warmup_s_all"]) >= 1
         assert v["mfu"] is None and v["skipped_steps"] == 0  # no MFU on CPU
         assert Path(v["profile"]).read_text().startswith("top 30 CPU ops")
         ops = Path(v["ops"]).read_text()  # the residual adds (forward) and their gradients' (backward)
