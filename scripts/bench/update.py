@@ -20,7 +20,7 @@ positions only. The process is a world of one (NCCL on GPU, gloo on CPU), parame
 Each `--variants` entry (VARIANTS below) builds a fresh model (same seed, same weights) with a set of the
 layer spec's fused kernels (engine/models/spec.py `Fusions`) and the AdamW kernel MegatronRole picks or a
 forced one (`adam` in the JSON says which ran), runs `--warmup` updates (torch.compile'd kernels compile
-there), then times `--iters` updates, CUDA-synchronised around the schedule and around the optimizer step,
+there; by default 2, on CUDA through the update where cuDNN's first plans are built: `warmup_updates`), then times `--iters` updates, CUDA-synchronised around the schedule and around the optimizer step,
 so every update gives both figures. Reported per variant (medians):
 - `update_s`, `tokens_per_s`, `mfu`: forward + backward + optimizer step (the rates: medians of each
   update's own; `update_s_all`, `tokens_all` per timed update, `first_update_s` the first warm-up update,
@@ -55,6 +55,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -65,6 +66,7 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from fusion_check import fusion_check  # noqa: E402
 from megatron.core import tensor_parallel  # noqa: E402
 from presets import model_config  # noqa: E402
 from profiling import OpLog, kernel_table  # noqa: E402
@@ -72,9 +74,10 @@ from workload import KINDS, response_lengths  # noqa: E402
 
 from algorithms.losses import loss_normalizer
 from engine.config import AlgorithmConfig, OptimConfig  # noqa: E402
-from engine.models import shared_prompt_attention, triton_rope  # noqa: E402
+from engine.models import shared_prompt_attention  # noqa: E402
 from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape  # noqa: E402
-from engine.models.spec import Fusions, RMSNorm, fused_rope, rope_reference  # noqa: E402
+from engine.models.packed_attention import CUDNN_FROM_CALL  # noqa: E402
+from engine.models.spec import Fusions  # noqa: E402
 from engine.roles.dynamic_batch import MicroBatcher  # noqa: E402
 from engine.roles.policy import MegatronRole, torch_optimizers  # noqa: E402
 from engine.step.batch import build_experience  # noqa: E402
@@ -142,7 +145,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--fresh-lengths", action="store_true", help="long_tail: a new draw for every update")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--variants", default="all", help="comma-separated subset of " + ",".join(VARIANTS))
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed updates first; default: 2, or on CUDA through the cuDNN switch (`warmup_updates`)",
+    )
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--recompute", action="store_true", help="full activation recompute (model.recompute)")
     ap.add_argument("--lr", type=float, default=1e-6, help="small: the weights barely move between updates")
@@ -227,6 +235,23 @@ def batches(shape: ModelShape, args, device: torch.device) -> Callable[[int], Ba
     return batch_for
 
 
+MAX_AUTO_WARMUP = 10
+"""The most warm-up updates `warmup_updates` picks (micro-batches of few layer calls are quick)."""
+
+
+def warmup_updates(args, shape: ModelShape, b: Batch, device: torch.device) -> int:
+    """`--warmup`, or where not given: 2 (the first update compiles), and on CUDA at least the update that holds
+    each layer shape's `CUDNN_FROM_CALL`-th call (engine/models/packed_attention.py: equal rows and the
+    shared-prompt split move to cuDNN there, whose first plans took 4.6-5.4 s on a fresh H100 in
+    scripts/bench/README.md, "f292c15"), at most `MAX_AUTO_WARMUP`; with --fresh-lengths shapes rarely recur."""
+    if args.warmup is not None:
+        return args.warmup
+    if device.type != "cuda" or args.fresh_lengths:
+        return 2
+    calls = shape.num_layers * len(b.mbs)  # layer calls per update, every micro-batch of the same shape
+    return min(MAX_AUTO_WARMUP, max(2, math.ceil(CUDNN_FROM_CALL / calls)))
+
+
 def set_adam_kernel(optimizer, kernel: str) -> None:
     """Force the torch AdamW inside megatron's optimizer (its fallback without apex/TE) to torch's `fused`
     single kernel or the `foreach` kernels. Param groups read the flags at each step and the state is created
@@ -299,10 +324,11 @@ def measure_variant(name: str, shape: ModelShape, groups: ProcessGroups, batch_f
         role.use_cuda_graphs()
     params = sum(p.numel() for p in {id(p): p for c in role.chunks for p in c.parameters()}.values())
 
-    warm = [batch_update(role, batch_for(i), device, args) for i in range(args.warmup)]
+    warmup = warmup_updates(args, shape, batch_for(0), device)
+    warm = [batch_update(role, batch_for(i), device, args) for i in range(warmup)]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    runs = [batch_update(role, batch_for(args.warmup + i), device, args) for i in range(args.iters)]
+    runs = [batch_update(role, batch_for(warmup + i), device, args) for i in range(args.iters)]
     cuda = device.type == "cuda"
 
     def median_rate(per_run) -> float:
@@ -352,11 +378,11 @@ def measure_variant(name: str, shape: ModelShape, groups: ProcessGroups, batch_f
         out["mfu_palm"] = median_rate(palm)
     if args.profile:
         path = os.path.join(args.out, f"profile_{name.replace('+', '_')}.txt")
-        b = batch_for(args.warmup + args.iters)
+        b = batch_for(warmup + args.iters)
         out.update(profile_update(role, b.mbs, b.loss_fn, device, path))
     if args.log_ops:
         out["ops"] = os.path.join(args.out, f"ops_{name.replace('+', '_')}.txt")
-        b = batch_for(args.warmup + args.iters)
+        b = batch_for(warmup + args.iters)
         log = OpLog(args.log_ops)
         with log:
             one_update(role, b.mbs, b.loss_fn, device)
@@ -365,67 +391,6 @@ def measure_variant(name: str, shape: ModelShape, groups: ProcessGroups, batch_f
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return out
-
-
-def _compare(fused: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor) -> dict:
-    diff = (fused.double() - ref.double()).abs()
-    return {
-        "max_abs_diff": diff.max().item(),
-        "frac_elements_differ": (diff > 0).double().mean().item(),
-        "max_abs_err_vs_fp64": {
-            "fused": (fused.double() - exact).abs().max().item(),
-            "reference": (ref.double() - exact).abs().max().item(),
-        },
-    }
-
-
-def fusion_check(shape: ModelShape, device: torch.device, tokens: int = 1024) -> dict:
-    """Fused kernels vs their reference chains on this device, output and input gradient, in the model dtype."""
-    from types import SimpleNamespace
-
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    gen = torch.Generator(device=device).manual_seed(1)
-    dtype, out = shape.dtype, {}
-    x = (torch.randn(tokens, 2, shape.hidden_size, device=device, generator=gen) * 3).to(dtype)
-    g = torch.randn(x.shape, device=device, generator=gen).to(dtype)
-    config = SimpleNamespace(params_dtype=dtype, sequence_parallel=False)
-    weight = (torch.rand(shape.hidden_size, device=device, generator=gen) + 0.5).to(dtype)
-    norms = [RMSNorm(config, shape.hidden_size, shape.norm_eps, fused=f).to(device) for f in (True, False)]
-    results = []
-    for norm in norms:
-        norm.weight.data.copy_(weight)
-        xi = x.detach().requires_grad_()
-        y = norm(xi)
-        results.append((y, torch.autograd.grad(y, xi, g)[0]))
-    x64 = x.double().requires_grad_()
-    y64 = weight.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + shape.norm_eps)
-    (g64,) = torch.autograd.grad(y64, x64, g.double())
-    out["rms_norm"] = {
-        "output": _compare(results[0][0], results[1][0], y64),
-        "grad": _compare(results[0][1], results[1][1], g64),
-    }
-    rope = RotaryEmbedding(kv_channels=shape.head_dim, rotary_percent=1.0, rotary_base=int(shape.rope_theta))
-    freqs = rope(tokens).to(device)  # (s, 1, 1, head_dim) float32, as the model gets it
-    t = torch.randn(tokens, 2, shape.num_attention_heads, shape.head_dim, device=device, generator=gen).to(
-        dtype
-    )
-    g = torch.randn(t.shape, device=device, generator=gen).to(dtype)
-    results = []
-    for fn in (fused_rope, rope_reference):
-        ti = t.detach().requires_grad_()
-        y = fn(ti, freqs)
-        results.append((y, torch.autograd.grad(y, ti, g)[0]))
-    t64 = t.double().requires_grad_()
-    y64 = rope_reference(t64, freqs.double())
-    (g64,) = torch.autograd.grad(y64, t64, g.double())
-    out["rope"] = {
-        "output": _compare(results[0][0], results[1][0], y64),
-        "grad": _compare(results[0][1], results[1][1], g64),
-    }
-    cuda_path = "triton" if triton_rope.supported(t, freqs) else "compiled"
-    out["rope"]["path"] = cuda_path if device.type == "cuda" else "eager"
     return out
 
 

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench" / "update.py"
 VARIANT_KEYS = {
@@ -153,3 +155,32 @@ def test_update_bench_shared_prompts_compute_each_prompt_once(tmp_path):
     (a,), (b,) = whole["variants"].values(), shared["variants"].values()
     assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]) and a["grad_norm"] > 0
     assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
+
+
+def test_default_warmup_covers_the_cudnn_switch():
+    """Without --warmup the bench warms up through the update that holds a shape's CUDNN_FROM_CALL-th layer
+    call on CUDA (cuDNN's first plans: seconds on a fresh machine), 2 updates at least, 10 at most; 2 on CPU
+    and where every update draws new lengths; --warmup as given."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    from update import MAX_AUTO_WARMUP, warmup_updates
+
+    from engine.models.packed_attention import CUDNN_FROM_CALL
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+
+    def warmup(layers, micro_batches, device=cuda, warmup=None, fresh=False):
+        args = SimpleNamespace(warmup=warmup, fresh_lengths=fresh)
+        return warmup_updates(
+            args, SimpleNamespace(num_layers=layers), SimpleNamespace(mbs=[0] * micro_batches), device
+        )
+
+    for layers, mbs, want in ((24, 8, 3), (28, 16, 2), (24, 1, MAX_AUTO_WARMUP), (2, 300, 2)):
+        got = warmup(layers, mbs)
+        assert got == want, (layers, mbs, got)
+        calls = layers * mbs
+        assert got == MAX_AUTO_WARMUP or got * calls >= CUDNN_FROM_CALL  # the switch lies in the warm-ups
+        assert got == 2 or (got - 1) * calls < CUDNN_FROM_CALL  # and not one update more than it takes
+    assert warmup(24, 8, device=cpu) == 2 and warmup(24, 8, fresh=True) == 2
+    assert warmup(24, 8, warmup=1) == 1 and warmup(24, 8, device=cpu, warmup=0) == 0
