@@ -20,8 +20,9 @@ positions only. The process is a world of one (NCCL on GPU, gloo on CPU), parame
 Each `--variants` entry (VARIANTS below) builds a fresh model (same seed, same weights) with a set of the
 layer spec's fused kernels (engine/models/spec.py `Fusions`) and the AdamW kernel MegatronRole picks or a
 forced one (`adam` in the JSON says which ran), runs `--warmup` updates (torch.compile'd kernels compile
-there; by default 2, on CUDA through the update where cuDNN's first plans are built: `warmup_updates`), then times `--iters` updates, CUDA-synchronised around the schedule and around the optimizer step,
-so every update gives both figures. Reported per variant (medians):
+there; by default 2, on CUDA through the update where cuDNN's first plans are built: `warmup_updates`),
+then times `--iters` updates, CUDA-synchronised around the schedule and around the optimizer step, so every
+update gives both figures. Reported per variant (medians):
 - `update_s`, `tokens_per_s`, `mfu`: forward + backward + optimizer step (the rates: medians of each
   update's own; `update_s_all`, `tokens_all` per timed update, `first_update_s` the first warm-up update,
   `warmup_s_all` every warm-up update);
@@ -240,10 +241,11 @@ MAX_AUTO_WARMUP = 10
 
 
 def warmup_updates(args, shape: ModelShape, b: Batch, device: torch.device) -> int:
-    """`--warmup`, or where not given: 2 (the first update compiles), and on CUDA at least the update that holds
-    each layer shape's `CUDNN_FROM_CALL`-th call (engine/models/packed_attention.py: equal rows and the
-    shared-prompt split move to cuDNN there, whose first plans took 4.6-5.4 s on a fresh H100 in
-    scripts/bench/README.md, "f292c15"), at most `MAX_AUTO_WARMUP`; with --fresh-lengths shapes rarely recur."""
+    """`--warmup`, or where not given: 2 (the first update compiles), and on CUDA at least the update that
+    holds each layer shape's `CUDNN_FROM_CALL`-th call (engine/models/packed_attention.py: equal rows and the
+    shared-prompt split move to cuDNN there, whose first plans took 4.6-5.4 s the first time an H100 ran the
+    shape: scripts/bench/README.md, "f292c15"), at most `MAX_AUTO_WARMUP`; 2 with --fresh-lengths, whose
+    shapes rarely recur."""
     if args.warmup is not None:
         return args.warmup
     if device.type != "cuda" or args.fresh_lengths:
