@@ -4,17 +4,27 @@ engine/rollout/moe_experts.py) against the loop over the experts, on CPU (no pro
 Tolerance: float32 outputs within 1e-6 of the loop (the same GEMMs on the same rows, summed in the same
 order: equal in practice); bfloat16 under torch.compile equal to eager bfloat16 within one bf16 ulp of the
 output scale. The absence of host syncs is checked by compiling with `fullgraph=True`: `nonzero`, `.item()`
-or a branch on a tensor's value is a graph break there, which fullgraph turns into an error.
+or a branch on a tensor's value is a graph break there, which fullgraph turns into an error. The engine in
+bfloat16 against transformers' float32 greedy decode: tests/engine/moe_greedy_reference.py's rule (routes equal
+up to float32 router ties, log-probs within bfloat16's noise before them).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import hf_tiny
 import pytest
 import torch
+from moe_greedy_reference import ROUTE_TIE, check_bf16_greedy, router_probs
+from test_rollout_native import hf_greedy, random_prompts, rollout_weights_from_hf
 
 from engine.models import moe
 from engine.models.builder import MoEShape
+from engine.rollout.base import SamplingParams
 from engine.rollout.moe_experts import moe_layer
+from engine.rollout.native import NativeRollout
+from parallel.rollout_weights import RolloutWeights
 
 E, H, F = 5, 16, 8
 
@@ -85,3 +95,49 @@ def test_rollout_stacks_consecutive_experts_as_views_and_copies_others():
     layer.expert_fc1 = [w.clone() for w in fc1]  # one tensor per expert: stacked as a copy
     layer.routed(x, shape)
     assert layer.fc1_efh.data_ptr() != fc1.data_ptr() and torch.equal(layer.fc1_efh, fc1)
+
+
+@pytest.mark.parametrize("family", hf_tiny.MOE_FAMILIES)
+def test_bf16_greedy_follows_transformers_float32_up_to_router_ties(tmp_path, family):
+    """The native engine in bfloat16 on CPU (grouped experts, the path CUDA graphs capture) decoding greedily:
+    each row routes as transformers' float32 model does until float32's router nearly ties, its log-probs
+    within bfloat16's noise before that, its tokens float32's unless a tie parts them; and the rule catches a
+    route or a log-prob that is wrong."""
+    from transformers import AutoModelForCausalLM
+
+    path = hf_tiny.save_tiny(family, str(tmp_path / family), seed=0)
+    hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    shape, weights = rollout_weights_from_hf(path)
+    shape = dataclasses.replace(shape, dtype=torch.bfloat16)
+    params = {k: v.to(torch.bfloat16) for k, v in weights.params.items()}
+    engine = NativeRollout(shape, torch.device("cpu"), pad_id=0, max_num_seqs=4)
+    engine.set_weights(RolloutWeights(params, 1, 0, None, None, 0, 1))
+    prompts, new = random_prompts(shape.vocab_size), 12
+    out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new, routed_experts=True))
+    refs = [hf_greedy(hf32, prompt, new)[0] for prompt in prompts]
+    compared = sum(
+        check_bf16_greedy(hf32, hf16, p, ref, out, i) for i, (p, ref) in enumerate(zip(prompts, refs))
+    )
+    # 4 experts, top 2, random routers: ties come often (gaps of 2e-5..7e-3 here, some in the prompts); most
+    # tokens are still compared, so the rule cannot pass by excusing every row
+    assert compared >= len(prompts) * new // 2, compared
+    # the rule's teeth: row 0 (no flip, every token compared) routed to float32's least likely experts at layer 0
+    # at its first position that is no tie ...
+    assert check_bf16_greedy(hf32, hf16, prompts[0], refs[0], out, 0) == new
+    k = shape.moe.top_k
+    ranked = router_probs(hf32, torch.tensor([prompts[0] + refs[0]]))[0].sort(-1, descending=True)
+    pos = next(
+        p
+        for p in range(len(prompts[0]) + new - 1)
+        if ranked.values[p, k - 1] - ranked.values[p, k] >= ROUTE_TIE
+    )
+    bad = dataclasses.replace(out, routed_experts=out.routed_experts.clone())
+    bad.routed_experts[0, pos, 0] = ranked.indices[pos, -k:].to(bad.routed_experts.dtype)
+    with pytest.raises(AssertionError, match="tie"):
+        check_bf16_greedy(hf32, hf16, prompts[0], refs[0], bad, 0)
+    # ... and a log-prob 0.2 nat off before any flip
+    bad = dataclasses.replace(out, log_probs=out.log_probs.clone())
+    bad.log_probs[0, 0] -= 0.2
+    with pytest.raises(AssertionError):
+        check_bf16_greedy(hf32, hf16, prompts[0], refs[0], bad, 0)

@@ -23,6 +23,7 @@ import hf_tiny
 import pytest
 import torch
 from distributed import subprocess_env
+from moe_greedy_reference import check_bf16_greedy
 from test_rollout_native import hf_greedy, random_prompts, rollout_weights_from_hf
 
 from engine.rollout.base import SamplingParams
@@ -87,28 +88,17 @@ def test_moe_greedy_with_cuda_graphs_equals_eager_and_transformers(tmp_path, fam
     # routing replay records: decoded eagerly by the graph engine, same tokens, every fed position routed
     recorded = graphs.generate(prompts, dataclasses.replace(greedy, routed_experts=True))
     assert torch.equal(recorded.response_ids, out.response_ids)
+    recorded = dataclasses.replace(recorded, routed_experts=recorded.routed_experts.cpu())
+    compared = 0
     for i, prompt in enumerate(prompts):
         assert (recorded.routed_experts[i, : len(prompt) + new - 1] >= 0).all()
         tokens, _ = hf_greedy(hf, prompt, new)
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
-        with torch.no_grad():  # transformers' own bf16 error on the same tokens: the noise floor
-            lo = hf_bf16(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
-        top2 = logits.topk(2, dim=-1).values
-        ours = out.response_ids[i].tolist()
-        same = next((j for j in range(new) if ours[j] != tokens[j]), new)
-        # a bf16 engine may pick the runner-up where fp32's top two are closer than bf16's own logit error
-        # (measured on an H200: Qwen2-MoE, margin 0.072 at the first token; bf16 routing can flip an expert)
-        if same < new:
-            margin, noise = (
-                (top2[same, 0] - top2[same, 1]).item(),
-                (lo[same] - logits[same]).abs().max().item(),
-            )
-            assert margin < max(0.05, 2 * noise), (family, i, same, margin, noise)
-        logp = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
-        floor = (lo.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1) - logp)[:same]
-        atol = max(5e-2, 2 * floor.abs().max().item()) if same else 5e-2
-        torch.testing.assert_close(out.log_probs[i, :same].cpu(), logp[:same], atol=atol, rtol=0)
+        # routes as float32's up to its router's ties, log-probs within bf16's noise before them (the rule and
+        # why: tests/engine/moe_greedy_reference.py; the margin rule before it holds the engine to transformers'
+        # bf16 noise at the first parted token, which a route flipped earlier at a tie can exceed: on CPU a
+        # Qwen3-MoE row parts from float32 at its 8th token after flips at ties of 0.003)
+        compared += check_bf16_greedy(hf, hf_bf16, prompt, tokens, recorded, i)
+    assert compared >= len(prompts) * new // 2, compared
 
 
 def _train(tmp_path, launcher: list[str], overrides: list[str]) -> list[dict]:
