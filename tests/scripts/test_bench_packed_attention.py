@@ -19,7 +19,9 @@ ARGS = ["--preset", "tiny", "--prompts", "4", "--n", "3", "--prompt-len", "16", 
 
 @pytest.mark.parametrize("lengths", ["fixed", "long_tail"])
 def test_the_step_is_packed_by_the_budget_and_the_engine_path_is_exact(lengths, capsys):
+    threshold = bench.packed_module.CUDNN_FROM_CALL
     bench.main([*ARGS, "--lengths", lengths, "--max-tokens", "120"])
+    assert bench.packed_module.CUDNN_FROM_CALL == threshold  # the bench's steady state left the process
     out = json.loads(capsys.readouterr().out)
     args = bench.parse_args([*ARGS, "--lengths", lengths, "--max-tokens", "120"])
     mbs = bench.micro_batch_lengths(args)
