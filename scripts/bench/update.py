@@ -75,9 +75,8 @@ from workload import KINDS, response_lengths  # noqa: E402
 
 from algorithms.losses import loss_normalizer
 from engine.config import AlgorithmConfig, OptimConfig  # noqa: E402
-from engine.models import shared_prompt_attention  # noqa: E402
+from engine.models import packed_attention, shared_prompt_attention  # noqa: E402
 from engine.models.builder import ModelShape, build_gpt_chunks, resolve_shape  # noqa: E402
-from engine.models.packed_attention import CUDNN_FROM_CALL  # noqa: E402
 from engine.models.spec import Fusions  # noqa: E402
 from engine.roles.dynamic_batch import MicroBatcher  # noqa: E402
 from engine.roles.policy import MegatronRole, torch_optimizers  # noqa: E402
@@ -251,7 +250,7 @@ def warmup_updates(args, shape: ModelShape, b: Batch, device: torch.device) -> i
     if device.type != "cuda" or args.fresh_lengths:
         return 2
     calls = shape.num_layers * len(b.mbs)  # layer calls per update, every micro-batch of the same shape
-    return min(MAX_AUTO_WARMUP, max(2, math.ceil(CUDNN_FROM_CALL / calls)))
+    return min(MAX_AUTO_WARMUP, max(2, math.ceil(packed_attention.CUDNN_FROM_CALL / calls)))
 
 
 def set_adam_kernel(optimizer, kernel: str) -> None:
