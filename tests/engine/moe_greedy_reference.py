@@ -16,6 +16,7 @@ at other ties, or none. So each row is checked in two parts:
 from __future__ import annotations
 
 import torch
+from test_rollout_native import hf_greedy
 
 ROUTE_TIE = 0.02
 """The largest float32 router-probability gap between a token's k-th and (k+1)-th experts at which a bfloat16
@@ -23,7 +24,8 @@ engine may pick the other one (bf16 rounding of the router's input moves probabi
 
 
 def router_probs(model, ids: torch.Tensor) -> list[torch.Tensor]:
-    """Per layer, the float32 router probabilities (positions, experts) of transformers `model` on `ids` (1, t)."""
+    """Per layer, the float32 router probabilities (positions, experts) of transformers `model` on `ids`
+    (1, t)."""
     logits = []
 
     def keep(module, args, out):  # transformers 5.x routers return (logits, scores, indices); older a tensor
@@ -42,8 +44,9 @@ def router_probs(model, ids: torch.Tensor) -> list[torch.Tensor]:
 def first_route_flip(
     probs: list[torch.Tensor], routes: torch.Tensor, positions: int
 ) -> tuple[int, float] | None:
-    """(position, float32's k-th minus (k+1)-th probability there) of the first of `positions` where the engine's
-    `routes` (positions, layers, k) pick other experts than float32's `probs` in any layer; None if none."""
+    """(position, float32's k-th minus (k+1)-th probability there) of the first of `positions` where the
+    engine's `routes` (positions, layers, k) pick other experts than float32's `probs` in any layer; None if
+    none."""
     k = routes.shape[-1]
     for pos in range(positions):
         for layer, p in enumerate(probs):
@@ -58,6 +61,7 @@ def check_bf16_greedy(hf32, hf16, prompt: list[int], ref_tokens: list[int], out,
     `ref_tokens` from `prompt` (module docstring); `hf16` gives bf16's noise. Returns how many response tokens'
     log-probs were compared (those before any route flip and token parting)."""
     new, plen = len(ref_tokens), len(prompt)
+    assert (out.routed_experts[row, : plen + new - 1] >= 0).all(), row  # every fed position routed
     ours = out.response_ids[row].tolist()[:new]
     same = next((j for j in range(new) if ours[j] != ref_tokens[j]), new)
     ids = torch.tensor([prompt + ref_tokens])
@@ -67,7 +71,8 @@ def check_bf16_greedy(hf32, hf16, prompt: list[int], ref_tokens: list[int], out,
     )
     if flip is not None:
         assert flip[1] < ROUTE_TIE, (row, "routes part from float32's where its router does not tie", flip)
-    # token j comes from the logits at position plen - 1 + j, which a flip at position f reaches from j >= f - plen + 1
+    # token j comes from the logits at position plen - 1 + j, which a flip at position f reaches from
+    # j >= f - plen + 1 on
     clean = same if flip is None else min(same, max(0, flip[0] - plen + 1))
     with torch.no_grad():
         logits = hf32(ids).logits[0, plen - 1 : -1].float()
@@ -82,3 +87,14 @@ def check_bf16_greedy(hf32, hf16, prompt: list[int], ref_tokens: list[int], out,
     atol = max(5e-2, 2 * floor.abs().max().item()) if clean else 5e-2
     torch.testing.assert_close(out.log_probs[row, :clean].float().cpu(), logp, atol=atol, rtol=0)
     return clean
+
+
+def check_bf16_greedy_rows(hf32, hf16, prompts: list[list[int]], out, new: int) -> list[list[int]]:
+    """`check_bf16_greedy` on every row of `out` against float32's greedy tokens, at least half of all tokens'
+    log-probs compared (so the rule cannot pass by excusing every row at a tie); float32's tokens per row."""
+    refs = [hf_greedy(hf32, prompt, new)[0] for prompt in prompts]
+    compared = sum(
+        check_bf16_greedy(hf32, hf16, p, ref, out, i) for i, (p, ref) in enumerate(zip(prompts, refs))
+    )
+    assert compared >= len(prompts) * new // 2, compared
+    return refs

@@ -16,8 +16,8 @@ import dataclasses
 import hf_tiny
 import pytest
 import torch
-from moe_greedy_reference import ROUTE_TIE, check_bf16_greedy, router_probs
-from test_rollout_native import hf_greedy, random_prompts, rollout_weights_from_hf
+from moe_greedy_reference import ROUTE_TIE, check_bf16_greedy, check_bf16_greedy_rows, router_probs
+from test_rollout_native import random_prompts, rollout_weights_from_hf
 
 from engine.models import moe
 from engine.models.builder import MoEShape
@@ -115,15 +115,11 @@ def test_bf16_greedy_follows_transformers_float32_up_to_router_ties(tmp_path, fa
     engine.set_weights(RolloutWeights(params, 1, 0, None, None, 0, 1))
     prompts, new = random_prompts(shape.vocab_size), 12
     out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new, routed_experts=True))
-    refs = [hf_greedy(hf32, prompt, new)[0] for prompt in prompts]
-    compared = sum(
-        check_bf16_greedy(hf32, hf16, p, ref, out, i) for i, (p, ref) in enumerate(zip(prompts, refs))
-    )
-    # 4 experts, top 2, random routers: ties come often (gaps of 2e-5..7e-3 here, some in the prompts); most
-    # tokens are still compared, so the rule cannot pass by excusing every row
-    assert compared >= len(prompts) * new // 2, compared
-    # the rule's teeth: row 0 (no flip, every token compared) routed to float32's least likely experts at layer 0
-    # at its first position that is no tie ...
+    # 4 experts, top 2, random routers: ties come often (gaps of 2e-5..7e-3 here, some in the prompts); at
+    # least half of the tokens are still compared
+    refs = check_bf16_greedy_rows(hf32, hf16, prompts, out, new)
+    # the rule's teeth: row 0 (no flip, every token compared) routed to float32's least likely experts at
+    # layer 0 at its first position that is no tie ...
     assert check_bf16_greedy(hf32, hf16, prompts[0], refs[0], out, 0) == new
     k = shape.moe.top_k
     ranked = router_probs(hf32, torch.tensor([prompts[0] + refs[0]]))[0].sort(-1, descending=True)

@@ -251,7 +251,8 @@ def test_fused_decode_kernels_match_the_unfused_ones(tiny, family):
     against the compiled RoPE, indexed writes, compiled merge and cuBLAS MLP they replace: each fused path's
     distance to the float32 plain path within 1.5x the unfused path's (max and mean), and the same argmax nearly
     everywhere. (Not fused against unfused directly: the new key attended from registers rounds its softmax
-    weight at another point than `tl.dot`'s block does, and 20 steps of a random model carry such bf16 differences past a fixed tolerance.)"""
+    weight at another point than `tl.dot`'s block does, and 20 steps of a random model carry such bf16
+    differences past a fixed tolerance.)"""
     shape, weights, _ = tiny[family]
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, shape.vocab_size, (6, 11), generator=g).to(DEV)
